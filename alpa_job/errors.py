@@ -1,0 +1,19 @@
+"""The one exception type for mistakes a user can fix.
+
+The CLI catches `KitError` once, prints its one-line message to stderr and exits with its
+`exit_code`; anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_USER_ERROR = 2  # bad flag, bad file, bad combination: the message says what to change
+EXIT_CHECK_FAILED = 3  # a check (doctor, guard) ran and found the cluster unhealthy
+EXIT_TIMEOUT = 4  # a network wait ran past its deadline
+
+
+class KitError(Exception):
+    """A user-facing error: `str(err)` is one line that names the problem and the fix."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USER_ERROR):
+        super().__init__(" ".join(message.split()))  # always one line
+        self.exit_code = exit_code
