@@ -1,0 +1,605 @@
+"""The test bed: several real "hosts" on one machine (stdlib only; needs root, iproute2, util-linux, tini).
+
+Each host is a mini-container (see /work/shared/notes/testbed.md, "variant B"):
+
+* its own network namespace ``<prefix>-<name>`` with ``eth0`` (a veth into the private bridge
+  ``<prefix>-br0``; the bridge has NO IP and the host has no default route, so nothing can leave);
+* its own PID / mount / UTS / IPC namespaces (``unshare ... --fork --mount-proc``) with ``tini`` as
+  PID 1 (it reaps daemonised Ray processes; killing it kills everything in the host);
+* its own hostname, ``/tmp/ray`` (a bind mount of ``<state>/hosts/<name>/ray``, readable from
+  outside for logs), ``/dev/shm`` (a private tmpfs) and ``/etc/hosts`` (a bind mount of a generated
+  file mapping every host name to its IP, so Gloo's hostname-based interface choice is right);
+* optionally (``mgmt``) a second NIC ``mgmt0`` on 192.168.77.0/24 (bridge ``<prefix>-br1``) that
+  holds the host's DEFAULT ROUTE (via 192.168.77.254, which nobody owns): Ray's "default-route"
+  IP guess then picks the wrong NIC, which tests use to prove node-IP selection by cluster CIDR.
+
+Everything the test bed creates is named with its ``prefix`` (netns ``<prefix>-*``, links
+``<prefix>-*``: bridges ``-br0``/``-br1``, veths ``-<host>``/``-m<host>``), so ``down`` finds and removes leftovers even without state
+(after a crashed ``up`` or a killed test session).
+
+Library use::
+
+    bed = Testbed.up(3, mgmt=["w2"])
+    bed.exec("w1", "hostname").stdout          # -> "w1\\n"
+    bed.down()
+
+CLI: ``scripts/testbed`` (up / exec / status / down).
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PREFIX = "akt"
+DEFAULT_SUBNET = "10.77.0.0/24"
+MGMT_SUBNET = "192.168.77.0/24"
+MGMT_GATEWAY = "192.168.77.254"  # nobody owns it: a default route that leads nowhere
+DEFAULT_SHM = "2g"
+# Mirrors alpa_job/cluster/cluster.yaml ranges.ephemeral (a real node pins it too: Gloo/NCCL bind
+# ephemeral ports and the firewall opens only this range between members).
+DEFAULT_EPHEMERAL = (40000, 49999)
+STATE_FILE = "state.json"
+REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "tini", "mount")
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
+
+
+class TestbedError(RuntimeError):
+    """A test-bed operation failed (message says what and how to recover)."""
+
+
+def default_state_dir(prefix: str = DEFAULT_PREFIX) -> Path:
+    return Path("/tmp") / f"{prefix}-testbed"
+
+
+def missing_requirements() -> List[str]:
+    """Why the test bed cannot run here ([] = it can)."""
+    why = []
+    if os.geteuid() != 0:
+        why.append("not root (network/PID namespaces need root)")
+    for tool in REQUIRED_TOOLS:
+        if shutil.which(tool) is None:
+            why.append(f"`{tool}` not found on PATH")
+    return why
+
+
+def host_names(n: int) -> List[str]:
+    if n < 1:
+        raise TestbedError("need at least 1 host")
+    return ["head"] + [f"w{i}" for i in range(1, n)]
+
+
+def _run(argv: Sequence[str], check: bool = True, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=timeout, **kw)
+    if check and p.returncode != 0:
+        raise TestbedError(f"`{shlex.join(argv)}` failed (rc={p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def _wait(pred, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TestbedError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _pid_alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _children(pid: int) -> List[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
+def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The caller's Python environment for commands run inside a host.
+
+    PATH starts with the bin dir of the caller's interpreter (a venv's bin is NOT resolved through
+    its symlink), VIRTUAL_ENV is set when there is one, PYTHONPATH starts with the repo root (so
+    ``python -m alpa_job`` imports from this checkout), RAY_USAGE_STATS_ENABLED=0. Host-specific
+    variables of the caller (HOSTNAME, RAY_ADDRESS) are dropped.
+    """
+    env = dict(os.environ if base is None else base)
+    for k in ("HOSTNAME", "RAY_ADDRESS"):
+        env.pop(k, None)
+    venv = env.get("VIRTUAL_ENV")
+    if not venv and sys.prefix != sys.base_prefix:
+        venv = sys.prefix
+    if not venv and (REPO_ROOT / ".venv" / "bin" / "python").exists():
+        venv = str(REPO_ROOT / ".venv")
+    bins = [os.path.dirname(sys.executable)]
+    if venv:
+        env["VIRTUAL_ENV"] = venv
+        bins.insert(0, os.path.join(venv, "bin"))
+    path = env.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    parts = [p for p in path.split(os.pathsep) if p]
+    for b in reversed(bins):
+        if b in parts:
+            parts.remove(b)
+        parts.insert(0, b)
+    for sysdir in ("/usr/sbin", "/sbin"):  # nft, ip, sshd
+        if sysdir not in parts:
+            parts.append(sysdir)
+    env["PATH"] = os.pathsep.join(parts)
+    pp = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join(pp)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+@dataclasses.dataclass
+class Host:
+    name: str
+    ip: str
+    netns: str
+    mgmt_ip: Optional[str] = None
+    pid: Optional[int] = None          # tini, PID 1 of the host (as seen from outside)
+    launcher_pid: Optional[int] = None  # the `unshare` that forked tini
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items()}
+
+
+class Testbed:
+    """A running test bed (from ``Testbed.up`` or ``Testbed.load``)."""
+
+    def __init__(self, state_dir: Path, prefix: str, subnet: str, hosts: List[Host], shm_size: str,
+                 ephemeral: Optional[Sequence[int]] = None):
+        self.state_dir = Path(state_dir)
+        self.prefix = prefix
+        self.subnet = subnet
+        self.hosts = hosts
+        self.shm_size = shm_size
+        self.ephemeral = list(ephemeral) if ephemeral else None
+        self._launchers: Dict[str, subprocess.Popen] = {}
+
+    # ---- description -------------------------------------------------------------------------
+    @property
+    def head(self) -> Host:
+        return self.hosts[0]
+
+    @property
+    def head_address(self) -> str:
+        return f"{self.head.ip}:6379"
+
+    @property
+    def ips(self) -> Dict[str, str]:
+        return {h.name: h.ip for h in self.hosts}
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name or h.ip == name:
+                return h
+        raise TestbedError(f"no host {name!r} in test bed {self.prefix!r} (have {[h.name for h in self.hosts]})")
+
+    def host_dir(self, name: str) -> Path:
+        return self.state_dir / "hosts" / self.host(name).name
+
+    def ray_dir(self, name: str) -> Path:
+        """The host's /tmp/ray, seen from outside (logs: ``<ray_dir>/session_*/logs``)."""
+        return self.host_dir(name) / "ray"
+
+    def to_json(self) -> dict:
+        return {
+            "prefix": self.prefix,
+            "subnet": self.subnet,
+            "shm_size": self.shm_size,
+            "ephemeral": self.ephemeral,
+            "state_dir": str(self.state_dir),
+            "head_address": self.head_address,
+            "hosts": [h.to_json() for h in self.hosts],
+        }
+
+    def summary(self) -> dict:
+        """What ``scripts/testbed up`` prints."""
+        hosts = []
+        for h in self.hosts:
+            d = {"name": h.name, "ip": h.ip}
+            if h.mgmt_ip:
+                d["mgmt_ip"] = h.mgmt_ip
+            hosts.append(d)
+        return {"hosts": hosts, "head_address": self.head_address, "state_dir": str(self.state_dir)}
+
+    def status(self) -> dict:
+        netns = set(_list_netns())
+        d = self.to_json()
+        for hj, h in zip(d["hosts"], self.hosts):
+            hj["alive"] = _pid_alive(h.pid) and h.netns in netns
+        d["up"] = all(hj["alive"] for hj in d["hosts"])
+        return d
+
+    def _save(self):
+        tmp = self.state_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2))
+        tmp.replace(self.state_dir / STATE_FILE)
+
+    @classmethod
+    def load(cls, state_dir: Optional[os.PathLike] = None, prefix: str = DEFAULT_PREFIX) -> "Testbed":
+        sd = Path(state_dir) if state_dir else default_state_dir(prefix)
+        try:
+            d = json.loads((sd / STATE_FILE).read_text())
+        except FileNotFoundError:
+            raise TestbedError(f"no test bed state in {sd} (is it up? `scripts/testbed up --hosts N`)") from None
+        hosts = [Host(**h) for h in d["hosts"]]
+        return cls(sd, d["prefix"], d["subnet"], hosts, d["shm_size"], d.get("ephemeral"))
+
+    # ---- running commands in a host ----------------------------------------------------------
+    def exec_argv(self, host: str, cmd: Sequence[str], env: Optional[Dict[str, str]] = None,
+                  cwd: Optional[str] = None) -> List[str]:
+        """argv (run from outside) that runs ``cmd`` inside ``host`` with the caller's Python env."""
+        h = self.host(host)
+        if not _pid_alive(h.pid):
+            raise TestbedError(f"host {h.name} of test bed {self.prefix!r} is not running (PID 1 {h.pid} gone)")
+        full_env = python_env()
+        if env:
+            full_env.update(env)
+        wd = cwd or os.getcwd()
+        return (["nsenter", "-t", str(h.pid), "-n", "-m", "-u", "-i", "-p", f"--wd={wd}", "--", "env", "-i"]
+                + [f"{k}={v}" for k, v in sorted(full_env.items())] + [str(c) for c in cmd])
+
+    def exec(self, host: str, *cmd, timeout: float = 120, check: bool = True, env: Optional[Dict[str, str]] = None,
+             cwd: Optional[str] = None, input: Optional[str] = None, capture: bool = True) -> subprocess.CompletedProcess:
+        """Run ``cmd`` inside ``host``; text output captured. Raises CalledProcessError if check and rc != 0."""
+        if len(cmd) == 1 and isinstance(cmd[0], (list, tuple)):
+            cmd = tuple(cmd[0])
+        argv = self.exec_argv(host, cmd, env=env, cwd=cwd)
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE) if capture else {}
+        p = subprocess.run(argv, text=True, timeout=timeout, input=input,
+                           stdin=None if input is not None else subprocess.DEVNULL, **kw)
+        p.args = list(cmd)
+        if check and p.returncode != 0:
+            raise subprocess.CalledProcessError(p.returncode, f"[{host}] {shlex.join(map(str, cmd))}",
+                                                p.stdout, p.stderr)
+        return p
+
+    def popen(self, host: str, *cmd, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+              **popen_kw) -> subprocess.Popen:
+        """Start ``cmd`` inside ``host`` in the background (Popen kwargs pass through; stdin defaults to /dev/null)."""
+        if len(cmd) == 1 and isinstance(cmd[0], (list, tuple)):
+            cmd = tuple(cmd[0])
+        popen_kw.setdefault("stdin", subprocess.DEVNULL)
+        return subprocess.Popen(self.exec_argv(host, cmd, env=env, cwd=cwd), **popen_kw)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    def up(cls, n_hosts: int, subnet: str = DEFAULT_SUBNET, mgmt: Iterable[str] = (),
+           state_dir: Optional[os.PathLike] = None, prefix: str = DEFAULT_PREFIX, shm_size: str = DEFAULT_SHM,
+           ephemeral: Optional[Sequence[int]] = DEFAULT_EPHEMERAL, reuse: bool = False,
+           timeout: float = 20) -> "Testbed":
+        """Create ``n_hosts`` hosts (head, w1, w2, ...).
+
+        If anything of ``prefix`` already exists: with ``reuse`` a healthy test bed of the same
+        shape is returned as is (anything else is torn down and rebuilt); without it TestbedError.
+        """
+        why = missing_requirements()
+        if why:
+            raise TestbedError("test bed unavailable: " + "; ".join(why))
+        if not _PREFIX_RE.match(prefix):
+            raise TestbedError(f"prefix {prefix!r} must match {_PREFIX_RE.pattern} (interface names are <= 15 chars)")
+        sd = Path(state_dir) if state_dir else default_state_dir(prefix)
+        names = host_names(n_hosts)
+        mgmt = list(mgmt)
+        for m in mgmt:
+            if m not in names:
+                raise TestbedError(f"--mgmt {m!r} is not one of {names}")
+        net = ipaddress.ip_network(subnet, strict=False)
+        if net.num_addresses - 2 < n_hosts or n_hosts > 99:
+            raise TestbedError(f"subnet {subnet} too small for {n_hosts} hosts (max 99 hosts)")
+        if ipaddress.ip_network(MGMT_SUBNET).overlaps(net):
+            raise TestbedError(f"subnet {subnet} overlaps the management subnet {MGMT_SUBNET}")
+
+        leftovers = _leftovers(prefix, sd)
+        if leftovers:
+            if not reuse:
+                raise TestbedError(f"test bed {prefix!r} already (partly) up: {', '.join(leftovers)}; "
+                                   f"run `scripts/testbed down` first (or `up --reuse`)")
+            try:
+                bed = cls.load(sd)
+                st = bed.status()
+                same = ([h.name for h in bed.hosts] == names and bed.subnet == str(net)
+                        and sorted(h.name for h in bed.hosts if h.mgmt_ip) == sorted(mgmt))
+                if st["up"] and same:
+                    return bed
+            except TestbedError:
+                pass
+            down(state_dir=sd, prefix=prefix)
+
+        hosts_ips = list(net.hosts())
+        mnet = list(ipaddress.ip_network(MGMT_SUBNET).hosts())
+        hosts = [Host(name=n, ip=str(hosts_ips[i]), netns=f"{prefix}-{n}",
+                      mgmt_ip=str(mnet[i]) if n in mgmt else None) for i, n in enumerate(names)]
+        bed = cls(sd, prefix, str(net), hosts, shm_size, ephemeral)
+        try:
+            bed._create(timeout)
+        except BaseException:
+            try:
+                bed.down()
+            except Exception as e:  # keep the original error
+                print(f"testbed: cleanup after failed up also failed: {e}", file=sys.stderr)
+            raise
+        return bed
+
+    def _create(self, timeout: float):
+        p = self.prefix
+        sd = self.state_dir
+        (sd / "hosts").mkdir(parents=True, exist_ok=True)
+        self._save()  # first, so `down` finds the state even if we die half-way
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        lines += [f"{h.ip}\t{h.name}" for h in self.hosts]
+        lines += [f"{h.mgmt_ip}\t{h.name}-mgmt" for h in self.hosts if h.mgmt_ip]
+        (sd / "hosts.txt").write_text("\n".join(lines) + "\n")
+        plen = ipaddress.ip_network(self.subnet).prefixlen
+        mplen = ipaddress.ip_network(MGMT_SUBNET).prefixlen
+
+        br0 = f"{p}-br0"
+        _run(["ip", "link", "add", br0, "type", "bridge"])
+        _run(["ip", "link", "set", br0, "up"])
+        if any(h.mgmt_ip for h in self.hosts):
+            br1 = f"{p}-br1"
+            _run(["ip", "link", "add", br1, "type", "bridge"])
+            _run(["ip", "link", "set", br1, "up"])
+        for h in self.hosts:
+            ns = h.netns
+            _run(["ip", "netns", "add", ns])
+            veth = f"{p}-{h.name}"
+            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _run(["ip", "link", "set", veth, "master", br0, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{h.ip}/{plen}", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if h.mgmt_ip:
+                mveth = f"{p}-m{h.name}"
+                _run(["ip", "link", "add", mveth, "type", "veth", "peer", "name", "mgmt0", "netns", ns])
+                _run(["ip", "link", "set", mveth, "master", f"{p}-br1", "up"])
+                _run(["ip", "-n", ns, "addr", "add", f"{h.mgmt_ip}/{mplen}", "dev", "mgmt0"])
+                _run(["ip", "-n", ns, "link", "set", "mgmt0", "up"])
+                _run(["ip", "-n", ns, "route", "add", "default", "via", MGMT_GATEWAY, "dev", "mgmt0"])
+            if self.ephemeral:
+                lo, hi = self.ephemeral
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.ip_local_port_range={lo} {hi}"])
+            self._start_init(h)
+        self._save()
+        for h in self.hosts:
+            self._wait_init(h, timeout)
+        self._save()
+
+    def _start_init(self, h: Host):
+        hd = self.host_dir(h.name)
+        (hd / "ray").mkdir(parents=True, exist_ok=True)
+        q = shlex.quote
+        script = "\n".join([
+            "set -eu",
+            f"hostname {q(h.name)}",
+            "mkdir -p /tmp/ray",
+            f"mount --bind {q(str(hd / 'ray'))} /tmp/ray",
+            f"mount -t tmpfs -o size={q(self.shm_size)},mode=1777 tmpfs /dev/shm",
+            f"mount --bind {q(str(self.state_dir / 'hosts.txt'))} /etc/hosts",
+            "exec tini -s -- sleep infinity",
+        ])
+        log = open(hd / "init.log", "wb")
+        try:
+            # `ip netns exec` execs (no fork) into unshare, so Popen.pid is the unshare; its only
+            # child is PID 1 of the host (bash, then tini). A new session: no SIGHUP from our tty.
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts", "--ipc", "--pid", "--fork",
+                 "--mount-proc", "--propagation", "private", "bash", "-c", script, f"{self.prefix}-init-{h.name}"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        self._launchers[h.name] = proc
+        h.launcher_pid = proc.pid
+
+    def _wait_init(self, h: Host, timeout: float):
+        tini = os.path.realpath(shutil.which("tini") or "/usr/bin/tini")
+        proc = self._launchers[h.name]
+
+        def ready():
+            if proc.poll() is not None:
+                log = (self.host_dir(h.name) / "init.log").read_text(errors="replace").strip()
+                raise TestbedError(f"host {h.name}: init exited (rc={proc.returncode}): {log}")
+            for c in _children(proc.pid):
+                if os.path.realpath(_exe(c)) == tini:
+                    return c
+            return None
+
+        h.pid = _wait(ready, timeout, f"host {h.name}'s tini (PID 1) to start")
+
+    def down(self, timeout: float = 20):
+        down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, _launchers=self._launchers)
+
+
+# ---- discovery / teardown (works without state) ------------------------------------------------
+def _list_netns() -> List[str]:
+    p = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+
+
+def _list_links() -> List[str]:
+    p = _run(["ip", "-o", "link", "show"], check=False)
+    out = []
+    for line in p.stdout.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            out.append(parts[1].strip().split("@")[0])
+    return out
+
+
+def _ours(name: str, prefix: str) -> bool:
+    return name.startswith(f"{prefix}-")
+
+
+def _mounts_under(paths: Sequence[str]) -> List[str]:
+    out = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            mp = line.split()[1].replace("\\040", " ")
+            if any(mp == p or mp.startswith(p.rstrip("/") + "/") for p in paths):
+                out.append(mp)
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _procs_matching(needle: str) -> List[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def _leftovers(prefix: str, state_dir: Path) -> List[str]:
+    found = [f"netns {n}" for n in _list_netns() if _ours(n, prefix)]
+    found += [f"link {n}" for n in _list_links() if _ours(n, prefix)]
+    if (state_dir / STATE_FILE).exists():
+        found.append(f"state {state_dir / STATE_FILE}")
+    return found
+
+
+def list_prefixes(pattern: str = r"akt[a-z0-9]*") -> List[str]:
+    """Prefixes of every test bed (or leftover) on this machine whose prefix fully matches ``pattern``."""
+    rx = re.compile(pattern)
+    names = _list_netns() + [n for n in _list_links() if n.endswith(("-br0", "-br1"))]
+    return sorted({n.rsplit("-", 1)[0] for n in names if "-" in n and rx.fullmatch(n.rsplit("-", 1)[0])})
+
+
+def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, timeout: float = 20,
+         _launchers: Optional[Dict[str, subprocess.Popen]] = None) -> List[str]:
+    """Remove a test bed and its leftovers; idempotent. Returns what it removed (for logs).
+
+    Order: SIGKILL every process in each host (PID 1 first: its PID namespace dies with it; then
+    anything still in the host's netns), wait until gone, delete netns (and with it the veth
+    pairs), bridges, the generated files and the state dir. The hosts' mounts live in their own
+    private mount namespaces and vanish with their last process.
+    """
+    sd = Path(state_dir) if state_dir else (default_state_dir(prefix) if prefix else None)
+    bed = None
+    if sd and (sd / STATE_FILE).exists():
+        try:
+            bed = Testbed.load(sd)
+            prefix = prefix or bed.prefix
+        except (TestbedError, ValueError, KeyError, TypeError):
+            bed = None
+    prefix = prefix or DEFAULT_PREFIX
+    sd = sd or default_state_dir(prefix)
+    done: List[str] = []
+
+    # 1. processes
+    pids = set()
+    tini = os.path.realpath(shutil.which("tini") or "/usr/bin/tini")
+    if bed:  # only if still tini: a stale state file must not make us kill a reused PID
+        pids |= {h.pid for h in bed.hosts if h.pid and os.path.realpath(_exe(h.pid)) == tini}
+    netns = [n for n in _list_netns() if _ours(n, prefix)]
+    ns_pids = set()
+    for ns in netns:
+        p = _run(["ip", "netns", "pids", ns], check=False)
+        ns_pids |= {int(x) for x in p.stdout.split() if x.isdigit()}
+    init_tag = f"{prefix}-init-"
+    launchers = set(_procs_matching(init_tag))  # each host's `unshare` (and a bash not yet exec'd to tini)
+    launchers |= {h.launcher_pid for h in (bed.hosts if bed else []) if h.launcher_pid
+                  and init_tag.encode() in _cmdline(h.launcher_pid)}
+
+    def kill(targets):
+        for pid in sorted(targets):
+            if _pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    if f"pid {pid}" not in done:
+                        done.append(f"pid {pid}")
+                except ProcessLookupError:
+                    pass
+
+    # PID 1 first (its PID namespace dies with it), then anything else in the netns. The launchers
+    # exit by themselves once their tini is gone (and reap it: no zombie tini); kill only stragglers.
+    kill((pids | ns_pids) - launchers)
+    procs = list((_launchers or {}).values())
+    deadline = time.monotonic() + min(5.0, timeout)
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        _wait(lambda: not any(_pid_alive(p) for p in launchers), max(0.1, deadline - time.monotonic()), "")
+    except TestbedError:
+        pass
+    kill(launchers)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    all_pids = pids | ns_pids | launchers
+    _wait(lambda: not any(_pid_alive(p) for p in all_pids), timeout, f"test bed {prefix!r} processes to exit")
+
+    # 2. network: veths die with their netns; delete root-side ends explicitly anyway
+    for ns in netns:
+        _run(["ip", "netns", "del", ns], check=False)
+        done.append(f"netns {ns}")
+    for link in _list_links():
+        if _ours(link, prefix) and not link.endswith(("-br0", "-br1")):
+            _run(["ip", "link", "del", link], check=False)
+            done.append(f"link {link}")
+    for link in _list_links():
+        if _ours(link, prefix):
+            _run(["ip", "link", "del", link], check=False)
+            done.append(f"link {link}")
+    for m in reversed(_mounts_under([f"/run/netns/{prefix}-", str(sd)])):
+        _run(["umount", "-l", m], check=False)
+        done.append(f"mount {m}")
+    _wait(lambda: not [n for n in _list_netns() if _ours(n, prefix)], timeout, f"netns {prefix}-* to go")
+
+    # 3. state
+    if sd.exists():
+        if (sd / STATE_FILE).exists() or (sd / "hosts").exists():
+            shutil.rmtree(sd, ignore_errors=True)
+            done.append(f"state {sd}")
+        else:
+            raise TestbedError(f"refusing to delete {sd}: not a test-bed state dir")
+    return done
