@@ -1,0 +1,171 @@
+"""The job config: one frozen dataclass, validated once.
+
+Override order (later wins): the defaults below -> `--config FILE` (YAML, keys = field names) ->
+command-line flags. Every problem is a `KitError` that names the field and the allowed values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, Optional
+
+from alpa_job.errors import KitError
+
+MODELS = ("mlp", "wide_resnet", "gpt")
+DATASETS = ("synthetic", "cifar10")
+ENGINES = ("auto", "jax", "alpa")
+STRATEGIES = ("data", "fsdp", "tensor", "auto")
+DTYPES = ("float32", "bfloat16")
+REMAINDER_POLICIES = ("drop", "pad")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    # What to train.
+    model: str = "mlp"
+    dataset: str = "synthetic"
+    data_dir: Optional[str] = None  # cifar10: folder holding data_batch_1..5 (python format)
+    num_samples: int = 2000  # synthetic only; 2000 / 256 leaves a ragged last batch on purpose
+    batch_size: int = 256  # global batch, split over the data-parallel axis
+    epochs: int = 3
+    steps: Optional[int] = None  # stop after this many steps (None: run all epochs)
+    remainder: str = "drop"  # ragged last batch: "drop" it or "pad" it and mask the loss
+    learning_rate: float = 1e-3
+    dtype: str = "float32"
+    seed: int = 0
+
+    # Model sizes (each model reads its own).
+    hidden_dim: int = 256  # mlp: the tutorial's `dim` (layers 4h -> h -> 4h -> h)
+    depth: int = 10  # wide_resnet: 6n+4 (10 = one block per stage)
+    width: int = 2  # wide_resnet: widening factor k
+    num_layers: int = 2  # gpt
+    d_model: int = 128  # gpt
+    num_heads: int = 4  # gpt
+    seq_len: int = 64  # gpt
+    vocab_size: int = 256  # gpt
+
+    # How to run it.
+    engine: str = "auto"
+    strategy: str = "data"
+    model_parallel: int = 0  # size of the mesh's model axis for `tensor` (0: the largest that divides)
+    devices: int = 8  # CPU devices to emulate per process when there is no accelerator
+    address: Optional[str] = None  # None: RAY_ADDRESS if set (ray job submit), else "local"
+    processes: int = 0  # JAX processes, one per node (0: one per alive node)
+    auto_trial_steps: int = 3  # `auto`: timed steps per candidate
+    memory_limit_gb: Optional[float] = None  # `auto`: per-device budget (None: the device's own)
+    cluster_spec: Optional[str] = None  # path to a cluster spec YAML (default: the package's)
+
+    # Output and checkpoints.
+    out: str = "runs/latest"
+    checkpoint_every: int = 0  # 0: no checkpoints
+    resume: bool = False
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "JobConfig":
+        return dataclasses.replace(self, **changes).validated()
+
+    def validated(self) -> "JobConfig":
+        _one_of("model", self.model, MODELS)
+        _one_of("dataset", self.dataset, DATASETS)
+        _one_of("engine", self.engine, ENGINES)
+        _one_of("strategy", self.strategy, STRATEGIES)
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("remainder", self.remainder, REMAINDER_POLICIES)
+        for name in ("batch_size", "epochs", "num_samples", "devices", "hidden_dim", "d_model",
+                     "num_heads", "seq_len", "vocab_size", "num_layers", "width", "auto_trial_steps"):
+            _positive(name, getattr(self, name))
+        for name in ("checkpoint_every", "processes", "model_parallel"):
+            if getattr(self, name) < 0:
+                raise KitError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.steps is not None:
+            _positive("steps", self.steps)
+        if self.learning_rate <= 0:
+            raise KitError(f"--learning-rate must be > 0, got {self.learning_rate}")
+        if (self.depth - 4) % 6 != 0 or self.depth < 10:
+            raise KitError(f"--depth {self.depth} is not a WideResNet depth; use 6n+4 with n >= 1 (10, 16, 22, 28)")
+        if self.d_model % self.num_heads != 0:
+            raise KitError(f"--d-model {self.d_model} is not divisible by --num-heads {self.num_heads}; "
+                           f"use a multiple of {self.num_heads}")
+        if self.dataset == "cifar10" and self.model != "wide_resnet":
+            raise KitError(f"--dataset cifar10 feeds images; use --model wide_resnet (got --model {self.model})")
+        if self.dataset == "cifar10" and not self.data_dir:
+            raise KitError("--dataset cifar10 needs --data-dir DIR with the CIFAR-10 python batches "
+                           "(data_batch_1..5, test_batch); the kit never downloads at run time")
+        if self.resume and not self.checkpoint_every:
+            # Resuming without saving again would silently lose the resumed progress.
+            raise KitError("--resume needs --checkpoint-every N so the resumed run keeps saving")
+        return self
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise KitError(f"--{_flag(name)} {value!r} is not known; use one of: {', '.join(allowed)}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise KitError(f"--{_flag(name)} must be a positive integer, got {value!r}")
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(JobConfig))
+
+
+def load_yaml_overrides(path: str) -> Dict[str, Any]:
+    """Read a `--config FILE`: a YAML mapping of JobConfig field names (dashes or underscores)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise KitError(f"--config {path}: no such file; pass a YAML file of job settings")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise KitError(f"--config {path}: not valid YAML{at}; fix the file") from None
+    if not isinstance(data, dict):
+        raise KitError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELD_NAMES:
+            raise KitError(f"--config {path}: unknown setting {key!r}; known: {', '.join(FIELD_NAMES)}")
+        out[name] = value
+    return out
+
+
+def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> JobConfig:
+    """Defaults <- file <- CLI (only flags the user actually gave), then validate once."""
+    merged: Dict[str, Any] = {}
+    merged.update(file_values)
+    merged.update({k: v for k, v in cli_values.items() if v is not None})
+    types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    for name, value in list(merged.items()):
+        merged[name] = _coerce(name, value, types[name])
+    return JobConfig(**merged).validated()
+
+
+def _coerce(name: str, value: Any, type_name: Any) -> Any:
+    text = str(type_name)
+    try:
+        if value is None:
+            return None
+        if "bool" in text:
+            if isinstance(value, str):
+                return value.strip().lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if "int" in text:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if "float" in text:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise KitError(f"setting {name}: {value!r} is not a valid {text.replace('Optional[', '').rstrip(']')}") from None

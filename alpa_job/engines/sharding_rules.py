@@ -1,0 +1,50 @@
+"""Sharding as data: per strategy, the mesh axes and the logical-axis -> mesh-axis rules.
+
+The mesh always has two named axes, ("data", "model"). Rules are tried in order; a mesh axis is
+used at most once per array (flax's logical_to_mesh semantics), so order picks which dimension
+of a parameter a strategy splits.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from alpa_job.errors import KitError
+from alpa_job.models.axes import BATCH, CHANNELS, CONV_IN, EMBED, HEADS, KV, MLP, SEQ, VOCAB
+
+MESH_AXES = ("data", "model")
+
+LogicalRules = List[Tuple[str, str]]
+
+STRATEGY_RULES: Dict[str, LogicalRules] = {
+    # Parameters replicated; only the batch is split.
+    "data": [(BATCH, "data")],
+    # ZeRO-3 / FSDP: every parameter (and so its optimizer state) split over the data axis too.
+    # channels before conv_in: a stem conv has 3 input channels, which no device count divides.
+    "fsdp": [(BATCH, "data"), (EMBED, "data"), (MLP, "data"), (CHANNELS, "data"), (VOCAB, "data"),
+             (HEADS, "data"), (KV, "data"), (CONV_IN, "data"), (SEQ, "data")],
+    # Megatron: feed-forward inner dim, attention heads, conv channels and vocab over "model".
+    "tensor": [(BATCH, "data"), (MLP, "model"), (HEADS, "model"), (CHANNELS, "model"), (VOCAB, "model")],
+}
+
+
+def mesh_shape_for(strategy: str, num_devices: int, model_parallel: int = 0) -> Tuple[int, int]:
+    """(data, model) sizes. `tensor` defaults to the largest model size <= 4 that divides."""
+    if strategy != "tensor":
+        return (num_devices, 1)
+    if model_parallel == 0:
+        model_parallel = max(m for m in (1, 2, 3, 4) if num_devices % m == 0)
+    if num_devices % model_parallel != 0:
+        raise KitError(f"--model-parallel {model_parallel} does not divide the {num_devices} devices; "
+                       f"use one of: {', '.join(str(d) for d in divisors(num_devices))}")
+    return (num_devices // model_parallel, model_parallel)
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def auto_candidates(num_devices: int) -> List[Tuple[str, Tuple[int, int]]]:
+    """Every strategy x mesh shape the `auto` search tries."""
+    out = [("data", (num_devices, 1)), ("fsdp", (num_devices, 1))]
+    out += [("tensor", (num_devices // m, m)) for m in divisors(num_devices) if m > 1]
+    return out

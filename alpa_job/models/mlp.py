@@ -1,0 +1,28 @@
+"""The pipeshard tutorial's MLP: Dense 4h -> h -> 4h -> h, relu after each."""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from alpa_job.models.axes import EMBED, MLP, logical
+
+
+class MLPModel(nn.Module):
+    hidden_dim: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        # Alternating up/down projections: Megatron-style tensor parallelism splits the 4h
+        # dimension (column-parallel up, row-parallel down), so only one all-reduce per pair.
+        for width, axes in ((4 * self.hidden_dim, (EMBED, MLP)), (self.hidden_dim, (MLP, EMBED))) * 2:
+            x = nn.Dense(
+                width,
+                dtype=self.dtype,
+                kernel_init=logical(nn.initializers.lecun_normal(), axes),
+                bias_init=logical(nn.initializers.zeros_init(), (axes[1],)),
+            )(x)
+            x = nn.relu(x)
+        return x

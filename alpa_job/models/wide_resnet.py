@@ -1,0 +1,70 @@
+"""WideResNet for CIFAR-10 shapes (32x32x3, 10 classes), with BatchNorm batch_stats.
+
+depth = 6n + 4 (n blocks per stage, 3 stages), width = widening factor k.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from alpa_job.models.axes import CHANNELS, CONV_IN, EMBED, logical
+
+
+def _conv(features: int, strides: int, dtype: Any, name: str = None) -> nn.Conv:
+    return nn.Conv(
+        features, (3, 3), strides=(strides, strides), padding="SAME", use_bias=False, dtype=dtype,
+        # The 3x3 window dims are never split.
+        kernel_init=logical(nn.initializers.kaiming_normal(), (None, None, CONV_IN, CHANNELS)),
+        name=name,
+    )
+
+
+def _norm(train: bool, dtype: Any) -> nn.BatchNorm:
+    return nn.BatchNorm(
+        use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=dtype,
+        scale_init=logical(nn.initializers.ones_init(), (CHANNELS,)),
+        bias_init=logical(nn.initializers.zeros_init(), (CHANNELS,)),
+    )
+
+
+class WideBlock(nn.Module):
+    features: int
+    strides: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        y = nn.relu(_norm(train, self.dtype)(x))
+        shortcut = x
+        if self.strides != 1 or x.shape[-1] != self.features:
+            shortcut = _conv(self.features, self.strides, self.dtype, name="shortcut")(y)
+        y = _conv(self.features, self.strides, self.dtype)(y)
+        y = nn.relu(_norm(train, self.dtype)(y))
+        y = _conv(self.features, 1, self.dtype)(y)
+        return y + shortcut
+
+
+class WideResNet(nn.Module):
+    depth: int = 10
+    width: int = 2
+    num_classes: int = 10
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        blocks_per_stage = (self.depth - 4) // 6
+        x = _conv(16, 1, self.dtype, name="stem")(x)
+        for stage, base in enumerate((16, 32, 64)):
+            for block in range(blocks_per_stage):
+                strides = 2 if stage > 0 and block == 0 else 1
+                x = WideBlock(base * self.width, strides, self.dtype)(x, train)
+        x = nn.relu(_norm(train, self.dtype)(x))
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(
+            self.num_classes, dtype=self.dtype,
+            # 10 classes: no device count divides them, so the class dim is never split.
+            kernel_init=logical(nn.initializers.lecun_normal(), (EMBED, None)),
+            bias_init=logical(nn.initializers.zeros_init(), (None,)),
+        )(x)
