@@ -1,0 +1,177 @@
+"""The multi-host test bed itself (scripts/testbed, tests/fixtures_testbed.py): isolation, routing, teardown, Ray."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import testbed_lib
+from fixtures_testbed import PREFIX
+
+pytestmark = pytest.mark.testbed
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = REPO / "scripts" / "testbed"
+
+_IDENTITY = r"""
+import json, os, socket
+print(json.dumps({
+    "hostname": socket.gethostname(),
+    "resolved": socket.gethostbyname(socket.gethostname()),   # what Gloo binds to
+    "pid1": open("/proc/1/comm").read().strip(),
+    "shm": sorted(os.listdir("/dev/shm")),
+    "shm_fs": [l.split()[2] for l in open("/proc/mounts") if l.split()[1] == "/dev/shm"],
+    "ray_dir": sorted(os.listdir("/tmp/ray")),
+}))
+"""
+
+
+def _py(bed, host, code, *args, **kw):
+    return bed.exec(host, sys.executable, "-c", code, *args, **kw)
+
+
+def test_hosts_ping_each_other(testbed):
+    if shutil.which("ping") is None:
+        pytest.skip("ping not installed (apt-get install iputils-ping)")
+    for h in testbed.hosts:
+        targets = [t for o in testbed.hosts if o.name != h.name for t in (o.ip, o.name)]
+        loop = "for t in %s; do ping -c1 -W2 -q $t >/dev/null || { echo unreachable $t; exit 1; }; done" % " ".join(targets)
+        testbed.exec(h.name, "bash", "-c", loop, timeout=30)
+
+
+def test_each_host_is_its_own_machine(testbed):
+    marker = f"akt-shm-marker-{os.getpid()}"
+    testbed.exec("w1", "touch", f"/dev/shm/{marker}", f"/tmp/ray/{marker}")
+    try:
+        assert not Path("/dev/shm", marker).exists()  # not the machine's /dev/shm
+        assert (testbed.ray_dir("w1") / marker).exists()  # /tmp/ray is readable from outside
+        for h in testbed.hosts:
+            got = json.loads(_py(testbed, h.name, _IDENTITY).stdout)
+            assert got["hostname"] == h.name
+            assert got["resolved"] == h.ip
+            assert got["pid1"] == "tini"
+            assert got["shm_fs"][-1] == "tmpfs"  # the top mount: the host's own tmpfs
+            assert (marker in got["shm"]) == (h.name == "w1")
+            assert (marker in got["ray_dir"]) == (h.name == "w1")
+    finally:
+        testbed.exec("w1", "rm", "-f", f"/dev/shm/{marker}", f"/tmp/ray/{marker}")
+
+
+def test_nothing_routes_out(testbed):
+    # connect() fails at the route lookup (ENETUNREACH): no packet is ever sent.
+    code = r"""
+import errno, socket, sys
+s = socket.socket(); s.settimeout(3)
+try:
+    s.connect(("192.0.2.1", 80)); print("connected")
+except OSError as e:
+    print(errno.errorcode.get(e.errno, e.errno))
+"""
+    for h in testbed.hosts:
+        if h.mgmt_ip is None:
+            assert _py(testbed, h.name, code).stdout.strip() == "ENETUNREACH", h.name
+
+
+def test_binding_another_hosts_ip_fails(testbed):
+    code = r"""
+import socket, sys
+s = socket.socket()
+try:
+    s.bind((sys.argv[1], 0)); print("ok")
+except OSError as e:
+    print(e.errno)
+"""
+    w1, head = testbed.host("w1"), testbed.host("head")
+    assert _py(testbed, "w1", code, head.ip).stdout.strip() == str(errno.EADDRNOTAVAIL)  # the seed failure
+    assert _py(testbed, "w1", code, w1.ip).stdout.strip() == "ok"
+
+
+def test_mgmt_nic_holds_default_route(testbed):
+    w2 = testbed.host("w2")
+    assert w2.mgmt_ip
+    route = testbed.exec("w2", "ip", "route", "show", "default").stdout
+    assert "dev mgmt0" in route
+    # Ray's default guess (a UDP "connect": a route lookup, sends nothing) lands on the mgmt IP ...
+    code = 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(("8.8.8.8", 53)); print(s.getsockname()[0])'
+    assert _py(testbed, "w2", code).stdout.strip() == w2.mgmt_ip
+    # ... while the cluster IP sits on eth0.
+    assert f"inet {w2.ip}/" in testbed.exec("w2", "ip", "-4", "addr", "show", "dev", "eth0").stdout
+
+
+def _live(needle: str):
+    """PIDs of live (non-zombie) processes whose command line contains needle."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if needle in cmd and state != "Z":
+                out.append(int(d))
+    return out
+
+
+def test_cli_up_exec_down_leaves_nothing(testbed, tmp_path):
+    # `testbed` only to hold the session's lock; this test drives its own bed through the CLI.
+    prefix = f"{PREFIX}9"
+    state = tmp_path / "bed"
+    base = [sys.executable, str(CLI), "--prefix", prefix, "--state-dir", str(state)]
+    run = lambda *a, **kw: subprocess.run(base + list(a), capture_output=True, text=True, timeout=60, **kw)  # noqa: E731
+    try:
+        up = run("up", "--hosts", "2", "--mgmt", "w1", "--shm-size", "64m")
+        assert up.returncode == 0, up.stderr
+        info = json.loads(up.stdout)
+        assert [h["name"] for h in info["hosts"]] == ["head", "w1"]
+        assert info["head_address"] == "10.77.0.1:6379" and info["state_dir"] == str(state)
+        again = run("up", "--hosts", "2")
+        assert again.returncode == 2 and "already" in again.stderr
+        assert run("status").returncode == 0
+
+        p = run("exec", "w1", "--", "sh", "-c", 'pwd; python -c "import alpa_job"; exit 7', cwd=str(REPO))
+        assert p.returncode == 7 and p.stdout.strip() == str(REPO), p.stderr
+        # daemons (reparented to tini) and a foreground process that `down` must kill
+        run("exec", "head", "--", "sh", "-c", "sleep 4242421 >/dev/null 2>&1 & sleep 4242422 >/dev/null 2>&1 &")
+        fg = subprocess.Popen(base + ["exec", "w1", "--", "sleep", "4242423"])
+        bed = testbed_lib.Testbed.load(state)
+        testbed_lib._wait(lambda: len(_live("sleep 424242")) == 3, 10, "sleeps")
+    finally:
+        first = run("down")
+    assert first.returncode == 0, first.stderr
+    assert fg.wait(timeout=10) != 0
+    assert run("down").returncode == 0  # idempotent
+
+    assert not [n for n in testbed_lib._list_netns() if n.startswith(prefix + "-")]
+    assert not [n for n in testbed_lib._list_links() if n.startswith(prefix + "-")]
+    mounts = Path("/proc/mounts").read_text()
+    assert str(state) not in mounts and f"/run/netns/{prefix}-" not in mounts
+    assert not _live("sleep 424242") and not _live(f"{prefix}-init-")
+    assert not any(testbed_lib._pid_alive(h.pid) for h in bed.hosts)  # each host's tini (PID 1)
+    assert not state.exists()
+    assert run("status").returncode == 1
+
+    # leftovers of a crashed `up` (no state at all) are found by name and removed
+    subprocess.run(["ip", "link", "add", f"{prefix}-br0", "type", "bridge"], check=True)
+    subprocess.run(["ip", "netns", "add", f"{prefix}-w3"], check=True)
+    assert run("down").returncode == 0
+    assert f"{prefix}-" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not [n for n in testbed_lib._list_netns() if n.startswith(prefix + "-")]
+
+
+@pytest.mark.slow
+def test_ray_cluster_forms_on_testbed_ips(ray_cluster):
+    bed = ray_cluster.testbed
+    want = sorted(h.ip for h in bed.hosts)
+    assert ray_cluster.formation["alive"] == want
+    result = ray_cluster.check(timeout=60)
+    assert result["alive"] == want
+    for h in bed.hosts:
+        assert result["pinned"][h.ip] == [h.ip, h.name]
+    # the spec's firewall is in force on every host
+    for h in bed.hosts:
+        assert "alpa_kit" in bed.exec(h.name, "nft", "list", "tables").stdout
