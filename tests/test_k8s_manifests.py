@@ -172,7 +172,7 @@ def _strict(node: Any) -> Any:
 @lru_cache(maxsize=None)
 def crd_validator(kind: str) -> jsonschema.Draft4Validator:
     path = CRD_DIR / ("ray.io_%ss.yaml" % kind.lower())
-    crd = yaml.safe_load(path.read_text())
+    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 2 MB of YAML
     assert crd["spec"]["names"]["kind"] == kind, path
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     assert version["served"], "KubeRay CRD %s does not serve v1" % path
