@@ -425,6 +425,12 @@ def drift_errors(spec: ClusterSpec, docs: List[Mapping[str, Any]], stack: str) -
             errors += cluster_drift(spec, label, cluster, stack)
         if doc["kind"] == "NetworkPolicy":
             errors += policy_drift(spec, doc, names)
+        if doc["kind"] == "RayJob" and parse_ray_version(spec.versions[STACKS[stack][1]]) < (2, 6, 0):
+            # KubeRay passes these as `ray job submit` flags that Ray 2.1.0 lacks (2.2.0 / 2.6.0).
+            for key in ("entrypointNumCpus", "entrypointNumGpus", "entrypointResources", "metadata"):
+                if key in doc["spec"]:
+                    errors.append("RayJob %s: %s must stay unset with Ray %s"
+                                  % (doc["metadata"]["name"], key, spec.versions[STACKS[stack][1]]))
         if doc["kind"] == "RayJob" and "clusterSelector" in doc["spec"]:
             (rc,) = load_manifest("raycluster.yaml")
             if doc["spec"]["clusterSelector"] != {"ray.io/cluster": rc["metadata"]["name"]}:
@@ -476,6 +482,9 @@ def test_drift_check_fails_when_a_manifest_differs(spec):
     errors = drift_errors(spec, bad, "legacy")
     assert any("object-manager-port" in e for e in errors), errors
     assert any("missing [(40000, 49999)]" in e for e in errors), errors
+    (job,) = copy.deepcopy(load_manifest("rayjob.yaml"))
+    job["spec"]["entrypointNumCpus"] = 1
+    assert any("entrypointNumCpus" in e for e in drift_errors(spec, [job], "legacy"))
 
 
 # ---------------------------------------------------------------- overlays
