@@ -1,0 +1,5 @@
+import sys
+
+from alpa_job.cli import main
+
+sys.exit(main())

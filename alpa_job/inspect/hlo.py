@@ -1,0 +1,171 @@
+"""Count collectives in HLO text (stdlib only; Python 3.9+).
+
+Used by the offline Alpa dump reader (stage `*.hlo` files written by Alpa 0.2.3's
+`dump_debug_info`) and by the JAX engine on `compiled.as_text()`. Both HLO text styles are read:
+
+* Alpa 0.2.3 era, synchronous:   ``%all-reduce.1 = f32[8,8]{1,0} all-reduce(f32[8,8]{1,0} %x), ...``
+* modern jax, asynchronous pairs: ``all-gather-start = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(p)``
+  then ``all-gather-done = f32[8,8]{1,0} all-gather-done(all-gather-start)``; the pair counts once,
+  with the bytes of the ``-done`` result (the collective's output). Ops wrapped in
+  ``async-start(..., calls=%comp)`` are counted where the plain op appears inside ``%comp``.
+
+`count_collectives(text)` returns ``{kind: {"count": n, "bytes": b}}`` for every kind in
+`COLLECTIVE_KINDS` (zeros included); bytes are the result (output) bytes summed over instances,
+tuple results summed over their arrays.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Tuple
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# bits per element; sub-byte types are rounded up per array
+_DTYPE_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
+    "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+    "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64,
+    "c64": 64, "c128": 128, "token": 0,
+}
+
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_NAME_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([A-Za-z0-9_.\-]+)\s*=\s*")
+_OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+
+
+def dtype_bits(dtype: str) -> int:
+    if dtype in _DTYPE_BITS:
+        return _DTYPE_BITS[dtype]
+    m = re.match(r"f(\d+)", dtype)  # f8e4m3fn, f8e5m2, ...
+    if m:
+        return int(m.group(1))
+    return 0
+
+
+def shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape: ``f32[8,8]{1,0}``, ``(f32[2], s32[])``, ``f32[<=8]``; token -> 0."""
+    total = 0
+    for dtype, dims in _ARRAY_RE.findall(shape_text):
+        bits = dtype_bits(dtype)
+        n = 1
+        for d in dims.split(","):
+            d = d.strip().lstrip("<=").strip()
+            if d:
+                try:
+                    n *= int(d)
+                except ValueError:
+                    n *= 0
+        total += -(-(n * bits) // 8)
+    return total
+
+
+def _array_bytes_list(shape_text: str) -> List[int]:
+    return [shape_bytes(f"{d}[{dims}]") for d, dims in _ARRAY_RE.findall(shape_text)]
+
+
+def _split_shape(rest: str) -> Tuple[str, str]:
+    """Split ``<shape> <opcode>(...`` into (shape, remainder); tuple shapes may nest."""
+    rest = rest.lstrip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            if ch == "(":
+                depth += 1
+            elif ch == ")":
+                depth -= 1
+                if depth == 0:
+                    return rest[: i + 1], rest[i + 1:]
+        return rest, ""
+    # a plain shape: up to the first whitespace that is not inside {...} (layouts)
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch.isspace() and depth == 0:
+            return rest[:i], rest[i:]
+    return rest, ""
+
+
+def parse_instruction(line: str) -> Optional[Tuple[str, str, str, str]]:
+    """(name, shape, opcode, operands-and-attributes) of one HLO instruction line, or None."""
+    m = _NAME_RE.match(line)
+    if not m:
+        return None
+    shape, rest = _split_shape(line[m.end():])
+    om = _OPCODE_RE.match(rest)
+    if not om:
+        return None
+    return m.group(1), shape, om.group(1), rest[om.end():]
+
+
+def _kind_of(opcode: str) -> Tuple[Optional[str], str]:
+    """(kind, phase) with phase in {'sync', 'start', 'done'}; kind None when not a collective."""
+    for suffix, phase in (("-start", "start"), ("-done", "done")):
+        if opcode.endswith(suffix):
+            base = opcode[: -len(suffix)]
+            if base in COLLECTIVE_KINDS:
+                return base, phase
+            return None, phase
+    if opcode in COLLECTIVE_KINDS:
+        return opcode, "sync"
+    return None, "sync"
+
+
+def _start_fallback_bytes(kind: str, shape: str) -> int:
+    """Output bytes of a ``-start`` whose ``-done`` is missing (truncated text)."""
+    if not shape.startswith("("):
+        return shape_bytes(shape)
+    if kind == "all-reduce":
+        return shape_bytes(shape)  # tuple of outputs
+    sizes = [b for b in _array_bytes_list(shape) if b > 4]  # drop u32[] context scalars
+    return max(sizes) if sizes else 0
+
+
+def collective_instances(hlo_text: str) -> List[Tuple[str, str, int]]:
+    """Every collective as (kind, instruction name, output bytes), in text order (by start)."""
+    found: List[Tuple[str, str, int]] = []
+    pending: Dict[str, Tuple[int, str, str]] = {}  # start name -> (index in found, kind, shape)
+    for line in hlo_text.splitlines():
+        inst = parse_instruction(line)
+        if inst is None:
+            continue
+        name, shape, opcode, rest = inst
+        kind, phase = _kind_of(opcode)
+        if kind is None:
+            continue
+        if phase == "sync":
+            found.append((kind, name, shape_bytes(shape)))
+        elif phase == "start":
+            pending[name] = (len(found), kind, shape)
+            found.append((kind, name, _start_fallback_bytes(kind, shape)))
+        else:  # done: operand is the start's name
+            om = re.match(r"\s*(?:[^%\s,()]+\s+)?%?([A-Za-z0-9_.\-]+)", rest)
+            start = om.group(1) if om else None
+            if start in pending:
+                idx, _, _ = pending.pop(start)
+                found[idx] = (kind, found[idx][1], shape_bytes(shape))
+            else:  # a done without its start: count it here
+                found.append((kind, name, shape_bytes(shape)))
+    return found
+
+
+def count_collectives(hlo_text: str) -> Dict[str, Dict[str, int]]:
+    """``{kind: {"count": n, "bytes": b}}`` for all of `COLLECTIVE_KINDS` (zeros included)."""
+    out: Dict[str, Dict[str, int]] = {k: {"count": 0, "bytes": 0} for k in COLLECTIVE_KINDS}
+    for kind, _, nbytes in collective_instances(hlo_text):
+        out[kind]["count"] += 1
+        out[kind]["bytes"] += nbytes
+    return out
+
+
+def merge_counts(*counts: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
+    """Sum several `count_collectives` results."""
+    out: Dict[str, Dict[str, int]] = {k: {"count": 0, "bytes": 0} for k in COLLECTIVE_KINDS}
+    for c in counts:
+        for kind, v in c.items():
+            slot = out.setdefault(kind, {"count": 0, "bytes": 0})
+            slot["count"] += int(v.get("count", 0))
+            slot["bytes"] += int(v.get("bytes", 0))
+    return out
