@@ -216,7 +216,7 @@ class MLPStack(nn.Module):
         return nn.Dense(self.vocab, name="head")(x)
 
 
-class TrainStateBN(train_state.TrainState):
+class TrainState(train_state.TrainState):
     """The TrainState of Alpa's WideResNet benchmark: + batch_stats, dynamic_scale."""
 
     batch_stats: Any = None
@@ -421,7 +421,7 @@ def fixture_wide_resnet_dp(out: str):
     x = jnp.zeros((16, 32, 32, 3), jnp.float32)
     variables = model.init(jax.random.PRNGKey(0), x, train=False)
     tx = optax.sgd(optax.constant_schedule(1e-3), momentum=0.9)
-    state = TrainStateBN.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+    state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
                                 batch_stats=variables["batch_stats"], dynamic_scale=None)
     state = state.replace(tx=fixed_tx())
     batch = {"images": x, "labels": jnp.zeros((16,), jnp.int32)}
