@@ -97,3 +97,9 @@ def test_shape_bytes_and_merge():
     assert shape_bytes("(f32[2], token[])") == 8
     m = merge_counts(count_collectives(OLD_STYLE), count_collectives(NEW_STYLE))
     assert m["all-reduce"]["count"] == 4 and m["all-gather"]["bytes"] == 768
+
+
+def test_old_style_typed_async_done_operand():
+    text = ("  %ag-start = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(f32[4,8]{1,0} %x), dimensions={0}\n"
+            "  %ag-done = f32[8,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[8,8]{1,0}) %ag-start)\n")
+    assert count_collectives(text)["all-gather"] == {"count": 1, "bytes": 256}

@@ -141,8 +141,8 @@ def collective_instances(hlo_text: str) -> List[Tuple[str, str, int]]:
             pending[name] = (len(found), kind, shape)
             found.append((kind, name, _start_fallback_bytes(kind, shape)))
         else:  # done: operand is the start's name
-            om = re.match(r"\s*(?:[^%\s,()]+\s+)?%?([A-Za-z0-9_.\-]+)", rest)
-            start = om.group(1) if om else None
+            # operand: `start` or, typed (old style), `(f32[..], f32[..]) %start`
+            start = next((tok for tok in re.findall(r"[A-Za-z0-9_.\-]+", rest) if tok in pending), None)
             if start in pending:
                 idx, _, _ = pending.pop(start)
                 found[idx] = (kind, found[idx][1], shape_bytes(shape))
