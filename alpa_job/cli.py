@@ -64,6 +64,8 @@ def _doctor_parser(sub) -> None:
     p.add_argument("--cluster-spec", help="cluster spec YAML (ports, CIDR)")
     p.add_argument("--format", default="table", choices=("table", "json"))
     p.add_argument("--deadline", type=float, default=60.0, help="overall seconds before giving up")
+    p.add_argument("--node-timeout", type=float, default=10.0,
+                   help="seconds a probe pinned to one node may take before that node fails")
 
 
 def build_parser() -> argparse.ArgumentParser:

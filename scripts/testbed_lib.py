@@ -158,6 +158,10 @@ def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     pp = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(pp)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray >= 2.59: `ray start --head` turns token auth on when ~/.ray/auth_token exists (any local
+    # ray.init() on this machine writes one), but joining workers do not: they are then refused
+    # ("InvalidAuthToken"). Every host shares /root, so pin the mode for the whole bed.
+    env.setdefault("RAY_AUTH_MODE", "disabled")
     return env
 
 
