@@ -1,6 +1,11 @@
 """Shared pytest configuration. Fixtures live in tests/fixtures_*.py; list yours below."""
+import os
 import sys
 from pathlib import Path
+
+# In-process engine tests see 8 emulated CPU devices; must be set before anything imports jax.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 # `import alpa_job` from this checkout (also when the package is not pip-installed).
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -10,4 +15,5 @@ for _p in (REPO_ROOT, REPO_ROOT / "tests"):  # tests/: the fixture modules impor
 
 pytest_plugins = [
     "fixtures_testbed",  # testbed_factory, testbed, ray_cluster (multi-host test bed; needs root)
+    "fixtures_multihost",  # mgmt_cluster (2 hosts with a management NIC), run_doctor helper
 ]

@@ -45,7 +45,7 @@ def bytes_by_strategy(report: Dict) -> Optional[bytes]:
         ax.set_title(title)
         ax.set_ylabel("MiB")
     axes[1].legend(title="strategy", fontsize=8)
-    fig.suptitle(f"where the state lives ({report.get('strategy')}, mesh {_mesh_text(report)})")
+    fig.suptitle(f"where the state lives ({report.get('strategy')}, mesh {_mesh_text(report)})", y=1.04)
     return _figure_png(fig)
 
 

@@ -135,7 +135,8 @@ def to_html(report: Dict, rendered_plots: Sequence[tuple] = None) -> str:
     if rendered_plots is None:
         rendered_plots = plots.all_plots(report)
     figures = "".join(
-        f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+        f'<figure><img alt="{html.escape(caption)}" onload="this.dataset.rendered=this.naturalWidth" '
+        f'src="data:image/png;base64,{base64.b64encode(png).decode()}">'
         f"<figcaption>{html.escape(caption)}</figcaption></figure>"
         for _name, caption, png in rendered_plots)
     param_rows = [[_cell(r.get(c)) for c in PARAM_COLUMNS] for r in report.get("params", [])]

@@ -1,0 +1,154 @@
+"""The command line as a user runs it: bad input, the embedded default end to end, inspect."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, timeout=300, env=None):
+    full_env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=REPO)
+    full_env.pop("RAY_ADDRESS", None)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "resnet"], r"--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt"),
+    (["--batch-size", "60", "--devices", "8", "--address", "none"],
+     r"batch size 60 is not divisible by the data-parallel size 8; use a multiple of 8"),
+    (["--dataset", "cifar10", "--model", "wide_resnet"], r"--dataset cifar10 needs --data-dir"),
+    (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "/nonexistent"], r"is not a folder"),
+    (["--steps", "0"], r"--steps must be a positive integer"),
+    (["--depth", "12"], r"not a WideResNet depth; use 6n\+4"),
+    (["--resume"], r"--resume needs --checkpoint-every"),
+    (["--config", "/nonexistent.yaml"], r"no such file"),
+    (["--address", "127.0.0.1:1"], r"cannot reach Ray GCS at 127.0.0.1:1"),
+    (["--address", "http://127.0.0.1:8265"], r"is the dashboard/jobs URL"),
+    (["--engine", "alpa"], r"alpa package is not installed"),
+    (["--address", "none", "--strategy", "tensor", "--model-parallel", "3"], r"--model-parallel 3 does not divide"),
+])
+def test_bad_input_gives_one_line_error_and_nonzero_exit(args, message):
+    proc = run_cli(*args, "--out", "/tmp/alpa-job-bad", timeout=120)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert re.search(message, lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_config_file_is_read_and_flags_override_it(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model: mlp\nhidden-dim: 16\nbatch_size: 8\nnum_samples: 40\nsteps: 2\n")
+    proc = run_cli("--config", str(cfg), "--steps", "3", "--address", "none", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["config"]["hidden_dim"] == 16 and report["config"]["batch_size"] == 8
+    assert report["steps"] == 3  # the flag beat the file
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("modle: mlp\n")
+    proc = run_cli("--config", str(bad))
+    assert proc.returncode == 2 and "unknown setting 'modle'" in proc.stderr
+
+
+def _write_cifar_batches(folder, n_per_file=20):
+    """The real CIFAR-10 python format (pickled dicts of uint8 rows + labels), small."""
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    for i in range(1, 3):
+        entry = {b"data": rng.integers(0, 256, size=(n_per_file, 3072), dtype=np.uint8),
+                 b"labels": list(rng.integers(0, 10, size=n_per_file)), b"batch_label": b"training batch"}
+        with open(folder / f"data_batch_{i}", "wb") as f:
+            pickle.dump(entry, f)
+
+
+def test_cifar10_from_local_batches(tmp_path):
+    _write_cifar_batches(tmp_path / "cifar")
+    proc = run_cli("--model", "wide_resnet", "--width", "1", "--dataset", "cifar10", "--data-dir",
+                   str(tmp_path / "cifar"), "--batch-size", "16", "--steps", "2", "--address", "none",
+                   "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["steps"] == 2 and report["samples_seen"] == 32
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "data_batch_1").write_bytes(b"not a pickle")
+    proc = run_cli("--model", "wide_resnet", "--dataset", "cifar10", "--data-dir", str(tmp_path / "junk"),
+                   "--address", "none")
+    assert proc.returncode == 2 and "is not a CIFAR-10 python batch" in proc.stderr
+
+
+REQUIRED_KEYS = {"config", "engine", "strategy", "mesh", "compiles", "steps", "samples_seen", "samples_dropped",
+                 "step_time_s", "throughput", "params", "summary", "collectives", "versions"}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`python -m alpa_job` with no job arguments: local Ray, emulated CPU devices, the MLP."""
+    out = tmp_path_factory.mktemp("default-run")
+    proc = run_cli("--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_no_arguments_trains_the_mlp_on_local_ray(default_run):
+    out, proc = default_run
+    assert "joined local Ray" in proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert REQUIRED_KEYS <= set(report)
+    assert report["engine"] == "jax" and report["config"]["model"] == "mlp"
+    assert report["compiles"] == 1 and report["backend_compiles_during_loop"] == 0
+    # 2000 samples / 256 = 7 full batches + 208 dropped, 3 epochs.
+    assert report["steps"] == 21 and report["samples_seen"] == 21 * 256 and report["samples_dropped"] == 3 * 208
+    assert report["summary"]["loss_last"] < report["summary"]["loss_first"]
+    assert report["devices"]["count"] == 8 and report["summary"]["processes"] == 1
+    assert report["collectives"]["all-reduce"]["count"] >= 1  # data parallel: gradients are all-reduced
+    assert report["memory"]["argument_size_in_bytes"] > 0
+    for row in report["params"]:
+        assert {"path", "shape", "dtype", "bytes", "bytes_per_device", "spec", "mesh_ids", "strategy"} <= set(row)
+    assert (out / "report.md").exists() and (out / "plot_bytes_by_strategy.png").exists()
+
+
+def test_inspect_formats(default_run):
+    out, _ = default_run
+    as_json = run_cli("inspect", str(out), "--format", "json")
+    assert as_json.returncode == 0
+    assert json.loads(as_json.stdout) == json.loads((out / "report.json").read_text())
+    table = run_cli("inspect", str(out))
+    assert table.returncode == 0 and "params/Dense_0/kernel" in table.stdout and "DP" in table.stdout
+    md = run_cli("inspect", str(out), "--format", "md")
+    assert md.returncode == 0 and "| params/Dense_0/kernel |" in md.stdout
+    html_out = out / "again.html"
+    html = run_cli("inspect", str(out), "--format", "html", "--output", str(html_out))
+    assert html.returncode == 0 and "<table" in html_out.read_text()
+    missing = run_cli("inspect", str(out / "nope"))
+    assert missing.returncode == 2 and "no report.json" in missing.stderr
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium package (apt-get install chromium)")
+def test_html_report_renders_in_headless_chromium(default_run, tmp_path):
+    out, _ = default_run
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
+           f"file://{out / 'report.html'}"]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert '<table class="params">' in dom and "params/Dense_0/kernel" in dom
+    widths = [int(w) for w in re.findall(r'data-rendered="(\d+)"', dom)]
+    assert widths and all(w > 100 for w in widths), "the plots must decode and lay out as images"
