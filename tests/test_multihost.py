@@ -1,0 +1,96 @@
+"""Training across hosts on the test bed: `ray job submit` from the head and from a worker, and the
+addresses the kit used (every JAX process's IP is its own host's; the coordinator is the head's)."""
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+_NODE_IPS = r"""
+import json, os, ray
+ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+print("NODES " + json.dumps(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
+"""
+
+_JOBS = {}  # submitting host -> (report, seconds, CompletedProcess): each job runs once per session
+
+
+def _submit(ray_cluster, host: str):
+    if host in _JOBS:
+        return _JOBS[host]
+    bed = ray_cluster.testbed
+    # /tmp outside /tmp/ray is the machine's /tmp, shared by every host: the driver (on the head
+    # under `ray job submit`) writes the report there and the test reads it from outside.
+    out = Path("/tmp") / ("akt-multihost-%s-%s" % (host, uuid.uuid4().hex[:8]))
+    t0 = time.monotonic()
+    p = bed.exec(host, "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
+                 ray_cluster.spec.ports["dashboard"]), "--",
+                 "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "5", "--devices", "2",
+                 "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--out", str(out),
+                 timeout=400, check=False)
+    seconds = time.monotonic() - t0
+    assert p.returncode == 0, "ray job submit from %s failed:\n%s\n%s" % (host, p.stdout[-5000:], p.stderr[-3000:])
+    report = json.loads((out / "report.json").read_text())
+    _JOBS[host] = (report, seconds, p)
+    return _JOBS[host]
+
+
+def _check_report(ray_cluster, report):
+    bed = ray_cluster.testbed
+    s = report["summary"]
+    assert s["devices"] == 6 and s["processes"] == 3 and s["hosts"] == 3
+    assert report["compiles"] == 1 and s["one_compile"] is True
+    assert report["strategy"] == "data" and report["steps"] == 5
+    coordinator = "%s:%d" % (ray_cluster.head_ip, ray_cluster.spec.jax_coordinator_port)
+    procs = sorted(report["processes"], key=lambda p: p["id"])
+    assert [p["id"] for p in procs] == [0, 1, 2]
+    assert procs[0]["ip"] == ray_cluster.head_ip  # process 0 (the coordinator) on the driver's node
+    for p in procs:
+        assert p["ip"] == bed.ips[p["host"]], p  # every process's IP is its own host's
+        assert p["coordinator"] == coordinator and p["count"] == 3 and len(p["local_devices"]) == 2
+    assert sorted(p["host"] for p in procs) == sorted(bed.ips)
+
+
+def test_job_submit_from_head(ray_cluster):
+    report, seconds, p = _submit(ray_cluster, "head")
+    _check_report(ray_cluster, report)
+    assert "succeeded" in p.stdout + p.stderr
+
+
+def test_job_submit_from_a_worker(ray_cluster):
+    report, seconds, p = _submit(ray_cluster, "w1")
+    _check_report(ray_cluster, report)
+
+
+def test_every_address_the_job_used_is_its_hosts_own(ray_cluster):
+    """The seed failure was a worker binding the head's IP (errno 99, asserted in test_testbed's
+    test_binding_another_hosts_ip_fails). Here, on a job that ran: the coordinator address is the
+    head's own IP and the spec's port, and every process's address is the IP of the host that served
+    it - none is another host's."""
+    report, _, _ = _submit(ray_cluster, "head")
+    bed = ray_cluster.testbed
+    coordinator_ip, port = report["processes"][0]["coordinator"].rsplit(":", 1)
+    assert coordinator_ip == bed.ips["head"] and int(port) == ray_cluster.spec.jax_coordinator_port
+    lo, hi = ray_cluster.spec.ranges["xla_grpc"]
+    assert lo <= int(port) <= hi  # inside the range the firewall opens
+    served = {p["host"]: p["ip"] for p in report["processes"]}
+    assert served == bed.ips
+    for host, ip in served.items():
+        # the address is really one of that host's own interfaces (bind works there) ...
+        code = "import socket; s = socket.socket(); s.bind((%r, 0)); print('ok')" % ip
+        assert bed.exec(host, "python", "-c", code).stdout.strip() == "ok"
+
+
+def test_head_with_mgmt_nic_joins_by_cluster_cidr_address(mgmt_cluster):
+    """The head's default route is on mgmt0 (192.168.77.x): Ray's own guess would pick that NIC. The kit
+    started it with select_node_ip(cidr), run inside the head: Ray's node IP is the 10.77.0.x address."""
+    bed = mgmt_cluster.testbed
+    head = bed.host("head")
+    assert head.mgmt_ip and "dev mgmt0" in bed.exec("head", "ip", "route", "show", "default").stdout
+    assert mgmt_cluster.head_node_ip == head.ip
+    p = bed.exec("head", "python", "-c", _NODE_IPS, env={"RAY_ADDRESS": mgmt_cluster.address}, timeout=120)
+    nodes = json.loads([x for x in p.stdout.splitlines() if x.startswith("NODES ")][-1][6:])
+    assert head.ip in nodes and head.mgmt_ip not in nodes
