@@ -34,7 +34,8 @@ def _train_parser(sub) -> None:
     ragged.add_argument("--pad-remainder", dest="remainder", action="store_const", const="pad",
                         help="pad a ragged last batch and mask it out of the loss")
     p.add_argument("--engine", help="auto | jax | alpa (auto: alpa when it imports, else jax)")
-    p.add_argument("--strategy", help="data | fsdp | tensor | auto")
+    p.add_argument("--strategy", help="jax: data | fsdp | tensor | auto; alpa: data | shard | pipeshard-manual | "
+                                      "pipeshard-auto")
     p.add_argument("--model-parallel", type=int, help="tensor: size of the model mesh axis")
     p.add_argument("--devices", type=int, help="CPU devices to emulate per process without an accelerator")
     p.add_argument("--processes", type=int, help="JAX processes, one per node (default: every alive node)")
@@ -47,6 +48,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", action="store_const", const=True, help="continue from the latest checkpoint in --out")
     p.add_argument("--auto-trial-steps", type=int, help="auto: timed steps per candidate")
     p.add_argument("--memory-limit-gb", type=float, help="auto: per-device memory budget")
+    p.add_argument("--micro-batches", type=int, help="alpa: num_micro_batches")
+    p.add_argument("--pipeline-stages", type=int, help="alpa pipeshard-manual: stages (default: one per node)")
+    p.add_argument("--pipeline-layers", type=int, help="alpa pipeshard-auto: AutoLayerOption layer_num")
+    p.add_argument("--plan-cache", help="alpa pipeshard-auto: folder to save/reuse the auto search result")
     for name in ("hidden-dim", "depth", "width", "num-layers", "d-model", "num-heads", "seq-len", "vocab-size"):
         p.add_argument(f"--{name}", type=int)
 

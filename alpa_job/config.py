@@ -14,7 +14,8 @@ from alpa_job.errors import KitError
 MODELS = ("mlp", "wide_resnet", "gpt")
 DATASETS = ("synthetic", "cifar10")
 ENGINES = ("auto", "jax", "alpa")
-STRATEGIES = ("data", "fsdp", "tensor", "auto")
+STRATEGIES = ("data", "fsdp", "tensor", "auto")  # --engine jax
+ALPA_STRATEGIES = ("data", "shard", "pipeshard-manual", "pipeshard-auto")  # --engine alpa
 DTYPES = ("float32", "bfloat16")
 REMAINDER_POLICIES = ("drop", "pad")
 
@@ -54,6 +55,11 @@ class JobConfig:
     auto_trial_steps: int = 3  # `auto`: timed steps per candidate
     memory_limit_gb: Optional[float] = None  # `auto`: per-device budget (None: the device's own)
     cluster_spec: Optional[str] = None  # path to a cluster spec YAML (default: the package's)
+    # Alpa engine only.
+    micro_batches: int = 1  # Alpa num_micro_batches (gradient accumulation / pipeline)
+    pipeline_stages: int = 0  # pipeshard-manual: stages (0: one per node, at least 2)
+    pipeline_layers: int = 0  # pipeshard-auto: AutoLayerOption(layer_num) (0: the model's layer count)
+    plan_cache: Optional[str] = None  # pipeshard-auto: folder that keeps/reuses the auto search result
 
     # Output and checkpoints.
     out: str = "runs/latest"
@@ -70,13 +76,15 @@ class JobConfig:
         _one_of("model", self.model, MODELS)
         _one_of("dataset", self.dataset, DATASETS)
         _one_of("engine", self.engine, ENGINES)
-        _one_of("strategy", self.strategy, STRATEGIES)
+        _one_of("strategy", self.strategy, tuple(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES)))
+        check_engine_strategy(self.engine, self.strategy)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("remainder", self.remainder, REMAINDER_POLICIES)
         for name in ("batch_size", "epochs", "num_samples", "devices", "hidden_dim", "d_model",
-                     "num_heads", "seq_len", "vocab_size", "num_layers", "width", "auto_trial_steps"):
+                     "num_heads", "seq_len", "vocab_size", "num_layers", "width", "auto_trial_steps",
+                     "micro_batches"):
             _positive(name, getattr(self, name))
-        for name in ("checkpoint_every", "processes", "model_parallel"):
+        for name in ("checkpoint_every", "processes", "model_parallel", "pipeline_stages", "pipeline_layers"):
             if getattr(self, name) < 0:
                 raise KitError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.steps is not None:
@@ -97,6 +105,17 @@ class JobConfig:
             # Resuming without saving again would silently lose the resumed progress.
             raise KitError("--resume needs --checkpoint-every N so the resumed run keeps saving")
         return self
+
+
+def check_engine_strategy(engine: str, strategy: str) -> None:
+    """Refuse a JAX strategy on the Alpa engine and an Alpa method on the JAX engine (`auto` engines
+    are checked again once resolved)."""
+    if engine == "jax" and strategy not in STRATEGIES:
+        raise KitError(f"--strategy {strategy} is an Alpa method; use --engine alpa, or with --engine jax one of: "
+                       f"{', '.join(STRATEGIES)}")
+    if engine == "alpa" and strategy not in ALPA_STRATEGIES:
+        raise KitError(f"--strategy {strategy} is a JAX-engine strategy; with --engine alpa use one of: "
+                       f"{', '.join(ALPA_STRATEGIES)}")
 
 
 def _flag(name: str) -> str:

@@ -5,6 +5,7 @@ import sys
 from typing import Any, Dict, List, Tuple
 
 from alpa_job.cluster.connect import NO_RAY, connect, resolve_address
+from alpa_job.config import check_engine_strategy
 from alpa_job.engines import resolve_engine
 from alpa_job.errors import KitError
 from alpa_job.report import build_report, write_report
@@ -21,11 +22,16 @@ def run_in_process(config, return_state: bool = False) -> Dict[str, Any]:
 
 def run_job(config) -> Tuple[Dict[str, Any], Dict[str, str]]:
     engine = resolve_engine(config.engine)
-    if engine == "alpa":
-        raise KitError("--engine alpa is not available in this build yet; use --engine jax")
+    check_engine_strategy(engine, config.strategy)
     address = resolve_address(config.address)
     results: List[Dict[str, Any]]
-    if address == NO_RAY:
+    if engine == "alpa":
+        if address == NO_RAY:
+            raise KitError("--engine alpa needs Ray (Alpa places its meshes with Ray); drop --address none")
+        from alpa_job.engines.alpa_engine import run_alpa
+
+        results = [run_alpa(config, address)]
+    elif address == NO_RAY:
         results = [run_in_process(config)]
     else:
         where = connect(address, engine)
