@@ -177,8 +177,13 @@ class SearchGuard:
 
 # ----------------------------------------------------------------------------- dump_debug_info
 def _worker_log_hint(err: BaseException) -> Tuple[Optional[str], str]:
+    """(node ip, log glob) of the failed Ray worker: RayTaskError's ip/pid attributes when present,
+    else its printed header `ray::MeshHostWorker.get_exec_hlo_text() (pid=123, ip=10.0.0.2, ...)`."""
     ip = getattr(err, "ip", None)
     pid = getattr(err, "pid", None)
+    m = re.search(r"\(pid=(\d+), ip=([0-9a-fA-F.:]+)", str(err))
+    if m:
+        pid, ip = pid or int(m.group(1)), ip or m.group(2).rstrip(",")
     pattern = WORKER_LOG_GLOB if not pid else f"/tmp/ray/session_latest/logs/worker-*-{pid}.err"
     return ip, pattern
 
