@@ -16,4 +16,5 @@ for _p in (REPO_ROOT, REPO_ROOT / "tests"):  # tests/: the fixture modules impor
 pytest_plugins = [
     "fixtures_testbed",  # testbed_factory, testbed, ray_cluster (multi-host test bed; needs root)
     "fixtures_multihost",  # mgmt_cluster (2 hosts with a management NIC), run_doctor helper
+    "fixtures_ssh",  # ssh_bed: sshd inside 3 test-bed hosts (Ansible over real SSH)
 ]
