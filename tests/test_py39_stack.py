@@ -1,0 +1,158 @@
+"""The package's non-engine code on the Alpa image's Python stack: Python 3.9 with Ray 2.1.0.
+
+A venv `.venv39-ray21` (repo root; reused when its stamp matches) gets the Alpa image's own hashed lock
+(requirements/image-alpa.txt: ray[default]==2.1.0, alpa==0.2.3, jax==0.3.22 source, flax 0.6.2, ...)
+installed exactly as docker/alpa/Dockerfile does (`--require-hashes --no-deps`), a metadata-only stand-in
+for Alpa's jaxlib 0.3.22+cuda113 (not downloadable here) so `pip check` proves the image's closure
+consistent, and pytest. Then, in a subprocess under that venv:
+- the test files that need no JAX (cluster spec, ray start argv, node IP, firewall, Alpa dump reader, HLO);
+- a real local Ray 2.1.0 cluster: ray.init(), a task pinned to the node, the doctor's pure checks.
+
+jax 0.3.22 cannot be imported here (jaxlib 0.3.22 is not on PyPI; its oldest is 0.4.13), so the models
+are not run on this venv: see docker/README.md for the closest installable stack that does run them.
+Skips when no Python 3.9 is found (pyenv's 3.9.18 on the CI machines).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV = os.path.join(REPO, ".venv39-ray21")
+LOCK = os.path.join(REPO, "requirements", "image-alpa.txt")
+# Test tools for Python 3.9 (requirements/dev.txt's pytest needs >= 3.10).
+PYTEST_PINS = ["pytest==8.3.5", "pluggy==1.5.0", "iniconfig==2.1.0", "exceptiongroup==1.3.0",
+               "tomli==2.2.1", "pytest-timeout==2.4.0", "packaging==24.2", "typing-extensions==4.12.2"]
+NO_JAX_TESTS = ["tests/test_cluster_spec.py", "tests/test_ray_start.py", "tests/test_node_ip.py",
+                "tests/test_firewall.py", "tests/test_alpa_dump.py", "tests/test_hlo.py"]
+JAXLIB_STANDIN = "0.3.22+cuda113.cudnn820"
+
+
+def find_python39():
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for cand in [shutil.which("python3.9")] + sorted(glob.glob(os.path.join(root, "versions", "3.9*", "bin", "python3.9"))):
+        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 9)"],
+                                   capture_output=True).returncode == 0:
+            return cand
+    return None
+
+
+def _pip(py, *args, timeout=1200):
+    cmd = [py, "-m", "pip", "--disable-pip-version-check", "install", "--quiet", *args]
+    if os.environ.get("PIP_CERT"):
+        cmd += ["--cert", os.environ["PIP_CERT"]]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, "pip %s failed:\n%s" % (" ".join(args[:6]), result.stderr[-4000:])
+
+
+def _standin_jaxlib(py):
+    """dist-info only: tells pip that Alpa's jaxlib is there (nothing can import it)."""
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    info = os.path.join(site, "jaxlib-%s.dist-info" % JAXLIB_STANDIN)
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: jaxlib\nVersion: %s\nRequires-Dist: scipy (>=1.5)\n"
+                "Requires-Dist: numpy (>=1.20)\nSummary: metadata-only stand-in for Alpa's CUDA jaxlib\n" % JAXLIB_STANDIN)
+    with open(os.path.join(info, "INSTALLER"), "w") as f:
+        f.write("alpa-cluster-kit-test\n")
+    with open(os.path.join(info, "RECORD"), "w") as f:
+        f.write("".join("jaxlib-%s.dist-info/%s,,\n" % (JAXLIB_STANDIN, n) for n in ("METADATA", "INSTALLER", "RECORD")))
+
+
+@pytest.fixture(scope="module")
+def py39():
+    base = find_python39()
+    if base is None:
+        pytest.skip("no Python 3.9 interpreter (python3.9 on PATH or pyenv's versions/3.9*): the Alpa image's Python")
+    stamp_text = open(LOCK).read() + repr(PYTEST_PINS) + JAXLIB_STANDIN
+    stamp = os.path.join(VENV, ".stamp-" + hashlib.sha256(stamp_text.encode()).hexdigest()[:16])
+    py = os.path.join(VENV, "bin", "python")
+    if not os.path.exists(stamp):
+        shutil.rmtree(VENV, ignore_errors=True)
+        subprocess.run([base, "-m", "venv", VENV], check=True)
+        _pip(py, "--isolated", "--require-hashes", "--no-deps", "--prefer-binary", "-r", LOCK)
+        _pip(py, "--isolated", "--no-deps", *PYTEST_PINS)
+        _standin_jaxlib(py)
+        open(stamp, "w").close()
+    return py
+
+
+def test_alpa_image_lock_is_consistent(py39):
+    """`pip check` over the Alpa image's lock + Alpa's jaxlib (stand-in): what the image build runs."""
+    result = subprocess.run([py39, "-m", "pip", "check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    versions = subprocess.run([py39, "-c", "import importlib.metadata as m; print(' '.join(m.version(p) for p in "
+                               "('ray', 'alpa', 'jax', 'flax', 'chex', 'optax', 'numpy')))"],
+                              capture_output=True, text=True, check=True).stdout.split()
+    from alpa_job.cluster.spec import load_spec
+
+    v = load_spec().versions
+    assert versions[:4] == [v["ray_legacy"], v["alpa"], v["jax_legacy"], v["flax_legacy"]]
+
+
+def test_non_engine_tests_pass_on_py39_ray21(py39):
+    env = {k: val for k, val in os.environ.items() if not k.startswith("PYTEST")}
+    result = subprocess.run([py39, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not testbed",
+                             *NO_JAX_TESTS], cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
+    tail = result.stdout[-6000:] + result.stderr[-3000:]
+    assert result.returncode == 0, tail
+    assert " passed" in result.stdout, tail
+
+
+RAY_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, os.environ["REPO"])
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from alpa_job.cluster import doctor
+    from alpa_job import versions
+
+    assert ray.__version__ == "2.1.0", ray.__version__
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        (node,) = [n for n in ray.nodes() if n["Alive"]]
+
+        @ray.remote
+        def where():
+            import socket
+            return ray.get_runtime_context().node_id.hex(), socket.gethostname()
+
+        pinned = where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+        node_id, _ = ray.get(pinned.remote(), timeout=120)
+        assert node_id == node["NodeID"], (node_id, node["NodeID"])
+        # The doctor's pure checks, on this node's real facts.
+        facts = ray.get(ray.remote(doctor.node_facts).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(), timeout=120)
+        ip = node["NodeManagerAddress"]
+        checks = doctor.check_node_ip("n1", ip, {"lo": [ip]}, "%s/32" % ip)
+        bad = doctor.check_node_ip("n1", ip, {"lo": [ip]}, "192.0.2.0/24")
+        skew = doctor.compare_versions({"a": {"ray": "2.1.0"}, "b": {"ray": "2.2.0"}})
+        same = doctor.compare_versions({"a": versions.collect(), "b": versions.collect()})
+        print(json.dumps({"facts": sorted(facts), "ok": [c["ok"] for c in checks], "bad": [c["ok"] for c in bad],
+                          "skew": [c["ok"] for c in skew], "same": [c["ok"] for c in same],
+                          "ray": versions.collect()["ray"]}))
+    finally:
+        ray.shutdown()
+""")
+
+
+def test_real_ray_210_cluster_and_doctor(py39):
+    import json
+
+    env = {**os.environ, "REPO": REPO, "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run([py39, "-c", RAY_SCRIPT], capture_output=True, text=True, timeout=600, env=env, cwd="/")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["ray"] == "2.1.0"
+    assert all(out["ok"]) and not all(out["bad"])
+    assert not all(out["skew"]) and all(out["same"])
