@@ -1,0 +1,216 @@
+"""`cd ansible && ansible-playbook site.yml` over real SSH against 3 test-bed hosts (ray_runtime: process).
+
+The controller runs inside the head host (the bridge has no IP in the root namespace), managing the
+head through SSH to its own IP like every other node. Order matters and is the file's order: the bad
+inventories first (nothing may be started by them), then the cluster up, doctor green, a job, the
+idempotent re-run, --check, and teardown.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+ANSIBLE_DIR = REPO / "ansible"
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+RECAP = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+
+
+def recap(out: str) -> dict:
+    return {m[0]: {"ok": int(m[1]), "changed": int(m[2]), "unreachable": int(m[3]), "failed": int(m[4])}
+            for m in RECAP.findall(out)}
+
+
+class Ansible:
+    """Writes inventories for the ssh bed and runs ansible-playbook inside the head host."""
+
+    def __init__(self, sb):
+        self.sb = sb
+        self.bed = sb.testbed
+        self.work = self.bed.state_dir / "ansible"
+        self.work.mkdir(exist_ok=True)
+        self.token_file = self.work / "ray_auth_token"
+
+    def host_vars(self, name: str, ip: str) -> dict:
+        etc = self.bed.host_dir(name) if name in self.bed.ips else self.work / name
+        return {
+            "ansible_host": ip,
+            # The hosts share the machine's filesystem: every node gets its own /etc-like paths.
+            "alpa_kit_config_dir": str(etc / "etc" / "alpa-kit"),
+            "ray_node_prep_sysctl_file": str(etc / "etc" / "sysctl.d" / "90-alpa-kit.conf"),
+            "ray_node_prep_limits_file": str(etc / "etc" / "limits.d" / "90-alpa-kit.conf"),
+        }
+
+    def inventory(self, name: str, heads, workers, group_vars: dict = None) -> Path:
+        d = self.work / name
+        d.mkdir(exist_ok=True)
+        vars_ = {
+            "ansible_user": "root",
+            "ansible_ssh_private_key_file": str(self.sb.key),
+            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
+                                       "-o ConnectTimeout=3",
+            "ansible_python_interpreter": str(VENV_PYTHON),
+            "ray_runtime": "process",
+            "ray_cluster_python": str(VENV_PYTHON),
+            "ray_cluster_python_manage": False,
+            "ray_cluster_num_cpus": 2,
+            "ray_cluster_object_store_memory": 200_000_000,
+            "ray_cluster_env_extra": {"PYTHONPATH": str(REPO)},
+            "ray_cluster_auth_token_file": str(self.token_file),
+        }
+
+        def hosts(pairs):
+            return {n: self.host_vars(n, ip) for n, ip in pairs}
+
+        children = {"ray_head": {"hosts": hosts(heads) or None}, "ray_workers": {"hosts": hosts(workers) or None}}
+        inv = {"ray_cluster": {"children": children, "vars": vars_}}
+        path = d / "hosts.yml"
+        path.write_text(yaml.safe_dump(inv, sort_keys=False))
+        if group_vars:  # inventory group_vars/<group>.yml beat the playbook's group_vars/all.yml
+            (d / "group_vars").mkdir(exist_ok=True)
+            (d / "group_vars" / "ray_cluster.yml").write_text(yaml.safe_dump(group_vars))
+        return path
+
+    def good_inventory(self) -> Path:
+        ips = self.bed.ips
+        return self.inventory("good", [("head", ips["head"])], [(n, ips[n]) for n in ("w1", "w2")])
+
+    def run(self, playbook: str, inventory: Path, *extra, timeout: float = 500):
+        t0 = time.monotonic()
+        p = self.bed.exec("head", "ansible-playbook", "-i", str(inventory), playbook, *extra, cwd=str(ANSIBLE_DIR),
+                          timeout=timeout, check=False,
+                          env={"ANSIBLE_HOME": str(self.work / "home"), "ANSIBLE_FORCE_COLOR": "0",
+                               "ANSIBLE_NOCOLOR": "1"})
+        return p, time.monotonic() - t0
+
+    def ray_processes(self) -> dict:
+        out = {}
+        for h in self.bed.hosts:
+            p = self.bed.exec(h.name, "pgrep", "-a", "-x", "raylet|gcs_server", check=False)
+            out[h.name] = p.stdout.strip()
+        return out
+
+    def nft_tables(self) -> dict:
+        return {h.name: self.bed.exec(h.name, "nft", "list", "tables").stdout for h in self.bed.hosts}
+
+
+@pytest.fixture(scope="module")
+def ansible(ssh_bed):
+    pytest.importorskip("ansible")
+    return Ansible(ssh_bed)
+
+
+_STATE = {}
+
+
+def _site(ansible):
+    if "site" not in _STATE:
+        _STATE["site"] = ansible.run("site.yml", ansible.good_inventory())
+    return _STATE["site"]
+
+
+def _bad(ansible, name):
+    ips = ansible.bed.ips
+    workers = [(n, ips[n]) for n in ("w1", "w2")]
+    if name == "no_head":
+        return ansible.inventory(name, [], workers), r"group ray_head must hold exactly one host.*it holds 0"
+    if name == "two_heads":
+        return (ansible.inventory(name, [("head", ips["head"]), ("w1", ips["w1"])], [("w2", ips["w2"])]),
+                r"group ray_head must hold exactly one host.*it holds 2: head, w1")
+    if name == "no_address_in_cidr":  # the user's CIDR holds the head (10.77.0.1) only
+        return (ansible.inventory(name, [("head", ips["head"])], workers,
+                                  group_vars={"alpa_kit_cluster_cidr": "10.77.0.0/31"}),
+                r"host w1: no interface of this host has an address in cluster CIDR 10\.77\.0\.0/31 "
+                r"\(found: .*eth0=10\.77\.0\.2")
+    if name == "unreachable":  # nobody owns 10.77.0.9
+        return (ansible.inventory(name, [("head", ips["head"])], workers + [("w9", "10.77.0.9")]),
+                r"UNREACHABLE!.*\n?.*(?:10\.77\.0\.9|w9)")
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("mistake", ["no_head", "two_heads", "no_address_in_cidr", "unreachable"])
+def test_inventory_mistakes_fail_early(ansible, mistake):
+    inventory, message = _bad(ansible, mistake)
+    p, seconds = ansible.run("site.yml", inventory, timeout=180)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert re.search(message, out), out[-4000:]
+    counts = recap(p.stdout)
+    assert all(c["changed"] == 0 for c in counts.values()), counts  # failed before touching anything
+    assert "Start the Ray head" not in p.stdout
+    assert not any(ansible.ray_processes().values())
+    assert seconds < 60, seconds
+
+
+def test_site_brings_the_cluster_up_and_the_doctor_is_green(ansible):
+    p, seconds = _site(ansible)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    counts = recap(p.stdout)
+    assert set(counts) == {"localhost", "head", "w1", "w2"}
+    assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), counts
+    assert re.search(r"doctor: 10\.77\.0\.1:6379 .*: OK", p.stdout), p.stdout[-4000:]
+    assert "3 alive node(s): 10.77.0.1, 10.77.0.2, 10.77.0.3" in p.stdout
+    procs = ansible.ray_processes()
+    assert "gcs_server" in procs["head"] and all("raylet" in procs[h] for h in ("head", "w1", "w2")), procs
+    for h in ansible.bed.hosts:  # the daemons outlived the tasks (no ssh -tt); our table is loaded
+        assert "table inet alpa_kit" in ansible.nft_tables()[h.name]
+    print("site.yml (cold, 3 hosts): %.1f s" % seconds)
+
+
+def test_a_job_runs_on_the_cluster(ansible):
+    p, _ = _site(ansible)
+    assert p.returncode == 0
+    bed = ansible.bed
+    spec = bed.host_dir("head") / "etc" / "alpa-kit" / "cluster.yaml"
+    out = Path("/tmp") / ("akt-ansible-job-%s" % uuid.uuid4().hex[:8])
+    token = ansible.token_file.read_text().strip()
+    job = bed.exec("head", "ray", "job", "submit", "--address", "http://%s:8265" % bed.ips["head"], "--",
+                   "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "3", "--devices", "2",
+                   "--batch-size", "96", "--cluster-spec", str(spec), "--out", str(out),
+                   env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, timeout=400, check=False)
+    assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 3
+    assert report["summary"]["hosts"] == 3 and report["summary"]["processes"] == 3
+    assert sorted(x["ip"] for x in report["processes"]) == sorted(bed.ips.values())
+
+
+def test_second_run_changes_nothing(ansible):
+    assert _site(ansible)[0].returncode == 0
+    p, seconds = ansible.run("site.yml", ansible.good_inventory())
+    assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
+    counts = recap(p.stdout)
+    assert set(counts) == {"localhost", "head", "w1", "w2"}
+    assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, \
+        p.stdout[-8000:]
+    print("site.yml (idempotent re-run): %.1f s" % seconds)
+
+
+def test_check_mode_on_a_running_cluster_changes_nothing(ansible):
+    assert _site(ansible)[0].returncode == 0
+    before = ansible.ray_processes()
+    p, _ = ansible.run("site.yml", ansible.good_inventory(), "--check")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
+    assert all(c["changed"] == 0 for c in recap(p.stdout).values()), p.stdout[-6000:]
+    assert ansible.ray_processes() == before  # same PIDs: nothing restarted
+
+
+def test_teardown_leaves_the_hosts_clean(ansible):
+    assert _site(ansible)[0].returncode == 0
+    p, _ = ansible.run("teardown.yml", ansible.good_inventory())
+    assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
+    assert ansible.ray_processes() == {"head": "", "w1": "", "w2": ""}
+    for name, tables in ansible.nft_tables().items():
+        assert "alpa_kit" not in tables, (name, tables)
+    # a second teardown finds nothing to do
+    p2, _ = ansible.run("teardown.yml", ansible.good_inventory())
+    assert p2.returncode == 0 and all(c["changed"] == 0 for c in recap(p2.stdout).values()), p2.stdout[-4000:]
