@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical
@@ -17,6 +18,23 @@ def _layer_norm(dtype: Any) -> nn.LayerNorm:
         scale_init=logical(nn.initializers.ones_init(), (EMBED,)),
         bias_init=logical(nn.initializers.zeros_init(), (EMBED,)),
     )
+
+
+def causal_attention(q, k, v):
+    """Causal softmax attention over [batch, seq, heads, head_dim].
+
+    jax.nn.dot_product_attention lets XLA pick a fused kernel (cuDNN flash attention on GPUs);
+    jax 0.3.22 (the Alpa image) lacks it, so the plain einsum form is the fallback.
+    """
+    fused = getattr(jax.nn, "dot_product_attention", None)
+    if fused is not None:
+        return fused(q, k, v, is_causal=True)
+    seq, head_dim = q.shape[1], q.shape[-1]
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    weights = nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 class CausalSelfAttention(nn.Module):
@@ -33,12 +51,7 @@ class CausalSelfAttention(nn.Module):
             bias_init=logical(nn.initializers.zeros_init(), (None, HEADS, KV)),
         )(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        seq = x.shape[1]
-        mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(self.dtype)
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        weights = nn.softmax(scores.astype(jnp.float32), axis=-1).astype(self.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        out = causal_attention(q, k, v)
         return nn.DenseGeneral(
             d_model, axis=(-2, -1), dtype=self.dtype, name="out",
             kernel_init=logical(_normal, (HEADS, KV, EMBED)),
