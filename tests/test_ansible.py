@@ -132,7 +132,7 @@ def _bad(ansible, name):
                 r"\(found: .*eth0=10\.77\.0\.2")
     if name == "unreachable":  # nobody owns 10.77.0.9
         return (ansible.inventory(name, [("head", ips["head"])], workers + [("w9", "10.77.0.9")]),
-                r"UNREACHABLE!.*\n?.*(?:10\.77\.0\.9|w9)")
+                r"fatal: \[w9\]: UNREACHABLE!(.|\n)*inventory: unreachable w9")
     raise AssertionError(name)
 
 
