@@ -395,3 +395,28 @@ def test_hadolint_can_fail(tmp_path):
     assert problems and "DL3008" in problems[0] and "DL3015" in problems[0], problems
     sneaky = _mutate(tmp_path, ALPA_DF, "Dockerfile2", "RUN rm -f", "# hadolint ignore=DL3008\nRUN rm -f")
     assert any("without a recorded reason" in p for p in check_hadolint(sneaky, "docker/alpa/Dockerfile"))
+
+
+def test_ansible_and_k8s_use_the_spec_tags(spec):
+    """The tags build-images produces are the ones the nodes and pods run (their own tests hold every
+    other value to cluster.yaml; this pins the image/versions link from the images' side)."""
+    import yaml
+
+    group_vars = os.path.join(REPO, "ansible", "group_vars", "all.yml")
+    if os.path.exists(group_vars):
+        with open(group_vars) as f:
+            gv = yaml.safe_load(f)
+        assert gv["alpa_kit_images"] == dict(spec.images)
+        assert gv["alpa_kit_versions"] == dict(spec.versions)
+    used = set()
+    for root, _dirs, files in os.walk(os.path.join(REPO, "k8s")):
+        for name in files:
+            path = os.path.join(root, name)
+            if name.endswith((".yaml", ".yml")):
+                used.update(re.findall(r"^\s*(?:-\s*)?image:\s*[\"']?([^\s\"'#]+)", _read(path), flags=re.M))
+            if name == "kustomization.yaml":  # overlays retag with images: [{name, newName, newTag}]
+                with open(path) as f:
+                    for entry in (yaml.safe_load(f) or {}).get("images", []):
+                        used.add("%s:%s" % (entry.get("newName", entry["name"]), entry["newTag"]))
+    assert used, "no image: lines found under k8s/"
+    assert used <= set(spec.images.values()), sorted(used - set(spec.images.values()))

@@ -9,7 +9,9 @@ consistent, and pytest. Then, in a subprocess under that venv:
 - a real local Ray 2.1.0 cluster: ray.init(), a task pinned to the node, the doctor's pure checks.
 
 jax 0.3.22 cannot be imported here (jaxlib 0.3.22 is not on PyPI; its oldest is 0.4.13), so the models
-are not run on this venv: see docker/README.md for the closest installable stack that does run them.
+run in a second venv, `.venv39-models`, on the closest installable stack
+(docker/alpa/requirements-py39-models.txt: jax/jaxlib 0.4.13, flax 0.7.2, optax 0.2.1, Python 3.9):
+flax 0.6.2 itself (Alpa's pin) fails on `nn.initializers.zeros_init`, which it does not have.
 Skips when no Python 3.9 is found (pyenv's 3.9.18 on the CI machines).
 """
 from __future__ import annotations
@@ -35,6 +37,8 @@ PYTEST_PINS = ["pytest==8.3.5", "pluggy==1.5.0", "iniconfig==2.1.0", "exceptiong
 NO_JAX_TESTS = ["tests/test_cluster_spec.py", "tests/test_ray_start.py", "tests/test_node_ip.py",
                 "tests/test_firewall.py", "tests/test_alpa_dump.py", "tests/test_hlo.py"]
 JAXLIB_STANDIN = "0.3.22+cuda113.cudnn820"
+MODELS_VENV = os.path.join(REPO, ".venv39-models")
+MODELS_PINS = os.path.join(REPO, "docker", "alpa", "requirements-py39-models.txt")
 
 
 def find_python39():
@@ -156,3 +160,29 @@ def test_real_ray_210_cluster_and_doctor(py39):
     assert out["ray"] == "2.1.0"
     assert all(out["ok"]) and not all(out["bad"])
     assert not all(out["skew"]) and all(out["same"])
+
+
+@pytest.fixture(scope="module")
+def py39_models():
+    base = find_python39()
+    if base is None:
+        pytest.skip("no Python 3.9 interpreter (python3.9 on PATH or pyenv's versions/3.9*)")
+    stamp = os.path.join(MODELS_VENV, ".stamp-" + hashlib.sha256(open(MODELS_PINS, "rb").read()).hexdigest()[:16])
+    py = os.path.join(MODELS_VENV, "bin", "python")
+    if not os.path.exists(stamp):
+        shutil.rmtree(MODELS_VENV, ignore_errors=True)
+        subprocess.run([base, "-m", "venv", MODELS_VENV], check=True)
+        _pip(py, "--isolated", "--no-deps", "--only-binary=:all:", "-r", MODELS_PINS)
+        open(stamp, "w").close()
+    return py
+
+
+@pytest.mark.parametrize("model", ["mlp", "wide_resnet", "gpt"])
+def test_models_train_on_py39(py39_models, model, tmp_path):
+    """Every model, in-process on 2 emulated devices, on Python 3.9 with jax 0.4.13 / flax 0.7.2."""
+    env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = subprocess.run([py39_models, "-m", "alpa_job", "train", "--model", model, "--steps", "3",
+                             "--address", "none", "--devices", "2", "--out", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "3 steps, 1 compile" in result.stdout + result.stderr
