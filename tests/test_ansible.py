@@ -174,7 +174,8 @@ def test_a_job_runs_on_the_cluster(ansible):
     out = Path("/tmp") / ("akt-ansible-job-%s" % uuid.uuid4().hex[:8])
     token = ansible.token_file.read_text().strip()
     job = bed.exec("head", "ray", "job", "submit", "--address", "http://%s:8265" % bed.ips["head"], "--",
-                   "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "3", "--devices", "2",
+                   # the venv's python by path: a bare `python` in the job's shell found one without ray
+                   str(VENV_PYTHON), "-m", "alpa_job", "train", "--model", "mlp", "--steps", "3", "--devices", "2",
                    "--batch-size", "96", "--cluster-spec", str(spec), "--out", str(out),
                    env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, timeout=400, check=False)
     assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-3000:]
