@@ -241,10 +241,13 @@ def check_jax(dockerfile, lock, cuda_lock, modern_txt, spec):
     for name in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
         if cuda_pins.get(name, (None,))[0] != v["jax_modern"]:
             problems.append("%s: %s != jax %s" % (os.path.basename(cuda_lock), name, v["jax_modern"]))
-    runtime = cuda_pins.get("nvidia-cuda-runtime-cu12", (None,))[0]
-    major = v["cuda_modern"].split(".")[0]
-    if not runtime or runtime.split(".")[0] != major:
-        problems.append("nvidia-cuda-runtime-cu12 %s is not CUDA %s (versions.cuda_modern)" % (runtime, major))
+    # NVIDIA's wheels whose version IS the CUDA version: all of them the toolkit cluster.yaml names.
+    cuda = ".".join(v["cuda_modern"].split(".")[:2])
+    for name in ("nvidia-cuda-runtime-cu12", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-cupti-cu12",
+                 "nvidia-cuda-nvrtc-cu12", "nvidia-nvjitlink-cu12", "nvidia-cublas-cu12"):
+        got = cuda_pins.get(name, (None,))[0]
+        if not got or ".".join(got.split(".")[:2]) != cuda:
+            problems.append("%s %s is not CUDA %s (versions.cuda_modern)" % (name, got, cuda))
     overlap = set(pins) & set(cuda_pins)
     if overlap:
         problems.append("both locks pin %s" % sorted(overlap))
@@ -385,6 +388,9 @@ def test_jax_lock_check_catches_drift_from_cluster_yaml(tmp_path, spec):
     moved = dataclasses.replace(spec, versions={**spec.versions, "jax_modern": "0.10.3"})
     problems = check_jax(JAX_DF, JAX_LOCK, JAX_CUDA_LOCK, MODERN_TXT, moved)
     assert any("jax==0.10.2, want 0.10.3" in p for p in problems), problems
+    moved = dataclasses.replace(spec, versions={**spec.versions, "cuda_modern": "12.9.1"})
+    problems = check_jax(JAX_DF, JAX_LOCK, JAX_CUDA_LOCK, MODERN_TXT, moved)
+    assert any("nvidia-cuda-runtime-cu12 12.8.90 is not CUDA 12.9" in p for p in problems), problems
     moved = dataclasses.replace(spec, images={**spec.images, "alpa": "alpa-cluster-kit/alpa:0.2.2-cuda11.3-py3.9"})
     assert check_tags(moved) == ["images.alpa 'alpa-cluster-kit/alpa:0.2.2-cuda11.3-py3.9' lacks 'alpa:0.2.3'"]
 

@@ -33,7 +33,7 @@ VENV = os.path.join(REPO, ".venv39-ray21")
 LOCK = os.path.join(REPO, "requirements", "image-alpa.txt")
 # Test tools for Python 3.9 (requirements/dev.txt's pytest needs >= 3.10).
 PYTEST_PINS = ["pytest==8.3.5", "pluggy==1.5.0", "iniconfig==2.1.0", "exceptiongroup==1.3.0",
-               "tomli==2.2.1", "pytest-timeout==2.4.0", "packaging==24.2", "typing-extensions==4.12.2"]
+               "tomli==2.2.1", "pytest-timeout==2.4.0"]  # packaging, typing-extensions: from the lock
 NO_JAX_TESTS = ["tests/test_cluster_spec.py", "tests/test_ray_start.py", "tests/test_node_ip.py",
                 "tests/test_firewall.py", "tests/test_alpa_dump.py", "tests/test_hlo.py"]
 JAXLIB_STANDIN = "0.3.22+cuda113.cudnn820"
@@ -172,7 +172,7 @@ def py39_models():
     if not os.path.exists(stamp):
         shutil.rmtree(MODELS_VENV, ignore_errors=True)
         subprocess.run([base, "-m", "venv", MODELS_VENV], check=True)
-        _pip(py, "--isolated", "--no-deps", "--only-binary=:all:", "-r", MODELS_PINS)
+        _pip(py, "--isolated", "--no-deps", "--prefer-binary", "-r", MODELS_PINS)  # jax 0.4.13: sdist only
         open(stamp, "w").close()
     return py
 
