@@ -195,8 +195,16 @@ def check_alpa(dockerfile, lock, spec):
     if "jaxlib" in pins:
         problems.append("%s pins jaxlib: Alpa's CUDA jaxlib is not on PyPI; it is installed by version + index" % os.path.basename(lock))
     problems += ["%s: %s has no sha256" % (os.path.basename(lock), n) for n, (_, h) in pins.items() if not h]
-    if "--require-hashes" not in " ".join(instructions(df, "RUN")):
-        problems.append("pip does not install the lock with --require-hashes")
+    runs = " ".join(instructions(df, "RUN"))
+    if "--require-hashes" not in runs or "pip check" not in runs:
+        problems.append("pip does not install the lock with --require-hashes and `pip check` it")
+    # Ubuntu 20.04's venv pip (20.0.2) cannot read manylinux_2_24+ tags: a hashed newer pip goes first.
+    pip_lock = os.path.join(os.path.dirname(lock), "image-alpa-pip.txt")
+    if runs.find("image-alpa-pip.txt") < 0 or runs.find("image-alpa-pip.txt") > runs.find("image-alpa.txt"):
+        problems.append("the image must upgrade pip from image-alpa-pip.txt before installing the lock")
+    pip_pin = lock_pins(pip_lock).get("pip") if os.path.exists(pip_lock) else None
+    if not pip_pin or not pip_pin[1] or tuple(int(x) for x in pip_pin[0].split(".")[:2]) < (20, 3):
+        problems.append("image-alpa-pip.txt must pin a hashed pip >= 20.3 (PEP 600 tags)")
     return problems
 
 
@@ -354,6 +362,7 @@ def _mutate(tmp_path, src, name, old, new):
     ("cudnn8-devel-ubuntu20.04", "cudnn8-runtime-ubuntu20.04", "devel"),
     ("ARG JAXLIB_VERSION=0.3.22+cuda113.cudnn820", "ARG JAXLIB_VERSION=0.3.15+cuda113.cudnn820", "JAXLIB_VERSION"),
     ("USER 1000:1000", "USER root", "non-root"),
+    ("-r /tmp/requirements/image-alpa-pip.txt", "pip", "upgrade pip"),
 ])
 def test_alpa_check_catches(tmp_path, spec, old, new, expect):
     mutated = _mutate(tmp_path, ALPA_DF, "Dockerfile", old, new)
