@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(REPO, ".venv39-ray21")
 LOCK = os.path.join(REPO, "requirements", "image-alpa.txt")
+PIP_LOCK = os.path.join(REPO, "requirements", "image-alpa-pip.txt")
 # Test tools for Python 3.9 (requirements/dev.txt's pytest needs >= 3.10).
 PYTEST_PINS = ["pytest==8.3.5", "pluggy==1.5.0", "iniconfig==2.1.0", "exceptiongroup==1.3.0",
                "tomli==2.2.1", "pytest-timeout==2.4.0"]  # packaging, typing-extensions: from the lock
@@ -78,13 +79,15 @@ def py39():
     base = find_python39()
     if base is None:
         pytest.skip("no Python 3.9 interpreter (python3.9 on PATH or pyenv's versions/3.9*): the Alpa image's Python")
-    stamp_text = open(LOCK).read() + repr(PYTEST_PINS) + JAXLIB_STANDIN
+    stamp_text = open(LOCK).read() + open(PIP_LOCK).read() + repr(PYTEST_PINS) + JAXLIB_STANDIN
     stamp = os.path.join(VENV, ".stamp-" + hashlib.sha256(stamp_text.encode()).hexdigest()[:16])
     py = os.path.join(VENV, "bin", "python")
     if not os.path.exists(stamp):
         shutil.rmtree(VENV, ignore_errors=True)
         subprocess.run([base, "-m", "venv", VENV], check=True)
-        _pip(py, "--isolated", "--require-hashes", "--no-deps", "--prefer-binary", "-r", LOCK)
+        # As docker/alpa/Dockerfile does: pip + build backend first, then the lock (sdists built in place).
+        _pip(py, "--isolated", "--require-hashes", "--no-deps", "-r", PIP_LOCK)
+        _pip(py, "--isolated", "--require-hashes", "--no-deps", "--prefer-binary", "--no-build-isolation", "-r", LOCK)
         _pip(py, "--isolated", "--no-deps", *PYTEST_PINS)
         _standin_jaxlib(py)
         open(stamp, "w").close()
@@ -153,7 +156,7 @@ RAY_SCRIPT = textwrap.dedent("""
 def test_real_ray_210_cluster_and_doctor(py39):
     import json
 
-    env = {**os.environ, "REPO": REPO, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "REPO": REPO, "PYTHONPATH": REPO, "RAY_USAGE_STATS_ENABLED": "0"}  # workers import alpa_job too
     result = subprocess.run([py39, "-c", RAY_SCRIPT], capture_output=True, text=True, timeout=600, env=env, cwd="/")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
