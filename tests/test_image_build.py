@@ -158,3 +158,104 @@ def test_cpu_image_size(podman_env, cpu_image):
     size = int(result.stdout.strip())
     _log("image size: %.2f GB" % (size / 1e9))
     assert size < 2.0e9, "the CPU image grew to %.2f GB (no CUDA, no caches expected)" % (size / 1e9)
+
+
+# ------------------------------------------- the Alpa image's recipe on Ubuntu 20.04 (without CUDA)
+
+FOCAL = "localhost/ubuntu:focal"
+UBUNTU_MIRROR = "http://archive.ubuntu.com/ubuntu"
+
+
+def alpa_recipe_without_cuda(text):
+    """docker/alpa/Dockerfile with ONLY what cannot exist here swapped out: the nvidia/cuda base (-> an
+    Ubuntu 20.04 debootstrap base with the same apt sources), NCCL (comes with that base) and Alpa's
+    CUDA jaxlib (-> a metadata-only stand-in of the same version, so `pip check` and the version guard
+    run). Every other line -- apt pins, pip bootstrap, hashed lock, guard, layout -- is the real one."""
+    def swap(old, new, count=1):
+        nonlocal text
+        assert text.count(old) == count, "docker/alpa/Dockerfile changed; update this test: %r" % old
+        text = text.replace(old, new)
+
+    swap("FROM nvidia/cuda:11.3.1-cudnn8-devel-ubuntu20.04\n",
+         "FROM %s\nRUN printf 'deb %s focal main universe\\ndeb %s focal-updates main universe\\n"
+         "deb %s focal-security main universe\\n' > /etc/apt/sources.list \\\n"
+         " && apt-get update && apt-get install -y --no-install-recommends ca-certificates"
+         " && rm -rf /var/lib/apt/lists/*\n" % ((FOCAL,) + (UBUNTU_MIRROR,) * 3))
+    swap('      "libnccl2=${NCCL_PACKAGE_VERSION}" "libnccl-dev=${NCCL_PACKAGE_VERSION}" \\\n', "")
+    swap(" && apt-mark hold libnccl2 libnccl-dev \\\n", "")
+    swap(" && test \"$(dpkg-query -W -f '${Version}' libnccl2)\" = \"${NCCL_PACKAGE_VERSION}\" \\\n", "")
+    start = text.index(" && mkdir /tmp/jaxlib \\\n")
+    end_marker = ' && /opt/venv/bin/pip install --no-cache-dir --no-deps "${whl}" \\\n'
+    end = text.index(end_marker) + len(end_marker)
+    standin = ("/opt/venv/lib/python3.9/site-packages/jaxlib-${JAXLIB_VERSION}.dist-info")
+    text = text[:start] + (
+        " && mkdir -p %s \\\n"
+        " && printf 'Metadata-Version: 2.1\\nName: jaxlib\\nVersion: %%s\\nRequires-Dist: scipy (>=1.5)\\n"
+        "Requires-Dist: numpy (>=1.20)\\n' \"${JAXLIB_VERSION}\" > %s/METADATA \\\n"
+        " && echo stand-in > %s/INSTALLER && touch %s/RECORD \\\n" % ((standin,) * 4)) + text[end:]
+    return text
+
+
+@pytest.fixture(scope="session")
+def focal_base(podman_env):
+    exists, _ = _run(["podman", "image", "exists", FOCAL], 60, env=podman_env)
+    if exists.returncode == 0:
+        return FOCAL
+    probe, _ = _run(["curl", "-sSf", "-o", "/dev/null", "-m", "20", UBUNTU_MIRROR + "/dists/focal/Release"], 60)
+    if probe.returncode != 0:
+        pytest.skip("Ubuntu's archive (%s) is not reachable: %s" % (UBUNTU_MIRROR, probe.stderr.strip()))
+    cache = os.environ.get("ALPA_KIT_IMAGE_CACHE", "/var/tmp/alpa-cluster-kit-images")
+    rootfs = os.path.join(cache, "rootfs-focal")
+    shutil.rmtree(rootfs, ignore_errors=True)
+    # Debian's debootstrap has the focal script; Ubuntu's archive key is not in Debian's keyring.
+    result, took = _run(["debootstrap", "--no-check-gpg", "--variant=minbase", "--components=main,universe",
+                         "focal", rootfs, UBUNTU_MIRROR], 900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    _log("debootstrap focal: %.0f s" % took)
+    tar = subprocess.Popen(["tar", "-C", rootfs, "--exclude=./var/cache/apt/archives/*.deb", "-c", "."],
+                           stdout=subprocess.PIPE)
+    result = subprocess.run(["podman", "import", "-", FOCAL], stdin=tar.stdout, capture_output=True, text=True,
+                            timeout=300, env=podman_env)
+    tar.wait()
+    assert result.returncode == 0, result.stderr
+    shutil.rmtree(rootfs, ignore_errors=True)
+    return FOCAL
+
+
+def test_alpa_image_recipe_builds_on_ubuntu_2004(podman_env, focal_base, tmp_path):
+    """The Alpa Dockerfile's real apt pins, pip bootstrap, hashed lock (2 sdists built offline from
+    hashed setuptools/wheel), `pip check`, version guard and layout, on Ubuntu 20.04 -- only CUDA, NCCL
+    and Alpa's jaxlib (metadata stand-in) are not the real ones. Then Ray 2.1.0 starts in it."""
+    with open(os.path.join(REPO, "docker", "alpa", "Dockerfile")) as f:
+        derived = alpa_recipe_without_cuda(f.read())
+    dockerfile = tmp_path / "Dockerfile.alpa-nocuda"
+    dockerfile.write_text(derived)
+    tag = "localhost/alpa-cluster-kit-test/alpa-recipe:nocuda"
+    env = {**podman_env}
+    cmd = ["buildah", "bud", "--format", "docker", "--isolation", "chroot", "--network", "host", "--layers",
+           "--pull=never", "-t", tag, "-f", str(dockerfile)]
+    if env.get("PIP_CERT"):
+        cmd += ["-v", "%s:/etc/host-ca/ca.crt:ro" % env["PIP_CERT"], "--build-arg", "PIP_CERT=/etc/host-ca/ca.crt"]
+    # The same minimal context scripts/build-images makes.
+    ctx = tmp_path / "ctx"
+    os.makedirs(ctx / "requirements")
+    os.makedirs(ctx / "docker")
+    for name in os.listdir(os.path.join(REPO, "requirements")):
+        if name.startswith("image-"):
+            shutil.copy(os.path.join(REPO, "requirements", name), ctx / "requirements" / name)
+    shutil.copytree(os.path.join(REPO, "docker", "common"), ctx / "docker" / "common")
+    shutil.copytree(os.path.join(REPO, "alpa_job"), ctx / "alpa_job", ignore=shutil.ignore_patterns("__pycache__"))
+    result, took = _run(cmd + [str(ctx)], 1500, env=env)
+    _log("alpa recipe build (ubuntu 20.04, no CUDA): %.0f s" % took)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    script = ("set -e; echo \"uid=$(id -u)\"; echo \"c=$(command -v python)\"; echo \"ray=$(ray --version)\"; "
+              "command -v cbc tini wget >/dev/null && echo tools=ok; "
+              "python -c 'import ray; ray.init(num_cpus=1, include_dashboard=False); "
+              "print(\"task=%d\" % ray.get(ray.remote(lambda: 7).remote()))'")
+    result, _ = _podman_run(env, tag, "bash", "-c", script)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    assert got["uid"] == "1000" and got["c"] == "/opt/venv/bin/python" and got["tools"] == "ok"
+    assert got["ray"] == "ray, version %s" % load_spec().versions["ray_legacy"]
+    assert got["task"] == "7"
+    _run(["podman", "rmi", "-f", tag], 120, env=env)

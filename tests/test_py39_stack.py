@@ -142,7 +142,8 @@ RAY_SCRIPT = textwrap.dedent("""
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(), timeout=120)
         ip = node["NodeManagerAddress"]
         checks = doctor.check_node_ip("n1", ip, {"lo": [ip]}, "%s/32" % ip)
-        bad = doctor.check_node_ip("n1", ip, {"lo": [ip]}, "192.0.2.0/24")
+        other = "127.0.0.0/8" if not ip.startswith("127.") else "10.0.0.0/8"  # a CIDR the node is NOT in
+        bad = doctor.check_node_ip("n1", ip, {"lo": [ip]}, other)
         skew = doctor.compare_versions({"a": {"ray": "2.1.0"}, "b": {"ray": "2.2.0"}})
         same = doctor.compare_versions({"a": versions.collect(), "b": versions.collect()})
         print(json.dumps({"facts": sorted(facts), "ok": [c["ok"] for c in checks], "bad": [c["ok"] for c in bad],
