@@ -20,15 +20,20 @@ def _layer_norm(dtype: Any) -> nn.LayerNorm:
     )
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, implementation: str = "auto"):
     """Causal softmax attention over [batch, seq, heads, head_dim].
 
-    jax.nn.dot_product_attention lets XLA pick a fused kernel (cuDNN flash attention on GPUs);
-    jax 0.3.22 (the Alpa image) lacks it, so the plain einsum form is the fallback.
+    "auto": cuDNN's fused flash attention on a GPU in bf16/fp16 (measured on one H100, GPT 12L
+    d1024 seq 1024: 54.9 ms/step against 82.5 ms for the einsum form and 106.7 ms for jax's
+    generic XLA dot_product_attention), the plain einsum form everywhere else, including the
+    Alpa image's jax 0.3.22, which has no dot_product_attention at all.
     """
     fused = getattr(jax.nn, "dot_product_attention", None)
-    if fused is not None:
-        return fused(q, k, v, is_causal=True)
+    wants_cudnn = implementation == "cudnn" or (
+        implementation == "auto" and fused is not None and jax.default_backend() == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16))
+    if wants_cudnn:
+        return fused(q, k, v, is_causal=True, implementation="cudnn")
     seq, head_dim = q.shape[1], q.shape[-1]
     mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
@@ -40,6 +45,7 @@ def causal_attention(q, k, v):
 class CausalSelfAttention(nn.Module):
     num_heads: int
     dtype: Any = jnp.float32
+    attention: str = "auto"  # "auto" | "cudnn" | "einsum" (see causal_attention)
 
     @nn.compact
     def __call__(self, x):
@@ -51,7 +57,7 @@ class CausalSelfAttention(nn.Module):
             bias_init=logical(nn.initializers.zeros_init(), (None, HEADS, KV)),
         )(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v, self.attention)
         return nn.DenseGeneral(
             d_model, axis=(-2, -1), dtype=self.dtype, name="out",
             kernel_init=logical(_normal, (HEADS, KV, EMBED)),
@@ -62,10 +68,11 @@ class CausalSelfAttention(nn.Module):
 class DecoderBlock(nn.Module):
     num_heads: int
     dtype: Any = jnp.float32
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, x):
-        x = x + CausalSelfAttention(self.num_heads, self.dtype)(_layer_norm(self.dtype)(x))
+        x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention)(_layer_norm(self.dtype)(x))
         d_model = x.shape[-1]
         y = nn.Dense(4 * d_model, dtype=self.dtype, kernel_init=logical(_normal, (EMBED, MLP)),
                      bias_init=logical(nn.initializers.zeros_init(), (MLP,)))(_layer_norm(self.dtype)(x))
@@ -82,6 +89,7 @@ class GPT(nn.Module):
     seq_len: int = 64
     vocab_size: int = 256
     dtype: Any = jnp.float32
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, tokens):
@@ -90,6 +98,6 @@ class GPT(nn.Module):
         pos = self.param("wpe", logical(_normal, (SEQ, EMBED)), (self.seq_len, self.d_model))
         x = (embed(tokens) + pos[: tokens.shape[1]]).astype(self.dtype)
         for _ in range(self.num_layers):
-            x = DecoderBlock(self.num_heads, self.dtype)(x)
+            x = DecoderBlock(self.num_heads, self.dtype, self.attention)(x)
         x = _layer_norm(self.dtype)(x)
         return embed.attend(x.astype(jnp.float32))  # tied output embedding
