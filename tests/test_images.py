@@ -180,7 +180,7 @@ def check_alpa(dockerfile, lock, spec):
             problems.append("the version guard does not require %s==%s" % (name, version))
     if "(0, 2, 3)" not in guard:
         problems.append("the version guard does not fail on alpa < 0.2.3")
-    problems += _check_layout(df, env, "3.9" if v["python_legacy"] == "3.9" else v["python_legacy"])
+    problems += _check_layout(df, env, v["python_legacy"])
     # The lock: the legacy pins, every entry hashed, Alpa's jaxlib NOT in it (installed by version + index).
     pins = lock_pins(lock)
     want_lock = {"alpa": v["alpa"], "ray": v["ray_legacy"], "jax": v["jax_legacy"], "flax": v["flax_legacy"],
