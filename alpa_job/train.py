@@ -155,6 +155,14 @@ def _loop(engine, state, dataset, epoch, config, start_step: int, total_steps: i
     jax.block_until_ready(state)
     loop_seconds = time.perf_counter() - loop_start
     bar.close()
+    stats = loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
+    stats["final_state"] = state
+    return stats
+
+
+def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_seconds: float,
+                    losses: List[float]) -> Dict[str, Any]:
+    """The report's loop numbers, computed the same way for every engine."""
     return {
         "steps": steps,
         "samples_seen": samples_seen,
@@ -163,7 +171,6 @@ def _loop(engine, state, dataset, epoch, config, start_step: int, total_steps: i
         "step_time_s": round(loop_seconds / steps, 6) if steps else None,
         "throughput": round(samples_seen / loop_seconds, 2) if steps and loop_seconds > 0 else None,
         "losses": [round(x, 6) for x in losses],
-        "final_state": state,
     }
 
 

@@ -26,6 +26,7 @@ from alpa_job import progress, versions
 from alpa_job.data import epoch_batches, load_dataset, plan_epoch
 from alpa_job.engines import alpa_guards as guards
 from alpa_job.engines import plan_cache as cache_lib
+from alpa_job.train import loop_statistics
 from alpa_job.errors import KitError
 
 ALPA_METHODS = ("data", "shard", "pipeshard-manual", "pipeshard-auto")
@@ -112,18 +113,7 @@ def _train_state_cls():
 
 
 def _loss_fn(model, state, batch):
-    import jax.numpy as jnp
-
-    def loss_fn(params):
-        variables = {"params": params}
-        if model.has_batch_stats:
-            variables["batch_stats"] = state.batch_stats
-        outputs, new_stats = model.apply_train(variables, batch)
-        per_example = model.loss(outputs, batch).astype(jnp.float32)
-        mask = batch["mask"]
-        return (per_example * mask).sum() / jnp.maximum(mask.sum(), 1.0), new_stats
-
-    return loss_fn
+    return lambda params: model.masked_loss(params, state.batch_stats, batch)
 
 
 def make_train_step(model):
@@ -422,13 +412,7 @@ def _train(config, alpa, num_nodes: int, per_node: int, driver_ip: str) -> Dict[
         "search": None,
         "resumed_from_step": None,
         "eval_loss": eval_loss,
-        "steps": steps,
-        "samples_seen": samples_seen,
-        "samples_dropped": samples_dropped,
-        "loop_seconds": round(loop_seconds, 4),
-        "step_time_s": round(loop_seconds / steps, 6) if steps else None,
-        "throughput": round(samples_seen / loop_seconds, 2) if steps and loop_seconds > 0 else None,
-        "losses": [round(x, 6) for x in losses],
+        **loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses),
         "process": {"id": 0, "count": 1, "host": socket.gethostname(), "ip": driver_ip,
                     "local_devices": [], "coordinator": None},
         "devices": {"count": num_nodes * per_node, "platform": "gpu", "kind": _gpu_kind()},

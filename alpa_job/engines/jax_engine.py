@@ -88,14 +88,7 @@ class JaxEngine:
         model = self.model
 
         def loss_fn(params):
-            variables = {"params": params}
-            if model.has_batch_stats:
-                variables["batch_stats"] = state.batch_stats
-            outputs, new_stats = model.apply_train(variables, batch)
-            per_example = model.loss(outputs, batch).astype(jnp.float32)
-            mask = batch["mask"]
-            # Padded rows (mask 0) carry no weight: a padded last batch trains like a short one.
-            return (per_example * mask).sum() / jnp.maximum(mask.sum(), 1.0), new_stats
+            return model.masked_loss(params, state.batch_stats, batch)
 
         (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         state = state.apply_gradients(grads=grads)

@@ -27,6 +27,22 @@ class ModelSpec:
             return out, updates["batch_stats"]
         return self.module.apply(variables, batch[self.input_key]), None
 
+    def masked_loss(self, params, batch_stats, batch: Dict[str, Any]):
+        """Mean loss over the real rows of a fixed-shape batch; returns (loss, new batch_stats).
+
+        Padded rows (mask 0) carry no weight, so a padded last batch trains like a short one.
+        Both engines differentiate this same function.
+        """
+        import jax.numpy as jnp
+
+        variables = {"params": params}
+        if self.has_batch_stats:
+            variables["batch_stats"] = batch_stats
+        outputs, new_stats = self.apply_train(variables, batch)
+        per_example = self.loss(outputs, batch).astype(jnp.float32)
+        mask = batch["mask"]
+        return (per_example * mask).sum() / jnp.maximum(mask.sum(), 1.0), new_stats
+
 
 def _mse(outputs, batch):
     return ((outputs - batch["y"]) ** 2).mean(axis=-1)
