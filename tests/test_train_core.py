@@ -140,3 +140,9 @@ def test_resume_continues_to_the_same_result(tmp_path):
     for a, b in zip(jax.tree_util.tree_leaves(straight["final_state"].params),
                     jax.tree_util.tree_leaves(resumed["final_state"].params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    result = run_in_process(tiny_config("mlp", steps=8, epochs=10, dtype="bfloat16"))
+    assert np.mean(result["losses"][-2:]) < np.mean(result["losses"][:2])
+    assert {r["dtype"] for r in result["params"] if r["path"].startswith("params/")} == {"float32"}
