@@ -71,6 +71,7 @@ def _doctor_parser(sub) -> None:
     p.add_argument("--deadline", type=float, default=60.0, help="overall seconds before giving up")
     p.add_argument("--node-timeout", type=float, default=10.0,
                    help="seconds a probe pinned to one node may take before that node fails")
+    p.add_argument("--skip-ports", help="comma-separated planned port names not to probe (Kubernetes: ssh)")
 
 
 def build_parser() -> argparse.ArgumentParser:

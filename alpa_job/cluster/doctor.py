@@ -323,13 +323,22 @@ def _wait(ray, refs: Mapping[str, Any], timeout_s: float) -> Tuple[Dict[str, Any
 
 
 def run_doctor(address: str, spec, deadline_s: float = DEFAULT_DEADLINE_S,
-               node_timeout_s: float = NODE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> Dict[str, Any]:
-    """Run every check against the cluster at `address`; returns the JSON-ready result."""
+               node_timeout_s: float = NODE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+               skip_ports: Sequence[str] = ()) -> Dict[str, Any]:
+    """Run every check against the cluster at `address`; returns the JSON-ready result.
+
+    `skip_ports`: names of planned ports/ranges not to probe (e.g. "ssh" on Kubernetes: pods run no sshd
+    and k8s/networkpolicy.yaml does not open it).
+    """
+    unknown = sorted(set(skip_ports) - set(spec.ports) - set(spec.ranges))
+    if unknown:
+        raise KitError("--skip-ports names %s, not in the cluster spec; use names from: %s"
+                       % (", ".join(unknown), ", ".join(list(spec.ports) + list(spec.ranges))))
     t0 = time.monotonic()
     deadline = Deadline(deadline_s)
     checks: List[Dict[str, Any]] = []
     result: Dict[str, Any] = {"address": address, "cluster_cidr": spec.cluster_cidr, "spec": spec.source,
-                              "checks": checks, "nodes": {}, "matrix": {}}
+                              "checks": checks, "nodes": {}, "matrix": {}, "skipped_ports": sorted(set(skip_ports))}
 
     if address not in ("auto",) and not address.startswith(("ray://", "http://", "https://")):
         from alpa_job.cluster.connect import check_reachable
@@ -423,9 +432,11 @@ def _probe(ray, spec, deadline, node_timeout_s, connect_timeout_s, result, nodes
     # 2. ports, all pairs. Phase 1: listeners on every responsive node.
     fixed_by_role = {}
     ranges = []
+    skip = set(result.get("skipped_ports") or ())
     for role in ("head", "worker"):
-        fixed_by_role[role] = [(s.name, s.lo) for s in spec.member_tcp_ports(role) if not s.is_range]
-    ranges = [(s.name, s.lo, s.hi) for s in spec.member_tcp_ports("worker") if s.is_range]
+        fixed_by_role[role] = [(s.name, s.lo) for s in spec.member_tcp_ports(role)
+                               if not s.is_range and s.name not in skip]
+    ranges = [(s.name, s.lo, s.hi) for s in spec.member_tcp_ports("worker") if s.is_range and s.name not in skip]
     listen_refs = {ip: actors[ip].listen.remote(ip, fixed_by_role["head" if ip == head else "worker"], ranges,
                                                 LISTEN_HOLD_S)
                    for ip in facts}
@@ -561,7 +572,8 @@ def main(args) -> int:
     address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS") or "auto"
     deadline = float(getattr(args, "deadline", None) or DEFAULT_DEADLINE_S)
     node_timeout = float(getattr(args, "node_timeout", None) or NODE_TIMEOUT_S)
-    result = run_doctor(address, spec, deadline_s=deadline, node_timeout_s=node_timeout)
+    skip = [n.strip() for n in (getattr(args, "skip_ports", None) or "").split(",") if n.strip()]
+    result = run_doctor(address, spec, deadline_s=deadline, node_timeout_s=node_timeout, skip_ports=skip)
     if getattr(args, "format", "table") == "json":
         print(json.dumps(result, indent=2, sort_keys=True, default=str))
     else:

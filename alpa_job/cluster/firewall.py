@@ -18,7 +18,7 @@ import argparse
 import ipaddress
 import re
 import sys
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 from alpa_job.cluster.spec import ClusterSpec, PortSpan, load_spec
 from alpa_job.errors import KitError
@@ -36,8 +36,14 @@ def render_nftables(
     member_ips: Iterable[str],
     role: str,
     table: str = "alpa_kit",
+    member_ports: Optional[Sequence[PortSpan]] = None,
+    source: Optional[str] = None,
 ) -> str:
-    """The nft script (for `nft -f`) that firewalls this node's input to the cluster's port plan."""
+    """The nft script (for `nft -f`) that firewalls this node's input to the cluster's port plan.
+
+    `member_ports` replaces the spec's port plan for members (e.g. the ports of a Kubernetes
+    NetworkPolicy, alpa_job.cluster.netpol); `source` then names where they came from.
+    """
     if role not in ROLES:
         raise KitError("role must be 'head' or 'worker', not %r" % (role,))
     if not _TABLE_NAME.match(table):
@@ -51,7 +57,8 @@ def render_nftables(
 
     out = [
         "#!/usr/sbin/nft -f",
-        "# alpa-cluster-kit firewall for %s %s, rendered from the cluster spec (%s)." % (role, node_ip, spec.source),
+        "# alpa-cluster-kit firewall for %s %s, rendered from %s." % (
+            role, node_ip, source or "the cluster spec (%s)" % spec.source),
         "# Do not edit: re-render it. Loading it replaces table inet %s and touches nothing else." % table,
         "table inet %s {}" % table,  # create it if absent, so the delete below never fails ...
         "delete table inet %s" % table,  # ... and the new table replaces the old one atomically
@@ -85,7 +92,7 @@ def render_nftables(
         '\t\tudp sport 67 udp dport 68 accept comment "dhcp client"',
         '\t\tudp sport 547 udp dport 546 accept comment "dhcpv6 client"',
     ]
-    for span in spec.member_tcp_ports(role):
+    for span in (spec.member_tcp_ports(role) if member_ports is None else member_ports):
         out.append(
             '\t\tip saddr @members tcp dport %s add @accepted_tcp { tcp dport } accept comment "%s"'
             % (span.text(), span.name)
