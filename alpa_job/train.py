@@ -187,7 +187,8 @@ def _node_ip() -> Optional[str]:
     try:
         import ray
 
-        if ray.is_initialized():
+        # getattr: a stray ./ray folder (e.g. Ray's session dir under /tmp) imports as an empty package.
+        if getattr(ray, "is_initialized", lambda: False)():
             return ray.util.get_node_ip_address()
     except ImportError:
         pass

@@ -15,8 +15,8 @@ _normal = nn.initializers.normal(stddev=0.02)
 def _layer_norm(dtype: Any) -> nn.LayerNorm:
     return nn.LayerNorm(
         dtype=dtype,
-        scale_init=logical(nn.initializers.ones_init(), (EMBED,)),
-        bias_init=logical(nn.initializers.zeros_init(), (EMBED,)),
+        scale_init=logical(nn.initializers.ones, (EMBED,)),
+        bias_init=logical(nn.initializers.zeros, (EMBED,)),
     )
 
 
@@ -54,14 +54,14 @@ class CausalSelfAttention(nn.Module):
         qkv = nn.DenseGeneral(
             (3, self.num_heads, head_dim), dtype=self.dtype, name="qkv",
             kernel_init=logical(_normal, (EMBED, None, HEADS, KV)),
-            bias_init=logical(nn.initializers.zeros_init(), (None, HEADS, KV)),
+            bias_init=logical(nn.initializers.zeros, (None, HEADS, KV)),
         )(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         out = causal_attention(q, k, v, self.attention)
         return nn.DenseGeneral(
             d_model, axis=(-2, -1), dtype=self.dtype, name="out",
             kernel_init=logical(_normal, (HEADS, KV, EMBED)),
-            bias_init=logical(nn.initializers.zeros_init(), (EMBED,)),
+            bias_init=logical(nn.initializers.zeros, (EMBED,)),
         )(out)
 
 
@@ -75,10 +75,10 @@ class DecoderBlock(nn.Module):
         x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention)(_layer_norm(self.dtype)(x))
         d_model = x.shape[-1]
         y = nn.Dense(4 * d_model, dtype=self.dtype, kernel_init=logical(_normal, (EMBED, MLP)),
-                     bias_init=logical(nn.initializers.zeros_init(), (MLP,)))(_layer_norm(self.dtype)(x))
+                     bias_init=logical(nn.initializers.zeros, (MLP,)))(_layer_norm(self.dtype)(x))
         y = nn.gelu(y)
         y = nn.Dense(d_model, dtype=self.dtype, kernel_init=logical(_normal, (MLP, EMBED)),
-                     bias_init=logical(nn.initializers.zeros_init(), (EMBED,)))(y)
+                     bias_init=logical(nn.initializers.zeros, (EMBED,)))(y)
         return x + y
 
 

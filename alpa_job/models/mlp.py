@@ -22,7 +22,7 @@ class MLPModel(nn.Module):
                 width,
                 dtype=self.dtype,
                 kernel_init=logical(nn.initializers.lecun_normal(), axes),
-                bias_init=logical(nn.initializers.zeros_init(), (axes[1],)),
+                bias_init=logical(nn.initializers.zeros, (axes[1],)),
             )(x)
             x = nn.relu(x)
         return x

@@ -24,8 +24,8 @@ def _conv(features: int, strides: int, dtype: Any, name: str = None) -> nn.Conv:
 def _norm(train: bool, dtype: Any) -> nn.BatchNorm:
     return nn.BatchNorm(
         use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=dtype,
-        scale_init=logical(nn.initializers.ones_init(), (CHANNELS,)),
-        bias_init=logical(nn.initializers.zeros_init(), (CHANNELS,)),
+        scale_init=logical(nn.initializers.ones, (CHANNELS,)),
+        bias_init=logical(nn.initializers.zeros, (CHANNELS,)),
     )
 
 
@@ -66,5 +66,5 @@ class WideResNet(nn.Module):
             self.num_classes, dtype=self.dtype,
             # 10 classes: no device count divides them, so the class dim is never split.
             kernel_init=logical(nn.initializers.lecun_normal(), (EMBED, None)),
-            bias_init=logical(nn.initializers.zeros_init(), (None,)),
+            bias_init=logical(nn.initializers.zeros, (None,)),
         )(x)
