@@ -378,7 +378,11 @@ def _run(ray, address, spec, deadline, node_timeout_s, connect_timeout_s, result
         len(nodes), ", ".join(sorted(nodes)), "; dead earlier: %s" % ", ".join(dead) if dead else ""), warn=bool(dead)))
 
     Probe = ray.remote(num_cpus=0)(NodeProbe)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH", "")] if p)}
+    # The node's own PYTHONPATH (set where its `ray start` ran) stays LAST via Ray's ${VAR} expansion
+    # (Ray >= 2.6): env_vars replace the node's value, which would hide a package skew that jobs on it
+    # see. Older Ray (the Alpa image's 2.1.0) keeps "${PYTHONPATH}" literally: a missing path, harmless.
+    env = {"PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH", ""),
+                                                     "${PYTHONPATH}"] if p)}
     actors = {ip: Probe.options(resources={"node:%s" % ip: 0.001}, runtime_env={"env_vars": env}).remote()
               for ip in nodes}
     try:
