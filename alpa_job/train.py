@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional
 
 from alpa_job import progress, versions
 from alpa_job.data import epoch_batches, load_dataset, plan_epoch
-from alpa_job.errors import KitError
 
 
 def ensure_cpu_devices(count: int) -> None:

@@ -14,6 +14,7 @@ for _p in (REPO_ROOT, REPO_ROOT / "tests"):  # tests/: the fixture modules impor
         sys.path.insert(0, str(_p))
 
 pytest_plugins = [
+    "fixtures_spec",  # spec (package defaults); no test sees a user's ALPA_KIT_CLUSTER_SPEC
     "fixtures_testbed",  # testbed_factory, testbed, ray_cluster (multi-host test bed; needs root)
     "fixtures_multihost",  # mgmt_cluster (2 hosts with a management NIC), run_doctor helper
     "fixtures_ssh",  # ssh_bed: sshd inside 3 test-bed hosts (Ansible over real SSH)

@@ -13,7 +13,6 @@ one authorized_keys serve all of them; each sshd has its own config and pid file
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path

@@ -13,12 +13,6 @@ from alpa_job.cluster.spec import SPEC_ENV_VAR, PortSpan, load_spec
 from alpa_job.errors import EXIT_USER_ERROR, KitError
 
 
-@pytest.fixture(autouse=True)
-def _no_user_spec(monkeypatch):
-    # A developer's own ALPA_KIT_CLUSTER_SPEC must not leak into these tests.
-    monkeypatch.delenv(SPEC_ENV_VAR, raising=False)
-
-
 def write(tmp_path, text, name="my-cluster.yaml"):
     path = tmp_path / name
     path.write_text(textwrap.dedent(text))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from alpa_job.cluster.firewall import render_nftables, render_sysctl
-from alpa_job.cluster.spec import SPEC_ENV_VAR, load_spec
+from alpa_job.cluster.spec import load_spec
 from alpa_job.errors import KitError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,16 +21,6 @@ IS_ROOT = os.geteuid() == 0
 needs_nft = pytest.mark.skipif(
     NFT is None or not IS_ROOT, reason="needs the nft binary (apt install nftables) and root for `nft -c`"
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_user_spec(monkeypatch):
-    monkeypatch.delenv(SPEC_ENV_VAR, raising=False)
-
-
-@pytest.fixture
-def spec():
-    return load_spec()
 
 
 @pytest.fixture

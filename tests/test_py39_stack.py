@@ -21,7 +21,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest

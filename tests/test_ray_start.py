@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from alpa_job.cluster.ray_start import parse_ray_version, ray_start_args, ray_start_command
-from alpa_job.cluster.spec import SPEC_ENV_VAR, load_spec
+from alpa_job.cluster.spec import load_spec
 from alpa_job.errors import KitError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,16 +28,6 @@ HEAD = [
     "--dashboard-host=0.0.0.0", "--dashboard-port=8265", "--ray-client-server-port=10001",
 ]
 WORKER = ["ray", "start", "--address=10.0.0.1:6379", "--node-ip-address=10.0.0.2"]
-
-
-@pytest.fixture(autouse=True)
-def _no_user_spec(monkeypatch):
-    monkeypatch.delenv(SPEC_ENV_VAR, raising=False)
-
-
-@pytest.fixture
-def spec():
-    return load_spec()
 
 
 def test_head_argv_ray_2_60(spec):

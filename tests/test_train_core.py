@@ -115,7 +115,6 @@ def test_auto_skips_candidates_over_the_memory_budget():
 
 def test_checkpoint_round_trips_exactly(tmp_path):
     from alpa_job.checkpoint import Checkpointer
-    from alpa_job.engines.jax_engine import JaxEngine  # noqa: F401  (abstract state below)
 
     config = tiny_config("mlp", steps=4, checkpoint_every=2, out=str(tmp_path))
     result = run_in_process(config, return_state=True)

@@ -20,7 +20,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from alpa_job import progress, versions
 from alpa_job.data import epoch_batches, load_dataset, plan_epoch
