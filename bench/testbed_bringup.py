@@ -34,20 +34,6 @@ from alpa_job.cluster.firewall import render_nftables  # noqa: E402
 from alpa_job.cluster.ray_start import ray_start_args  # noqa: E402
 from alpa_job.cluster.spec import load_spec  # noqa: E402
 
-_ALIVE = r"""
-import json, os, sys, time, ray
-want, timeout = int(sys.argv[1]), float(sys.argv[2])
-ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-t0 = time.monotonic()
-while True:
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    if len(alive) >= want or time.monotonic() - t0 > timeout:
-        break
-    time.sleep(0.2)
-print("ALIVE %d" % len(alive))
-"""
-
-
 def _exec(bed, host, *cmd, timeout=120, env=None):
     p = bed.exec(host, *cmd, timeout=timeout, env=env, check=False)
     if p.returncode != 0:
@@ -96,9 +82,10 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float) -> 
             for f in futs:
                 f.result()
         address = "%s:%d" % (bed.head.ip, spec.ports["gcs"])
-        p = bed.exec("head", "python", "-c", _ALIVE, str(n), str(timeout), env={"RAY_ADDRESS": address},
+        p = bed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(n), "--timeout",
+                     str(timeout), env={"RAY_ADDRESS": address}, check=False,
                      timeout=timeout + 60)
-        alive = int(p.stdout.split("ALIVE")[-1])
+        alive = len(json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["alive"])
         t["workers_joined"] = time.monotonic() - mark
         t["joined_total"] = time.monotonic() - t0
         mark = time.monotonic()

@@ -20,20 +20,6 @@ import pytest
 NUM_CPUS = 1
 OBJECT_STORE = 100_000_000
 
-_ALIVE = r"""
-import json, os, sys, time, ray
-want, timeout = int(sys.argv[1]), float(sys.argv[2])
-ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-t0 = time.monotonic()
-while True:
-    alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
-    if len(alive) >= want or time.monotonic() - t0 > timeout:
-        break
-    time.sleep(0.3)
-print("ALIVE " + json.dumps(alive))
-"""
-
-
 def run_doctor(bed, host: str, address: str, spec_path, *extra, timeout: float = 90):
     t0 = time.monotonic()
     p = bed.exec(host, "python", "-m", "alpa_job", "doctor", "--address", address, "--cluster-spec",
@@ -55,10 +41,10 @@ class MgmtCluster:
         self.address = "%s:%d" % (head_node_ip, spec.ports["gcs"])
 
     def alive(self, want: int, timeout: float = 30) -> list:
-        p = self.testbed.exec("head", "python", "-c", _ALIVE, str(want), str(timeout), timeout=timeout + 60,
-                              env={"RAY_ADDRESS": self.address})
-        line = [x for x in p.stdout.splitlines() if x.startswith("ALIVE ")][-1]
-        return json.loads(line[len("ALIVE "):])
+        p = self.testbed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(want),
+                              "--timeout", str(timeout), timeout=timeout + 60,
+                              env={"RAY_ADDRESS": self.address}, check=False)  # fewer than `want` is an answer too
+        return json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["alive"]
 
     def start_worker(self, node_ip: Optional[str] = None):
         """Start Ray on w1 with `node_ip` as --node-ip-address (default: its cluster IP)."""

@@ -56,19 +56,6 @@ while True:
         time.sleep(0.2)
 """
 
-_NODES = r"""
-import json, os, sys, time, ray
-want, timeout = int(sys.argv[1]), float(sys.argv[2])
-ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-t0 = time.monotonic()
-while True:
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    if len(nodes) >= want or time.monotonic() - t0 > timeout:
-        break
-    time.sleep(0.3)
-print("NODES " + json.dumps({n["NodeManagerAddress"]: n["Resources"] for n in nodes}))
-"""
-
 # Listens on the given ports of this host's IP until stdin closes (the negative firewall check).
 _LISTEN = r"""
 import socket, sys
@@ -229,11 +216,11 @@ def test_kuberay_command_lines_form_a_cluster_under_the_networkpolicy(testbed_fa
 
         address = "%s:6379" % head.ip
         driver_env = dict(auth, RAY_ADDRESS=address)
-        p = bed.exec("head", "python", "-c", _NODES, "3", str(FORM_TIMEOUT), env=driver_env,
+        p = bed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", "3", "--timeout",
+                     str(FORM_TIMEOUT), env=driver_env,
                      timeout=FORM_TIMEOUT + 30, check=False)
-        line = [x for x in p.stdout.splitlines() if x.startswith("NODES ")]
-        assert p.returncode == 0 and line, (p.stdout[-2000:], p.stderr[-3000:])
-        nodes = json.loads(line[0][len("NODES "):])
+        assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+        nodes = json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["resources"]
         for pr in procs:
             assert pr.poll() is None, "a `ray start --block` exited: %s" % {h.name: _tail(logs / ("%s.log" % h.name))
                                                                             for h in hosts}
