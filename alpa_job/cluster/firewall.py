@@ -142,16 +142,8 @@ def _port_set(spans: List[PortSpan]) -> str:
 
 
 def _cluster_ip(spec: ClusterSpec, ip: str, what: str) -> str:
-    try:
-        address = ipaddress.ip_address(str(ip).strip())
-    except ValueError:
-        raise KitError("%s %r is not an IP address; list the members' cluster IPv4 addresses" % (what, ip)) from None
-    if address.version != 4 or address not in spec.network:
-        raise KitError(
-            "%s %s is not inside cluster_cidr %s; list the nodes' cluster addresses or fix cluster_cidr"
-            % (what, address, spec.cluster_cidr)
-        )
-    return str(address)
+    return spec.cluster_ipv4(ip, what, "list the members' cluster IPv4 addresses",
+                             "list the nodes' cluster addresses or fix cluster_cidr")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -12,7 +12,6 @@ CLI (Ansible and the test bed call it):
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import re
 import shlex
 import sys
@@ -107,17 +106,10 @@ def ray_start_command(spec: ClusterSpec, role: str, node_ip: str, **kwargs) -> s
 
 
 def _member_ip(spec: ClusterSpec, ip: str, what: str) -> str:
-    try:
-        address = ipaddress.ip_address(str(ip).strip())
-    except ValueError:
-        raise KitError("%s %r is not an IP address; pass this node's cluster IPv4 address" % (what, ip)) from None
-    if address.version != 4 or address not in spec.network:
-        raise KitError(
-            "%s %s is not inside cluster_cidr %s; use the node's address on the cluster network "
-            "(python -m alpa_job.cluster.node_ip prints it) or fix cluster_cidr in your cluster spec"
-            % (what, address, spec.cluster_cidr)
-        )
-    return str(address)
+    return spec.cluster_ipv4(
+        ip, what, "pass this node's cluster IPv4 address",
+        "use the node's address on the cluster network (python -m alpa_job.cluster.node_ip prints it) "
+        "or fix cluster_cidr in your cluster spec")
 
 
 def _count(value: int, name: str) -> int:

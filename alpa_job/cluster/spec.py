@@ -74,6 +74,16 @@ class ClusterSpec:
     def network(self) -> ipaddress.IPv4Network:
         return ipaddress.IPv4Network(self.cluster_cidr)
 
+    def cluster_ipv4(self, ip: str, what: str, not_an_ip_fix: str, outside_fix: str) -> str:
+        """`ip` normalised, or a KitError naming `what` and the fix: an IPv4 address in the CIDR."""
+        try:
+            address = ipaddress.ip_address(str(ip).strip())
+        except ValueError:
+            raise KitError("%s %r is not an IP address; %s" % (what, ip, not_an_ip_fix)) from None
+        if address.version != 4 or address not in self.network:
+            raise KitError("%s %s is not inside cluster_cidr %s; %s" % (what, address, self.cluster_cidr, outside_fix))
+        return str(address)
+
     def span(self, name: str) -> PortSpan:
         """The planned port or range called `name`."""
         if name in self.ports:
