@@ -38,6 +38,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from alpa_job.cluster.worker_path import worker_pythonpath
 from alpa_job.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_TIMEOUT, KitError
 
 DEFAULT_DEADLINE_S = 60.0
@@ -288,10 +289,6 @@ class Deadline:
         return self.left() <= 0
 
 
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def _head_ip(ray, address: str, nodes: Sequence[Mapping[str, Any]]) -> Optional[str]:
     for n in nodes:
         if "node:__internal_head__" in (n.get("Resources") or {}):  # Ray >= ~2.5
@@ -378,11 +375,8 @@ def _run(ray, address, spec, deadline, node_timeout_s, connect_timeout_s, result
         len(nodes), ", ".join(sorted(nodes)), "; dead earlier: %s" % ", ".join(dead) if dead else ""), warn=bool(dead)))
 
     Probe = ray.remote(num_cpus=0)(NodeProbe)
-    # The node's own PYTHONPATH (set where its `ray start` ran) stays LAST via Ray's ${VAR} expansion
-    # (Ray >= 2.6): env_vars replace the node's value, which would hide a package skew that jobs on it
-    # see. Older Ray (the Alpa image's 2.1.0) keeps "${PYTHONPATH}" literally: a missing path, harmless.
-    env = {"PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH", ""),
-                                                     "${PYTHONPATH}"] if p)}
+    # Keeps the node's own PYTHONPATH visible to the probe (worker_path explains why).
+    env = {"PYTHONPATH": worker_pythonpath()}
     actors = {ip: Probe.options(resources={"node:%s" % ip: 0.001}, runtime_env={"env_vars": env}).remote()
               for ip in nodes}
     try:

@@ -5,10 +5,10 @@ port from the cluster spec - never a default-route guess, never a random port th
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Dict, List
 
+from alpa_job.cluster.worker_path import worker_pythonpath
 from alpa_job.errors import EXIT_TIMEOUT, KitError
 
 ACTOR_START_TIMEOUT_S = 120
@@ -29,15 +29,10 @@ def _worker_env(config) -> Dict[str, str]:
 
     env = {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={config.devices}",
-        # Workers import this package from the same source tree as the driver when it is not installed.
-        "PYTHONPATH": os.pathsep.join(p for p in [_package_root(), os.environ.get("PYTHONPATH", "")] if p),
+        "PYTHONPATH": worker_pythonpath(),
     }
     env.update(load_spec(config.cluster_spec).xla_env())
     return env
-
-
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_on_nodes(config) -> List[Dict[str, Any]]:
