@@ -470,16 +470,21 @@ def fixture_wide_resnet_dp(out: str):
 
 
 # ----------------------------------------------------------------------------- fixture (b)
-def fixture_pipeshard_zero(out: str):
-    """Pipeshard, two meshes (ids 0 and 1, logical (1, 2) each), Adam state ZeRO-partitioned."""
-    meshes = {0: (1, 2), 1: (1, 2)}
-    model = MLPStack(hidden=16, num_layers=2, vocab=32)
+def mlp_stack_step_args(num_layers: int):
+    """(Adam train state, token batch, metrics) of a small MLPStack LM step, as Alpa sees them."""
+    model = MLPStack(hidden=16, num_layers=num_layers, vocab=32)
     tokens = jnp.zeros((8, 12), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tokens)["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
     state = state.replace(tx=fixed_tx())
     batch = {"input_ids": tokens, "labels": jnp.zeros((8, 12), jnp.int32)}
-    metrics = {"loss": jnp.float32(0)}
+    return state, batch, {"loss": jnp.float32(0)}
+
+
+def fixture_pipeshard_zero(out: str):
+    """Pipeshard, two meshes (ids 0 and 1, logical (1, 2) each), Adam state ZeRO-partitioned."""
+    meshes = {0: (1, 2), 1: (1, 2)}
+    state, batch, metrics = mlp_stack_step_args(num_layers=2)
 
     def mesh_of(path: str) -> int:  # layer 0 + embed on mesh 0; layer 1 + head on mesh 1
         return 0 if ("_0" in path or "embed" in path) else 1
@@ -546,13 +551,7 @@ def fixture_mesh2d_mp(out: str):
     """Shard-parallel on a 2-D (2, 2) mesh: batch over axis 0, MP over 1."""
     mesh = (2, 2)
     meshes = {0: mesh}
-    model = MLPStack(hidden=16, num_layers=1, vocab=32)
-    tokens = jnp.zeros((8, 12), jnp.int32)
-    params = model.init(jax.random.PRNGKey(0), tokens)["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-    state = state.replace(tx=fixed_tx())
-    batch = {"input_ids": tokens, "labels": jnp.zeros((8, 12), jnp.int32)}
-    metrics = {"loss": jnp.float32(0)}
+    state, batch, metrics = mlp_stack_step_args(num_layers=1)
 
     def rule(inputs: bool):
         def r(arg, path, aval):
