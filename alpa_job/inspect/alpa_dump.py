@@ -153,11 +153,7 @@ class _Parser:
         if c == "<":
             return self.angle()
         if c in "'\"":
-            m = _STRING.match(self.t, self.i)
-            if not m:
-                self.fail("unterminated string")
-            self.i = m.end()
-            return _unquote(m.group(0))
+            return self.string("string")
         m = _IDENT.match(self.t, self.i)
         if m and m.group(0) not in ("inf", "nan"):
             name = m.group(0)
@@ -218,14 +214,18 @@ class _Parser:
             elif c != "}":
                 self.fail("expected ',' or '}'")
 
+    def string(self, what: str) -> str:
+        """A quoted python string literal at the cursor."""
+        m = _STRING.match(self.t, self.i)
+        if not m:
+            self.fail("unterminated " + what)
+        self.i = m.end()
+        return _unquote(m.group(0))
+
     def key(self) -> str:
         c = self.peek()
         if c in "'\"":
-            m = _STRING.match(self.t, self.i)
-            if not m:
-                self.fail("unterminated string key")
-            self.i = m.end()
-            return _unquote(m.group(0))
+            return self.string("string key")
         # bare key (flax FrozenDict prints keys unquoted): anything up to ':' on this line
         j = self.i
         while j < len(self.t) and self.t[j] not in ":\n{}":
