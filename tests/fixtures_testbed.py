@@ -128,14 +128,11 @@ RAY_FORM_TIMEOUT = 90
 _CHECK_DRIVER = r"""
 import json, os, socket, sys, time
 import ray
+from alpa_job.cluster.wait_nodes import wait_for_nodes
 want, timeout = json.loads(sys.argv[1]), float(sys.argv[2])
 t0 = time.monotonic()
 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-while True:
-    alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
-    if len(alive) >= len(want) or time.monotonic() - t0 > timeout:
-        break
-    time.sleep(0.5)
+alive = sorted(n["NodeManagerAddress"] for n in wait_for_nodes(len(want), timeout))
 
 @ray.remote(num_cpus=0)
 def where():
