@@ -1,0 +1,351 @@
+"""The typed run record: what producers build and consumers read; report.json is its serialization.
+
+Public names (stable): `ProcessResult` (what one JAX process -- or the Alpa driver -- returns),
+`RunRecord` (the run: a ProcessResult of process 0 plus the run-level facts), and their rows:
+`ProcessInfo`, `DeviceInfo`, `MeshShape`, `MeshRecord`, `Leaf`, `Collective`, `MemoryRecord`,
+`StageRecord`, `SearchCandidate`, `Summary`. `SCHEMA_VERSION` is written as `schema_version`.
+
+Field names are the report.json keys users already read (`params`, `batch_sharding`, `losses`,
+...), so a report written before schema_version existed still loads (`from_dict` fills defaults
+and ignores keys it does not know); the shipped JSON Schema (report.schema.json) is strict and
+catches drift in what the kit writes. Stdlib only, Python 3.9 (the Alpa image) and 3.11.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from typing import Any, Dict, Iterable, List, Optional
+
+from alpa_job.errors import KitError
+
+SCHEMA_VERSION = 1
+
+# Alpa writes *.mem_usage.txt as `bytes / 1024**3` with 3 decimals (GiB, printed "GB").
+GIB = 1024 ** 3
+
+
+# ============================================================================ rows
+@dataclasses.dataclass
+class MeshShape:
+    """The run's device mesh as the user asked for it (JAX: data x model; Alpa: node x gpu)."""
+
+    shape: List[int] = dataclasses.field(default_factory=list)
+    axes: List[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class MeshRecord:
+    """One device mesh of the plan (Alpa pipeshard has one per stage)."""
+
+    id: int
+    shape: List[int]
+    axes: List[str]
+    batch_axes: List[str]
+    devices: int
+
+
+@dataclasses.dataclass
+class Leaf:
+    """One array of the train state (`params` rows) or of the batch (`batch_sharding` rows)."""
+
+    path: str
+    shape: List[int]
+    dtype: str
+    bytes: int
+    bytes_per_device: int
+    spec: str
+    mesh_ids: List[int]
+    split_axes: List[List[str]]  # per array dimension, the mesh axes that split it
+    strategy: str  # DP | ZeRO | MP | MP+ZeRO | replicated (plan.STRATEGY_LABELS)
+
+
+@dataclasses.dataclass
+class Collective:
+    """One collective kind in the optimized HLO: instances and result bytes summed."""
+
+    count: int = 0
+    bytes: int = 0
+
+
+@dataclasses.dataclass
+class MemoryRecord:
+    """Device memory of the compiled step. Each producer fills what it can measure.
+
+    JAX engine: XLA's memory analysis (per device). Alpa: the executable's allocation, in total
+    and per pipeline stage (forward stages first, then backward: stage i and 2n-1-i share mesh i).
+    """
+
+    argument_size_in_bytes: Optional[int] = None
+    output_size_in_bytes: Optional[int] = None
+    temp_size_in_bytes: Optional[int] = None
+    alias_size_in_bytes: Optional[int] = None
+    generated_code_size_in_bytes: Optional[int] = None
+    peak_estimate_bytes: Optional[int] = None
+    total_allocation_bytes: Optional[int] = None
+    stage_allocation_bytes: Optional[List[int]] = None
+
+    @classmethod
+    def from_xla(cls, analysis: Optional[Dict[str, int]]) -> Optional["MemoryRecord"]:
+        """From jax_engine.memory_analysis()'s dict (None stays None)."""
+        return None if analysis is None else _decode(cls, analysis)
+
+    @classmethod
+    def from_stage_bytes(cls, stage_bytes: Optional[Iterable[int]] = None,
+                         total_bytes: Optional[int] = None) -> "MemoryRecord":
+        stages = [int(b) for b in stage_bytes] if stage_bytes is not None else None
+        if total_bytes is None and stages:
+            total_bytes = sum(stages)
+        return cls(total_allocation_bytes=None if total_bytes is None else int(total_bytes),
+                   stage_allocation_bytes=stages)
+
+
+@dataclasses.dataclass
+class StageRecord:
+    """One pipeline stage (forward stage i with its backward twin, both on mesh i); a
+    shard-parallel Alpa step is one stage on mesh 0."""
+
+    stage: int
+    mesh: Optional[int] = None
+    layers: Optional[List[int]] = None  # model layers in this stage (auto stage search only)
+    submesh_shape: Optional[List[int]] = None
+    logical_shape: Optional[List[int]] = None
+    autosharding_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    memory_bytes: Optional[int] = None  # all of this stage's executables on its mesh
+    memory_bytes_forward: Optional[int] = None
+    memory_bytes_backward: Optional[int] = None
+    collectives: Optional[Dict[str, Collective]] = None  # from this stage's HLO (dump folders)
+
+
+@dataclasses.dataclass
+class ProcessInfo:
+    id: int = 0
+    count: int = 1
+    host: Optional[str] = None
+    ip: Optional[str] = None
+    local_devices: List[str] = dataclasses.field(default_factory=list)
+    coordinator: Optional[str] = None
+
+
+@dataclasses.dataclass
+class DeviceInfo:
+    count: Optional[int] = None
+    platform: Optional[str] = None
+    kind: Optional[str] = None
+
+
+@dataclasses.dataclass
+class SearchCandidate:
+    """One row of the JAX engine's `--strategy auto` table."""
+
+    strategy: str
+    mesh_shape: List[int]
+    fits: Optional[bool] = None
+    peak_bytes_per_device: Optional[int] = None
+    compile_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+    chosen: bool = False
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Summary:
+    """Numbers derived from the record (recomputed on load; never edited by hand)."""
+
+    state_bytes: int = 0
+    state_bytes_per_device: int = 0
+    param_count: int = 0
+    strategy_counts: Dict[str, Dict[str, int]] = dataclasses.field(default_factory=dict)
+    loss_first: Optional[float] = None
+    loss_last: Optional[float] = None
+    processes: int = 1
+    hosts: int = 1
+    devices: Optional[int] = None
+    one_compile: bool = False
+
+
+# ============================================================================ process and run
+@dataclasses.dataclass
+class ProcessResult:
+    """What one JAX process returns from training (the Alpa driver returns one for the run).
+
+    `final_state` is the trained TrainState for in-process callers; it is never serialized.
+    """
+
+    engine: str
+    strategy: str
+    requested_strategy: Optional[str] = None
+    mesh: MeshShape = dataclasses.field(default_factory=MeshShape)
+    meshes: List[MeshRecord] = dataclasses.field(default_factory=list)
+    params: List[Leaf] = dataclasses.field(default_factory=list)
+    batch_sharding: List[Leaf] = dataclasses.field(default_factory=list)
+    compiles: Optional[int] = None
+    backend_compiles_during_loop: Optional[int] = None
+    compile_seconds: Optional[float] = None
+    collectives: Optional[Dict[str, Collective]] = None
+    memory: Optional[MemoryRecord] = None
+    stages: List[StageRecord] = dataclasses.field(default_factory=list)
+    search: Optional[List[SearchCandidate]] = None
+    resumed_from_step: Optional[int] = None
+    eval_loss: Optional[float] = None
+    alpa_method: Optional[Dict[str, Any]] = None  # the Alpa method settings (strategy, micro batches, ...)
+    plan_cache: Optional[Dict[str, Any]] = None  # Alpa pipeshard-auto plan cache decision
+    process: ProcessInfo = dataclasses.field(default_factory=ProcessInfo)
+    devices: DeviceInfo = dataclasses.field(default_factory=DeviceInfo)
+    versions: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)
+    steps: int = 0
+    samples_seen: int = 0
+    samples_dropped: int = 0
+    loop_seconds: Optional[float] = None
+    step_time_s: Optional[float] = None
+    throughput: Optional[float] = None
+    losses: List[float] = dataclasses.field(default_factory=list)
+    final_state: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return _encode(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]):
+        """From report.json-style data (unknown keys are ignored; missing ones take defaults)."""
+        return _decode(cls, data)
+
+    @classmethod
+    def coerce(cls, value: Any) -> "ProcessResult":
+        """A ProcessResult from a ProcessResult or the plain dict producers returned before it."""
+        if isinstance(value, ProcessResult):
+            return value
+        result = _decode(ProcessResult, value)
+        result.final_state = value.get("final_state")
+        return result
+
+
+@dataclasses.dataclass
+class RunRecord(ProcessResult):
+    """The run: process 0's result, every process's identity, the job config, the summary.
+
+    Built by `RunRecord.from_processes` (training), `inspect.load` (Alpa dump folder, report.json)
+    and the Alpa engine's live plan; rendered by inspect.render / inspect.plots.
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    processes: List[ProcessInfo] = dataclasses.field(default_factory=list)
+    config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    created: Optional[str] = None
+    address: Optional[str] = None
+    source: Optional[str] = None  # the folder an Alpa dump was read from
+    summary: Summary = dataclasses.field(default_factory=Summary)
+
+    @classmethod
+    def from_processes(cls, results: Iterable[Any], config: Optional[Dict[str, Any]] = None,
+                       **run_fields: Any) -> "RunRecord":
+        """Merge per-process results (any order) into one record led by process 0."""
+        typed = sorted((ProcessResult.coerce(r) for r in results), key=lambda r: r.process.id)
+        if not typed:
+            raise KitError("no process returned a result; see the worker logs above")
+        lead = typed[0]
+        values = {f.name: getattr(lead, f.name) for f in dataclasses.fields(ProcessResult)}
+        values["final_state"] = None
+        record = cls(**values, processes=[r.process for r in typed], config=dict(config or {}), **run_fields)
+        record.summary = record.summarize()
+        return record
+
+    def summarize(self) -> Summary:
+        counts: Dict[str, Dict[str, int]] = {"params": {}, "opt_state": {}}
+        for row in self.params:
+            group = row.path.split("/", 1)[0]
+            if group in counts:
+                counts[group][row.strategy] = counts[group].get(row.strategy, 0) + 1
+        losses = self.losses
+        return Summary(
+            state_bytes=sum(r.bytes for r in self.params),
+            state_bytes_per_device=sum(r.bytes_per_device for r in self.params),
+            param_count=sum(_numel(r.shape) for r in self.params if r.path.startswith("params/")),
+            strategy_counts=counts,
+            loss_first=losses[0] if losses else None,
+            loss_last=losses[-1] if losses else None,
+            processes=len(self.processes) or 1,
+            hosts=len({p.ip or p.host for p in self.processes}) or 1,
+            devices=self.devices.count,
+            one_compile=self.compiles == 1 and not self.backend_compiles_during_loop,
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = _encode(self)
+        return {"schema_version": data.pop("schema_version"), **data}
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any], where: str = "report") -> "RunRecord":
+        """Read report.json data; a report without schema_version is a version-1 report from
+        before the field existed. The summary is recomputed from the rows."""
+        if not isinstance(data, dict):
+            raise KitError(f"{where}: not a report (a JSON object was expected); re-run the job")
+        version = data.get("schema_version", 1)
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise KitError(f"{where}: report schema_version {version!r} is newer than this kit reads "
+                           f"({SCHEMA_VERSION}); upgrade alpa_job to inspect it")
+        if "engine" not in data or "strategy" not in data:
+            raise KitError(f"{where}: not a run report (no engine/strategy); point inspect at the --out of a "
+                           "train run or at an Alpa dump_debug_info folder")
+        try:
+            record = _decode(cls, data)
+        except (TypeError, ValueError, KeyError) as err:
+            raise KitError(f"{where}: report does not match schema_version {version} ({err}); "
+                           "re-run the job to rewrite it") from None
+        record.schema_version = SCHEMA_VERSION
+        record.summary = record.summarize()
+        return record
+
+
+# ============================================================================ (de)serialization
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_NOT_SERIALIZED = ("final_state",)
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.name not in _NOT_SERIALIZED}
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+_HINTS: Dict[type, Dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> Dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls, vars(sys.modules[__name__]))
+    return _HINTS[cls]
+
+
+def _decode(tp: Any, data: Any) -> Any:
+    """Plain JSON data -> the annotated type (dataclasses, Optional, List, Dict[str, X])."""
+    if tp is Any or data is None:
+        return data
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _decode(inner[0], data)
+    if origin in (list, List):
+        (item,) = typing.get_args(tp)
+        return [_decode(item, v) for v in data]
+    if origin in (dict, Dict):
+        _key, item = typing.get_args(tp)
+        return {k: _decode(item, v) for k, v in data.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise TypeError(f"{tp.__name__}: expected an object, got {type(data).__name__}")
+        hints = _hints(tp)
+        known = {f.name for f in dataclasses.fields(tp) if f.init and f.name not in _NOT_SERIALIZED}
+        return tp(**{k: _decode(hints[k], v) for k, v in data.items() if k in known})
+    return data
