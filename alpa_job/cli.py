@@ -6,7 +6,6 @@ and emulated CPU devices), or on the cluster when run under `ray job submit`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -109,11 +108,11 @@ def _train(args) -> int:
     file_values = config_lib.load_yaml_overrides(args.config) if args.config else {}
     cli_values = {k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}
     config = config_lib.build_config(file_values, cli_values)
-    report, paths = run_job(config)
-    s = report["summary"]
-    print(f"trained {config.model} with {report['engine']}/{report['strategy']} on {s['devices']} devices "
-          f"({s['processes']} process(es), {s['hosts']} host(s)): {report['steps']} steps, "
-          f"{report['compiles']} compile, loss {s['loss_first']} -> {s['loss_last']}")
+    record, paths = run_job(config)
+    s = record.summary
+    print(f"trained {config.model} with {record.engine}/{record.strategy} on {s.devices} devices "
+          f"({s.processes} process(es), {s.hosts} host(s)): {record.steps} steps, "
+          f"{record.compiles} compile, loss {s.loss_first} -> {s.loss_last}")
     print(f"report: {paths['html']}  (also {os.path.basename(paths['json'])}, {os.path.basename(paths['md'])})")
     return EXIT_OK
 
@@ -121,14 +120,15 @@ def _train(args) -> int:
 def _inspect(args) -> int:
     from alpa_job.inspect import render
     from alpa_job.inspect.load import load_any
+    from alpa_job.report import report_json
 
-    report = load_any(args.path)
+    record = load_any(args.path)
     if args.format == "json":
-        print(json.dumps(report, indent=2, default=str))
+        print(report_json(record))
     elif args.format == "table":
-        print(render.to_table(report))
+        print(render.to_table(record))
     elif args.format == "md":
-        text = render.to_markdown(report)
+        text = render.to_markdown(record)
         if args.output:
             _write(args.output, text)
         else:
@@ -136,7 +136,7 @@ def _inspect(args) -> int:
     else:
         target = args.output or os.path.join(args.path if os.path.isdir(args.path) else os.path.dirname(args.path),
                                              "report.html")
-        _write(target, render.to_html(report))
+        _write(target, render.to_html(record))
         print(target)
     return EXIT_OK
 

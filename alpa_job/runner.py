@@ -39,6 +39,5 @@ def run_job(config) -> Tuple[Dict[str, Any], Dict[str, str]]:
         from alpa_job.cluster.processes import run_on_nodes
 
         results = run_on_nodes(config)
-    report = build_report(config, results)
-    report["address"] = address
+    report = build_report(config, results, address=address)
     return report, write_report(report, config.out)

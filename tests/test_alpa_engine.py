@@ -196,6 +196,6 @@ def test_stage_layout_from_seed_dp_result():
     dp = (None, [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], [(1, 2), (1, 2)], [(1, 2), (1, 2)],
           [{"force_batch_dim_to_mesh_dim": 0}, {"force_batch_dim_to_mesh_dim": 0}])
     rows = stage_layout(dp, [10, 20, 30, 40])
-    assert rows[0]["layers"] == list(range(8)) and rows[1]["submesh_shape"] == [1, 2]
-    assert rows[0]["memory_bytes_forward"] == 10 and rows[0]["memory_bytes_backward"] == 40
+    assert rows[0].layers == list(range(8)) and rows[1].submesh_shape == [1, 2]
+    assert rows[0].memory_bytes_forward == 10 and rows[0].memory_bytes_backward == 40
     assert stage_layout((None, None, None, None, None)) == []

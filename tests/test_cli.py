@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+from helpers_report import assert_valid_report
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -104,6 +106,7 @@ def test_no_arguments_trains_the_mlp_on_local_ray(default_run):
     out, proc = default_run
     assert "joined local Ray" in proc.stderr
     report = json.loads((out / "report.json").read_text())
+    assert_valid_report(report)  # the Ray path (run_on_nodes) writes the schema's report too
     assert REQUIRED_KEYS <= set(report)
     assert report["engine"] == "jax" and report["config"]["model"] == "mlp"
     assert report["compiles"] == 1 and report["backend_compiles_during_loop"] == 0

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from alpa_job.inspect.alpa_dump import INPUT_SUFFIX, OUTPUT_SUFFIX, AlpaDump, load_alpa_dump
+from alpa_job.inspect.record import StageRecord
 
 PREFIX = "train_step"
 
@@ -37,7 +38,7 @@ def plan_from_executable(executable: Any):
 
 
 def stage_layout(dp_result: Optional[Sequence[Any]], stage_memory_bytes: Optional[Sequence[int]] = None
-                 ) -> List[Dict[str, Any]]:
+                 ) -> List[StageRecord]:
     """Forward stage -> layers, submesh, logical mesh, auto-sharding options (+ memory per stage).
 
     `dp_result` is get_last_dp_result() (or the plan cache's four parts with a leading None).
@@ -50,14 +51,13 @@ def stage_layout(dp_result: Optional[Sequence[Any]], stage_memory_bytes: Optiona
     n = len(layer_ids)
     rows = []
     for i in range(n):
-        row: Dict[str, Any] = {
-            "stage": i, "mesh": i, "layers": list(layer_ids[i]),
-            "submesh_shape": list(submesh[i]) if submesh else None,
-            "logical_shape": list(logical[i]) if logical else None,
-            "autosharding_options": dict(options[i]) if options else {},
-        }
+        row = StageRecord(stage=i, mesh=i, layers=list(layer_ids[i]),
+                          submesh_shape=list(submesh[i]) if submesh else None,
+                          logical_shape=list(logical[i]) if logical else None,
+                          autosharding_options=dict(options[i]) if options else {})
         if stage_memory_bytes and len(stage_memory_bytes) >= 2 * n:
-            row["memory_bytes_forward"] = int(stage_memory_bytes[i])
-            row["memory_bytes_backward"] = int(stage_memory_bytes[2 * n - 1 - i])
+            row.memory_bytes_forward = int(stage_memory_bytes[i])
+            row.memory_bytes_backward = int(stage_memory_bytes[2 * n - 1 - i])
+            row.memory_bytes = row.memory_bytes_forward + row.memory_bytes_backward
         rows.append(row)
     return rows

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from alpa_job.inspect import record
+
 STRATEGY_LABELS = ("DP", "ZeRO", "MP", "MP+ZeRO", "replicated")
 
 
@@ -106,32 +108,34 @@ class ParallelPlan:
             ways *= mesh.axis_size(axis)
         return -(-leaf.bytes // ways)
 
+    def leaf_records(self) -> List[record.Leaf]:
+        """The report's per-leaf rows (the `params` of the run record)."""
+        return [self._record(leaf) for leaf in self.leaves]
+
+    def batch_records(self) -> List[record.Leaf]:
+        """The batch's rows (the `batch_sharding` of the run record)."""
+        return [self._record(leaf) for leaf in self.batch]
+
+    def mesh_records(self) -> List[record.MeshRecord]:
+        return [record.MeshRecord(id=m.mesh_id, shape=list(m.shape), axes=list(m.axes),
+                                  batch_axes=list(m.batch_axes), devices=m.num_devices)
+                for m in self.meshes]
+
+    # The same rows as report.json's plain data.
     def leaf_rows(self) -> List[Dict[str, object]]:
-        """The report's per-leaf rows (the `params` list of report.json)."""
-        return [self._row(leaf) for leaf in self.leaves]
+        return [dataclasses.asdict(r) for r in self.leaf_records()]
 
     def batch_rows(self) -> List[Dict[str, object]]:
-        return [self._row(leaf) for leaf in self.batch]
-
-    def _row(self, leaf: Leaf) -> Dict[str, object]:
-        return {
-            "path": leaf.path,
-            "shape": list(leaf.shape),
-            "dtype": leaf.dtype,
-            "bytes": leaf.bytes,
-            "bytes_per_device": self.bytes_per_device(leaf),
-            "spec": leaf.spec,
-            "mesh_ids": list(leaf.mesh_ids),
-            "split_axes": [list(a) for a in leaf.dim_axes],
-            "strategy": self.strategy_of(leaf),
-        }
+        return [dataclasses.asdict(r) for r in self.batch_records()]
 
     def mesh_rows(self) -> List[Dict[str, object]]:
-        return [
-            {"id": m.mesh_id, "shape": list(m.shape), "axes": list(m.axes),
-             "batch_axes": list(m.batch_axes), "devices": m.num_devices}
-            for m in self.meshes
-        ]
+        return [dataclasses.asdict(r) for r in self.mesh_records()]
+
+    def _record(self, leaf: Leaf) -> record.Leaf:
+        return record.Leaf(path=leaf.path, shape=list(leaf.shape), dtype=leaf.dtype, bytes=leaf.bytes,
+                           bytes_per_device=self.bytes_per_device(leaf), spec=leaf.spec,
+                           mesh_ids=list(leaf.mesh_ids), split_axes=[list(a) for a in leaf.dim_axes],
+                           strategy=self.strategy_of(leaf))
 
     def strategy_counts(self, prefix: Optional[str] = None) -> Dict[str, int]:
         counts: Dict[str, int] = {}

@@ -1,8 +1,10 @@
-"""PNG plots for the HTML report (matplotlib, headless)."""
+"""PNG plots of a RunRecord for the HTML report (matplotlib, headless)."""
 from __future__ import annotations
 
 import io
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
+
+from alpa_job.inspect.record import RunRecord
 
 STRATEGY_COLORS = {"DP": "#4c78a8", "ZeRO": "#f58518", "MP": "#54a24b", "MP+ZeRO": "#e45756",
                    "replicated": "#9d9d9d"}
@@ -26,31 +28,31 @@ def _pyplot():
     return plt
 
 
-def bytes_by_strategy(report: Dict) -> Optional[bytes]:
+def bytes_by_strategy(record: RunRecord) -> Optional[bytes]:
     """Stacked bars: bytes per device (and total) of params / opt_state, by strategy label."""
-    rows = report.get("params") or []
+    rows = record.params
     if not rows:
         return None
     plt = _pyplot()
     groups = ["params", "opt_state", "other"]
-    labels = [s for s in STRATEGY_COLORS if any(r["strategy"] == s for r in rows)]
+    labels = [s for s in STRATEGY_COLORS if any(r.strategy == s for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     for ax, key, title in ((axes[0], "bytes", "total bytes"), (axes[1], "bytes_per_device", "bytes per device")):
         bottom = [0.0] * len(groups)
         for label in labels:
-            heights = [sum(r[key] for r in rows if r["strategy"] == label and _group(r["path"]) == g) / 2**20
+            heights = [sum(getattr(r, key) for r in rows if r.strategy == label and _group(r.path) == g) / 2**20
                        for g in groups]
             ax.bar(groups, heights, bottom=bottom, label=label, color=STRATEGY_COLORS[label])
             bottom = [b + h for b, h in zip(bottom, heights)]
         ax.set_title(title)
         ax.set_ylabel("MiB")
     axes[1].legend(title="strategy", fontsize=8)
-    fig.suptitle(f"where the state lives ({report.get('strategy')}, mesh {_mesh_text(report)})", y=1.04)
+    fig.suptitle(f"where the state lives ({record.strategy}, mesh {_mesh_text(record)})", y=1.04)
     return _figure_png(fig)
 
 
-def loss_curve(report: Dict) -> Optional[bytes]:
-    losses: List[float] = report.get("losses") or []
+def loss_curve(record: RunRecord) -> Optional[bytes]:
+    losses: List[float] = record.losses
     if len(losses) < 2:
         return None
     plt = _pyplot()
@@ -62,27 +64,27 @@ def loss_curve(report: Dict) -> Optional[bytes]:
     return _figure_png(fig)
 
 
-def search_times(report: Dict) -> Optional[bytes]:
-    table = [r for r in (report.get("search") or []) if r.get("step_time_s")]
+def search_times(record: RunRecord) -> Optional[bytes]:
+    table = [r for r in (record.search or []) if r.step_time_s]
     if not table:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
-    names = [f"{r['strategy']} {tuple(r['mesh_shape'])}" for r in table]
-    colors = ["#e45756" if r.get("chosen") else "#4c78a8" for r in table]
-    ax.barh(names, [r["step_time_s"] * 1e3 for r in table], color=colors)
+    names = [f"{r.strategy} {tuple(r.mesh_shape)}" for r in table]
+    colors = ["#e45756" if r.chosen else "#4c78a8" for r in table]
+    ax.barh(names, [r.step_time_s * 1e3 for r in table], color=colors)
     ax.set_xlabel("ms / step (red: chosen)")
     ax.set_title("auto search candidates")
     return _figure_png(fig)
 
 
-def all_plots(report: Dict) -> List[Tuple[str, str, bytes]]:
+def all_plots(record: RunRecord) -> List[Tuple[str, str, bytes]]:
     """(file name, caption, png) for every plot that has data."""
     out = []
     for name, caption, fn in (("plot_bytes_by_strategy.png", "Bytes by strategy", bytes_by_strategy),
                               ("plot_loss.png", "Training loss", loss_curve),
                               ("plot_search.png", "Auto search", search_times)):
-        png = fn(report)
+        png = fn(record)
         if png:
             out.append((name, caption, png))
     return out
@@ -93,6 +95,5 @@ def _group(path: str) -> str:
     return head if head in ("params", "opt_state") else "other"
 
 
-def _mesh_text(report: Dict) -> str:
-    mesh = report.get("mesh") or {}
-    return "x".join(str(s) for s in mesh.get("shape", [])) or "?"
+def _mesh_text(record: RunRecord) -> str:
+    return "x".join(str(s) for s in record.mesh.shape) or "?"

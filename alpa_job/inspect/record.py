@@ -13,6 +13,8 @@ catches drift in what the kit writes. Stdlib only, Python 3.9 (the Alpa image) a
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 import typing
 from typing import Any, Dict, Iterable, List, Optional
@@ -20,6 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from alpa_job.errors import KitError
 
 SCHEMA_VERSION = 1
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.schema.json")
 
 # Alpa writes *.mem_usage.txt as `bytes / 1024**3` with 3 decimals (GiB, printed "GB").
 GIB = 1024 ** 3
@@ -88,7 +91,18 @@ class MemoryRecord:
     @classmethod
     def from_xla(cls, analysis: Optional[Dict[str, int]]) -> Optional["MemoryRecord"]:
         """From jax_engine.memory_analysis()'s dict (None stays None)."""
-        return None if analysis is None else _decode(cls, analysis)
+        return None if analysis is None else _decode_fields(cls, analysis)
+
+    @classmethod
+    def from_plain(cls, data: Dict[str, Any]) -> "MemoryRecord":
+        """From report.json data; also reads the Alpa engine's older shapes:
+        {"stage_0": bytes, ...} and {"total_allocation_size": bytes}."""
+        stage_keys = sorted((k for k in data if k.startswith("stage_") and k[6:].isdigit()), key=lambda k: int(k[6:]))
+        if stage_keys:
+            return cls.from_stage_bytes([data[k] for k in stage_keys])
+        if "total_allocation_size" in data:
+            return cls.from_stage_bytes(total_bytes=data["total_allocation_size"])
+        return _decode_fields(cls, data)
 
     @classmethod
     def from_stage_bytes(cls, stage_bytes: Optional[Iterable[int]] = None,
@@ -297,6 +311,12 @@ class RunRecord(ProcessResult):
         return record
 
 
+def load_schema() -> Dict[str, Any]:
+    """The JSON Schema report.json follows (shipped as package data)."""
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
+
+
 # ============================================================================ (de)serialization
 def _numel(shape: Iterable[int]) -> int:
     n = 1
@@ -343,9 +363,31 @@ def _decode(tp: Any, data: Any) -> Any:
         _key, item = typing.get_args(tp)
         return {k: _decode(item, v) for k, v in data.items()}
     if dataclasses.is_dataclass(tp):
+        if isinstance(data, tp):  # already typed (e.g. ParallelPlan.leaf_records())
+            return data
         if not isinstance(data, dict):
             raise TypeError(f"{tp.__name__}: expected an object, got {type(data).__name__}")
-        hints = _hints(tp)
-        known = {f.name for f in dataclasses.fields(tp) if f.init and f.name not in _NOT_SERIALIZED}
-        return tp(**{k: _decode(hints[k], v) for k, v in data.items() if k in known})
+        if "from_plain" in vars(tp):
+            return tp.from_plain(data)
+        return _decode_fields(tp, data)
     return data
+
+
+def _decode_fields(cls: type, data: Dict[str, Any]) -> Any:
+    """A dataclass from its fields' data: unknown keys ignored, a null where the field is not
+    Optional (older reports wrote `stages: null`) takes the field's default."""
+    hints = _hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in _NOT_SERIALIZED or f.name not in data:
+            continue
+        value = data[f.name]
+        if value is None and not _optional(hints[f.name]) and (
+                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
+            continue
+        values[f.name] = _decode(hints[f.name], value)
+    return cls(**values)
+
+
+def _optional(tp: Any) -> bool:
+    return tp is Any or (typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
