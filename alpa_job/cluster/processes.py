@@ -8,44 +8,49 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List
 
+from alpa_job.cluster import ray_api
 from alpa_job.cluster.worker_path import worker_pythonpath
 from alpa_job.errors import EXIT_TIMEOUT, KitError
 
 ACTOR_START_TIMEOUT_S = 120
 
 
-def alive_nodes() -> List[Dict[str, Any]]:
+def training_nodes() -> List[ray_api.RayNode]:
+    """Alive nodes with a CPU to spare, process 0's first.
+
+    Process 0 (the coordinator) goes on the driver's node when it is a member: that is the head
+    under `ray job submit`, whose address the user already knows.
+    """
     import ray
 
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1]
-    # Process 0 (the coordinator) on the driver's node when it is a member: that is the head
-    # under `ray job submit`, whose address the user already knows.
     here = ray.util.get_node_ip_address()
-    return sorted(nodes, key=lambda n: (n["NodeManagerAddress"] != here, n["NodeManagerAddress"]))
+    nodes = [n for n in ray_api.alive_nodes() if n.cpus() >= 1]
+    return sorted(nodes, key=lambda n: (n.ip != here, n.ip))
 
 
-def _worker_env(config) -> Dict[str, str]:
-    from alpa_job.cluster.spec import load_spec
-
+def _worker_env(config, spec) -> Dict[str, str]:
     env = {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={config.devices}",
         "PYTHONPATH": worker_pythonpath(),
     }
-    env.update(load_spec(config.cluster_spec).xla_env())
+    env.update(spec.xla_env())
     return env
 
 
-def run_on_nodes(config) -> List[Dict[str, Any]]:
+def run_on_nodes(config, spec=None) -> List[Dict[str, Any]]:
+    """Train with one JAX process per node. `spec`: the ClusterSpec the entry point resolved (None:
+    load it from config.cluster_spec, for callers not yet passing it)."""
     import ray
 
-    from alpa_job.cluster.spec import load_spec
+    if spec is None:
+        from alpa_job.cluster.spec import load_spec
 
-    nodes = alive_nodes()
+        spec = load_spec(config.cluster_spec)
+    nodes = training_nodes()
     count = config.processes or len(nodes)
     if count > len(nodes):
         raise KitError(f"--processes {count} but only {len(nodes)} alive Ray nodes have a free CPU; "
                        f"use --processes {len(nodes)} or add nodes")
-    spec = load_spec(config.cluster_spec)
 
     @ray.remote(num_cpus=1)
     class JaxProcess:
@@ -57,9 +62,9 @@ def run_on_nodes(config) -> List[Dict[str, Any]]:
 
             return train_process(cfg, process_id, num_processes, coordinator)
 
-    env = _worker_env(config)
-    actors = [JaxProcess.options(resources={f"node:{n['NodeManagerAddress']}": 0.001},
-                                 runtime_env={"env_vars": env}).remote() for n in nodes[:count]]
+    env = _worker_env(config, spec)
+    actors = [JaxProcess.options(runtime_env={"env_vars": env}, **ray_api.pin_to_node(n.ip)).remote()
+              for n in nodes[:count]]
     try:
         ips = ray.get([a.node_ip.remote() for a in actors], timeout=ACTOR_START_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:

@@ -142,6 +142,7 @@ class RayNode(NamedTuple):
     alive: bool
     resources: Mapping[str, float]
     is_head: Optional[bool]  # None: this Ray does not say (2.1.0's ray.nodes())
+    row: Any = None  # the row as Ray gave it
 
     def cpus(self) -> float:
         return float(self.resources.get("CPU", 0) or 0)
@@ -169,7 +170,7 @@ def parse_node(row: Any) -> RayNode:
         is_head = True
     return RayNode(ip=str(_field(row, "NodeManagerAddress", "node_ip", "node_manager_address") or ""),
                    node_id=str(_field(row, "NodeID", "node_id") or ""), alive=bool(alive),
-                   resources=resources, is_head=None if is_head is None else bool(is_head))
+                   resources=resources, is_head=None if is_head is None else bool(is_head), row=row)
 
 
 def parse_nodes(rows: Iterable[Any]) -> List[RayNode]:

@@ -12,42 +12,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Dict, List, Optional
 
-from alpa_job.errors import EXIT_OK, EXIT_TIMEOUT
+from alpa_job.cluster import ray_api
+from alpa_job.errors import EXIT_OK, EXIT_TIMEOUT, KitError
 
 
-def alive_nodes() -> List[Dict]:
-    import ray
-
-    return [n for n in ray.nodes() if n.get("Alive")]
-
-
-def wait_for_nodes(count: int, timeout_s: float, poll_s: float = 0.3) -> List[Dict]:
+def wait_for_alive(count: int, timeout_s: float, poll_s: float = 0.3) -> List[ray_api.RayNode]:
     """Poll the connected cluster until `count` nodes are alive or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while True:
-        nodes = alive_nodes()
+        nodes = ray_api.alive_nodes()
         if len(nodes) >= count or time.monotonic() >= deadline:
             return nodes
         time.sleep(poll_s)
 
 
+def wait_for_nodes(count: int, timeout_s: float, poll_s: float = 0.3) -> List[Dict]:
+    """wait_for_alive's nodes as Ray's raw rows, for the test-bed fixture's driver that still reads
+    n["NodeManagerAddress"] (new code: wait_for_alive and RayNode.ip)."""
+    return [n.row for n in wait_for_alive(count, timeout_s, poll_s)]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m alpa_job.cluster.wait_nodes", description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, required=True, help="nodes that must be alive")
-    parser.add_argument("--timeout", type=float, default=90.0, help="seconds before giving up")
-    parser.add_argument("--address", default=None, help="Ray GCS address (default: RAY_ADDRESS)")
+    parser.add_argument("--timeout", type=float, default=90.0, help="seconds before giving up (joining included)")
+    parser.add_argument("--address", default=None, help="Ray GCS address (default: RAY_ADDRESS, else auto)")
     args = parser.parse_args(argv)
-    import ray
-
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
-    nodes = wait_for_nodes(args.count, args.timeout)
-    print(json.dumps({"alive": sorted(n["NodeManagerAddress"] for n in nodes),
-                      "resources": {n["NodeManagerAddress"]: n.get("Resources", {}) for n in nodes}}))
+    start = time.monotonic()
+    try:
+        ray_api.join_ray(ray_api.normalize_address(args.address), args.timeout, log_to_driver=False)
+    except KitError as err:
+        print("error: %s" % err, file=sys.stderr)
+        return err.exit_code
+    nodes = wait_for_alive(args.count, max(0.0, args.timeout - (time.monotonic() - start)))
+    print(json.dumps({"alive": [n.ip for n in nodes], "resources": {n.ip: dict(n.resources) for n in nodes}}))
     if len(nodes) < args.count:
         print(f"error: only {len(nodes)} of {args.count} Ray nodes alive after {args.timeout:.0f} s; run "
               "python -m alpa_job doctor and read the missing nodes' /tmp/ray/session_latest/logs/raylet.out",

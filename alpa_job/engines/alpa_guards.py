@@ -17,6 +17,7 @@ import os
 import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
+from alpa_job.cluster import ray_api
 from alpa_job.errors import KitError
 
 MIN_ALPA = (0, 2, 3)
@@ -100,13 +101,7 @@ def refuse_ray_client(address: Optional[str]) -> None:
 def cluster_shape(nodes: Iterable[Mapping[str, Any]]) -> Tuple[int, int]:
     """(num_nodes, num_devices_per_node) from `ray.nodes()`: alive nodes with GPUs (a CPU-only head is
     skipped, as Alpa does). Every GPU node must have the same GPU count (Alpa's meshes are uniform)."""
-    counts = []
-    for n in nodes:
-        if not n.get("Alive", n.get("alive", False)):
-            continue
-        gpus = (n.get("Resources") or {}).get("GPU", 0)
-        if gpus and gpus >= 1:
-            counts.append(int(gpus))
+    counts = [int(n.gpus()) for n in ray_api.alive_nodes(nodes) if n.gpus() >= 1]
     if not counts:
         raise KitError("no alive Ray node has a GPU: Alpa runs only on NVIDIA GPU nodes (start each GPU node with "
                        "`ray start ... --num-gpus N`, check with `ray status`), or use --engine jax")
@@ -117,7 +112,7 @@ def cluster_shape(nodes: Iterable[Mapping[str, Any]]) -> Tuple[int, int]:
 
 
 def check_driver_on_cluster(driver_ip: str, nodes: Iterable[Mapping[str, Any]]) -> None:
-    ips = sorted({n.get("NodeManagerAddress") for n in nodes if n.get("Alive", n.get("alive", False))} - {None})
+    ips = sorted({n.ip for n in ray_api.alive_nodes(nodes)})
     if driver_ip not in ips:
         raise KitError(f"the driver runs on {driver_ip}, which is not a node of the Ray cluster ({', '.join(ips)}); "
                        "Alpa's driver must run on a cluster node: ray job submit --address http://HEAD:8265 -- "
