@@ -14,6 +14,7 @@ import pytest
 
 from alpa_job import versions
 from alpa_job.cluster import doctor
+from alpa_job.cluster.doctor import matrix, render
 from alpa_job.errors import EXIT_CHECK_FAILED
 from fixtures_multihost import run_doctor
 
@@ -31,6 +32,43 @@ def test_node_ip_checks_name_the_fix():
     assert "--node-ip-address=10.77.0.2" in out["fix"]
     out, = doctor.check_node_ip("10.77.0.9", "10.77.0.9", addrs, "10.77.0.0/24")
     assert not out["ok"] and "not an address of this host" in out["detail"] and "10.77.0.2" in out["detail"]
+
+
+def test_port_plan_follows_the_spec_and_skips(spec):
+    fixed, ranges = matrix.listen_plan(spec, skip=["ssh"])
+    head_names = {n for n, _ in fixed["head"]}
+    assert "gcs" in head_names and "gcs" not in {n for n, _ in fixed["worker"]}  # head-only ports: head only
+    assert "ssh" not in head_names | {n for n, _ in fixed["worker"]}
+    assert ("xla_grpc",) + spec.ranges["xla_grpc"] in ranges
+
+
+def test_matrix_names_the_blocked_port_source_and_target(spec):
+    """The all-pairs results of a cluster where w2 refuses the head on its node-manager port."""
+    nm = spec.ports["node_manager"]
+    head, w1, w2 = "10.77.0.1", "10.77.0.2", "10.77.0.3"
+    listened = {ip: [{"name": "node_manager", "port": nm, "listener": "in use", "error": None},
+                     {"name": "xla_grpc", "port": spec.ranges["xla_grpc"][0], "listener": "ours", "error": None}]
+                for ip in (head, w1)}
+    listened[w1].append({"name": "ssh", "port": 22, "listener": "none", "error": "EADDRNOTAVAIL"})
+    plan, listen_checks = matrix.target_plan([head, w1, w2], listened, {"head": [("gcs", 6379), ("node_manager", nm)],
+                                             "worker": [("node_manager", nm), ("ssh", 22)]}, head)
+    assert [p["port"] for p in plan[w2]] == [nm]  # w2 opened no listeners: probed on Ray's fixed ports only
+    assert [c["node"] for c in listen_checks] == [w1] and "cannot listen on %s:22 (ssh)" % w1 in listen_checks[0]["detail"]
+    assert matrix.connect_targets(head, plan) == [(w1, nm), (w1, spec.ranges["xla_grpc"][0]), (w2, nm)]
+    ok = lambda ip, port: {"ip": ip, "port": port, "status": "ok"}  # noqa: E731
+    connected = {head: [ok(w1, nm), ok(w1, spec.ranges["xla_grpc"][0]), {"ip": w2, "port": nm, "status": "refused"}],
+                 w1: [ok(head, nm), ok(w2, nm)]}  # w2 never reported
+    grid, blocked = matrix.build_matrix([head, w1, w2], plan, connected)
+    assert grid[head][w2] == {"ok": False, "probed": 1, "blocked": ["%d node_manager (refused)" % nm]}
+    assert grid[head][w1]["ok"] and grid[w1][w2]["ok"] and grid[w2][head]["ok"] is None
+    (bad,) = matrix.blocked_checks(spec, blocked)
+    assert bad["node"] == w2 and bad["detail"] == "TCP %d (node_manager) blocked from %s (refused)" % (nm, head)
+    assert bad["fix"].startswith("open TCP %d (node_manager) on %s" % (nm, w2))
+    table = render.render_table({"address": "a", "cluster_cidr": "c", "head": head, "seconds": 1, "ok": False,
+                                 "matrix": grid, "checks": listen_checks + [bad]})
+    assert "blocked: %d node_manager (refused)" % nm in table and "FAIL ports     %s" % w2 in table
+    summary = render.failure_summary({"ok": False, "checks": listen_checks + [bad]})
+    assert summary.startswith("doctor: 2 check(s) failed; first: node %s: cannot listen" % w1)
 
 
 def _collect_with(python: str) -> dict:

@@ -80,17 +80,28 @@ def _addresses_from_ioctl() -> Dict[str, List[str]]:
     return found
 
 
-def select_node_ip(cidr: str, addresses: Optional[Mapping[str, Sequence[str]]] = None) -> str:
-    """The address of the one interface with an address inside `cidr` (KitError if none or several)."""
+def ips_in_cidr(ips: Sequence[str], cidr: str) -> List[str]:
+    """The addresses among `ips` that lie inside `cidr` (order kept); KitError if `cidr` is not a network.
+
+    The one membership test for a host's addresses (node-IP choice here, the doctor's node check);
+    ClusterSpec.cluster_ipv4 is the refusing form for one address the user gave.
+    """
     try:
         network = ipaddress.ip_network(str(cidr), strict=False)
     except ValueError:
         raise KitError("cluster CIDR %r is not a network such as 10.0.0.0/8; fix cluster_cidr" % (cidr,)) from None
+    return [ip for ip in ips if ipaddress.ip_address(ip) in network]
+
+
+def select_node_ip(cidr: str, addresses: Optional[Mapping[str, Sequence[str]]] = None) -> str:
+    """The address of the one interface with an address inside `cidr` (KitError if none or several)."""
+    ips_in_cidr([], cidr)  # a bad CIDR fails before the interfaces are read
+    network = ipaddress.ip_network(str(cidr), strict=False)
     if addresses is None:
         addresses = local_ipv4_addresses()
     inside = {}
     for iface, ips in addresses.items():
-        matching = [ip for ip in ips if ipaddress.ip_address(ip) in network]
+        matching = ips_in_cidr(ips, cidr)
         if matching:
             inside[iface] = matching
     if not inside:

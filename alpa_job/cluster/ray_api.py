@@ -87,12 +87,14 @@ def check_reachable(address: str, timeout_s: float = TCP_CHECK_TIMEOUT_S) -> Non
 
 
 # ---- joining -------------------------------------------------------------------------------------
-def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, **init_kwargs: Any) -> str:
+def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, check_timeout_s: float = TCP_CHECK_TIMEOUT_S,
+             **init_kwargs: Any) -> str:
     """`ray.init(address=...)` that returns or fails within `timeout_s`; returns what was joined.
 
     `address`: HOST:PORT (TCP-checked first: a refused or silent port fails in seconds), "auto",
     "ray://..." or "local" (starts an in-process Ray: no network wait, so no thread). Already
     connected: nothing to do. Failures are one-line KitErrors naming the address, exit 4.
+    `check_timeout_s` caps the first TCP check (within `timeout_s`).
     """
     import ray
 
@@ -103,7 +105,7 @@ def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, **init_kwargs: Any
         return "local Ray (in-process)"
     deadline = time.monotonic() + timeout_s
     if address != AUTO and not address.startswith("ray://"):
-        check_reachable(address, timeout_s=max(0.1, min(TCP_CHECK_TIMEOUT_S, timeout_s)))
+        check_reachable(address, timeout_s=max(0.1, min(check_timeout_s, timeout_s)))
     outcome: Dict[str, BaseException] = {}
 
     def init() -> None:
@@ -161,6 +163,8 @@ def _field(row: Any, *names: str) -> Any:
 
 def parse_node(row: Any) -> RayNode:
     """A `ray.nodes()` row ("Alive" or "alive") or a state API row (`state`), as a RayNode."""
+    if isinstance(row, RayNode):
+        return row
     alive = _field(row, "Alive", "alive")
     if alive is None:
         alive = str(_field(row, "state") or "").upper() == "ALIVE"
