@@ -1,20 +1,22 @@
 """Seconds from nothing to N test-bed hosts with a firewalled Ray cluster joined and `doctor` green.
 
-For each size (default 3 and 6): bring the test bed up (namespaces, bridge, tini), load the spec's
-nftables rules and sysctl in every host, `ray start` the head (dashboard on: `ray job submit`
-needs it) then every worker in parallel (ports pinned by alpa_job.cluster.ray_start), wait until N
-nodes are alive, run `python -m alpa_job doctor --format json` inside the head until it is green,
-tear down. Prints a table, writes bench/results/testbed_bringup-<time>.json and appends a section
-to bench/RESULTS.md with the exact command.
+For each size (default 3 and 8): bring the test bed up (namespaces, bridge, tini), then the ONE Ray
+bring-up `scripts/testbed_ray.start_ray` (the same code as `scripts/testbed up --ray` and the tests'
+`ray_cluster` fixture): the spec's nftables rules + sysctls in every host, `ray start` on the head
+(dashboard on: `ray job submit` needs it) and on every worker in parallel as soon as the head's GCS
+listens, `alpa_job.cluster.wait_nodes` until N nodes are alive; then `python -m alpa_job doctor
+--format json` inside the head until it is green; tear down (`ray stop` everywhere, then the hosts).
+Records the 1-minute load average before and after each size (the machine may be shared). Prints a
+table, writes bench/results/testbed_bringup-<time>.json and appends a section to bench/RESULTS.md
+with the exact command.
 
-    sudo .venv/bin/python bench/testbed_bringup.py [--sizes 3 6] [--num-cpus 1] [--object-store-memory 80000000]
+    sudo .venv/bin/python bench/testbed_bringup.py [--sizes 3 8] [--num-cpus 1] [--object-store-memory 80000000]
 
 Needs root, iproute2, util-linux, tini, nftables (like the test bed).
 """
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import json
 import os
@@ -29,96 +31,52 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import testbed_lib  # noqa: E402
-
-from alpa_job.cluster.firewall import render_nftables  # noqa: E402
-from alpa_job.cluster.ray_start import ray_start_args  # noqa: E402
-from alpa_job.cluster.spec import load_spec  # noqa: E402
-
-def _exec(bed, host, *cmd, timeout=120, env=None):
-    p = bed.exec(host, *cmd, timeout=timeout, env=env, check=False)
-    if p.returncode != 0:
-        raise RuntimeError("[%s] %s failed (rc=%d):\n%s\n%s" % (host, shlex.join(map(str, cmd))[:200], p.returncode,
-                                                              p.stdout[-2000:], p.stderr[-2000:]))
-    return p
-
-
-def _start_worker(bed, host, argv, timeout):
-    """`ray start` on a worker; on an overloaded machine Ray's own start-up timeout can fire: one retry."""
-    try:
-        return _exec(bed, host, *argv, timeout=timeout)
-    except RuntimeError as err:
-        print("retrying %s after: %s" % (host, str(err).strip().splitlines()[-1][:200]), file=sys.stderr)
-        bed.exec(host, "ray", "stop", "--force", timeout=60, check=False)
-        return _exec(bed, host, *argv, timeout=timeout)
+import testbed_ray  # noqa: E402
 
 
 def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float) -> dict:
     t = {}
-    t0 = time.monotonic()
+    load_before = os.getloadavg()[0]
     testbed_lib.down(prefix=prefix)
+    t0 = time.monotonic()
     bed = testbed_lib.Testbed.up(n, prefix=prefix)
+    result = {"hosts": n}
     try:
         t["bed_up"] = time.monotonic() - t0
-        spec_path = bed.state_dir / "cluster-spec.yaml"
-        spec_path.write_text("cluster_cidr: %s\n" % bed.subnet)
-        spec = load_spec(str(spec_path))
-        members = list(bed.ips.values())
-        for i, h in enumerate(bed.hosts):
-            fw = bed.state_dir / ("nftables-%s.nft" % h.name)
-            fw.write_text(render_nftables(spec, h.ip, members, "head" if i == 0 else "worker"))
-            bed.exec(h.name, "nft", "-f", str(fw), timeout=30)
-            for key, value in spec.sysctl().items():
-                bed.exec(h.name, "sysctl", "-q", "-w", "%s=%s" % (key, value), timeout=30)
-        t["firewall"] = time.monotonic() - t0 - t["bed_up"]
-        mark = time.monotonic()
-        _exec(bed, "head", *ray_start_args(spec, "head", bed.head.ip, num_cpus=num_cpus, object_store_memory=store,
-                                         include_dashboard=True), timeout=timeout)
-        t["head_start"] = time.monotonic() - mark
-        mark = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(max(1, n - 1)) as ex:
-            futs = [ex.submit(_start_worker, bed, h.name, ray_start_args(spec, "worker", h.ip, head_ip=bed.head.ip,
-                                                                         num_cpus=num_cpus, object_store_memory=store),
-                              timeout) for h in bed.hosts[1:]]
-            for f in futs:
-                f.result()
-        address = "%s:%d" % (bed.head.ip, spec.ports["gcs"])
-        p = bed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(n), "--timeout",
-                     str(timeout), env={"RAY_ADDRESS": address}, check=False,
-                     timeout=timeout + 60)
-        alive = len(json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["alive"])
-        t["workers_joined"] = time.monotonic() - mark
+        info = testbed_ray.start_ray(bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True,
+                                     timeout=timeout)
+        steps = info["seconds"]
+        t["firewall"] = steps["firewall"]
+        t["head_gcs"] = steps["head_gcs"]
+        t["ray_start"] = steps["ray_start"]
+        t["wait"] = steps["wait"]
         t["joined_total"] = time.monotonic() - t0
         mark = time.monotonic()
         doctor = None
         attempts = 0
         while time.monotonic() - mark < timeout:
             attempts += 1
-            d = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", address, "--cluster-spec",
-                         str(spec_path), "--format", "json", "--deadline", "120", "--node-timeout", "60",
-                         timeout=180, check=False)
-            try:
-                doctor = json.loads(d.stdout)
-            except ValueError:
-                doctor = {"ok": False, "error": d.stderr[-500:]}
+            doctor = testbed_ray.doctor(bed, deadline=120, timeout=180)
             if doctor.get("ok"):
                 break
         t["doctor"] = time.monotonic() - mark
         t["green_total"] = time.monotonic() - t0
         failed = [c for c in doctor.get("checks", []) if not c["ok"]] if doctor else []
-        result = {"hosts": n, "alive": alive, "doctor_ok": bool(doctor and doctor.get("ok")),
-                "doctor_attempts": attempts, "doctor_own_seconds": doctor.get("seconds") if doctor else None,
-                "doctor_failed": failed[:5]}
+        result.update({"alive": len(info["nodes"]), "worker_retries": info.get("worker_retries", []),
+                       "doctor_ok": bool(doctor and doctor.get("ok")), "doctor_attempts": attempts,
+                       "doctor_own_seconds": doctor.get("seconds") if doctor else None, "doctor_failed": failed[:5]})
     finally:
         mark = time.monotonic()
         bed.down()
         t["teardown"] = time.monotonic() - mark
     result["seconds"] = {k: round(v, 2) for k, v in t.items()}
+    result["loadavg_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
     return result
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[3, 6])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[3, 8])
     ap.add_argument("--num-cpus", type=int, default=1)
     ap.add_argument("--object-store-memory", type=int, default=80_000_000)
     ap.add_argument("--prefix", default="akb")
@@ -130,12 +88,13 @@ def main(argv=None) -> int:
         print("cannot run: " + "; ".join(why), file=sys.stderr)
         return 2
     rows = [bring_up(n, opts.num_cpus, opts.object_store_memory, opts.prefix, opts.timeout) for n in opts.sizes]
-    cols = ("bed_up", "firewall", "head_start", "workers_joined", "joined_total", "doctor", "green_total", "teardown")
-    header = ["hosts", "alive", "doctor"] + list(cols)
+    cols = ("bed_up", "firewall", "head_gcs", "ray_start", "wait", "joined_total", "doctor", "green_total", "teardown")
+    header = ["hosts", "alive", "doctor"] + list(cols) + ["load 1m before/after"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
-        lines.append(" | ".join([str(r["hosts"]), str(r["alive"]), "green" if r["doctor_ok"] else "RED"]
-                                + ["%.1f" % r["seconds"].get(c, float("nan")) for c in cols]))
+        lines.append(" | ".join([str(r["hosts"]), str(r.get("alive")), "green" if r.get("doctor_ok") else "RED"]
+                                + ["%.1f" % r["seconds"].get(c, float("nan")) for c in cols]
+                                + ["%.2f / %.2f" % (r["loadavg_1m"]["before"], r["loadavg_1m"]["after"])]))
     table = "\n".join("| %s |" % line for line in lines)
     print(table)
     command = "python bench/testbed_bringup.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -151,8 +110,9 @@ def main(argv=None) -> int:
             f.write("\n## Test bed bring-up: nothing -> N hosts joined -> doctor green (%s)\n\n" % stamp)
             f.write("`%s` (as root; %d CPUs, Python %s; each node `--num-cpus %d --object-store-memory %d`, "
                     "dashboard on the head only; spec firewall loaded in every host). Seconds; "
-                    "`joined_total` = bed up + firewall + head + workers alive, `green_total` = that + doctor "
-                    "until green. Raw: `bench/results/%s`.\n\n"
+                    "`joined_total` = bed up + firewall + `ray start` everywhere (workers once the head's GCS "
+                    "listens) + wait_nodes, `green_total` = that + doctor until green; load = 1-minute load "
+                    "average before/after (shared machine). Raw: `bench/results/%s`.\n\n"
                     % (command.strip(), os.cpu_count() or 0, platform.python_version(), opts.num_cpus,
                        opts.object_store_memory, out.name))
             f.write(table + "\n")

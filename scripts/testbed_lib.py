@@ -17,6 +17,17 @@ Everything the test bed creates is named with its ``prefix`` (netns ``<prefix>-*
 ``<prefix>-*``: bridges ``-br0``/``-br1``, veths ``-<host>``/``-m<host>``), so ``down`` finds and removes leftovers even without state
 (after a crashed ``up`` or a killed test session).
 
+A user's site (``site=True``, issue 11): beside the cluster nodes, a CONTROLLER host ``ctl``
+(a mini-container like the nodes, ``bed.controller``, NOT in ``bed.hosts``) on its own admin subnet
+10.78.0.0/24 (bridge ``<prefix>-br2``), 10.78.0.2, and a ROUTER netns ``<prefix>-rtr`` (no processes,
+``ip_forward=1``) with 10.77.0.254 on the cluster bridge and 10.78.0.1 on the admin bridge. Nodes get
+``10.78.0.0/24 via 10.77.0.254``, the controller ``<cluster subnet> via 10.78.0.1``: the nodes see the
+controller's own address (no NAT), and still nothing has a route out of the machine.
+
+``cgroups=True`` re-mounts the machine's cgroup hierarchies inside every node host (``ip netns exec``
+mounts a fresh sysfs, which hides them; dockerd refuses to start without them). Daemons on top
+(dockerd per node, a registry on the controller): scripts/testbed_site.py.
+
 Library use::
 
     bed = Testbed.up(3, mgmt=["w2"])
@@ -46,6 +57,11 @@ DEFAULT_PREFIX = "akt"
 DEFAULT_SUBNET = "10.77.0.0/24"
 MGMT_SUBNET = "192.168.77.0/24"
 MGMT_GATEWAY = "192.168.77.254"  # nobody owns it: a default route that leads nowhere
+# The site's admin network (controller, registry): outside the cluster CIDR and the mgmt subnet.
+ADMIN_SUBNET = "10.78.0.0/24"
+ADMIN_ROUTER_IP = "10.78.0.1"     # the router's leg on the admin network
+CONTROLLER_IP = "10.78.0.2"
+CONTROLLER_NAME = "ctl"
 DEFAULT_SHM = "2g"
 # Mirrors alpa_job/cluster/cluster.yaml ranges.ephemeral (a real node pins it too: Gloo/NCCL bind
 # ephemeral ports and the firewall opens only this range between members).
@@ -182,7 +198,8 @@ class Testbed:
     """A running test bed (from ``Testbed.up`` or ``Testbed.load``)."""
 
     def __init__(self, state_dir: Path, prefix: str, subnet: str, hosts: List[Host], shm_size: str,
-                 ephemeral: Optional[Sequence[int]] = None):
+                 ephemeral: Optional[Sequence[int]] = None, ray: Optional[dict] = None,
+                 controller: Optional[Host] = None, cgroups: bool = False, site: Optional[dict] = None):
         self.state_dir = Path(state_dir)
         self.prefix = prefix
         self.subnet = subnet
@@ -190,6 +207,12 @@ class Testbed:
         self.shm_size = shm_size
         self.ephemeral = list(ephemeral) if ephemeral else None
         self._launchers: Dict[str, subprocess.Popen] = {}
+        # What scripts/testbed_ray.start_ray started (address, auth token path, ...); None = no Ray.
+        self.ray: Optional[dict] = ray
+        self.controller = controller  # the site's controller host (admin subnet); not a cluster node
+        self.cgroups = cgroups        # cgroup hierarchies re-mounted in every node host (dockerd)
+        # What scripts/testbed_site.start_site started (dockerd per node, registry, pushed image).
+        self.site: Optional[dict] = site
 
     # ---- description -------------------------------------------------------------------------
     @property
@@ -204,8 +227,17 @@ class Testbed:
     def ips(self) -> Dict[str, str]:
         return {h.name: h.ip for h in self.hosts}
 
+    @property
+    def router_ip(self) -> Optional[str]:
+        """The router's address on the cluster subnet (nodes route the admin subnet through it)."""
+        return str(ipaddress.ip_network(self.subnet)[-2]) if self.controller else None
+
+    def all_hosts(self) -> List[Host]:
+        """Nodes, then the controller (if any): every mini-container of the bed."""
+        return self.hosts + ([self.controller] if self.controller else [])
+
     def host(self, name: str) -> Host:
-        for h in self.hosts:
+        for h in self.all_hosts():
             if h.name == name or h.ip == name:
                 return h
         raise TestbedError(f"no host {name!r} in test bed {self.prefix!r} (have {[h.name for h in self.hosts]})")
@@ -226,6 +258,10 @@ class Testbed:
             "state_dir": str(self.state_dir),
             "head_address": self.head_address,
             "hosts": [h.to_json() for h in self.hosts],
+            "ray": self.ray,
+            "controller": self.controller.to_json() if self.controller else None,
+            "cgroups": self.cgroups,
+            "site": self.site,
         }
 
     def summary(self) -> dict:
@@ -236,7 +272,19 @@ class Testbed:
             if h.mgmt_ip:
                 d["mgmt_ip"] = h.mgmt_ip
             hosts.append(d)
-        return {"hosts": hosts, "head_address": self.head_address, "state_dir": str(self.state_dir)}
+        out = {"hosts": hosts, "head_address": self.head_address, "state_dir": str(self.state_dir)}
+        if self.controller:
+            out["controller"] = {"name": self.controller.name, "ip": self.controller.ip,
+                                 "admin_subnet": ADMIN_SUBNET, "router": {"cluster_ip": self.router_ip,
+                                                                          "admin_ip": ADMIN_ROUTER_IP}}
+        if self.site:
+            out["site"] = self.site
+        if self.ray:
+            out["ray"] = {k: self.ray.get(k) for k in ("address", "dashboard", "spec_path", "nodes", "auth",
+                                                       "token_path", "seconds")}
+            if self.ray.get("token_path") and os.path.exists(self.ray["token_path"]):
+                out["ray"]["token"] = Path(self.ray["token_path"]).read_text().strip()
+        return out
 
     def status(self) -> dict:
         netns = set(_list_netns())
@@ -244,6 +292,9 @@ class Testbed:
         for hj, h in zip(d["hosts"], self.hosts):
             hj["alive"] = _pid_alive(h.pid) and h.netns in netns
         d["up"] = all(hj["alive"] for hj in d["hosts"])
+        if self.controller:
+            d["controller"]["alive"] = _pid_alive(self.controller.pid) and self.controller.netns in netns
+            d["up"] = d["up"] and d["controller"]["alive"] and f"{self.prefix}-rtr" in netns
         return d
 
     def _save(self):
@@ -259,7 +310,9 @@ class Testbed:
         except FileNotFoundError:
             raise TestbedError(f"no test bed state in {sd} (is it up? `scripts/testbed up --hosts N`)") from None
         hosts = [Host(**h) for h in d["hosts"]]
-        return cls(sd, d["prefix"], d["subnet"], hosts, d["shm_size"], d.get("ephemeral"))
+        ctl = Host(**d["controller"]) if d.get("controller") else None
+        return cls(sd, d["prefix"], d["subnet"], hosts, d["shm_size"], d.get("ephemeral"), ray=d.get("ray"),
+                   controller=ctl, cgroups=bool(d.get("cgroups")), site=d.get("site"))
 
     # ---- running commands in a host ----------------------------------------------------------
     def exec_argv(self, host: str, cmd: Sequence[str], env: Optional[Dict[str, str]] = None,
@@ -269,6 +322,8 @@ class Testbed:
         if not _pid_alive(h.pid):
             raise TestbedError(f"host {h.name} of test bed {self.prefix!r} is not running (PID 1 {h.pid} gone)")
         full_env = python_env()
+        if self.ray and self.ray.get("token_path"):  # Ray token auth on: every client needs the token
+            full_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.ray["token_path"])
         if env:
             full_env.update(env)
         wd = cwd or os.getcwd()
@@ -303,8 +358,10 @@ class Testbed:
     def up(cls, n_hosts: int, subnet: str = DEFAULT_SUBNET, mgmt: Iterable[str] = (),
            state_dir: Optional[os.PathLike] = None, prefix: str = DEFAULT_PREFIX, shm_size: str = DEFAULT_SHM,
            ephemeral: Optional[Sequence[int]] = DEFAULT_EPHEMERAL, reuse: bool = False,
-           timeout: float = 20) -> "Testbed":
-        """Create ``n_hosts`` hosts (head, w1, w2, ...).
+           timeout: float = 20, site: bool = False, cgroups: bool = False) -> "Testbed":
+        """Create ``n_hosts`` hosts (head, w1, w2, ...); with ``site`` also the controller ``ctl`` on the
+        admin subnet and the router between the two networks; with ``cgroups`` the cgroup hierarchies
+        re-mounted in every node host (needed by dockerd).
 
         If anything of ``prefix`` already exists: with ``reuse`` a healthy test bed of the same
         shape is returned as is (anything else is torn down and rebuilt); without it TestbedError.
@@ -325,6 +382,10 @@ class Testbed:
             raise TestbedError(f"subnet {subnet} too small for {n_hosts} hosts (max 99 hosts)")
         if ipaddress.ip_network(MGMT_SUBNET).overlaps(net):
             raise TestbedError(f"subnet {subnet} overlaps the management subnet {MGMT_SUBNET}")
+        if site and ipaddress.ip_network(ADMIN_SUBNET).overlaps(net):
+            raise TestbedError(f"subnet {subnet} overlaps the site's admin subnet {ADMIN_SUBNET}; pick another --subnet")
+        if site and n_hosts > net.num_addresses - 3:
+            raise TestbedError(f"subnet {subnet} too small for {n_hosts} hosts plus the site's router")
 
         leftovers = _leftovers(prefix, sd)
         if leftovers:
@@ -335,7 +396,8 @@ class Testbed:
                 bed = cls.load(sd)
                 st = bed.status()
                 same = ([h.name for h in bed.hosts] == names and bed.subnet == str(net)
-                        and sorted(h.name for h in bed.hosts if h.mgmt_ip) == sorted(mgmt))
+                        and sorted(h.name for h in bed.hosts if h.mgmt_ip) == sorted(mgmt)
+                        and bool(bed.controller) == bool(site) and bed.cgroups == bool(cgroups))
                 if st["up"] and same:
                     return bed
             except TestbedError:
@@ -346,7 +408,8 @@ class Testbed:
         mnet = list(ipaddress.ip_network(MGMT_SUBNET).hosts())
         hosts = [Host(name=n, ip=str(hosts_ips[i]), netns=f"{prefix}-{n}",
                       mgmt_ip=str(mnet[i]) if n in mgmt else None) for i, n in enumerate(names)]
-        bed = cls(sd, prefix, str(net), hosts, shm_size, ephemeral)
+        ctl = Host(name=CONTROLLER_NAME, ip=CONTROLLER_IP, netns=f"{prefix}-{CONTROLLER_NAME}") if site else None
+        bed = cls(sd, prefix, str(net), hosts, shm_size, ephemeral, controller=ctl, cgroups=bool(cgroups))
         try:
             bed._create(timeout)
         except BaseException:
@@ -365,6 +428,8 @@ class Testbed:
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
         lines += [f"{h.ip}\t{h.name}" for h in self.hosts]
         lines += [f"{h.mgmt_ip}\t{h.name}-mgmt" for h in self.hosts if h.mgmt_ip]
+        if self.controller:
+            lines.append(f"{self.controller.ip}\t{self.controller.name}")
         (sd / "hosts.txt").write_text("\n".join(lines) + "\n")
         plen = ipaddress.ip_network(self.subnet).prefixlen
         mplen = ipaddress.ip_network(MGMT_SUBNET).prefixlen
@@ -395,13 +460,43 @@ class Testbed:
             if self.ephemeral:
                 lo, hi = self.ephemeral
                 _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.ip_local_port_range={lo} {hi}"])
-            self._start_init(h)
+            if self.controller:
+                _run(["ip", "-n", ns, "route", "add", ADMIN_SUBNET, "via", self.router_ip, "dev", "eth0"])
+            self._start_init(h, cgroups=self.cgroups)
+        if self.controller:
+            self._create_site_network(plen)
+            self._start_init(self.controller)
         self._save()
-        for h in self.hosts:
+        for h in self.all_hosts():
             self._wait_init(h, timeout)
         self._save()
 
-    def _start_init(self, h: Host):
+    def _create_site_network(self, plen: int):
+        """The admin bridge, the router netns (forwarding, no default route) and the controller's NIC."""
+        p = self.prefix
+        aplen = ipaddress.ip_network(ADMIN_SUBNET).prefixlen
+        br2, rtr, ctl = f"{p}-br2", f"{p}-rtr", self.controller
+        _run(["ip", "link", "add", br2, "type", "bridge"])
+        _run(["ip", "link", "set", br2, "up"])
+        _run(["ip", "netns", "add", rtr])
+        for veth, bridge, nic, addr in ((f"{p}-rtr", f"{p}-br0", "eth0", f"{self.router_ip}/{plen}"),
+                                        (f"{p}-rtra", br2, "eth1", f"{ADMIN_ROUTER_IP}/{aplen}")):
+            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", nic, "netns", rtr])
+            _run(["ip", "link", "set", veth, "master", bridge, "up"])
+            _run(["ip", "-n", rtr, "addr", "add", addr, "dev", nic])
+            _run(["ip", "-n", rtr, "link", "set", nic, "up"])
+        _run(["ip", "-n", rtr, "link", "set", "lo", "up"])
+        _run(["ip", "netns", "exec", rtr, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        _run(["ip", "netns", "add", ctl.netns])
+        veth = f"{p}-{ctl.name}"
+        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ctl.netns])
+        _run(["ip", "link", "set", veth, "master", br2, "up"])
+        _run(["ip", "-n", ctl.netns, "addr", "add", f"{ctl.ip}/{aplen}", "dev", "eth0"])
+        _run(["ip", "-n", ctl.netns, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", ctl.netns, "link", "set", "lo", "up"])
+        _run(["ip", "-n", ctl.netns, "route", "add", self.subnet, "via", ADMIN_ROUTER_IP, "dev", "eth0"])
+
+    def _start_init(self, h: Host, cgroups: bool = False):
         hd = self.host_dir(h.name)
         (hd / "ray").mkdir(parents=True, exist_ok=True)
         q = shlex.quote
@@ -412,6 +507,7 @@ class Testbed:
             f"mount --bind {q(str(hd / 'ray'))} /tmp/ray",
             f"mount -t tmpfs -o size={q(self.shm_size)},mode=1777 tmpfs /dev/shm",
             f"mount --bind {q(str(self.state_dir / 'hosts.txt'))} /etc/hosts",
+            *(cgroup_mount_lines() if cgroups else []),
             "exec tini -s -- sleep infinity",
         ])
         log = open(hd / "init.log", "wb")
@@ -442,8 +538,38 @@ class Testbed:
 
         h.pid = _wait(ready, timeout, f"host {h.name}'s tini (PID 1) to start")
 
-    def down(self, timeout: float = 20):
-        down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, _launchers=self._launchers)
+    def down(self, timeout: float = 20, stop_ray: bool = True):
+        return down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, stop_ray=stop_ray,
+                    _launchers=self._launchers)
+
+
+def cgroup_mount_lines(mountinfo: str = "/proc/self/mountinfo") -> List[str]:
+    """Shell lines that mount, inside a host, the same cgroup hierarchies the machine has.
+
+    Read from the machine's own mount table (cgroup v1 + unified here; a pure cgroup v2 machine gives
+    one cgroup2 line), so the superblocks are the machine's: dockerd's cgroupfs driver then works.
+    """
+    lines, root_tmpfs = [], False
+    with open(mountinfo) as f:
+        for line in f:
+            pre, post = line.split(" - ", 1)
+            mp = pre.split()[4]
+            fstype, _src, sopts = (post.split() + ["", ""])[:3]
+            if not (mp == "/sys/fs/cgroup" or mp.startswith("/sys/fs/cgroup/")):
+                continue
+            if mp == "/sys/fs/cgroup" and fstype == "tmpfs":
+                root_tmpfs = True
+                continue
+            if fstype == "cgroup":
+                opts = ",".join(o for o in sopts.split(",") if o not in ("rw", "ro"))
+                lines.append(f"mkdir -p {mp} && mount -t cgroup -o {shlex.quote(opts)} cgroup {mp}")
+            elif fstype == "cgroup2":
+                lines.append(f"mkdir -p {mp} && mount -t cgroup2 cgroup2 {mp}")
+    if root_tmpfs:
+        lines.insert(0, "mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs /sys/fs/cgroup")
+    if not lines:
+        raise TestbedError("the machine has no cgroup mounts under /sys/fs/cgroup to repeat inside the hosts")
+    return lines
 
 
 # ---- discovery / teardown (works without state) ------------------------------------------------
@@ -509,15 +635,16 @@ def _leftovers(prefix: str, state_dir: Path) -> List[str]:
 def list_prefixes(pattern: str = r"akt[a-z0-9]*") -> List[str]:
     """Prefixes of every test bed (or leftover) on this machine whose prefix fully matches ``pattern``."""
     rx = re.compile(pattern)
-    names = _list_netns() + [n for n in _list_links() if n.endswith(("-br0", "-br1"))]
+    names = _list_netns() + [n for n in _list_links() if n.endswith(("-br0", "-br1", "-br2"))]
     return sorted({n.rsplit("-", 1)[0] for n in names if "-" in n and rx.fullmatch(n.rsplit("-", 1)[0])})
 
 
 def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, timeout: float = 20,
-         _launchers: Optional[Dict[str, subprocess.Popen]] = None) -> List[str]:
+         stop_ray: bool = True, _launchers: Optional[Dict[str, subprocess.Popen]] = None) -> List[str]:
     """Remove a test bed and its leftovers; idempotent. Returns what it removed (for logs).
 
-    Order: SIGKILL every process in each host (PID 1 first: its PID namespace dies with it; then
+    Order: if the state records Ray (``testbed_ray.start_ray``) and ``stop_ray``, ``ray stop`` in
+    every host at once (Ray's clean shutdown, bounded); then SIGKILL every process in each host (PID 1 first: its PID namespace dies with it; then
     anything still in the host's netns), wait until gone, delete netns (and with it the veth
     pairs), bridges, the generated files and the state dir. The hosts' mounts live in their own
     private mount namespaces and vanish with their last process.
@@ -534,11 +661,23 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
     sd = sd or default_state_dir(prefix)
     done: List[str] = []
 
+    # 0. Ray, then the site's daemons, cleanly (what is left is killed below with the hosts anyway)
+    if bed and bed.ray and stop_ray:
+        import testbed_ray  # noqa: late: testbed_ray imports this module
+        for name, line in testbed_ray.stop_ray(bed).items():
+            done.append(f"ray {name}: {line}")
+    if bed and bed.site:
+        import testbed_site  # noqa: late: testbed_site imports this module
+        done += testbed_site.stop_site(bed)
+    elif Path(f"/run/{prefix}-docker").exists():  # a crashed site: its dockerds' exec-roots
+        shutil.rmtree(f"/run/{prefix}-docker", ignore_errors=True)
+        done.append(f"removed /run/{prefix}-docker")
+
     # 1. processes
     pids = set()
     tini = os.path.realpath(shutil.which("tini") or "/usr/bin/tini")
     if bed:  # only if still tini: a stale state file must not make us kill a reused PID
-        pids |= {h.pid for h in bed.hosts if h.pid and os.path.realpath(_exe(h.pid)) == tini}
+        pids |= {h.pid for h in bed.all_hosts() if h.pid and os.path.realpath(_exe(h.pid)) == tini}
     netns = [n for n in _list_netns() if _ours(n, prefix)]
     ns_pids = set()
     for ns in netns:
@@ -546,7 +685,7 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
         ns_pids |= {int(x) for x in p.stdout.split() if x.isdigit()}
     init_tag = f"{prefix}-init-"
     launchers = set(_procs_matching(init_tag))  # each host's `unshare` (and a bash not yet exec'd to tini)
-    launchers |= {h.launcher_pid for h in (bed.hosts if bed else []) if h.launcher_pid
+    launchers |= {h.launcher_pid for h in (bed.all_hosts() if bed else []) if h.launcher_pid
                   and init_tag.encode() in _cmdline(h.launcher_pid)}
 
     def kill(targets):
@@ -587,7 +726,7 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
         _run(["ip", "netns", "del", ns], check=False)
         done.append(f"netns {ns}")
     for link in _list_links():
-        if _ours(link, prefix) and not link.endswith(("-br0", "-br1")):
+        if _ours(link, prefix) and not link.endswith(("-br0", "-br1", "-br2")):
             _run(["ip", "link", "del", link], check=False)
             done.append(f"link {link}")
     for link in _list_links():

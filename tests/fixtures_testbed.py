@@ -2,17 +2,31 @@
 
 Fixtures (all session-scoped):
 
-* ``testbed_factory(hosts=3, mgmt=(), shm_size="2g")`` -> ``Testbed``: one test bed per distinct
-  shape, created on first request, shared by every test that asks for that shape, torn down at
+* ``testbed_factory(hosts=3, mgmt=(), shm_size="2g", tag="", site=False, cgroups=False)`` ->
+  ``Testbed``: one test bed per distinct shape, created on first request, shared by every test
+  that asks for that shape, torn down at
   session end (also after failures). Skips the test with the reason when not root or ip / unshare /
   nsenter / tini are missing.
 * ``testbed``: the shared bed: 3 hosts head/w1/w2 on 10.77.0.0/24, w2 with a management NIC
   (192.168.77.3) holding its default route. Nothing else is loaded in it (no firewall, no Ray):
   tests that start things in it must stop them.
-* ``ray_cluster`` -> ``RayCluster``: its OWN 3-host bed (so ``testbed`` stays bare), the spec's
-  nftables firewall loaded in each host, Ray head + 2 workers started with
-  ``alpa_job.cluster.ray_start.ray_start_args``, formation checked (3 nodes alive at the bed's IPs,
-  a task pinned to each node returns that node's IP).
+* ``ray_cluster`` -> ``RayCluster``: its OWN 3-host bed (so ``testbed`` stays bare), brought up by
+  the one bring-up ``scripts/testbed_ray.start_ray`` (the same as ``scripts/testbed up --ray`` and
+  bench/testbed_bringup.py): the spec's nftables firewall in each host, Ray head + 2 workers started
+  with ``alpa_job.cluster.ray_start.ray_start_args``, waited for with ``alpa_job.cluster.wait_nodes``;
+  then formation checked (3 nodes alive at the bed's IPs, a task pinned to each node returns that
+  node's IP). ``bed.ray`` holds what start_ray recorded (address, spec path, seconds per step).
+
+* ``site_bed`` -> ``SiteBed``: a user's site (issue 11) on its OWN bed (tag "site"): 3 node hosts
+  head/w1/w2 (10.77.0.1-3, cluster CIDR 10.77.0.0/24), a CONTROLLER ``ctl`` at 10.78.0.2 on the admin
+  subnet 10.78.0.0/24 (not in the cluster CIDR; a router netns 10.77.0.254 | 10.78.0.1 joins the two;
+  nodes route 10.78.0.0/24 back through it; nothing routes out of the machine), sshd in every node
+  (root, key only; the controller is the client), dockerd in every node (by PID), Debian's
+  docker-registry on the controller at 10.78.0.2:5000 (every dockerd: --insecure-registry), and the
+  modern CPU image (spec ``images.jax_cpu``) pushed there (built first if the image cache lacks it).
+  No image is pulled, no container runs, no firewall or Ray is loaded: that is the caller's job
+  (tests that pull/run must remove what they made). Torn down at session end: containers removed,
+  dockerds and the registry SIGTERMed by PID, hosts removed. See ``SiteBed`` for the API.
 
 ``Testbed``: ``.hosts`` (list of Host: ``.name``, ``.ip``, ``.mgmt_ip``, ``.netns``, ``.pid``),
 ``.ips`` {name: ip}, ``.head``, ``.head_address``, ``.host(name)``, ``.ray_dir(name)`` (the host's
@@ -27,7 +41,6 @@ session with the same prefix are removed at the start of the next one.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import fcntl
 import json
 import os
@@ -41,6 +54,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import testbed_lib  # noqa: E402
+import testbed_ray  # noqa: E402
+import testbed_site  # noqa: E402
 from testbed_lib import Testbed, TestbedError  # noqa: E402,F401
 
 PREFIX = os.environ.get("AKT_TESTBED_PREFIX", "aktp")
@@ -75,19 +90,21 @@ class _Beds:
         for p in testbed_lib.list_prefixes(rf"{PREFIX}\d*"):
             testbed_lib.down(prefix=p)
 
-    def get(self, hosts: int, mgmt=(), shm_size: str = testbed_lib.DEFAULT_SHM, tag: str = "") -> Testbed:
+    def get(self, hosts: int, mgmt=(), shm_size: str = testbed_lib.DEFAULT_SHM, tag: str = "",
+            site: bool = False, cgroups: bool = False) -> Testbed:
         why = testbed_lib.missing_requirements()
         if why:
             pytest.skip("multi-host test bed unavailable: " + "; ".join(why))
-        key = (hosts, tuple(sorted(mgmt)), shm_size, tag)
+        key = (hosts, tuple(sorted(mgmt)), shm_size, tag, site, cgroups)
+        shape = dict(mgmt=mgmt, shm_size=shm_size, site=site, cgroups=cgroups)
         bed = self.beds.get(key)
         if bed is not None and not bed.status()["up"]:  # torn down (ray_cluster's) or broken: rebuild
             bed.down()
-            self.beds[key] = bed = Testbed.up(hosts, mgmt=mgmt, shm_size=shm_size, prefix=bed.prefix)
+            self.beds[key] = bed = Testbed.up(hosts, prefix=bed.prefix, **shape)
         if bed is None:
             self._lock()
             prefix = PREFIX if not self.beds else f"{PREFIX}{len(self.beds)}"
-            bed = Testbed.up(hosts, mgmt=mgmt, shm_size=shm_size, prefix=prefix)
+            bed = Testbed.up(hosts, prefix=prefix, **shape)
             self.beds[key] = bed
         return bed
 
@@ -195,40 +212,14 @@ class RayCluster:
 
 
 def _start_ray(bed: Testbed) -> RayCluster:
-    from alpa_job.cluster.firewall import render_nftables
-    from alpa_job.cluster.ray_start import ray_start_args
+    """The one bring-up (scripts/testbed_ray.start_ray: firewall, ray start everywhere, wait_nodes),
+    then the formation check (a task pinned to every node)."""
     from alpa_job.cluster.spec import load_spec
 
-    spec_path = bed.state_dir / "cluster-spec.yaml"
-    spec_path.write_text(f"cluster_cidr: {bed.subnet}\n")
-    spec = load_spec(str(spec_path))
-    cluster = RayCluster(bed, spec, spec_path)
-    members = list(bed.ips.values())
-    for i, h in enumerate(bed.hosts):
-        role = "head" if i == 0 else "worker"
-        fw = bed.state_dir / f"nftables-{h.name}.nft"
-        fw.write_text(render_nftables(spec, h.ip, members, role))
-        bed.exec(h.name, "nft", "-f", str(fw), timeout=30)
-        for key, value in spec.sysctl().items():
-            if key.startswith("net."):  # per network namespace: never touch the machine's own
-                bed.exec(h.name, "sysctl", "-q", "-w", f"{key}={value}", timeout=30)
-
-    def argv(i, h):
-        return ray_start_args(spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip,
-                              num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE, include_dashboard=True)
-
-    # `ray start` without --block daemonises; the daemons are reparented to the host's tini.
-    p = bed.exec("head", *argv(0, bed.head), timeout=RAY_FORM_TIMEOUT, check=False)
-    if p.returncode != 0:
-        raise AssertionError(f"ray start (head) failed rc={p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    with concurrent.futures.ThreadPoolExecutor(len(bed.hosts)) as ex:
-        futs = {h.name: ex.submit(bed.exec, h.name, *argv(i, h), timeout=RAY_FORM_TIMEOUT, check=False)
-                for i, h in enumerate(bed.hosts) if i > 0}
-        for name, fut in futs.items():
-            p = fut.result()
-            if p.returncode != 0:
-                raise AssertionError(f"ray start ({name}) failed rc={p.returncode}:\n{p.stdout[-3000:]}\n"
-                                     f"{p.stderr[-3000:]}")
+    info = testbed_ray.start_ray(bed, num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE,
+                                 include_dashboard=True, timeout=RAY_FORM_TIMEOUT)
+    spec_path = Path(info["spec_path"])
+    cluster = RayCluster(bed, load_spec(str(spec_path)), spec_path)
     result = cluster.check(timeout=RAY_FORM_TIMEOUT)
     if not cluster.healthy(result):
         raise AssertionError(f"Ray cluster did not form on the test bed: {result}; logs under {bed.state_dir}/hosts")
@@ -246,5 +237,70 @@ def ray_cluster(testbed_factory) -> RayCluster:
         bed.down()  # a half-started cluster must not leak into the rest of the session
         raise
     yield cluster
-    # No `ray stop`: killing each host's PID 1 takes every Ray process with it, in ~1 s.
-    bed.down()
+    # No `ray stop` (scripts/testbed down does one): killing each host's PID 1 takes every Ray process
+    # with it, in ~1 s.
+    bed.down(stop_ray=False)
+
+
+# ---- a user's site: controller + dockerd per node + registry + image (scripts/testbed_site.py) --------
+class SiteBed:
+    """What ``site_bed`` gives (everything a site.yml run from an outside controller needs).
+
+    ``.testbed`` (Testbed; ``.exec(host, ...)`` runs on a node or, with ``"ctl"``, on the controller),
+    ``.controller`` ("ctl"), ``.controller_ip`` ("10.78.0.2"), ``.admin_subnet`` ("10.78.0.0/24"),
+    ``.router_ip`` (the nodes' next hop to the admin subnet, "10.77.0.254"), ``.cluster_cidr``
+    ("10.77.0.0/24"), ``.nodes`` {name: ip} (head first), ``.docker_sockets`` {node: "unix:///run/<p>-docker/
+    <node>.sock"}, ``.dockerd_pids`` {node: pid seen from outside}, ``.registry`` ("10.78.0.2:5000"),
+    ``.registry_pid``, ``.image`` (pushed ref "10.78.0.2:5000/alpa-cluster-kit/jax:..."), ``.image_tag``
+    (spec ``images.jax_cpu``), ``.ssh`` (SshBed: ``.key``, ``.ssh_config``, ``.ssh(node, *cmd)`` from the
+    controller), ``.docker(node, *args, timeout=120, check=True)`` -> CompletedProcess (docker CLI
+    against that node's dockerd, run inside the node), ``.on_controller(*cmd, **kw)`` = exec on ctl.
+    """
+
+    def __init__(self, bed: Testbed, site: dict, ssh):
+        self.testbed = bed
+        self.controller = bed.controller.name
+        self.controller_ip = bed.controller.ip
+        self.admin_subnet = testbed_lib.ADMIN_SUBNET
+        self.router_ip = bed.router_ip
+        self.cluster_cidr = bed.subnet
+        self.nodes = bed.ips
+        self.docker_sockets = {n: d["socket"] for n, d in site["docker"].items()}
+        self.dockerd_pids = {n: d["pid"] for n, d in site["docker"].items()}
+        self.registry = site["registry"]["address"]
+        self.registry_pid = site["registry"]["pid"]
+        self.image = site["image"]["ref"]
+        self.image_tag = testbed_site.cpu_image_tag()
+        self.ssh = ssh
+
+    def docker(self, node: str, *args, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        return testbed_site.docker(self.testbed, node, *args, timeout=timeout, check=check)
+
+    def on_controller(self, *cmd, **kw) -> subprocess.CompletedProcess:
+        return self.testbed.exec(self.controller, *cmd, **kw)
+
+
+@pytest.fixture(scope="session")
+def site_bed(testbed_factory) -> SiteBed:
+    from fixtures_ssh import SSHD, SshBed
+
+    why = testbed_site.missing_site_requirements()
+    if not os.path.exists(SSHD):
+        why.append("openssh-server not installed")
+    if why:
+        pytest.skip("site test bed unavailable: " + "; ".join(why) + " (scripts/setup --test installs them)")
+    bed = testbed_factory(3, tag="site", site=True, cgroups=True)
+    ssh = SshBed(bed)
+    try:
+        # The registry's blobs live in the image cache: the first session pushes (~1 min), later ones
+        # find every layer there and push only the manifest.
+        site = testbed_site.start_site(bed, registry_data=testbed_site.IMAGE_CACHE / "registry")
+        ssh.start()
+    except BaseException:
+        ssh.stop()
+        bed.down()
+        raise
+    yield SiteBed(bed, site, ssh)
+    ssh.stop()
+    bed.down()  # containers removed, dockerds + registry SIGTERMed by PID (testbed_site.stop_site), hosts gone
+

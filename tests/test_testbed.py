@@ -39,8 +39,10 @@ def test_hosts_ping_each_other(testbed):
         pytest.skip("ping not installed (apt-get install iputils-ping)")
     for h in testbed.hosts:
         targets = [t for o in testbed.hosts if o.name != h.name for t in (o.ip, o.name)]
+        assert len(targets) == 2 * (len(testbed.hosts) - 1)  # every other host, by IP and by name
         loop = "for t in %s; do ping -c1 -W2 -q $t >/dev/null || { echo unreachable $t; exit 1; }; done" % " ".join(targets)
-        testbed.exec(h.name, "bash", "-c", loop, timeout=30)
+        p = testbed.exec(h.name, "bash", "-c", loop, timeout=30, check=False)
+        assert p.returncode == 0, "%s: %s" % (h.name, p.stdout.strip())
 
 
 def test_each_host_is_its_own_machine(testbed):
@@ -177,3 +179,57 @@ def test_ray_cluster_forms_on_testbed_ips(ray_cluster):
     for h in bed.hosts:
         assert "alpa_kit" in bed.exec(h.name, "nft", "list", "tables").stdout
         assert (ray_cluster.logs(h.name) / "session_latest").is_symlink()
+
+
+_AUTH_CLIENT = r"""
+import sys, ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    print("nodes", len([n for n in ray.nodes() if n["Alive"]]))
+except Exception as e:
+    print("refused", type(e).__name__, str(e)[:200])
+"""
+
+
+@pytest.mark.slow
+def test_cli_up_ray_with_auth_and_doctor_then_down_stops_ray(testbed, tmp_path):
+    """`scripts/testbed up --ray --auth --doctor`: the one bring-up (scripts/testbed_ray.py) prints the
+    address and the token, every node joined, doctor green; a client with the bed's token (exec passes
+    it) connects, one with another token is refused; `down` stops Ray with `ray stop` in every host."""
+    pytest.importorskip("ray")
+    prefix = f"{PREFIX}8"
+    state = tmp_path / "bed"
+    base = [sys.executable, str(CLI), "--prefix", prefix, "--state-dir", str(state)]
+    run = lambda *a, timeout=300: subprocess.run(base + list(a), capture_output=True, text=True,  # noqa: E731
+                                                 timeout=timeout, cwd=str(REPO))
+    pids = set()
+    try:
+        up = run("up", "--hosts", "2", "--ray", "--auth", "--no-dashboard", "--doctor")
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        info = json.loads(up.stdout)
+        ray = info["ray"]
+        assert ray["address"] == "10.77.0.1:6379" and ray["nodes"] == ["10.77.0.1", "10.77.0.2"]
+        assert ray["auth"] is True and len(ray["token"]) == 64 and int(ray["token"], 16) >= 0
+        assert (state / "ray" / "auth_token").stat().st_mode & 0o077 == 0  # the token file is private
+        assert info["doctor"] == {"ok": True, "rc": 0, "failed": []}
+        assert "alpa_kit" in run("exec", "w1", "--", "nft", "list", "tables").stdout  # the spec's firewall
+
+        ok = run("exec", "w1", "--", "python", "-c", _AUTH_CLIENT, ray["address"], timeout=120)
+        assert "nodes 2" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+        wrong = run("exec", "w1", "--", "env", "RAY_AUTH_TOKEN=" + "0" * 64, "python", "-c", _AUTH_CLIENT,
+                    ray["address"], timeout=120)
+        assert "refused" in wrong.stdout and "nodes" not in wrong.stdout, wrong.stdout + wrong.stderr[-2000:]
+
+        for ns in (f"{prefix}-head", f"{prefix}-w1"):
+            p = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10)
+            pids |= {int(x) for x in p.stdout.split()}
+        raylets = [p for p in pids if b"raylet" in testbed_lib._cmdline(p)]
+        assert len(raylets) == 2
+    finally:
+        down = run("down", timeout=120)
+    assert down.returncode == 0, down.stderr
+    removed = json.loads(down.stdout)["removed"]
+    stopped = [r for r in removed if r.startswith("ray ")]
+    assert len(stopped) == 2 and all("Stopped" in r for r in stopped), stopped
+    assert not any(testbed_lib._pid_alive(p) for p in pids)
+    assert not state.exists()

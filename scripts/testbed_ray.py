@@ -1,0 +1,277 @@
+"""Ray on the test bed: the ONE bring-up used by ``scripts/testbed up --ray``, the pytest fixtures
+(tests/fixtures_testbed.py: ``ray_cluster``) and ``bench/testbed_bringup.py``.
+
+``start_ray(bed)`` does what a site does, with the kit's own pieces:
+
+1. writes the bed's cluster spec (``<state>/cluster-spec.yaml``: ``cluster_cidr`` = the bed's subnet)
+   and loads it with ``alpa_job.cluster.spec.load_spec``;
+2. loads the spec's nftables ruleset (``alpa_job.cluster.firewall.render_nftables``) and its ``net.*``
+   sysctls in every host (one ``sh`` per host, all hosts at once);
+3. ``ray start`` with ``alpa_job.cluster.ray_start.ray_start_args`` (every port pinned): the head, and
+   every worker as soon as the head's GCS port listens (read from the head's own
+   ``/proc/<pid>/net/tcp``: no extra process), all workers in parallel; a worker whose ``ray start``
+   fails (Ray's own start-up timeout can fire on a loaded 2-core machine) is stopped and retried once;
+4. waits with ``python -m alpa_job.cluster.wait_nodes`` inside the head until every host's node is alive.
+
+With ``auth=True`` a token is generated once (``<state>/ray/auth_token``, 0600) and every host runs with
+``RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<that file>`` (Ray >= 2.59); ``Testbed.exec`` then passes
+the same two variables to every command, so ``doctor``/drivers authenticate without further setup.
+Without it ``RAY_AUTH_MODE=disabled`` is pinned (see ``testbed_lib.python_env``).
+
+What was started is recorded in the bed's state (``bed.ray``), so ``scripts/testbed status`` shows
+it and ``down`` stops Ray cleanly (``stop_ray``: ``ray stop`` in every host at once, bounded) before
+it kills the hosts.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import testbed_lib as tb
+
+if str(tb.REPO_ROOT) not in sys.path:  # the kit's own modules (alpa_job.cluster.*) from this checkout
+    sys.path.insert(0, str(tb.REPO_ROOT))
+
+DEFAULT_NUM_CPUS = 1
+DEFAULT_OBJECT_STORE = 100_000_000
+DEFAULT_TIMEOUT = 120.0
+TOKEN_FILE = "auth_token"
+
+
+def spec_for(bed: "tb.Testbed"):
+    """The bed's cluster spec (written once to ``<state>/cluster-spec.yaml``) and its path."""
+    from alpa_job.cluster.spec import load_spec
+
+    path = bed.state_dir / "cluster-spec.yaml"
+    if not path.exists():
+        path.write_text(f"cluster_cidr: {bed.subnet}\n")
+    return load_spec(str(path)), path
+
+
+def load_firewall(bed: "tb.Testbed", spec, timeout: float = 30) -> None:
+    """The spec's nftables ruleset (members = every host) and ``net.*`` sysctls in every host, at once."""
+    from alpa_job.cluster.firewall import render_nftables
+
+    members = list(bed.ips.values())
+    scripts = {}
+    for i, h in enumerate(bed.hosts):
+        fw = bed.state_dir / f"nftables-{h.name}.nft"
+        fw.write_text(render_nftables(spec, h.ip, members, "head" if i == 0 else "worker"))
+        lines = ["set -e", f"nft -f {shlex.quote(str(fw))}"]
+        # net.* only: they are per network namespace, so the machine's own stay untouched.
+        lines += [f"sysctl -q -w {shlex.quote(f'{k}={v}')}" for k, v in spec.sysctl().items() if k.startswith("net.")]
+        scripts[h.name] = "\n".join(lines)
+    _parallel({name: (lambda n=name: bed.exec(n, "sh", "-c", scripts[n], timeout=timeout, check=False))
+               for name in scripts}, "firewall")
+
+
+def _parallel(jobs: Dict[str, "callable"], what: str) -> Dict[str, subprocess.CompletedProcess]:
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(jobs))) as ex:
+        futs = {name: ex.submit(fn) for name, fn in jobs.items()}
+        out = {name: f.result() for name, f in futs.items()}
+    bad = {n: p for n, p in out.items() if p.returncode != 0}
+    if bad:
+        n, p = next(iter(bad.items()))
+        raise tb.TestbedError(f"{what} failed on {', '.join(bad)} (rc={p.returncode}): {_tail(p)}")
+    return out
+
+
+def _tail(p: subprocess.CompletedProcess, n: int = 1500) -> str:
+    return ((p.stderr or "")[-n:] + (p.stdout or "")[-n // 3:]).strip()
+
+
+def _listening(pid: int, port: int) -> bool:
+    """Does anything in the network namespace of ``pid`` listen on TCP ``port``? (reads /proc only)"""
+    want = ":%04X" % port
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                next(f, None)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 3 and parts[1].endswith(want) and parts[3] == "0A":  # 0A = LISTEN
+                        return True
+        except OSError:
+            pass
+    return False
+
+
+def auth_env(token_path: Optional[str]) -> Dict[str, str]:
+    """The variables every process of an auth-on bed needs (Ray's token auth, token read from a file)."""
+    if not token_path:
+        return {"RAY_AUTH_MODE": "disabled"}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+
+
+def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_memory: int = DEFAULT_OBJECT_STORE,
+              include_dashboard: bool = True, firewall: bool = True, auth: bool = False,
+              timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """Firewall + Ray on every host of ``bed`` + wait until all nodes are alive. Returns ``bed.ray``:
+    {"address", "dashboard", "spec_path", "nodes", "auth", "token_path", "seconds": {step: s}, ...}.
+
+    Raises TestbedError naming the host and the log to read; the bed is left up (for its logs).
+    """
+    from alpa_job.cluster.ray_start import ray_start_args
+
+    if bed.ray:
+        raise tb.TestbedError(f"Ray is already started on test bed {bed.prefix!r} ({bed.ray['address']}); "
+                              "`scripts/testbed down` first")
+    t0 = time.monotonic()
+    seconds: Dict[str, float] = {}
+    spec, spec_path = spec_for(bed)
+    if firewall:
+        load_firewall(bed, spec)
+    seconds["firewall"] = time.monotonic() - t0
+
+    token_path = None
+    if auth:
+        tdir = bed.state_dir / "ray"
+        tdir.mkdir(mode=0o700, exist_ok=True)
+        token_file = tdir / TOKEN_FILE
+        token_file.write_text(secrets.token_hex(32))  # Ray's own generator: 256 bits as hex
+        token_file.chmod(0o600)
+        token_path = str(token_file)
+    address = "%s:%d" % (bed.head.ip, spec.ports["gcs"])
+    info = {"address": address, "spec_path": str(spec_path), "auth": bool(auth), "token_path": token_path,
+            "dashboard": ("http://%s:%d" % (bed.head.ip, spec.ports["dashboard"])) if include_dashboard else None,
+            "num_cpus": num_cpus, "object_store_memory": object_store_memory, "firewall": bool(firewall),
+            "nodes": [], "seconds": seconds}
+    bed.ray = info  # recorded before starting anything: `down` stops what got started
+    bed._save()
+    env = auth_env(token_path)
+
+    def argv(i: int, h) -> List[str]:
+        return ray_start_args(spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip, num_cpus=num_cpus,
+                              object_store_memory=object_store_memory, include_dashboard=include_dashboard)
+
+    logs = bed.state_dir / "ray-start"
+    logs.mkdir(exist_ok=True)
+
+    def launch(i: int, h) -> subprocess.Popen:
+        out = open(logs / f"{h.name}.log", "w")
+        try:
+            return bed.popen(h.name, *argv(i, h), env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        finally:
+            out.close()
+
+    def finish(name: str, proc: subprocess.Popen, deadline: float) -> int:
+        try:
+            return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise tb.TestbedError(f"`ray start` on {name} did not return within {timeout:.0f}s; "
+                                  f"read {logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs") from None
+
+    def failed(name: str) -> str:
+        text = (logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        return (text[-1] if text else "")[:300]
+
+    deadline = time.monotonic() + timeout
+    mark = time.monotonic()
+    head_proc = launch(0, bed.head)
+    gcs_port = spec.ports["gcs"]
+    # Workers need only the GCS (they retry its KV reads); the head's `ray start` goes on to start
+    # its raylet, dashboard and monitor meanwhile.
+    tb._wait(lambda: _listening(bed.head.pid, gcs_port) or head_proc.poll() is not None,
+             max(1.0, deadline - time.monotonic()), f"the head's GCS port {gcs_port}")
+    seconds["head_gcs"] = time.monotonic() - mark
+    procs = {h.name: launch(i, h) for i, h in enumerate(bed.hosts) if i > 0}
+    rc = finish("head", head_proc, deadline)
+    seconds["head_start"] = time.monotonic() - mark
+    if rc != 0:
+        raise tb.TestbedError(f"`ray start --head` failed on head (rc={rc}): {failed('head')}; "
+                              f"read {logs / 'head.log'}")
+    retry = []
+    for name, proc in procs.items():
+        if finish(name, proc, deadline) != 0:
+            retry.append(name)
+    if retry:  # once, after `ray stop` (what a half-started node left behind)
+        _parallel({n: (lambda n=n: bed.exec(n, "ray", "stop", "--force", timeout=60, check=False, env=env))
+                   for n in retry}, "ray stop before retry")
+        again = {n: launch(bed.hosts.index(bed.host(n)), bed.host(n)) for n in retry}
+        for name, proc in again.items():
+            if finish(name, proc, deadline) != 0:
+                raise tb.TestbedError(f"`ray start` failed twice on {name}: {failed(name)}; read "
+                                      f"{logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs")
+    info["worker_retries"] = retry
+    seconds["ray_start"] = time.monotonic() - mark
+
+    mark = time.monotonic()
+    info["nodes"] = wait_nodes(bed, len(bed.hosts), max(5.0, deadline - time.monotonic()))
+    seconds["wait"] = time.monotonic() - mark
+    seconds["total"] = time.monotonic() - t0
+    info["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
+    bed._save()
+    return info
+
+
+def wait_nodes(bed: "tb.Testbed", count: int, timeout: float) -> List[str]:
+    """``python -m alpa_job.cluster.wait_nodes`` inside the head: the alive node IPs, or TestbedError."""
+    p = bed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(count), "--timeout",
+                 "%.0f" % timeout, "--address", bed.ray["address"], timeout=timeout + 60, check=False)
+    alive = []
+    for line in p.stdout.splitlines():
+        if line.startswith("{"):
+            alive = json.loads(line).get("alive", [])
+    if p.returncode != 0 or len(alive) < count:
+        missing = sorted(set(bed.ips.values()) - set(alive))
+        raise tb.TestbedError(f"only {len(alive)} of {count} Ray nodes alive (missing {missing}): "
+                              f"{(p.stderr or '').strip().splitlines()[-1:] or p.returncode}; read "
+                              f"{bed.state_dir}/hosts/<host>/ray/session_latest/logs/raylet.out")
+    return sorted(alive)
+
+
+def stop_ray(bed: "tb.Testbed", timeout: float = 30) -> Dict[str, str]:
+    """``ray stop`` in every host at once (each host has its own PID namespace: it stops only its own
+    processes). Returns {host: Ray's last output line}; never raises (``down`` kills what is left)."""
+    env = auth_env((bed.ray or {}).get("token_path"))
+    alive = [h for h in bed.hosts if tb._pid_alive(h.pid)]
+
+    def stop(name):
+        try:
+            p = bed.exec(name, "ray", "stop", "--grace-period", "10", timeout=timeout, check=False, env=env)
+            lines = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr).strip().splitlines()
+            return lines[-1].split(" -- ", 1)[-1] if lines else f"rc={p.returncode}"
+        except (subprocess.TimeoutExpired, tb.TestbedError, OSError) as e:
+            return f"not stopped: {e}"
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(alive))) as ex:
+        futs = {h.name: ex.submit(stop, h.name) for h in alive}
+        out = {name: f.result() for name, f in futs.items()}
+    bed.ray = None
+    try:
+        bed._save()
+    except OSError:
+        pass
+    return out
+
+
+def token_of(bed: "tb.Testbed") -> Optional[str]:
+    path = (bed.ray or {}).get("token_path")
+    return Path(path).read_text().strip() if path and os.path.exists(path) else None
+
+
+def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120) -> dict:
+    """``python -m alpa_job doctor --format json`` inside the head against the bed's Ray; the parsed
+    report ({"ok": bool, "checks": [...]}) plus "rc"; {"ok": False, "error": ...} when it printed no JSON."""
+    if not bed.ray:
+        raise tb.TestbedError(f"no Ray on test bed {bed.prefix!r}: `scripts/testbed up --hosts N --ray` first")
+    p = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", bed.ray["address"], "--cluster-spec",
+                 bed.ray["spec_path"], "--format", "json", "--deadline", "%.0f" % deadline, timeout=timeout,
+                 check=False)
+    try:
+        report = json.loads(p.stdout)
+    except ValueError:
+        report = {"ok": False, "error": _tail(p, 600)}
+    report["rc"] = p.returncode
+    return report
