@@ -1,17 +1,26 @@
-"""The training loop of one JAX process: data -> compiled step -> checkpoints -> statistics.
+"""The one training loop, for every engine: data -> compiled step -> checkpoints -> statistics.
 
-`train_process` is what runs on every node (in a Ray actor, or in-process for the embedded
-default and benchmarks); it returns plain data, never formats a report.
+`train_process` runs wherever an engine's step is driven from: on every node for the JAX engine
+(one JAX process per node, in a Ray actor, or in-process for the embedded default and the
+benchmarks), and on the driver for the Alpa engine (alpa.parallelize drives the whole cluster
+from one process). It talks to the engine only through `engines.base.Engine` and returns plain
+data; it never formats a report.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
 
 from alpa_job import progress, versions
-from alpa_job.data import epoch_batches, load_dataset, plan_epoch
+from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_epoch
+from alpa_job.engines.base import Engine
+from alpa_job.errors import KitError
+from alpa_job.inspect.record import ProcessResult
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -31,50 +40,86 @@ def init_distributed(coordinator: Optional[str], num_processes: int, process_id:
                                process_id=process_id, initialization_timeout=timeout_s)
 
 
-def _count_backend_compiles() -> List[int]:
-    """A counter XLA backend compiles bump (proves the loop never recompiles)."""
-    import jax
+# ----------------------------------------------------------------------------- data
+@dataclasses.dataclass(frozen=True)
+class TrainData:
+    """The dataset and how it splits into fixed-shape batches (the same for every engine)."""
 
-    counter = [0]
+    dataset: Dataset
+    epoch: EpochPlan
+    batch_size: int
+    remainder: str
+    seed: int
+    example: Dict[str, np.ndarray]  # the first batch: the one shape every step is compiled for
 
-    def listener(event: str, *_args: Any, **_kwargs: Any) -> None:
-        if "backend_compile" in event:
-            counter[0] += 1
+    def batches(self, epoch_index: int) -> Iterator[Tuple[Dict[str, np.ndarray], int]]:
+        return epoch_batches(self.dataset, self.batch_size, self.remainder, self.seed, epoch_index)
 
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return counter
+    def first(self, n: int) -> List[Dict[str, np.ndarray]]:
+        out: List[Dict[str, np.ndarray]] = []
+        for batch, _ in self.batches(0):
+            out.append(batch)
+            if len(out) == n:
+                break
+        return out
 
 
-def train_process(config, process_id: int = 0, num_processes: int = 1,
-                  coordinator: Optional[str] = None, return_state: bool = False) -> Dict[str, Any]:
-    """Train on this process's devices; returns the run's statistics and plan as plain data.
+def prepare_data(config) -> TrainData:
+    dataset = load_dataset(config)
+    epoch = plan_epoch(dataset.num_samples, config.batch_size, config.remainder)
+    example, _ = next(epoch_batches(dataset, config.batch_size, config.remainder, config.seed, 0))
+    return TrainData(dataset, epoch, config.batch_size, config.remainder, config.seed, example)
 
-    `return_state` adds the final TrainState under "final_state" (in-process callers only).
-    """
-    init_distributed(coordinator, num_processes, process_id)
+
+# ----------------------------------------------------------------------------- engines
+# An engine factory builds AND compiles: (config, model, data) -> a ready `Engine`.
+EngineFactory = Callable[[Any, Any, TrainData], Engine]
+
+
+def build_jax_engine(config, model, data: TrainData) -> Engine:
+    """The JAX engine on this process's devices: the auto search's winner, or the named strategy."""
     import jax
 
     from alpa_job.engines import auto_search
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.engines.sharding_rules import mesh_shape_for
-    from alpa_job.inspect.hlo import count_collectives
+
+    if config.strategy == "auto":
+        engine, table = auto_search.search(config, model, data.example, data.first(2))
+        engine.search_table = table
+        return engine
+    engine = JaxEngine(config, model, data.example, config.strategy,
+                       mesh_shape_for(config.strategy, len(jax.devices()), config.model_parallel))
+    with progress.timed(f"compiling train step ({config.model}, {config.strategy}, mesh {engine.mesh.devices.shape})"):
+        engine.compile()
+    return engine
+
+
+def check_supported(config, engine: Any) -> None:
+    """Refuse flags an engine (class or instance) cannot honour, before any time is spent."""
+    if (config.checkpoint_every or config.resume) and not getattr(engine, "checkpoints", True):
+        raise KitError(f"--checkpoint-every/--resume: the {getattr(engine, 'name', '?')} engine does not checkpoint "
+                       "(its state lives in the engine's own distributed arrays); drop the flags or use --engine jax")
+
+
+# ----------------------------------------------------------------------------- the process
+def train_process(config, process_id: int = 0, num_processes: int = 1, coordinator: Optional[str] = None,
+                  return_state: bool = False, build_engine: Optional[EngineFactory] = None) -> ProcessResult:
+    """Train with the engine `build_engine` makes (default: the JAX engine on this process's
+    devices); returns this process's statistics and plan (`ProcessResult`, plain data).
+
+    `return_state` keeps the final train state in `final_state` (in-process callers only).
+    """
+    init_distributed(coordinator, num_processes, process_id)
     from alpa_job.models import get_model
 
     model = get_model(config)
-    dataset = load_dataset(config)
-    epoch = plan_epoch(dataset.num_samples, config.batch_size, config.remainder)
-    total_steps = config.steps if config.steps is not None else config.epochs * epoch.steps
-    example, _ = next(epoch_batches(dataset, config.batch_size, config.remainder, config.seed, 0))
-
-    search_table = None
-    if config.strategy == "auto":
-        trial = [b for b, _ in _take(epoch_batches(dataset, config.batch_size, config.remainder, config.seed, 0), 2)]
-        engine, search_table = auto_search.search(config, model, example, trial)
-    else:
-        engine = JaxEngine(config, model, example, config.strategy,
-                           mesh_shape_for(config.strategy, len(jax.devices()), config.model_parallel))
-        with progress.timed(f"compiling train step ({config.model}, {config.strategy}, mesh {engine.mesh.devices.shape})"):
-            engine.compile()
+    data = prepare_data(config)
+    total_steps = config.steps if config.steps is not None else config.epochs * data.epoch.steps
+    engine = (build_engine or build_jax_engine)(config, model, data)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"{type(engine).__name__} does not implement alpa_job.engines.base.Engine")
+    check_supported(config, engine)
 
     checkpointer = None
     if config.checkpoint_every:
@@ -84,58 +129,41 @@ def train_process(config, process_id: int = 0, num_processes: int = 1,
     start_step = 0
     if config.resume:
         state = checkpointer.restore(engine.abstract_state)
-        start_step = int(jax.device_get(state.step))
+        start_step = int(engine.to_floats([state.step])[0])
         progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
     else:
         state = engine.init_state(config.seed)
 
-    compiles_before_loop = _count_backend_compiles()
-    stats = _loop(engine, state, dataset, epoch, config, start_step, total_steps, checkpointer)
-    loop_compiles = compiles_before_loop[0]
-    final_state = stats.pop("final_state")
+    compiles_since = engine.watch_compiles()
+    state, stats = run_loop(engine, state, data, start_step, total_steps, checkpointer)
+    loop_compiles = compiles_since()
     if checkpointer is not None:
         checkpointer.close()
+    eval_loss = engine.eval_loss(state, data.example)
 
-    plan = engine.plan()
-    return {
-        "engine": "jax",
-        "strategy": engine.strategy,
-        "requested_strategy": config.strategy,
-        "mesh": {"shape": list(engine.mesh.devices.shape), "axes": list(engine.mesh.axis_names)},
-        "meshes": plan.mesh_rows(),
-        "params": plan.leaf_rows(),
-        "batch_sharding": plan.batch_rows(),
-        "compiles": engine.stats.compiles,
-        "backend_compiles_during_loop": loop_compiles,
-        "compile_seconds": round(engine.stats.compile_seconds, 3),
-        "collectives": count_collectives(engine.stats.hlo_text),
-        "memory": engine.stats.memory,
-        "search": search_table,
-        "resumed_from_step": start_step if config.resume else None,
-        "process": {"id": jax.process_index(), "count": jax.process_count(), "host": socket.gethostname(),
-                    "ip": _node_ip(), "local_devices": [str(d) for d in jax.local_devices()],
-                    "coordinator": coordinator},
-        "devices": {"count": jax.device_count(), "platform": jax.devices()[0].platform,
-                    "kind": jax.devices()[0].device_kind},
-        "versions": versions.collect(),
-        **stats,
-        **({"final_state": final_state} if return_state else {}),
-    }
+    result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
+    if config.out:
+        engine.finish(config.out)
+    if return_state:
+        result.final_state = state
+    return result
 
 
-def _loop(engine, state, dataset, epoch, config, start_step: int, total_steps: int, checkpointer) -> Dict[str, Any]:
-    import jax
+def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total_steps: int,
+             checkpointer=None) -> Tuple[Any, Dict[str, Any]]:
+    """Steps `start_step`..`total_steps` over fixed-shape batches; returns (final state, loop statistics).
 
+    Resuming mid-epoch skips that epoch's first batches: batches are a pure function of
+    (seed, epoch, index), so the stream continues exactly where the checkpoint left it."""
     steps = samples_seen = samples_dropped = 0
     losses: List[float] = []
     global_step = start_step
     bar = progress.Progress("train", total_steps - start_step)
     loop_start = time.perf_counter()
     while global_step < total_steps:
-        epoch_index, skip = divmod(global_step, epoch.steps)
+        epoch_index, skip = divmod(global_step, data.epoch.steps)
         pending = []
-        for i, (batch, real) in enumerate(epoch_batches(dataset, config.batch_size, config.remainder,
-                                                        config.seed, epoch_index)):
+        for i, (batch, real) in enumerate(data.batches(epoch_index)):
             if i < skip:
                 continue
             if global_step >= total_steps:
@@ -149,14 +177,12 @@ def _loop(engine, state, dataset, epoch, config, start_step: int, total_steps: i
                 checkpointer.maybe_save(global_step, state)
             bar.update(1, epoch=epoch_index + 1)
         else:
-            samples_dropped += epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
-        losses.extend(float(x) for x in jax.device_get(pending))  # one host sync per epoch
-    jax.block_until_ready(state)
+            samples_dropped += data.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
+        losses.extend(engine.to_floats(pending))  # one host sync per epoch
+    engine.wait(state)
     loop_seconds = time.perf_counter() - loop_start
     bar.close()
-    stats = loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
-    stats["final_state"] = state
-    return stats
+    return state, loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
 
 
 def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_seconds: float,
@@ -173,13 +199,37 @@ def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_se
     }
 
 
-def _take(iterator, n: int):
-    out = []
-    for item in iterator:
-        out.append(item)
-        if len(out) == n:
-            break
-    return out
+def _result(config, engine: Engine, coordinator: Optional[str], loop_compiles: int, start_step: int,
+            eval_loss: Optional[float], loop_stats: Dict[str, Any]) -> ProcessResult:
+    """One process's result: the same fields for every engine, plus the engine's extras."""
+    topology = engine.topology()
+    plan = engine.plan()
+    stats = engine.stats
+    process = topology["process"]
+    fields = {
+        "engine": engine.name,
+        "strategy": engine.strategy,
+        "requested_strategy": config.strategy,
+        "mesh": topology["mesh"],
+        "meshes": plan.mesh_rows(),
+        "params": plan.leaf_rows(),
+        "batch_sharding": plan.batch_rows(),
+        "compiles": stats.compiles,
+        "backend_compiles_during_loop": loop_compiles,
+        "compile_seconds": round(stats.compile_seconds, 3),
+        "collectives": stats.collectives(),
+        "memory": stats.memory,
+        "search": None,
+        "resumed_from_step": start_step if config.resume else None,
+        "process": {"id": process["id"], "count": process["count"], "host": socket.gethostname(),
+                    "ip": _node_ip(), "local_devices": process["local_devices"], "coordinator": coordinator},
+        "devices": topology["devices"],
+        "versions": versions.collect(),
+        "eval_loss": eval_loss,
+        **loop_stats,
+    }
+    fields.update(engine.extra_report())
+    return ProcessResult.coerce(fields)  # plain rows -> the record's typed rows
 
 
 def _node_ip() -> Optional[str]:

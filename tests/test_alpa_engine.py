@@ -25,8 +25,9 @@ from alpa_job.errors import KitError
 REPO = Path(__file__).resolve().parent.parent
 VENV39_PY = REPO / ".venv39" / "bin" / "python"
 ENGINE = REPO / "alpa_job" / "engines" / "alpa_engine.py"
+# What the Alpa driver imports: the engine, its guards and plan cache, the interface and the one loop.
 ALPA_FILES = [ENGINE, REPO / "alpa_job/engines/alpa_guards.py", REPO / "alpa_job/engines/plan_cache.py",
-              REPO / "alpa_job/inspect/alpa_live.py"]
+              REPO / "alpa_job/inspect/alpa_live.py", REPO / "alpa_job/engines/base.py", REPO / "alpa_job/train.py"]
 NEEDS_VENV39 = pytest.mark.skipif(
     not VENV39_PY.exists(),
     reason=f"{VENV39_PY} not found: create it (python3.9 -m venv .venv39; .venv39/bin/pip install --no-deps "
@@ -63,7 +64,7 @@ def test_compiles_and_imports_on_python39_without_alpa():
         import py_compile, sys
         for f in [{files.replace(' ', ', ')}]:
             py_compile.compile(f, doraise=True)
-        import alpa_job.engines.alpa_engine, alpa_job.engines.plan_cache, alpa_job.inspect.alpa_live
+        import alpa_job.engines.alpa_engine, alpa_job.engines.plan_cache, alpa_job.inspect.alpa_live, alpa_job.train
         assert 'alpa' not in sys.modules, 'importing the engine imported alpa'
         print(sys.version_info[:2])
     """)

@@ -11,57 +11,57 @@ from helpers_train import tiny_config
 
 
 def _row(result, path):
-    return next(r for r in result["params"] if r["path"] == path)
+    return next(r for r in result.params if r.path == path)
 
 
 @pytest.mark.parametrize("model", ["mlp", "wide_resnet", "gpt"])
 def test_each_model_loss_falls_on_synthetic_data(model):
     result = run_in_process(tiny_config(model, steps=12, epochs=100))
-    losses = result["losses"]
+    losses = result.losses
     assert len(losses) == 12
     assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
-    assert result["compiles"] == 1
-    assert result["devices"]["count"] == 8
+    assert result.compiles == 1
+    assert result.devices.count == 8
 
 
 def test_data_strategy_every_parameter_is_dp():
     result = run_in_process(tiny_config("mlp", steps=1, strategy="data"))
-    params = [r for r in result["params"] if r["path"].startswith("params/")]
-    assert params and {r["strategy"] for r in params} == {"DP"}
-    assert all(r["bytes_per_device"] == r["bytes"] for r in params)
-    assert result["mesh"] == {"shape": [8, 1], "axes": ["data", "model"]}
+    params = [r for r in result.params if r.path.startswith("params/")]
+    assert params and {r.strategy for r in params} == {"DP"}
+    assert all(r.bytes_per_device == r.bytes for r in params)
+    assert (result.mesh.shape, result.mesh.axes) == ([8, 1], ["data", "model"])
 
 
 def test_tensor_strategy_splits_first_mlp_kernel_on_output_dim():
     result = run_in_process(tiny_config("mlp", steps=1, strategy="tensor", model_parallel=4))
-    assert result["mesh"]["shape"] == [2, 4]
+    assert result.mesh.shape == [2, 4]
     first = _row(result, "params/Dense_0/kernel")
-    assert first["split_axes"] == [[], ["model"]]  # [in, out]: output dim over the model axis
-    assert first["strategy"] == "MP"
-    assert first["bytes_per_device"] == first["bytes"] // 4
+    assert first.split_axes == [[], ["model"]]  # [in, out]: output dim over the model axis
+    assert first.strategy == "MP"
+    assert first.bytes_per_device == first.bytes // 4
     second = _row(result, "params/Dense_1/kernel")  # row-parallel partner: input dim split
-    assert second["split_axes"] == [["model"], []] and second["strategy"] == "MP"
+    assert second.split_axes == [["model"], []] and second.strategy == "MP"
     # The optimizer moments follow their parameter.
-    assert _row(result, "opt_state/0/mu/Dense_0/kernel")["strategy"] == "MP"
+    assert _row(result, "opt_state/0/mu/Dense_0/kernel").strategy == "MP"
 
 
 def test_fsdp_parameters_and_optimizer_state_are_zero():
     result = run_in_process(tiny_config("mlp", steps=1, strategy="fsdp"))
     for prefix in ("params/", "opt_state/0/mu/", "opt_state/0/nu/"):
-        rows = [r for r in result["params"] if r["path"].startswith(prefix)]
-        assert rows and {r["strategy"] for r in rows} == {"ZeRO"}, prefix
-        assert all(r["bytes_per_device"] * 8 == r["bytes"] for r in rows)
+        rows = [r for r in result.params if r.path.startswith(prefix)]
+        assert rows and {r.strategy for r in rows} == {"ZeRO"}, prefix
+        assert all(r.bytes_per_device * 8 == r.bytes for r in rows)
 
 
 @pytest.mark.parametrize("policy, steps_per_epoch, seen, dropped", [("drop", 3, 48, 4), ("pad", 4, 52, 0)])
 def test_ragged_epochs_compile_once(policy, steps_per_epoch, seen, dropped):
     epochs = 3
     result = run_in_process(tiny_config("mlp", num_samples=52, epochs=epochs, remainder=policy))
-    assert result["steps"] == steps_per_epoch * epochs
-    assert result["samples_seen"] == seen * epochs
-    assert result["samples_dropped"] == dropped * epochs
-    assert result["compiles"] == 1
-    assert result["backend_compiles_during_loop"] == 0  # XLA itself saw no new shape
+    assert result.steps == steps_per_epoch * epochs
+    assert result.samples_seen == seen * epochs
+    assert result.samples_dropped == dropped * epochs
+    assert result.compiles == 1
+    assert result.backend_compiles_during_loop == 0  # XLA itself saw no new shape
 
 
 def test_padded_rows_do_not_change_the_loss():
@@ -86,29 +86,29 @@ def test_padded_rows_do_not_change_the_loss():
 
 def test_auto_measures_candidates_and_keeps_the_fastest():
     result = run_in_process(tiny_config("mlp", steps=2, strategy="auto", auto_trial_steps=2))
-    table = result["search"]
-    timed = [r for r in table if r["step_time_s"]]
+    table = result.search
+    timed = [r for r in table if r.step_time_s]
     assert len(timed) >= 3
-    chosen = [r for r in table if r["chosen"]]
+    chosen = [r for r in table if r.chosen]
     assert len(chosen) == 1
-    assert chosen[0]["step_time_s"] == min(r["step_time_s"] for r in timed)
-    assert result["strategy"] == chosen[0]["strategy"]
-    assert result["mesh"]["shape"] == chosen[0]["mesh_shape"]
-    assert result["compiles"] == 1  # the winner's compile is reused for training
+    assert chosen[0].step_time_s == min(r.step_time_s for r in timed)
+    assert result.strategy == chosen[0].strategy
+    assert result.mesh.shape == chosen[0].mesh_shape
+    assert result.compiles == 1  # the winner's compile is reused for training
 
 
 def test_auto_skips_candidates_over_the_memory_budget():
     from alpa_job.errors import KitError
 
     config = tiny_config("mlp", hidden_dim=256, steps=1, strategy="auto", auto_trial_steps=1)
-    peaks = [r["peak_bytes_per_device"] for r in run_in_process(config)["search"]]
+    peaks = [r.peak_bytes_per_device for r in run_in_process(config).search]
     budget = (min(peaks) + max(peaks)) / 2  # fsdp/tensor shard the state; data replicates it
     assert min(peaks) < budget < max(peaks)
-    table = run_in_process(config.replace(memory_limit_gb=budget / 1e9))["search"]
+    table = run_in_process(config.replace(memory_limit_gb=budget / 1e9)).search
     for row in table:
-        assert row["fits"] == (row["peak_bytes_per_device"] <= budget)
-        if not row["fits"]:
-            assert row["step_time_s"] is None and not row["chosen"] and "budget" in row["note"]
+        assert row.fits == (row.peak_bytes_per_device <= budget)
+        if not row.fits:
+            assert row.step_time_s is None and not row.chosen and "budget" in row.note
     with pytest.raises(KitError, match="no candidate fits"):
         run_in_process(config.replace(memory_limit_gb=1e-9))
 
@@ -118,7 +118,7 @@ def test_checkpoint_round_trips_exactly(tmp_path):
 
     config = tiny_config("mlp", steps=4, checkpoint_every=2, out=str(tmp_path))
     result = run_in_process(config, return_state=True)
-    state = result["final_state"]
+    state = result.final_state
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), 2)
     assert ckpt.latest_step() == 4
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
@@ -134,14 +134,14 @@ def test_resume_continues_to_the_same_result(tmp_path):
     run_in_process(tiny_config("mlp", steps=4, epochs=10, checkpoint_every=2, out=str(tmp_path / "b")))
     resumed = run_in_process(tiny_config("mlp", steps=6, epochs=10, checkpoint_every=2, resume=True,
                                          out=str(tmp_path / "b")), return_state=True)
-    assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 2
-    assert resumed["losses"] == straight["losses"][4:]
-    for a, b in zip(jax.tree_util.tree_leaves(straight["final_state"].params),
-                    jax.tree_util.tree_leaves(resumed["final_state"].params)):
+    assert resumed.resumed_from_step == 4 and resumed.steps == 2
+    assert resumed.losses == straight.losses[4:]
+    for a, b in zip(jax.tree_util.tree_leaves(straight.final_state.params),
+                    jax.tree_util.tree_leaves(resumed.final_state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bfloat16_compute_keeps_float32_parameters():
     result = run_in_process(tiny_config("mlp", steps=8, epochs=10, dtype="bfloat16"))
-    assert np.mean(result["losses"][-2:]) < np.mean(result["losses"][:2])
-    assert {r["dtype"] for r in result["params"] if r["path"].startswith("params/")} == {"float32"}
+    assert np.mean(result.losses[-2:]) < np.mean(result.losses[:2])
+    assert {r.dtype for r in result.params if r.path.startswith("params/")} == {"float32"}

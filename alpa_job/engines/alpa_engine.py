@@ -11,23 +11,27 @@ Methods (`--strategy` with --engine alpa):
   pipeshard-auto    alpa.PipeshardParallel(layer_option=AutoLayerOption(layer_num),
                     stage_option=AutoStageOption) -- or, on a --plan-cache hit, ManualStageOption
 The train step uses `alpa.grad`; evaluation uses `alpa.FollowParallel` on the train step's
-placement; batches come from alpa_job.data (one fixed shape + mask), as in the JAX engine.
+placement. `AlpaEngine` implements engines.base.Engine, so train.py's one loop drives it (data,
+ragged policy, progress, timing, statistics) exactly as it drives the JAX engine; this module keeps
+what only Alpa has: the session (guards, alpa.init), pipeline boundaries, the plan cache, the dump.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import socket
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from alpa_job import progress, versions
-from alpa_job.data import epoch_batches, load_dataset, plan_epoch
+from alpa_job.cluster import ray_api
 from alpa_job.engines import alpa_guards as guards
 from alpa_job.engines import plan_cache as cache_lib
-from alpa_job.train import loop_statistics
+from alpa_job.engines.base import CompileStats, EngineHooks
 from alpa_job.errors import KitError
+from alpa_job.inspect.record import MemoryRecord
+from alpa_job.train import check_supported
 
 ALPA_METHODS = ("data", "shard", "pipeshard-manual", "pipeshard-auto")
 
@@ -82,24 +86,14 @@ def method_settings(config, num_nodes: int, devices_per_node: int) -> Dict[str, 
 
 
 # ----------------------------------------------------------------------------- joining
-def join_cluster(address: Optional[str], xla_env: Dict[str, str]) -> str:
-    """ray.init for Alpa: never Ray Client; the XLA port range reaches every worker via runtime_env."""
+def join_cluster(address: Optional[str], xla_env: Dict[str, str], spec=None,
+                 timeout_s: float = ray_api.JOIN_TIMEOUT_S) -> str:
+    """Join Ray for Alpa (bounded, ray_api.join_ray): never Ray Client; the XLA port range reaches
+    every worker via the runtime_env. No address / "local": a local Ray with this machine's GPUs."""
     guards.refuse_ray_client(address)
-    if address and address.startswith(("http://", "https://")):
-        raise KitError(f"--address {address} is the dashboard/jobs URL; submit with `ray job submit --address "
-                       f"{address} -- python -m alpa_job ...` or pass the GCS address HOST:6379")
-    import ray
-
-    if ray.is_initialized():
-        return "already connected"
-    env_vars = guards.ray_env_vars(xla_env)
-    kwargs: Dict[str, Any] = {"runtime_env": {"env_vars": env_vars}, "namespace": "alpa_default_space",
-                              "log_to_driver": True}
-    if address in (None, "", "local"):
-        ray.init(**kwargs)  # a single GPU machine: local Ray with its GPUs
-        return "local Ray"
-    ray.init(address=address, **kwargs)
-    return f"Ray cluster at {address}"
+    address = ray_api.normalize_address(address or ray_api.LOCAL, spec, default=ray_api.LOCAL)
+    return ray_api.join_ray(address, timeout_s, runtime_env={"env_vars": guards.ray_env_vars(xla_env)},
+                            namespace="alpa_default_space", log_to_driver=True)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -215,23 +209,42 @@ def _to_float(x) -> float:
     return float(np.asarray(value if value is not None else x))
 
 
-# ----------------------------------------------------------------------------- the run
-def run_alpa(config, address: Optional[str]) -> Dict[str, Any]:
-    """Join the cluster, start Alpa, train, inspect; returns one result dict (train.py's format)."""
-    from alpa_job.cluster.spec import load_spec
+# ----------------------------------------------------------------------------- the session
+@dataclasses.dataclass(frozen=True)
+class AlpaCluster:
+    """What Alpa was started on (alpa.init's arguments and the driver's node)."""
 
+    num_nodes: int
+    per_node: int  # GPUs per node (Alpa's meshes are uniform)
+    driver_ip: str
+    gpu_kind: Optional[str] = None
+
+
+def refuse_unsupported(config) -> None:
+    """Flags the Alpa engine cannot honour, refused before joining the cluster."""
+    check_supported(config, AlpaEngine)
+
+
+@contextlib.contextmanager
+def alpa_session(config, address: Optional[str], spec) -> Iterator[AlpaCluster]:
+    """Guard the versions and ports, join the cluster, alpa.init; alpa.shutdown on the way out.
+
+    `spec` is the job's resolved ClusterSpec (its XLA port range must reach the driver's env
+    before `import alpa` and every worker through the runtime_env)."""
+    refuse_unsupported(config)
     guards.check_alpa_version(guards.installed_alpa_version())
-    xla_env = load_spec(config.cluster_spec).xla_env()
+    xla_env = spec.xla_env()
     guards.apply_xla_port_env(xla_env)  # before `import alpa`: global_env reads it at import
-    where = join_cluster(address, xla_env)
+    where = join_cluster(address, xla_env, spec)
     print(f"[alpa_job] joined {where}", file=sys.stderr, flush=True)
 
     import ray
 
-    nodes = ray.nodes()
-    num_nodes, per_node = guards.cluster_shape(nodes)
+    nodes = ray_api.alive_nodes()
+    rows = [n.row for n in nodes]
+    num_nodes, per_node = guards.cluster_shape(rows)
     driver_ip = ray.util.get_node_ip_address()
-    guards.check_driver_on_cluster(driver_ip, nodes)
+    guards.check_driver_on_cluster(driver_ip, rows)
 
     import alpa
 
@@ -239,197 +252,248 @@ def run_alpa(config, address: Optional[str]) -> Dict[str, Any]:
     guards.apply_xla_port_env(xla_env, global_config=alpa.global_config)
     alpa.init(cluster="ray", num_nodes=num_nodes, num_devices_per_node=per_node)
     try:
-        return _train(config, alpa, num_nodes, per_node, driver_ip)
+        yield AlpaCluster(num_nodes, per_node, driver_ip, _gpu_kind(nodes))
     finally:
         alpa.shutdown()
 
 
-def _train(config, alpa, num_nodes: int, per_node: int, driver_ip: str) -> Dict[str, Any]:
-    import jax
+# ----------------------------------------------------------------------------- the engine
+class AlpaEngine(EngineHooks):
+    """The `Engine` (engines/base.py) for alpa 0.2.3: alpa.parallelize drives every GPU node from
+    the driver, so the one loop in train.py runs once, on the driver.
 
-    from alpa_job.inspect.alpa_live import dump_from_placement_specs, stage_layout
-    from alpa_job.inspect.hlo import count_collectives, merge_counts
-    from alpa_job.models import get_model
+    The constructor is pure (no `import alpa`): the interface test builds one on Python 3.9."""
 
-    settings = method_settings(config, num_nodes, per_node)
-    model = get_model(config)
-    dataset = load_dataset(config)
-    epoch = plan_epoch(dataset.num_samples, config.batch_size, config.remainder)
-    total_steps = config.steps if config.steps is not None else config.epochs * epoch.steps
-    example, _ = next(epoch_batches(dataset, config.batch_size, config.remainder, config.seed, 0))
-    signature = guards.shape_signature(example)
-    vers = versions.collect()
+    name = "alpa"
+    checkpoints = False  # the state lives in Alpa's DistributedArrays; orbax does not save those
 
-    # ---- plan cache decision (pipeshard-auto only)
-    cache_info: Optional[Dict[str, Any]] = None
-    cached_plan = None
-    cache = None
-    key = key_inputs = None
-    if config.plan_cache and settings["strategy"] == "pipeshard-auto":
-        cache = cache_lib.PlanCache(config.plan_cache)
-        key_inputs = cache_lib.plan_key_inputs(config.as_dict(), signature, num_nodes, per_node,
-                                               _gpu_kind(), vers, settings)
-        key = cache_lib.plan_key(key_inputs)
-        entry = cache.lookup(key)
+    def __init__(self, config, model, example_batch: Dict[str, Any], cluster: AlpaCluster):
+        self.config, self.model, self.cluster = config, model, cluster
+        self.settings = method_settings(config, cluster.num_nodes, cluster.per_node)
+        self.strategy = self.settings["strategy"]
+        self.stats = CompileStats()
+        self._example = example_batch
+        self._signature = guards.shape_signature(example_batch)
+        self._guard = guards.SearchGuard(False)  # replaced in compile() once the method is known
+        self._train_step = None
+        self._executables: set = set()  # ids of the train step's executables (1 = never recompiled)
+        self._initial_state = None
+        self._optimizer = None
+        self._cache: Optional[cache_lib.PlanCache] = None
+        self._key: Optional[str] = None
+        self._key_inputs: Optional[Dict[str, Any]] = None
+        self._dp_result = None
+        self._stage_memory: Optional[List[int]] = None
+        self.cache_info: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def factory(cls, cluster: AlpaCluster):
+        """train.train_process's `build_engine`: construct and compile on `cluster`."""
+        def build(config, model, data):
+            engine = cls(config, model, data.example, cluster)
+            engine.compile()
+            return engine
+
+        return build
+
+    # ----- state -------------------------------------------------------------------------------
+    def _init(self, seed: int):
+        import jax
+        import jax.numpy as jnp
+
+        model = self.model
+        init_kwargs = {"train": False} if model.has_batch_stats else {}
+        sample = {k: jnp.asarray(v) for k, v in self._example.items()}
+        variables = model.module.init(jax.random.PRNGKey(seed), sample[model.input_key], **init_kwargs)
+        return _train_state_cls().create(apply_fn=model.module.apply, params=variables["params"],
+                                         tx=self._tx(), batch_stats=variables.get("batch_stats"))
+
+    def _tx(self):
+        import optax
+
+        if self._optimizer is None:  # one object: it is part of the state's treedef
+            self._optimizer = optax.adam(self.config.learning_rate)
+        return self._optimizer
+
+    def init_state(self, seed: int):
+        # Alpa compiles against concrete arguments (get_executable(state, batch)), so compile()
+        # already made the initial state: hand that one over instead of initialising twice.
+        if self._initial_state is not None and seed == self.config.seed:
+            state, self._initial_state = self._initial_state, None
+            return state
+        return self._init(seed)
+
+    @property
+    def abstract_state(self):
+        import jax
+
+        return jax.eval_shape(lambda: self._init(self.config.seed))
+
+    # ----- compile (and search) --------------------------------------------------------------------
+    def compile(self) -> CompileStats:
+        """parallelize the step and compile it for the one batch shape: under pipeline boundaries
+        (pipeshard-manual), the plan cache (pipeshard-auto) and the second-search guard."""
+        import alpa
+
+        cached_plan = self._plan_cache_lookup()
+        method = build_method(self.settings, cached_plan)
+        self._guard = guards.SearchGuard(self.strategy == "pipeshard-auto" and cached_plan is None)
+        self._initial_state = self._init(self.config.seed)
+        self._train_step = alpa.parallelize(make_train_step(self.model), method=method, batch_argnums=(1,),
+                                            donate_argnums=(0,))
+        boundaries = (pipeline_boundaries(_layer_class(self.config), self.settings["boundaries"],
+                                          model_layer_count(self.config))
+                      if self.strategy == "pipeshard-manual" else contextlib.nullcontext())
+        self._guard.check(self._signature)
+        search_started = time.time()
+        start = time.perf_counter()
+        with progress.timed(f"compiling train step ({self.config.model}, alpa {self.strategy}, "
+                            f"{self.cluster.num_nodes} node(s) x {self.cluster.per_node} GPU)"):
+            with cache_lib.tee_stdout() as captured, boundaries:
+                executable = self._train_step.get_executable(self._initial_state, self._example)
+        self.stats.compile_seconds = time.perf_counter() - start
+        self._executables.add(id(executable))
+        self.stats.compiles = len(self._executables)
+        if self.strategy == "pipeshard-auto":
+            self._keep_stage_plan(cached_plan, captured.getvalue(), search_started)
+        self._read_executable(executable)
+        return self.stats
+
+    def _plan_cache_lookup(self) -> Optional[Dict[str, Any]]:
+        """The cached stage plan on a --plan-cache hit (pipeshard-auto only), else None."""
+        config = self.config
+        if not config.plan_cache:
+            return None
+        if self.strategy != "pipeshard-auto":
+            progress.note(f"--plan-cache is used only by --strategy pipeshard-auto; ignored for {self.strategy}")
+            return None
+        self._cache = cache_lib.PlanCache(config.plan_cache)
+        self._key_inputs = cache_lib.plan_key_inputs(config.as_dict(), self._signature, self.cluster.num_nodes,
+                                                     self.cluster.per_node, self.cluster.gpu_kind, versions.collect(),
+                                                     self.settings)
+        self._key = cache_lib.plan_key(self._key_inputs)
+        entry = self._cache.lookup(self._key)
         decision = "hit" if entry else "miss"
-        cached_plan = entry["plan"] if entry else None
-        print(cache_lib.decision_line(key, decision, config.plan_cache), flush=True)
-        cache_info = {"dir": os.path.abspath(config.plan_cache), "key": key, "decision": decision,
-                      "key_inputs": key_inputs}
-    elif config.plan_cache:
-        progress.note(f"--plan-cache is used only by --strategy pipeshard-auto; ignored for {settings['strategy']}")
+        print(cache_lib.decision_line(self._key, decision, config.plan_cache), flush=True)
+        self.cache_info = {"dir": os.path.abspath(config.plan_cache), "key": self._key, "decision": decision,
+                           "key_inputs": self._key_inputs}
+        return entry["plan"] if entry else None
 
-    method = build_method(settings, cached_plan)
-    auto_search = settings["strategy"] == "pipeshard-auto" and cached_plan is None
-    guard = guards.SearchGuard(auto_search)
-
-    TrainState = _train_state_cls()
-    import jax.numpy as jnp
-    import optax
-
-    tx = optax.adam(config.learning_rate)
-    init_kwargs = {"train": False} if model.has_batch_stats else {}
-    sample = {k: jnp.asarray(v) for k, v in example.items()}
-    variables = model.module.init(jax.random.PRNGKey(config.seed), sample[model.input_key], **init_kwargs)
-    state = TrainState.create(apply_fn=model.module.apply, params=variables["params"], tx=tx,
-                              batch_stats=variables.get("batch_stats"))
-
-    train_fn = make_train_step(model)
-    train_step = alpa.parallelize(train_fn, method=method, batch_argnums=(1,), donate_argnums=(0,))
-
-    # ---- first call: compile (and search) under pipeline boundaries / stdout capture
-    search_started = time.time()
-    compile_start = time.perf_counter()
-    boundaries = (pipeline_boundaries(_layer_class(config), settings["boundaries"],
-                                      model_layer_count(config))
-                  if settings["strategy"] == "pipeshard-manual" else contextlib.nullcontext())
-    guard.check(signature)
-    with cache_lib.tee_stdout() as captured, boundaries:
-        executable = train_step.get_executable(state, example)
-    compile_seconds = time.perf_counter() - compile_start
-
-    dp_result = None
-    if settings["strategy"] == "pipeshard-auto":
+    def _keep_stage_plan(self, cached_plan: Optional[Dict[str, Any]], stdout: str, search_started: float) -> None:
+        """The stage plan in use (for the report) and, after a fresh search, the plan-cache entry."""
         from alpa.pipeline_parallel.stage_construction import get_last_dp_result
 
-        dp_result = tuple(get_last_dp_result())
+        self._dp_result = tuple(get_last_dp_result())
         if cached_plan is not None:
-            dp_result = (None, cached_plan["forward_stage_layer_ids"], cached_plan["submesh_physical_shapes"],
-                         cached_plan["submesh_logical_shapes"], cached_plan["submesh_autosharding_option_dicts"])
-        elif cache is not None:
-            profile = cache_lib.find_profile_file(captured.getvalue(), os.getcwd(), since=search_started)
-            entry = cache.save(key, key_inputs, dp_result, profile,
-                               extra={"search_seconds": round(compile_seconds, 1)})
-            cache_info.update(decision="saved", profile=entry.get("profile_path"),
-                              profile_source=profile)
-            print(cache_lib.decision_line(key, "saved", config.plan_cache), flush=True)
+            self._dp_result = (None, cached_plan["forward_stage_layer_ids"], cached_plan["submesh_physical_shapes"],
+                               cached_plan["submesh_logical_shapes"], cached_plan["submesh_autosharding_option_dicts"])
+        elif self.cache_info is not None:
+            profile = cache_lib.find_profile_file(stdout, os.getcwd(), since=search_started)
+            entry = self._cache.save(self._key, self._key_inputs, self._dp_result, profile,
+                                     extra={"search_seconds": round(self.stats.compile_seconds, 1)})
+            self.cache_info.update(decision="saved", profile=entry.get("profile_path"), profile_source=profile)
+            print(cache_lib.decision_line(self._key, "saved", self.config.plan_cache), flush=True)
             if profile is None:
                 progress.note("Alpa's profile-results-*.npy was not found (no 'Profile result saved to:' line, "
                               "none in the driver's cwd); the plan is saved without the profile")
 
-    # ---- the loop
-    steps = samples_seen = samples_dropped = 0
-    losses: List[float] = []
-    global_step = 0
-    bar = progress.Progress("train", total_steps)
-    loop_start = time.perf_counter()
-    executables = {id(executable)}
-    while global_step < total_steps:
-        epoch_index = global_step // epoch.steps
-        pending = []
-        for batch, real in epoch_batches(dataset, config.batch_size, config.remainder, config.seed, epoch_index):
-            if global_step >= total_steps:
-                break
-            guard.check(guards.shape_signature(batch))
-            state, loss = train_step(state, batch)
-            executables.add(id(train_step.get_last_executable()))
-            pending.append(loss)
-            global_step += 1
-            steps += 1
-            samples_seen += real
-            bar.update(1, epoch=epoch_index + 1)
-        else:
-            samples_dropped += epoch.samples_dropped
-        losses.extend(_to_float(x) for x in pending)
-    loop_seconds = time.perf_counter() - loop_start
-    bar.close()
-
-    # ---- eval with FollowParallel (the train step's input placement)
-    eval_loss = None
-    try:
-        follow = alpa.FollowParallel(
-            train_step, num_micro_batches=settings["micro_batches"],
-            get_input_placement_specs=lambda: train_step.get_last_executable().get_input_placement_specs())
-        eval_step = alpa.parallelize(make_eval_step(model), method=follow, batch_argnums=(1,), donate_argnums=())
-        total, count = eval_step(state, example)
-        eval_loss = round(_to_float(total) / max(_to_float(count), 1.0), 6)
-    except Exception as err:  # noqa: BLE001 - eval is a report extra; the training result stands
-        progress.note(f"evaluation with FollowParallel failed ({type(err).__name__}: {err}); report has no eval_loss")
-
-    # ---- inspection (in-process, same labels as the JAX engine and `inspect DUMP_DIR`)
-    executable = train_step.get_last_executable()
-    dump = dump_from_placement_specs(executable.get_input_placement_specs(),
-                                     executable.get_output_placement_specs())
-    plan = dump.plan
-    stage_mem = None
-    memory: Dict[str, Any] = {}
-    collectives = None
-    try:
-        if hasattr(executable, "get_stage_allocation_size"):
-            stage_mem = list(executable.get_stage_allocation_size())
-            memory = {f"stage_{i}": int(b) for i, b in enumerate(stage_mem)}
-        else:
-            memory = {"total_allocation_size": int(executable.get_total_allocation_size())}
-        texts = executable.get_hlo_text()
-        texts = texts if isinstance(texts, (list, tuple)) else [texts]
-        collectives = merge_counts(*(count_collectives(t) for t in texts))
-    except Exception as err:  # noqa: BLE001 - the KeyError case: point at the worker log
-        kit = guards.explain_dump_failure(err, _mesh_hosts(executable))
-        progress.note(str(kit) if kit else f"could not read HLO/memory from the workers ({type(err).__name__}: {err})")
-    if config.out:
+    def _read_executable(self, executable) -> None:
+        """HLO texts and memory from the workers; a failure is a note (KeyError: the worker log)."""
         try:
-            guards.safe_dump_debug_info(executable.dump_debug_info, os.path.join(config.out, "alpa_dump"),
+            if hasattr(executable, "get_stage_allocation_size"):
+                self._stage_memory = [int(b) for b in executable.get_stage_allocation_size()]
+                memory = MemoryRecord.from_stage_bytes(self._stage_memory)
+            else:
+                memory = MemoryRecord.from_stage_bytes(total_bytes=int(executable.get_total_allocation_size()))
+            self.stats.memory = {k: v for k, v in dataclasses.asdict(memory).items() if v is not None}
+            texts = executable.get_hlo_text()
+            self.stats.hlo_texts = list(texts) if isinstance(texts, (list, tuple)) else [texts]
+        except Exception as err:  # noqa: BLE001 - the KeyError case: point at the worker log
+            kit = guards.explain_dump_failure(err, _mesh_hosts(executable))
+            progress.note(str(kit) if kit else f"could not read HLO/memory from the workers ({type(err).__name__}: {err})")
+
+    # ----- the step ----------------------------------------------------------------------------
+    def put_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        self._guard.check(guards.shape_signature(batch))  # before Alpa could start a second search
+        return batch  # alpa.parallelize shards host batches itself (batch_argnums)
+
+    def step(self, state, batch):
+        if self._train_step is None:
+            raise RuntimeError("compile() before step()")
+        state, loss = self._train_step(state, batch)
+        self._executables.add(id(self._train_step.get_last_executable()))
+        self.stats.compiles = len(self._executables)
+        return state, loss
+
+    def to_floats(self, values: List[Any]) -> List[float]:
+        return [_to_float(x) for x in values]
+
+    def wait(self, state) -> None:
+        # The loop fetched every loss with to_floats; Alpa's step returns them last, as before.
+        return None
+
+    def watch_compiles(self) -> Callable[[], int]:
+        base = len(self._executables)
+        return lambda: len(self._executables) - base
+
+    # ----- inspection ----------------------------------------------------------------------------
+    def _executable(self):
+        return self._train_step.get_last_executable()
+
+    def plan(self):
+        """The plan from the last executable's placement specs (same labels as `inspect DUMP_DIR`)."""
+        from alpa_job.inspect.alpa_live import dump_from_placement_specs
+
+        executable = self._executable()
+        return dump_from_placement_specs(executable.get_input_placement_specs(),
+                                         executable.get_output_placement_specs()).plan
+
+    def topology(self) -> Dict[str, Any]:
+        c = self.cluster
+        return {"mesh": {"shape": [c.num_nodes, c.per_node], "axes": ["node", "gpu"]},
+                "process": {"id": 0, "count": 1, "local_devices": []},  # the driver drives every node
+                "devices": {"count": c.num_nodes * c.per_node, "platform": "gpu", "kind": c.gpu_kind}}
+
+    def eval_loss(self, state, batch: Dict[str, Any]) -> Optional[float]:
+        """Masked mean loss with FollowParallel on the train step's input placement."""
+        import alpa
+
+        train_step = self._train_step
+        try:
+            follow = alpa.FollowParallel(
+                train_step, num_micro_batches=self.settings["micro_batches"],
+                get_input_placement_specs=lambda: train_step.get_last_executable().get_input_placement_specs())
+            eval_step = alpa.parallelize(make_eval_step(self.model), method=follow, batch_argnums=(1,),
+                                         donate_argnums=())
+            total, count = eval_step(state, batch)
+            return round(_to_float(total) / max(_to_float(count), 1.0), 6)
+        except Exception as err:  # noqa: BLE001 - eval is a report extra; the training result stands
+            progress.note(f"evaluation with FollowParallel failed ({type(err).__name__}: {err}); "
+                          "report has no eval_loss")
+            return None
+
+    def finish(self, out_dir: str) -> None:
+        """Alpa's dump_debug_info under OUT/alpa_dump (what `inspect DUMP_DIR` reads)."""
+        executable = self._executable()
+        try:
+            guards.safe_dump_debug_info(executable.dump_debug_info, os.path.join(out_dir, "alpa_dump"),
                                         _mesh_hosts(executable))
         except KitError as err:
             progress.note(str(err))
 
-    return {
-        "engine": "alpa",
-        "strategy": settings["strategy"],
-        "requested_strategy": config.strategy,
-        "alpa_method": settings,
-        "mesh": {"shape": [num_nodes, per_node], "axes": ["node", "gpu"]},
-        "meshes": plan.mesh_rows(),
-        "params": plan.leaf_rows(),
-        "batch_sharding": plan.batch_rows(),
-        "stages": stage_layout(dp_result, stage_mem),
-        "plan_cache": cache_info,
-        "compiles": len(executables),
-        "backend_compiles_during_loop": len(executables) - 1,
-        "compile_seconds": round(compile_seconds, 3),
-        "collectives": collectives,
-        "memory": memory,
-        "search": None,
-        "resumed_from_step": None,
-        "eval_loss": eval_loss,
-        **loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses),
-        "process": {"id": 0, "count": 1, "host": socket.gethostname(), "ip": driver_ip,
-                    "local_devices": [], "coordinator": None},
-        "devices": {"count": num_nodes * per_node, "platform": "gpu", "kind": _gpu_kind()},
-        "versions": vers,
-    }
+    def extra_report(self) -> Dict[str, Any]:
+        from alpa_job.inspect.alpa_live import stage_layout
+
+        return {"alpa_method": self.settings, "stages": stage_layout(self._dp_result, self._stage_memory),
+                "plan_cache": self.cache_info}
 
 
-def _gpu_kind() -> Optional[str]:
-    try:
-        import ray
-
-        for n in ray.nodes():
-            for r in (n.get("Resources") or {}):
-                if r.startswith("accelerator_type:"):
-                    return r.split(":", 1)[1]
-    except Exception:  # noqa: BLE001
-        pass
+def _gpu_kind(nodes: List[ray_api.RayNode]) -> Optional[str]:
+    """The GPU model Ray reports as an `accelerator_type:<kind>` resource."""
+    for n in nodes:
+        for r in n.resources:
+            if r.startswith("accelerator_type:"):
+                return r.split(":", 1)[1]
     return None
 
 

@@ -6,9 +6,8 @@ of silently recompiling (the failure mode behind Alpa's issue #776).
 """
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -18,6 +17,7 @@ import optax
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from alpa_job.engines.base import CompileStats, EngineHooks
 from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES
 from alpa_job.errors import KitError
 from alpa_job.inspect import plan as plan_model
@@ -26,14 +26,6 @@ from alpa_job.models import ModelSpec
 
 class TrainState(train_state.TrainState):
     batch_stats: Any = None  # BatchNorm running statistics (wide_resnet); None elsewhere
-
-
-@dataclasses.dataclass
-class CompileStats:
-    compiles: int = 0
-    compile_seconds: float = 0.0
-    hlo_text: str = ""
-    memory: Optional[Dict[str, int]] = None
 
 
 def make_mesh(mesh_shape: Tuple[int, int]) -> Mesh:
@@ -45,7 +37,9 @@ def make_mesh(mesh_shape: Tuple[int, int]) -> Mesh:
     return Mesh(np.asarray(devices).reshape(mesh_shape), MESH_AXES)
 
 
-class JaxEngine:
+class JaxEngine(EngineHooks):
+    """The `Engine` (engines/base.py) for jax >= 0.4: one JAX process per node, SPMD over a mesh."""
+
     name = "jax"
 
     def __init__(self, config, model: ModelSpec, example_batch: Dict[str, np.ndarray], strategy: str,
@@ -67,6 +61,7 @@ class JaxEngine:
         self.abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         self._compiled = None
+        self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
     def _init_boxed(self, rng):
@@ -112,7 +107,7 @@ class JaxEngine:
         self._jitted = jitted
         self.stats.compile_seconds += time.perf_counter() - start
         self.stats.compiles += 1
-        self.stats.hlo_text = self._compiled.as_text() or ""
+        self.stats.hlo_texts = [self._compiled.as_text() or ""]
         self.stats.memory = memory_analysis(self._compiled)
         return self.stats
 
@@ -135,6 +130,23 @@ class JaxEngine:
             raise RuntimeError("compile() before step()")
         return self._jitted(state, batch)
 
+    def to_floats(self, values: List[jax.Array]) -> List[float]:
+        return [float(x) for x in jax.device_get(values)]  # one host sync for the lot
+
+    def wait(self, state: TrainState) -> None:
+        jax.block_until_ready(state)
+
+    def watch_compiles(self) -> Callable[[], int]:
+        """Counts XLA backend compiles from now on (proves the loop never recompiles)."""
+        counter = [0]
+
+        def listener(event: str, *_args: Any, **_kwargs: Any) -> None:
+            if "backend_compile" in event:
+                counter[0] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        return lambda: counter[0]
+
     # ----- the plan ----------------------------------------------------------------------------
     def plan(self) -> plan_model.ParallelPlan:
         batch_axes = tuple(a for a in _spec_axes(self.batch_sharding.spec, self.mesh) for a in a)
@@ -146,6 +158,18 @@ class JaxEngine:
         batch = _leaves(self._example, jax.tree_util.tree_map(lambda _: self.batch_sharding, self._example),
                         self.mesh, prefix="batch")
         return plan_model.ParallelPlan((mesh,), tuple(leaves), tuple(batch))
+
+    def topology(self) -> Dict[str, Any]:
+        return {
+            "mesh": {"shape": list(self.mesh.devices.shape), "axes": list(self.mesh.axis_names)},
+            "process": {"id": jax.process_index(), "count": jax.process_count(),
+                        "local_devices": [str(d) for d in jax.local_devices()]},
+            "devices": {"count": jax.device_count(), "platform": jax.devices()[0].platform,
+                        "kind": jax.devices()[0].device_kind},
+        }
+
+    def extra_report(self) -> Dict[str, Any]:
+        return {"search": self.search_table}
 
     # ----- checks that turn XLA errors into one-line fixes ---------------------------------------
     def _check_batch_divisible(self, batch: Dict[str, np.ndarray]) -> None:
