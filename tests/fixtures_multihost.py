@@ -17,6 +17,8 @@ from typing import Optional
 
 import pytest
 
+from alpa_job.cluster.ray_api import gcs_address
+
 NUM_CPUS = 1
 OBJECT_STORE = 100_000_000
 
@@ -38,7 +40,7 @@ class MgmtCluster:
         self.spec = spec
         self.spec_path = spec_path
         self.head_node_ip = head_node_ip
-        self.address = "%s:%d" % (head_node_ip, spec.ports["gcs"])
+        self.address = gcs_address(spec, head_node_ip)
 
     def alive(self, want: int, timeout: float = 30) -> list:
         p = self.testbed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(want),

@@ -122,9 +122,10 @@ def test_doctor_catches_a_real_package_skew_on_one_worker(testbed_factory, tmp_p
         _wait_formed(cluster, "w1 restarted with %s %s" % (PACKAGE, skew))
         # what w1's Ray workers really see (a plain task pinned there, no doctor involved)
         seen = cluster.run_python(
-            "import os, ray; ray.init(address=os.environ['RAY_ADDRESS'], log_to_driver=False)\n"
+            "import os, ray\nfrom alpa_job.cluster.ray_api import join_ray, pin_to_node\n"
+            "join_ray(os.environ['RAY_ADDRESS'], log_to_driver=False)\n"
             "f = ray.remote(num_cpus=0)(lambda: __import__('importlib.metadata').metadata.version('%s'))\n"
-            "print('SEEN', ray.get(f.options(resources={'node:%s': 0.001}).remote(), timeout=60))"
+            "print('SEEN', ray.get(f.options(**pin_to_node('%s')).remote(), timeout=60))"
             % (PACKAGE, w1.ip), timeout=120).stdout
         assert "SEEN %s" % skew in seen, seen
 

@@ -10,9 +10,10 @@ import pytest
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
 _NODE_IPS = r"""
-import json, os, ray
-ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-print("NODES " + json.dumps(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
+import json, os
+from alpa_job.cluster import ray_api
+ray_api.join_ray(os.environ["RAY_ADDRESS"], log_to_driver=False)
+print("NODES " + json.dumps([n.ip for n in ray_api.alive_nodes()]))
 """
 
 _JOBS = {}  # submitting host -> (report, seconds, CompletedProcess): each job runs once per session

@@ -35,7 +35,7 @@ PIP_LOCK = os.path.join(REPO, "requirements", "image-alpa-pip.txt")
 PYTEST_PINS = ["pytest==8.3.5", "pluggy==1.5.0", "iniconfig==2.1.0", "exceptiongroup==1.3.0",
                "tomli==2.2.1", "pytest-timeout==2.4.0"]  # packaging, typing-extensions: from the lock
 NO_JAX_TESTS = ["tests/test_cluster_spec.py", "tests/test_ray_start.py", "tests/test_node_ip.py",
-                "tests/test_firewall.py", "tests/test_alpa_dump.py", "tests/test_hlo.py"]
+                "tests/test_firewall.py", "tests/test_alpa_dump.py", "tests/test_hlo.py", "tests/test_ray_api.py"]
 JAXLIB_STANDIN = "0.3.22+cuda113.cudnn820"
 MODELS_VENV = os.path.join(REPO, ".venv39-models")
 MODELS_PINS = os.path.join(REPO, "docker", "alpa", "requirements-py39-models.txt")
@@ -119,27 +119,26 @@ RAY_SCRIPT = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, os.environ["REPO"])
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    from alpa_job.cluster import doctor
+    from alpa_job.cluster import doctor, ray_api
     from alpa_job import versions
 
     assert ray.__version__ == "2.1.0", ray.__version__
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray_api.join_ray(ray_api.LOCAL, num_cpus=2, include_dashboard=False)
     try:
-        (node,) = [n for n in ray.nodes() if n["Alive"]]
+        (node,) = ray_api.alive_nodes()  # the kit's one reader of Ray 2.1.0's node rows
+        assert ray_api.head_ip([node]) == node.ip  # no head marker on 2.1.0: from the GCS address
 
         @ray.remote
         def where():
             import socket
             return ray.get_runtime_context().node_id.hex(), socket.gethostname()
 
-        pinned = where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-        node_id, _ = ray.get(pinned.remote(), timeout=120)
-        assert node_id == node["NodeID"], (node_id, node["NodeID"])
+        # pinned the kit's way (ray_api.pin_to_node: the node:<ip> resource)
+        node_id, _ = ray.get(where.options(**ray_api.pin_to_node(node.ip)).remote(), timeout=120)
+        assert node_id == node.node_id, (node_id, node.node_id)
         # The doctor's pure checks, on this node's real facts.
-        facts = ray.get(ray.remote(doctor.node_facts).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(), timeout=120)
-        ip = node["NodeManagerAddress"]
+        facts = ray.get(ray.remote(doctor.node_facts).options(**ray_api.pin_to_node(node.ip)).remote(), timeout=120)
+        ip = node.ip
         checks = doctor.check_node_ip("n1", ip, {"lo": [ip]}, "%s/32" % ip)
         other = "127.0.0.0/8" if not ip.startswith("127.") else "10.0.0.0/8"  # a CIDR the node is NOT in
         bad = doctor.check_node_ip("n1", ip, {"lo": [ip]}, other)

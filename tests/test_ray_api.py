@@ -11,13 +11,15 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from alpa_job.cluster import ray_api
 from alpa_job.cluster.spec import load_spec
 from alpa_job.errors import EXIT_TIMEOUT, KitError
-from test_cli import REPO
+
+REPO = str(Path(__file__).resolve().parent.parent)
 
 
 # ---- the GCS address -----------------------------------------------------------------------------

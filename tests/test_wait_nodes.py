@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from test_cli import REPO
+from test_ray_api import REPO, _silent_listener
 
 
 def test_times_out_with_exit_4_and_reports_what_is_alive():
@@ -19,3 +19,22 @@ def test_times_out_with_exit_4_and_reports_what_is_alive():
     report = json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
     assert len(report["alive"]) == 1
     assert "only 1 of 2 Ray nodes alive after 2 s" in proc.stderr
+
+
+def test_the_join_itself_is_bounded_by_the_timeout():
+    """An address where something answers TCP but no Ray GCS: exit 4 naming it, not Ray's minutes of retries."""
+    server, held = _silent_listener()
+    address = "127.0.0.1:%d" % server.getsockname()[1]
+    try:
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "alpa_job.cluster.wait_nodes", "--count", "1", "--timeout", "3",
+                               "--address", address], cwd=REPO, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - start
+    finally:
+        server.close()
+        for s in held:
+            s.close()
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and address in errors[0] and "within 3 s" in errors[0], proc.stderr[-2000:]
+    assert took < 3 + 15, took
