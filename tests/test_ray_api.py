@@ -194,3 +194,16 @@ def test_pin_to_node_runs_there_and_only_there(local_ray):
     ready, _ = ray.wait([elsewhere], timeout=1.0)
     assert not ready, "a task pinned to a missing node must not run anywhere else"
     ray.cancel(elsewhere, force=True)
+
+
+def test_hints_without_a_spec_name_the_users_gcs_port(monkeypatch, tmp_path):
+    """Callers that hold no spec (wait_nodes, the job's default) still hint the port the user's spec sets."""
+    from alpa_job.cluster.spec import SPEC_ENV_VAR
+
+    path = tmp_path / "c.yaml"
+    path.write_text("ports: {gcs: 6390}\n")
+    monkeypatch.setenv(SPEC_ENV_VAR, str(path))
+    with pytest.raises(KitError, match=r"pass the GCS address HOST:6390$"):
+        ray_api.normalize_address("http://10.0.0.1:8265")
+    with pytest.raises(KitError, match=r"is not HOST:PORT; .* like 10\.0\.0\.1:6390$"):
+        ray_api.normalize_address("10.0.0.1")  # no spec given: a bare host is not completed

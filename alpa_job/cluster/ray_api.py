@@ -42,32 +42,36 @@ def gcs_address(spec, head_ip: str) -> str:
     return "%s:%d" % (head_ip, spec.ports["gcs"])
 
 
-def split_address(address: str) -> Tuple[str, int]:
+def _gcs_port(spec=None) -> int:
+    """The spec's GCS port; without a spec (error hints only), the one the user's spec resolves to."""
+    if spec is None:
+        from alpa_job.cluster.spec import load_spec  # yaml: imported only on this error path
+
+        spec = load_spec()
+    return spec.ports["gcs"]
+
+
+def split_address(address: str, spec=None) -> Tuple[str, int]:
     """(host, port) of HOST:PORT, or a KitError naming the form expected."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise KitError("--address %r is not HOST:PORT; use local, auto, or the head's GCS address like 10.0.0.1:6379"
-                       % (address,))
+        raise KitError("--address %r is not HOST:PORT; use local, auto, or the head's GCS address like 10.0.0.1:%d"
+                       % (address, _gcs_port(spec)))
     return host, int(port)
-
-
-def dashboard_url_error(address: str, gcs_port: int = 6379) -> KitError:
-    return KitError("--address %s is the dashboard/jobs URL; submit with `ray job submit --address %s -- python -m "
-                    "alpa_job ...` or pass the GCS address HOST:%d" % (address, address, gcs_port))
 
 
 def normalize_address(address: Optional[str], spec=None, default: str = AUTO) -> str:
     """The address to join: None/"" -> $RAY_ADDRESS, else `default`; local/auto/ray:// as given; a bare
     host gets the spec's GCS port; a dashboard URL or a malformed HOST:PORT is a KitError."""
     address = (address or os.environ.get("RAY_ADDRESS") or default).strip()
-    gcs_port = spec.ports["gcs"] if spec is not None else 6379  # 6379: Ray's own default, for the hint only
     if address in (AUTO, LOCAL) or address.startswith("ray://"):
         return address
     if address.startswith(("http://", "https://")):
-        raise dashboard_url_error(address, gcs_port)
+        raise KitError("--address %s is the dashboard/jobs URL; submit with `ray job submit --address %s -- python "
+                       "-m alpa_job ...` or pass the GCS address HOST:%d" % (address, address, _gcs_port(spec)))
     if ":" not in address and spec is not None:
-        return "%s:%d" % (address, gcs_port)
-    split_address(address)
+        return gcs_address(spec, address)
+    split_address(address, spec)
     return address
 
 
