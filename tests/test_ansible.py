@@ -47,9 +47,10 @@ class Ansible:
             "alpa_kit_config_dir": str(etc / "etc" / "alpa-kit"),
             "ray_node_prep_sysctl_file": str(etc / "etc" / "sysctl.d" / "90-alpa-kit.conf"),
             "ray_node_prep_limits_file": str(etc / "etc" / "limits.d" / "90-alpa-kit.conf"),
+            "ray_firewall_persist_conf": str(etc / "etc" / "nftables.conf"),
         }
 
-    def inventory(self, name: str, heads, workers, group_vars: dict = None) -> Path:
+    def inventory(self, name: str, heads, workers, file_vars: dict = None) -> Path:
         d = self.work / name
         d.mkdir(exist_ok=True)
         vars_ = {
@@ -66,6 +67,7 @@ class Ansible:
             "ray_cluster_env_extra": {"PYTHONPATH": str(REPO)},
             "ray_cluster_auth_token_file": str(self.token_file),
         }
+        vars_.update(file_vars or {})  # the inventory FILE's vars beat the kit's (role) defaults
 
         def hosts(pairs):
             return {n: self.host_vars(n, ip) for n, ip in pairs}
@@ -74,9 +76,6 @@ class Ansible:
         inv = {"ray_cluster": {"children": children, "vars": vars_}}
         path = d / "hosts.yml"
         path.write_text(yaml.safe_dump(inv, sort_keys=False))
-        if group_vars:  # inventory group_vars/<group>.yml beat the playbook's group_vars/all.yml
-            (d / "group_vars").mkdir(exist_ok=True)
-            (d / "group_vars" / "ray_cluster.yml").write_text(yaml.safe_dump(group_vars))
         return path
 
     def good_inventory(self) -> Path:
@@ -125,18 +124,24 @@ def _bad(ansible, name):
     if name == "two_heads":
         return (ansible.inventory(name, [("head", ips["head"]), ("w1", ips["w1"])], [("w2", ips["w2"])]),
                 r"group ray_head must hold exactly one host.*it holds 2: head, w1")
-    if name == "no_address_in_cidr":  # the user's CIDR holds the head (10.77.0.1) only
+    if name == "no_address_in_cidr":  # the CIDR typed in the inventory file holds the head (10.77.0.1) only
         return (ansible.inventory(name, [("head", ips["head"])], workers,
-                                  group_vars={"alpa_kit_cluster_cidr": "10.77.0.0/31"}),
+                                  file_vars={"alpa_kit_cluster_cidr": "10.77.0.0/31"}),
                 r"host w1: no interface of this host has an address in cluster CIDR 10\.77\.0\.0/31 "
                 r"\(found: .*eth0=10\.77\.0\.2")
     if name == "unreachable":  # nobody owns 10.77.0.9
         return (ansible.inventory(name, [("head", ips["head"])], workers + [("w9", "10.77.0.9")]),
                 r"fatal: \[w9\]: UNREACHABLE!(.|\n)*connect to host 10\.77\.0\.9 port 22")
+    if name == "no_docker_engine":  # the docker runtime, and no engine answers on the nodes
+        return (ansible.inventory(name, [("head", ips["head"])], workers, file_vars={
+                    "ray_runtime": "docker", "ray_gpus": False,
+                    "alpa_kit_docker_host": "unix:///run/%s-no-docker.sock" % ansible.bed.prefix}),
+                r"head: ray_runtime is docker but no Docker Engine answers at unix:///run/\S+-no-docker\.sock "
+                r"\(.*\); install Docker Engine")
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("mistake", ["no_head", "two_heads", "no_address_in_cidr", "unreachable"])
+@pytest.mark.parametrize("mistake", ["no_head", "two_heads", "no_address_in_cidr", "unreachable", "no_docker_engine"])
 def test_inventory_mistakes_fail_early(ansible, mistake):
     inventory, message = _bad(ansible, mistake)
     p, seconds = ansible.run("site.yml", inventory, timeout=180)
@@ -161,8 +166,10 @@ def test_site_brings_the_cluster_up_and_the_doctor_is_green(ansible):
     assert "3 alive node(s): 10.77.0.1, 10.77.0.2, 10.77.0.3" in p.stdout
     procs = ansible.ray_processes()
     assert "gcs_server" in procs["head"] and all("raylet" in procs[h] for h in ("head", "w1", "w2")), procs
-    for h in ansible.bed.hosts:  # the daemons outlived the tasks (no ssh -tt); our table is loaded
+    for h in ansible.bed.hosts:  # the daemons outlived the tasks (no ssh -tt); our table is loaded ...
         assert "table inet alpa_kit" in ansible.nft_tables()[h.name]
+        etc = ansible.bed.host_dir(h.name) / "etc"  # ... and included from the boot-time config
+        assert 'include "%s"' % (etc / "alpa-kit" / "nftables-alpa_kit.nft") in (etc / "nftables.conf").read_text()
     print("site.yml (cold, 3 hosts): %.1f s" % seconds)
 
 
@@ -212,6 +219,8 @@ def test_teardown_leaves_the_hosts_clean(ansible):
     assert ansible.ray_processes() == {"head": "", "w1": "", "w2": ""}
     for name, tables in ansible.nft_tables().items():
         assert "alpa_kit" not in tables, (name, tables)
+        conf = ansible.bed.host_dir(name) / "etc" / "nftables.conf"
+        assert "alpa_kit" not in conf.read_text()  # the boot-time include is gone too
     # a second teardown finds nothing to do
     p2, _ = ansible.run("teardown.yml", ansible.good_inventory())
     assert p2.returncode == 0 and all(c["changed"] == 0 for c in recap(p2.stdout).values()), p2.stdout[-4000:]

@@ -1,8 +1,13 @@
-"""The Ansible tree is lint-clean (ansible-lint production profile, yamllint), its plan equals the
-kit's cluster.yaml, and the docker runtime's container runs the same `ray start` as the process
-runtime (rendered with Ansible's own Templar from the role's vars and templates; no SSH, no Docker)."""
+"""The Ansible tree is lint-clean (ansible-lint production profile, yamllint), reads its plan from the
+kit's cluster.yaml (no copy; inventory vars win), and what it renders is right: the docker runtime's
+container runs the same `ray start` as the process runtime, `ray_stack` moves image and Ray version
+together, the container's user owns what it writes, the firewall admits the controller or the play
+stops, and the ruleset is persisted through the distribution's nftables config. Rendering uses
+Ansible's own Templar over the roles' defaults/vars/tasks (no SSH, no Docker); one test runs a real
+ansible-playbook against localhost to show an inventory-file var beating the defaults."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -11,9 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 ANSIBLE_DIR = REPO / "ansible"
+ROLES = ANSIBLE_DIR / "roles"
 BIN = Path(sys.executable).parent
 
 
@@ -38,26 +45,88 @@ def test_ansible_lint_production_profile_clean(tmp_path):
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-4000:]
 
 
-def test_group_vars_plan_equals_cluster_yaml():
-    import yaml
-
+# ---- settings: the plan comes from cluster.yaml, inventory vars win --------------------------------
+def test_the_plan_is_read_from_cluster_yaml_not_copied():
     from alpa_job.cluster.spec import load_spec
 
-    group_vars = yaml.safe_load((ANSIBLE_DIR / "group_vars" / "all.yml").read_text())
-    plan = {k[len("alpa_kit_"):]: v for k, v in group_vars.items() if k.startswith("alpa_kit_") and k != "alpa_kit_spec"}
-    assert plan == load_spec().as_dict()
-    # alpa_kit_spec (what the filters take) names every key of the plan, each from its own variable
-    assert group_vars["alpa_kit_spec"] == {k: "{{ alpa_kit_%s }}" % k for k in plan}
+    assert not (ANSIBLE_DIR / "group_vars").exists()  # playbook group_vars beat inventory-file vars
+    plan = load_spec().as_dict()
+    defaults = yaml.safe_load((ROLES / "alpa_kit" / "defaults" / "main.yml").read_text())
+    # every cluster.yaml key is a documented setting alpa_kit_<key>, whose default is the file's value
+    for key in plan:
+        assert defaults["alpa_kit_" + key] == "{{ __alpa_kit_file_plan.%s }}" % key
+    # ... and no literal of the plan is spelled anywhere in the tree (no port, no version, no tag)
+    texts = "\n".join(p.read_text() for p in ANSIBLE_DIR.rglob("*.yml"))
+    for literal in (plan["versions"]["ray_modern"], plan["images"]["jax"], str(plan["ports"]["dashboard"]),
+                    plan["versions"]["jax_modern"]):
+        assert literal not in texts, literal
+    assert Render("docker").var("alpa_kit_spec") == plan
 
 
+def _playbook_run(tmp_path, inventory: dict, playbook: list):
+    """ansible-playbook against localhost (connection local) with the kit's roles and filters."""
+    pytest.importorskip("ansible")
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(playbook, sort_keys=False))
+    (tmp_path / "ansible.cfg").write_text("[defaults]\n")  # none of the machine's settings
+    env = dict(os.environ, ANSIBLE_HOME=str(tmp_path / "home"), ANSIBLE_ROLES_PATH=str(ROLES),
+               ANSIBLE_FILTER_PLUGINS=str(ANSIBLE_DIR / "filter_plugins"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.json", ANSIBLE_CONFIG=str(tmp_path / "ansible.cfg"),
+               PATH=str(BIN) + os.pathsep + os.environ.get("PATH", ""))
+    p = subprocess.run([_tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    return {t["task"]["name"]: t["hosts"]["node1"] for t in out["plays"][0]["tasks"]}
+
+
+def test_inventory_file_vars_beat_the_kit_defaults(tmp_path):
+    """alpa_kit_cluster_cidr (and a partial alpa_kit_ports) typed in the inventory FILE take effect."""
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    inventory = {"ray_cluster": {
+        "children": {"ray_head": {"hosts": {"node1": local}}, "ray_workers": {"hosts": {}}},
+        "vars": {"alpa_kit_cluster_cidr": "192.168.50.0/24", "alpa_kit_ports": {"dashboard": 8266},
+                 "ray_stack": "alpa", "alpa_kit_registry": "reg.example:5000"},
+    }}
+    shown = {"spec": "{{ alpa_kit_spec }}", "image": "{{ alpa_kit_image }}", "ray": "{{ alpa_kit_ray_version }}"}
+    playbook = [{"name": "Show the settings.", "hosts": "ray_head", "gather_facts": False, "roles": ["alpa_kit"],
+                 "tasks": [{"name": "show", "ansible.builtin.debug": {"msg": shown}}]}]
+    got = _playbook_run(tmp_path, inventory, playbook)["show"]["msg"]
+    from alpa_job.cluster.spec import load_spec
+
+    plan = load_spec().as_dict()
+    assert got["spec"]["cluster_cidr"] == "192.168.50.0/24"
+    assert got["spec"]["ports"] == dict(plan["ports"], dashboard=8266)  # merged key by key
+    assert got["spec"]["ranges"] == plan["ranges"]
+    assert got["image"] == "reg.example:5000/" + plan["images"]["alpa"]
+    assert got["ray"] == plan["versions"]["ray_legacy"]
+
+
+def test_requirements_pin_the_collections_the_tree_uses():
+    import re
+
+    import ansible_collections
+
+    reqs = yaml.safe_load((ANSIBLE_DIR / "requirements.yml").read_text())["collections"]
+    pinned = {c["name"]: c["version"] for c in reqs}
+    text = "\n".join(p.read_text() for p in ANSIBLE_DIR.rglob("*.yml") if p.name != "requirements.yml")
+    used = set(re.findall(r"^\s*-?\s*((?!ansible\.builtin)[a-z_]+\.[a-z_]+)\.[a-z_]+:", text, re.M))
+    assert used == set(pinned), (used, pinned)
+    for name, version in pinned.items():  # the `ansible` package's copy (not ansible-core's internal one)
+        found = [Path(b).joinpath(*name.split(".")) / "MANIFEST.json" for b in ansible_collections.__path__]
+        manifest = json.loads(next(f for f in found if f.exists()).read_text())
+        assert manifest["collection_info"]["version"] == version, name
+
+
+# ---- rendering with Ansible's Templar -------------------------------------------------------------
 _PLUGINS_READY = False
 
 
-# ---- the docker runtime's container spec vs the process runtime, rendered by Ansible ---------------
 class Render:
-    """Ansible's Templar over the ray_cluster role's defaults + group_vars + host facts + role vars."""
+    """Ansible's Templar over alpa_kit's + one role's defaults, inventory vars, facts and role vars."""
 
-    def __init__(self, runtime: str, role: str = "worker", supervisor: str = "daemon", **host_vars):
+    def __init__(self, runtime: str, role: str = "worker", supervisor: str = "daemon", kit_role: str = "ray_cluster",
+                 **host_vars):
         pytest.importorskip("ansible")
         from ansible.parsing.dataloader import DataLoader
         from ansible.plugins.loader import filter_loader, init_plugin_loader
@@ -69,13 +138,16 @@ class Render:
             _PLUGINS_READY = True
         filter_loader.add_directory(str(ANSIBLE_DIR / "filter_plugins"))
         self.loader = DataLoader()
-        role_dir = ANSIBLE_DIR / "roles" / "ray_cluster"
-        self.role_dir = role_dir
+        self.role_dir = ROLES / kit_role
         ips = {"head": "10.0.0.1", "w1": "10.0.0.2"}
         me = "head" if role == "head" else "w1"
+
+        def load(path):
+            return self.loader.load_from_file(str(path), trusted_as_template=True) or {}
+
         variables = {}
-        variables.update(self.loader.load_from_file(str(role_dir / "defaults" / "main.yml"), trusted_as_template=True))
-        variables.update(self.loader.load_from_file(str(ANSIBLE_DIR / "group_vars" / "all.yml"), trusted_as_template=True))
+        variables.update(load(ROLES / "alpa_kit" / "defaults" / "main.yml"))  # role defaults: lowest
+        variables.update(load(self.role_dir / "defaults" / "main.yml"))
         variables.update({
             "inventory_hostname": me, "playbook_dir": str(ANSIBLE_DIR),
             "groups": {"ray_head": ["head"], "ray_workers": ["w1"], "all": ["head", "w1"]},
@@ -85,16 +157,24 @@ class Render:
             "ray_runtime": runtime, "ray_cluster_auth_token": "tok3n", "ray_cluster_num_gpus": 8,
             "ansible_managed": "managed",
         })
-        variables.update(host_vars)
-        variables.update(self.loader.load_from_file(str(role_dir / "vars" / "main.yml"), trusted_as_template=True))
+        variables.update(host_vars)  # inventory vars beat role defaults
+        variables.update(load(self.role_dir / "vars" / "main.yml"))
+        for os_vars in ("Debian.yml",):
+            if (self.role_dir / "vars" / os_vars).exists():
+                variables.update(load(self.role_dir / "vars" / os_vars))
         self.templar = Templar(loader=self.loader, variables=variables)
 
     def var(self, name):
         return self.templar.template(self.templar.available_variables[name])
 
-    def task_args(self, tasks_file: str, module: str) -> dict:
-        tasks = self.loader.load_from_file(str(self.role_dir / "tasks" / tasks_file), trusted_as_template=True)
-        task = next(t for t in tasks if module in t)
+    def tasks(self, tasks_file: str) -> list:
+        return self.loader.load_from_file(str(self.role_dir / "tasks" / tasks_file), trusted_as_template=True)
+
+    def task(self, tasks_file: str, name_start: str) -> dict:
+        return next(t for t in self.tasks(tasks_file) if t["name"].startswith(name_start))
+
+    def task_args(self, tasks_file: str, module: str, name_start: str = "") -> dict:
+        task = next(t for t in self.tasks(tasks_file) if module in t and t["name"].startswith(name_start))
         return self.templar.template(task[module])
 
     def template_file(self, name: str) -> str:
@@ -129,8 +209,12 @@ def test_docker_container_runs_the_same_ray_start_as_the_process_runtime(role):
 
     assert container["network_mode"] == "host"
     assert container["shm_size"] == "16g"
-    assert container["image"] == "alpa-cluster-kit/jax:0.10.2-cuda12.8-py3.11"
+    # No registry set: the bare tag, which must already be on the nodes (image source "present").
+    assert container["image"] == load_spec().images["jax"] and container["pull"] == "never"
+    assert docker.var("alpa_kit_image_source") == "present"
+    # GPU options are rendered and asserted only (no NVIDIA runtime here).
     assert list(container["device_requests"]) == [{"driver": "nvidia", "count": -1, "capabilities": [["gpu"]]}]
+    assert list(container["ulimits"]) == ["nofile:65536:65536", "memlock:-1:-1"]
     env = dict(container["env"])
     assert env == {k: v for k, v in process.var("__ray_cluster_process_env").items() if k not in ("PATH", "VIRTUAL_ENV")}
     assert env["NCCL_SOCKET_IFNAME"] == "ens5"
@@ -142,10 +226,144 @@ def test_docker_container_runs_the_same_ray_start_as_the_process_runtime(role):
     assert mounts["/tmp/ray"]["source"] == "/var/lib/alpa-kit/ray"
 
 
-def test_docker_runtime_without_gpus_and_legacy_ray_has_no_token_or_device_requests():
-    r = Render("docker", ray_gpus=False, ray_cluster_ray_version="2.1.0")
+def test_the_container_user_owns_every_host_directory_it_writes():
+    r = Render("docker", ray_cluster_container_user="1234:2345", ray_cluster_host_ray_dir="/srv/ray-logs")
+    container = r.task_args("docker.yml", "community.docker.docker_container")
+    assert container["user"] == "1234:2345"
+    writable = [m for m in container["mounts"] if not m.get("read_only")]
+    assert [m["target"] for m in writable] == ["/tmp/ray"]  # the config dir is read-only
+    made = r.task_args("docker.yml", "ansible.builtin.file", "Ensure Ray's log directory")
+    assert (made["path"], str(made["owner"]), str(made["group"])) == ("/srv/ray-logs", "1234", "2345")
+    assert made["path"] == writable[0]["source"]
+    # The default is the kit images' USER line (docker/*/Dockerfile: USER 1000:1000).
+    assert Render("docker").var("ray_cluster_container_user") == "1000:1000"
+    for dockerfile in ("jax", "alpa"):
+        assert "\nUSER 1000:1000\n" in (REPO / "docker" / dockerfile / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("stack", ["jax", "alpa"])
+def test_ray_stack_sets_image_and_ray_version_together(stack):
+    from alpa_job.cluster.spec import load_spec
+
+    spec = load_spec()
+    r = Render("docker", ray_stack=stack, alpa_kit_registry="registry.site:5000/ml")
+    container = r.task_args("docker.yml", "community.docker.docker_container")
+    want_ray = spec.versions["ray_legacy" if stack == "alpa" else "ray_modern"]
+    assert container["image"] == "registry.site:5000/ml/" + spec.images[stack]
+    assert r.var("ray_cluster_ray_version") == want_ray
+    assert r.var("alpa_kit_image_source") == "pull"  # a registry: the nodes pull
+    flags = list(container["command"])
+    assert (("--runtime-env-agent-port=%d" % spec.ports["runtime_env_agent"]) in flags) == (stack == "jax")
+    env = dict(container["env"])
+    assert ("RAY_AUTH_TOKEN" in env) == (stack == "jax")  # Ray 2.1.0 has no token auth
+    packages = Render("process", ray_stack=stack).var("ray_cluster_python_packages")
+    assert "ray[default]==%s" % want_ray in packages
+
+
+def test_docker_runtime_without_gpus_uses_the_cpu_image_and_no_device_requests():
+    from alpa_job.cluster.spec import load_spec
+
+    r = Render("docker", ray_gpus=False, ray_cluster_memlock="", ray_cluster_nofile=20000)
     container = r.task_args("docker.yml", "community.docker.docker_container")
     assert list(container["device_requests"]) == []
-    assert container["image"] == "alpa-cluster-kit/jax:0.10.2-cpu-py3.11"
-    assert not any(k.startswith("RAY_AUTH") for k in container["env"])
-    assert not any(a.startswith("--runtime-env-agent-port") for a in container["command"])  # Ray 2.1.0 flag set
+    assert container["image"] == load_spec().images["jax_cpu"]
+    assert list(container["ulimits"]) == ["nofile:20000:20000"]  # "" leaves memlock to the engine
+
+
+def test_image_reference_parts():
+    sys.path.insert(0, str(ANSIBLE_DIR / "filter_plugins"))
+    try:
+        import alpa_kit as kit
+    finally:
+        sys.path.remove(str(ANSIBLE_DIR / "filter_plugins"))
+    assert kit.image_ref("kit/jax:1.0", "10.78.0.1:5000/") == "10.78.0.1:5000/kit/jax:1.0"
+    assert kit.image_parts("10.78.0.1:5000/kit/jax:1.0") == {
+        "registry": "10.78.0.1:5000", "repository": "kit/jax", "tag": "1.0", "api_host": "10.78.0.1:5000",
+        "manifest_path": "/v2/kit/jax/manifests/1.0"}
+    hub = kit.image_parts("debian")
+    assert (hub["api_host"], hub["manifest_path"]) == ("registry-1.docker.io", "/v2/library/debian/manifests/latest")
+    assert kit.image_parts("localhost/x/y")["registry"] == "localhost"
+
+
+def _kit_filters():
+    sys.path.insert(0, str(ANSIBLE_DIR / "filter_plugins"))
+    try:
+        import alpa_kit
+    finally:
+        sys.path.remove(str(ANSIBLE_DIR / "filter_plugins"))
+    return alpa_kit
+
+
+@pytest.mark.parametrize("controller, cidrs, auto, admit, error", [
+    ("", [], True, [], ""),                                   # ansible_connection: local
+    ("10.0.0.2", [], True, [], ""),                           # a member
+    ("127.0.0.1", [], True, [], ""),                          # loopback
+    ("192.168.1.9", [], True, [], ""),                        # one of the node's own addresses
+    ("172.16.5.5", [], True, ["172.16.5.5/32"], ""),          # outside: admitted by its own address
+    ("172.16.5.5", ["172.16.0.0/16"], True, [], ""),          # inside admin_cidrs
+    ("172.16.5.5", ["192.0.2.0/24"], True, [], "alpa_kit_admin_cidrs"),  # set and excluding: stop
+    ("172.16.5.5", [], False, [], "alpa_kit_admin_cidrs"),    # auto off
+    ("?", [], True, [], "alpa_kit_admin_cidrs"),              # unknown and nothing set: stop
+    ("?", ["192.0.2.0/24"], True, [], ""),                    # unknown but the operator set the CIDRs
+])
+def test_controller_admission(controller, cidrs, auto, admit, error):
+    from alpa_job.cluster.spec import load_spec
+
+    kit = _kit_filters()
+    plan = dict(load_spec().as_dict(), admin_cidrs=cidrs)
+    got = kit.controller_admission(controller, plan, ["10.0.0.1", "10.0.0.2"], ["192.168.1.9", "10.0.0.1"],
+                                   auto=auto, host="w1")
+    assert got["admit"] == admit
+    if error:
+        assert error in got["error"] and got["error"].startswith("host w1: ") and "\n" not in got["error"]
+        if controller != "?":
+            assert "Add %s/32 to alpa_kit_admin_cidrs" % controller in got["error"]
+    else:
+        assert got["error"] == ""
+
+
+def test_firewall_admits_the_controller_found_and_persists_through_the_distribution_config(tmp_path):
+    fw = Render("docker", role="head", kit_role="ray_firewall", ray_node_prep_admin_extra=["172.16.5.5/32"],
+                alpa_kit_config_dir=str(tmp_path))
+    ruleset = fw.var("__ray_firewall_ruleset")
+    assert "elements = { 172.16.5.5/32 }" in ruleset
+    assert 'ip saddr @admin_v4 tcp dport { 22, 8265 } accept comment "admin: ssh, dashboard"' in ruleset
+    # Persistence: the distribution's config (Debian /etc/nftables.conf) includes the rendered file.
+    assert fw.var("ray_firewall_persist_conf") == "/etc/nftables.conf"
+    line = fw.var("__ray_firewall_include_line")
+    assert line == 'include "%s/nftables-alpa_kit.nft"' % tmp_path
+    persist = fw.task_args("nftables.yml", "ansible.builtin.lineinfile")
+    assert persist["line"] == line and persist["validate"] == "nft -c -f %s" and persist["create"]
+    names = [t["name"] for t in fw.tasks("nftables.yml")]
+    assert names.index("Render the firewall from the port plan.") < names.index(
+        "Include the rendered table from the distribution's nftables config (survives a reboot).")
+    removed = fw.task_args("teardown.yml", "ansible.builtin.lineinfile")
+    assert removed["line"] == line and removed["state"] == "absent"
+    # The real check: nft accepts a Debian-style nftables.conf that includes the rendered ruleset.
+    nft = shutil.which("nft") or pytest.skip("nft not installed")
+    (tmp_path / "nftables-alpa_kit.nft").write_text(ruleset)
+    conf = tmp_path / "nftables.conf"
+    conf.write_text("#!/usr/sbin/nft -f\nflush ruleset\ntable inet filter {\n\tchain input {\n"
+                    "\t\ttype filter hook input priority filter;\n\t}\n}\n%s\n" % line)
+    p = subprocess.run([nft, "-c", "-f", str(conf)], capture_output=True, text=True, timeout=30)
+    if p.returncode != 0 and "Operation not permitted" in p.stderr:
+        pytest.skip("nft -c needs CAP_NET_ADMIN")
+    assert p.returncode == 0, p.stderr
+
+
+def test_preflight_checks_come_before_every_change():
+    """ray_node_prep: every check (CIDR, controller, Docker, image/registry) precedes its first change."""
+    tasks = yaml.safe_load((ROLES / "ray_node_prep" / "tasks" / "main.yml").read_text())
+    names = [t["name"] for t in tasks]
+    first_change = names.index("Ensure the kit's config directory exists.")
+    for check in ("Find this node's address in the cluster CIDR.", "Include the controller's admission check.",
+                  "Check Docker, the GPU stack and the image (docker runtime)."):
+        assert names.index(check) < first_change, check
+    for sub in ("controller.yml", "docker.yml"):  # the included files only read and assert
+        for t in yaml.safe_load((ROLES / "ray_node_prep" / "tasks" / sub).read_text()):
+            module = next(k for k in t if "." in k)
+            assert module.endswith(("assert", "set_fact", "_info", ".uri", ".stat", ".command")), (sub, module)
+            if module.endswith(".command"):
+                assert t["changed_when"] is False, t["name"]
+    play = yaml.safe_load((ANSIBLE_DIR / "site.yml").read_text())[1]
+    assert play["any_errors_fatal"] is True and play["roles"] == ["ray_node_prep", "ray_firewall"]

@@ -2,8 +2,10 @@
 
 The playbooks never spell a port, a flag or an nft rule: `ray start` argv, the nftables ruleset, the
 sysctl lines and the node IP all come from the same functions as the CLIs
-(`python -m alpa_job.cluster.ray_start | firewall | node_ip`), fed with the cluster spec that
-group_vars/all.yml builds (`alpa_kit_spec`, held equal to alpa_job/cluster/cluster.yaml by a test).
+(`python -m alpa_job.cluster.ray_start | firewall | node_ip`). The plan itself is read here too:
+`alpa_kit_load_spec` loads alpa_job/cluster/cluster.yaml (plus the user's file, like `--cluster-spec`)
+for the alpa_kit role's DEFAULTS, and `alpa_kit_spec_over` merges whatever alpa_kit_<key> the inventory
+sets over it, so inventory vars win and the plan is never copied into a YAML file of the playbook.
 
 The filters run on the controller (the machine with this checkout), in-process: nodes need no copy
 of the kit for rendering (the docker runtime's nodes need only Docker), and `--check` renders too.
@@ -11,6 +13,7 @@ The node IP still comes from each node: its own interface addresses, from its ga
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 
@@ -20,7 +23,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _REPO not in sys.path:  # `cd ansible && ansible-playbook site.yml` from a checkout: use its package
     sys.path.insert(0, _REPO)
 
-_SOURCE = "ansible group_vars (alpa_kit_*)"
+_SOURCE = "ansible vars (alpa_kit_*)"
+# load_spec() results by (path, mtime): every task templates alpa_kit_spec again (Ansible 2.19 is lazy).
+_LOADED = {}
 
 
 def _kit():
@@ -63,6 +68,101 @@ def _spec(raw):
 def spec_check(raw):
     """The validated spec as plain data (cluster.yaml's layout); fails with the kit's message."""
     return _spec(raw).as_dict()
+
+
+def load_spec(path=""):
+    """cluster.yaml's plan as plain data: the package's file, with the user's `path` merged over it
+    (empty: $ALPA_KIT_CLUSTER_SPEC on the controller, else the package's file alone), like the CLIs."""
+    spec, _, _, _, KitError = _kit()
+    path = str(path or "") or os.environ.get(spec.SPEC_ENV_VAR, "")
+    try:
+        key = (path, os.path.getmtime(path) if path else None)
+    except OSError:
+        key = (path, None)
+    if key not in _LOADED:
+        try:
+            _LOADED[key] = spec.load_spec(path or None).as_dict()
+        except KitError as err:
+            raise AnsibleFilterError("cluster spec: %s" % err) from None
+    return _LOADED[key]
+
+
+def spec_over(given, base):
+    """`base` (cluster.yaml's plan) with the alpa_kit_<key> values in `given` merged over it: nested
+    mappings merge key by key (alpa_kit_ports: {dashboard: 8266} moves that port only), lists and
+    scalars replace; validated by the kit (unknown keys, overlaps, CIDRs). Plain data."""
+    spec, _, _, _, KitError = _kit()
+    try:
+        merged = spec._deep_merge(_plain(base), _plain(given or {}), _SOURCE, where="")
+        return spec.spec_from_dict(merged, source=_SOURCE).as_dict()
+    except KitError as err:
+        raise AnsibleFilterError("cluster spec: %s" % err) from None
+
+
+def image_ref(name, registry=""):
+    """The image reference the nodes run: `registry/name` (registry = host[:port][/path]) or `name`."""
+    name, registry = str(name).strip(), str(registry or "").strip().rstrip("/")
+    return "%s/%s" % (registry, name) if registry else name
+
+
+def image_parts(ref):
+    """{registry, repository, tag, api_host, manifest_path} of an image reference, the way Docker splits it:
+    the first path part is a registry when it has a dot or a colon or is `localhost` (else Docker Hub).
+    """
+    ref = str(ref).strip()
+    name, _, digest = ref.partition("@")
+    first, slash, rest = name.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        registry, path = first, rest
+    else:
+        registry, path = "", name
+    repo, colon, tag = path.rpartition(":")
+    if not colon or "/" in tag:
+        repo, tag = path, "latest"
+    reference = digest or tag
+    api_repo = repo if registry or "/" in repo else "library/" + repo  # Docker Hub's official images
+    return {"registry": registry, "repository": repo, "tag": tag,
+            "api_host": registry or "registry-1.docker.io",
+            "manifest_path": "/v2/%s/manifests/%s" % (api_repo, reference)}
+
+
+def controller_admission(controller, raw_spec, members, local_ips=(), auto=True, host=""):
+    """Whether the node's firewall admits the controller (the address the node sees its SSH from).
+
+    Returns {"admit": [CIDRs to add to the node's admin set], "error": "" or the one-line fix}. The
+    controller passes when it is local (no SSH or loopback or one of the node's own addresses), a
+    member, or inside admin_cidrs; otherwise, with admin_cidrs empty and `auto`, its own address is
+    admitted to the admin ports; with admin_cidrs set (or auto off) that is a lock-out: an error.
+    """
+    cidrs = list(_spec(raw_spec).admin_cidrs)
+    who = "host %s: " % host if host else ""
+    text = str(controller or "").strip()
+    if not text:
+        return {"admit": [], "error": ""}  # ansible_connection=local (or the node is the controller)
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:  # no SSH_CLIENT: admin_cidrs set by the operator are trusted, none is a lock-out
+        return {"admit": [], "error": "" if cidrs else (
+            "%scannot tell the controller's address (SSH_CLIENT: %r), so the firewall could lock you out; set "
+            "alpa_kit_admin_cidrs to the network you run ansible-playbook from" % (who, text))}
+    if address.is_loopback or text in [str(i) for i in local_ips] or text in [str(m) for m in members]:
+        return {"admit": [], "error": ""}
+    if any(address in ipaddress.ip_network(c) for c in cidrs if ipaddress.ip_network(c).version == address.version):
+        return {"admit": [], "error": ""}
+    if cidrs or not auto:
+        return {"admit": [], "error": (
+            "%sthe controller reaches this node from %s, which neither alpa_kit_admin_cidrs (%s) nor the cluster's "
+            "members hold: its firewall would lock you out. Add %s/%d to alpa_kit_admin_cidrs (or run from an "
+            "admitted address)" % (who, text, ", ".join(cidrs) or "empty", text, address.max_prefixlen))}
+    return {"admit": ["%s/%d" % (text, address.max_prefixlen)], "error": ""}
+
+
+def with_admin(raw_spec, extra):
+    """The plan with `extra` CIDRs appended to admin_cidrs (the controller this run found)."""
+    plan = dict(_plain(raw_spec))
+    plan["admin_cidrs"] = list(plan.get("admin_cidrs") or []) + [c for c in _plain(extra or [])
+                                                                 if c not in (plan.get("admin_cidrs") or [])]
+    return spec_check(plan)
 
 
 def _addresses(facts):
@@ -160,7 +260,13 @@ class FilterModule:
 
     def filters(self):
         return {
+            "alpa_kit_load_spec": load_spec,
+            "alpa_kit_spec_over": spec_over,
             "alpa_kit_spec_check": spec_check,
+            "alpa_kit_with_admin": with_admin,
+            "alpa_kit_controller_admission": controller_admission,
+            "alpa_kit_image_ref": image_ref,
+            "alpa_kit_image_parts": image_parts,
             "alpa_kit_node_ip": node_ip,
             "alpa_kit_node_iface": node_iface,
             "alpa_kit_ray_start_args": ray_start_args,
