@@ -101,6 +101,89 @@ def test_checkpoint_flags_refused_for_alpa_before_joining(spec):
             pass
 
 
+# ----------------------------------------------------------------------------- AlpaEngine's inspection
+FIXTURE = REPO / "tests" / "alpa_fixtures" / "pipeshard_zero"  # a real alpa 0.2.3 pipeshard dump (make_dumps.py)
+
+
+class DumpExecutable:
+    """What AlpaEngine reads from a compiled pipeshard executable, answered from a dump folder's
+    files (the placement specs are `str()` of the same PlacementSpec trees; alpa cannot run here)."""
+
+    def __init__(self, folder: Path, hlo_error: Exception = None):
+        self.folder, self.hlo_error, self.dumped_to = folder, hlo_error, None
+
+    def _text(self, suffix: str) -> str:
+        return (self.folder / f"train_step{suffix}").read_text()
+
+    def get_input_placement_specs(self):
+        return self._text("_input_placement_specs.txt")
+
+    def get_output_placement_specs(self):
+        return self._text("_output_placement_specs.txt")
+
+    def get_stage_allocation_size(self):
+        return [int(self.memory_gib()[i] * 1024 ** 3) for i in range(4)]
+
+    def memory_gib(self):
+        return [float(self._text(f"_stage_{i}.mem_usage.txt").split(":")[1].split()[0]) for i in range(4)]
+
+    def get_hlo_text(self):
+        if self.hlo_error is not None:
+            raise self.hlo_error
+        return [self._text(f"_stage_{i}.hlo") for i in range(4)]
+
+    def dump_debug_info(self, folder: str):
+        self.dumped_to = folder
+
+
+def _alpa_engine_on(executable):
+    from alpa_job.engines.alpa_engine import AlpaCluster
+    from alpa_job.models import get_model
+    from alpa_job.train import prepare_data
+
+    config = tiny_config("mlp", engine="alpa", strategy="pipeshard-auto", micro_batches=2)
+    data = prepare_data(config)
+    engine = AlpaEngine(config, get_model(config), data.example, AlpaCluster(2, 1, "10.0.0.2", "A100"))
+    engine.executable = executable  # what compile() would have set
+    engine.read_executable(executable)
+    return config, engine
+
+
+def test_alpa_engine_inspection_feeds_the_loop_result(tmp_path):
+    """AlpaEngine's own inspection code (read_executable, plan, topology, extra_report, finish) on
+    a real pipeshard dump, through the loop's result builder: the typed ProcessResult."""
+    from alpa_job.train import _result, loop_statistics
+
+    executable = DumpExecutable(FIXTURE)
+    config, engine = _alpa_engine_on(executable)
+    result = _result(config, engine, None, 0, 0, 1.25, loop_statistics(2, 32, 0, 0.5, [2.0, 1.5]))
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    assert result.engine == "alpa" and result.strategy == "pipeshard-auto"
+    assert {r.path: r.strategy for r in result.params} == expected["leaves"]
+    assert {r.path: r.strategy for r in result.batch_sharding} == expected["batch"]
+    assert [m.shape for m in result.meshes] == [m["shape"] for m in expected["meshes"]]
+    for kind, want in expected["collectives"].items():  # summed over the 4 stage executables
+        assert (result.collectives[kind].count, result.collectives[kind].bytes) == (want["count"], want["bytes"])
+    stage_bytes = executable.get_stage_allocation_size()
+    assert result.memory.stage_allocation_bytes == stage_bytes
+    assert result.memory.total_allocation_bytes == sum(stage_bytes)
+    assert (result.mesh.shape, result.devices.count, result.devices.kind) == ([2, 1], 2, "A100")
+    assert result.alpa_method == {"strategy": "pipeshard-auto", "micro_batches": 2, "layer_num": 4}
+    assert result.eval_loss == 1.25 and result.losses == [2.0, 1.5] and result.process.count == 1
+    engine.finish(str(tmp_path))
+    assert executable.dumped_to == str(tmp_path / "alpa_dump")
+
+
+def test_alpa_engine_unreadable_workers_are_a_note_naming_the_log(capsys):
+    """The workers' KeyError (a stage never built there) costs the HLO and memory numbers, not the
+    run: a note that points at that node's worker log."""
+    err = KeyError("ray::MeshHostWorker.get_exec_hlo_text() (pid=4242, ip=10.0.0.3) KeyError: 17")
+    _config, engine = _alpa_engine_on(DumpExecutable(FIXTURE, hlo_error=err))
+    assert engine.stats.collectives() is None
+    assert "worker-*-4242.err" in capsys.readouterr().err
+    assert engine.plan().leaves  # the plan comes from the placement specs, which stayed readable
+
+
 ALPA_ON_PY39 = """
     import json, sys
     from alpa_job.config import JobConfig

@@ -276,6 +276,7 @@ class AlpaEngine(EngineHooks):
         self._signature = guards.shape_signature(example_batch)
         self._guard = guards.SearchGuard(False)  # replaced in compile() once the method is known
         self._train_step = None
+        self.executable = None  # the train step's last compiled executable (what inspection reads)
         self._executables: set = set()  # ids of the train step's executables (1 = never recompiled)
         self._initial_state = None
         self._optimizer = None
@@ -352,12 +353,16 @@ class AlpaEngine(EngineHooks):
             with cache_lib.tee_stdout() as captured, boundaries:
                 executable = self._train_step.get_executable(self._initial_state, self._example)
         self.stats.compile_seconds = time.perf_counter() - start
-        self._executables.add(id(executable))
-        self.stats.compiles = len(self._executables)
+        self._track(executable)
         if self.strategy == "pipeshard-auto":
             self._keep_stage_plan(cached_plan, captured.getvalue(), search_started)
-        self._read_executable(executable)
+        self.read_executable(executable)
         return self.stats
+
+    def _track(self, executable) -> None:
+        self.executable = executable
+        self._executables.add(id(executable))
+        self.stats.compiles = len(self._executables)
 
     def _plan_cache_lookup(self) -> Optional[Dict[str, Any]]:
         """The cached stage plan on a --plan-cache hit (pipeshard-auto only), else None."""
@@ -397,8 +402,9 @@ class AlpaEngine(EngineHooks):
                 progress.note("Alpa's profile-results-*.npy was not found (no 'Profile result saved to:' line, "
                               "none in the driver's cwd); the plan is saved without the profile")
 
-    def _read_executable(self, executable) -> None:
-        """HLO texts and memory from the workers; a failure is a note (KeyError: the worker log)."""
+    def read_executable(self, executable) -> None:
+        """HLO texts and memory (per pipeline stage where it has stages) from a compiled executable,
+        which asks the workers; a failure is a note (KeyError: the worker log names the cause)."""
         try:
             if hasattr(executable, "get_stage_allocation_size"):
                 self._stage_memory = [int(b) for b in executable.get_stage_allocation_size()]
@@ -421,8 +427,7 @@ class AlpaEngine(EngineHooks):
         if self._train_step is None:
             raise RuntimeError("compile() before step()")
         state, loss = self._train_step(state, batch)
-        self._executables.add(id(self._train_step.get_last_executable()))
-        self.stats.compiles = len(self._executables)
+        self._track(self._train_step.get_last_executable())
         return state, loss
 
     def to_floats(self, values: List[Any]) -> List[float]:
@@ -437,14 +442,11 @@ class AlpaEngine(EngineHooks):
         return lambda: len(self._executables) - base
 
     # ----- inspection ----------------------------------------------------------------------------
-    def _executable(self):
-        return self._train_step.get_last_executable()
-
     def plan(self):
         """The plan from the last executable's placement specs (same labels as `inspect DUMP_DIR`)."""
         from alpa_job.inspect.alpa_live import dump_from_placement_specs
 
-        executable = self._executable()
+        executable = self.executable
         return dump_from_placement_specs(executable.get_input_placement_specs(),
                                          executable.get_output_placement_specs()).plan
 
@@ -474,7 +476,7 @@ class AlpaEngine(EngineHooks):
 
     def finish(self, out_dir: str) -> None:
         """Alpa's dump_debug_info under OUT/alpa_dump (what `inspect DUMP_DIR` reads)."""
-        executable = self._executable()
+        executable = self.executable
         try:
             guards.safe_dump_debug_info(executable.dump_debug_info, os.path.join(out_dir, "alpa_dump"),
                                         _mesh_hosts(executable))
