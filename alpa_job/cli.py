@@ -18,6 +18,8 @@ SUBCOMMANDS = ("train", "inspect", "doctor")
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model and write a report (the default command)")
+    p.add_argument("--preset", help="named settings from alpa_job/presets (gpt-24l, mlp-tutorial, ...); "
+                                    "--config and flags override it")
     p.add_argument("--config", help="YAML file of job settings; flags override it")
     p.add_argument("--model", help="mlp | wide_resnet | gpt")
     p.add_argument("--dataset", help="synthetic | cifar10")
@@ -105,7 +107,7 @@ def _train(args) -> int:
     from alpa_job import config as config_lib
     from alpa_job.runner import run_job
 
-    file_values = config_lib.load_yaml_overrides(args.config) if args.config else {}
+    file_values = config_lib.load_settings(args.preset, args.config)
     cli_values = {k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}
     config = config_lib.build_config(file_values, cli_values)
     record, paths = run_job(config)

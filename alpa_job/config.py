@@ -1,17 +1,21 @@
 """The job config: one frozen dataclass, validated once.
 
-Override order (later wins): the defaults below -> `--config FILE` (YAML, keys = field names) ->
-command-line flags. Every problem is a `KitError` that names the field and the allowed values.
+Override order (later wins): the defaults below -> `--preset NAME` (alpa_job/presets/NAME.yaml) ->
+`--config FILE` -> command-line flags. A preset is an ordinary config file: a YAML mapping of field
+names, which may start from another preset or file with `base_config:` (MaxText's base config +
+overrides; resolved recursively, the base first). Every problem is a `KitError` that names the field
+and the allowed values.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from alpa_job.choices import did_you_mean, not_known
 from alpa_job.errors import KitError
+from alpa_job.models import check_model_name
 
-MODELS = ("mlp", "wide_resnet", "gpt")
 DATASETS = ("synthetic", "cifar10")
 ENGINES = ("auto", "jax", "alpa")
 STRATEGIES = ("data", "fsdp", "tensor", "auto")  # --engine jax
@@ -73,7 +77,7 @@ class JobConfig:
         return dataclasses.replace(self, **changes).validated()
 
     def validated(self) -> "JobConfig":
-        _one_of("model", self.model, MODELS)
+        check_model_name(self.model)
         _one_of("dataset", self.dataset, DATASETS)
         _one_of("engine", self.engine, ENGINES)
         _one_of("strategy", self.strategy, tuple(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES)))
@@ -124,7 +128,7 @@ def _flag(name: str) -> str:
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
-        raise KitError(f"--{_flag(name)} {value!r} is not known; use one of: {', '.join(allowed)}")
+        raise KitError(not_known(f"--{_flag(name)}", value, allowed))
 
 
 def _positive(name: str, value: Any) -> None:
@@ -135,32 +139,98 @@ def _positive(name: str, value: Any) -> None:
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(JobConfig))
 
 
-def load_yaml_overrides(path: str) -> Dict[str, Any]:
-    """Read a `--config FILE`: a YAML mapping of JobConfig field names (dashes or underscores)."""
-    import yaml
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+BASE_KEY = "base_config"  # a file's parent: a preset name or a path relative to the file
 
+
+def preset_names(presets_dir: str = PRESETS_DIR) -> List[str]:
+    return sorted(n[: -len(".yaml")] for n in os.listdir(presets_dir) if n.endswith(".yaml"))
+
+
+def load_preset(name: str, presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
+    """The settings of `--preset NAME`, its base_config chain resolved (the base first)."""
+    path = os.path.join(presets_dir, f"{name}.yaml")
+    if "/" in name or not os.path.isfile(path):
+        raise KitError(not_known("--preset", name, preset_names(presets_dir)))
+    return _load_chain(path, f"preset {name}", presets_dir, ())
+
+
+def load_yaml_overrides(path: str, presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
+    """Read a `--config FILE`: a YAML mapping of JobConfig field names (dashes or underscores),
+    with an optional `base_config:` (a preset name or another file) under it."""
     if not os.path.isfile(path):
         raise KitError(f"--config {path}: no such file; pass a YAML file of job settings")
+    return _load_chain(path, f"--config {path}", presets_dir, ())
+
+
+def load_settings(preset: Optional[str], config_path: Optional[str],
+                  presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
+    """The file layers in override order: the preset (and its bases), then the --config file."""
+    merged: Dict[str, Any] = {}
+    if preset:
+        merged.update(load_preset(preset, presets_dir))
+    if config_path:
+        merged.update(load_yaml_overrides(config_path, presets_dir))
+    return merged
+
+
+def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...]) -> Dict[str, Any]:
+    real = os.path.realpath(path)
+    if real in seen:
+        chain = " -> ".join(os.path.basename(p) for p in seen + (real,))
+        raise KitError(f"{label}: base_config loops ({chain}); remove one base_config")
+    data = _read_mapping(path, label)
+    base = data.pop(BASE_KEY, data.pop(BASE_KEY.replace("_", "-"), None))
+    values: Dict[str, Any] = {}
+    if base is not None:
+        base_path, base_label = _resolve_base(str(base), path, label, presets_dir)
+        values.update(_load_chain(base_path, base_label, presets_dir, seen + (real,)))
+    values.update(_settings(data, label))
+    return values
+
+
+def _resolve_base(base: str, from_path: str, label: str, presets_dir: str) -> Tuple[str, str]:
+    """A base_config is a file (has a slash or a .yaml/.yml suffix; relative to the file naming it)
+    or else a preset name."""
+    if "/" in base or base.endswith((".yaml", ".yml")):
+        path = os.path.join(os.path.dirname(os.path.abspath(from_path)), base)
+        if not os.path.isfile(path):
+            raise KitError(f"{label}: base_config {base}: no such file ({path}); fix the path")
+        return path, f"base_config {base}"
+    path = os.path.join(presets_dir, f"{base}.yaml")
+    if not os.path.isfile(path):
+        raise KitError(f"{label}: " + not_known("base_config", base, preset_names(presets_dir)))
+    return path, f"preset {base}"
+
+
+def _read_mapping(path: str, label: str) -> Dict[Any, Any]:
+    import yaml
+
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         at = f" at line {where.line + 1}" if where else ""
-        raise KitError(f"--config {path}: not valid YAML{at}; fix the file") from None
+        raise KitError(f"{label}: not valid YAML{at}; fix the file") from None
     if not isinstance(data, dict):
-        raise KitError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+        raise KitError(f"{label}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def _settings(data: Dict[Any, Any], label: str) -> Dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in FIELD_NAMES:
-            raise KitError(f"--config {path}: unknown setting {key!r}; known: {', '.join(FIELD_NAMES)}")
+            raise KitError(f"{label}: unknown setting {key!r}{did_you_mean(name, FIELD_NAMES)}; "
+                           f"known: {', '.join(FIELD_NAMES)}")
         out[name] = value
     return out
 
 
 def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> JobConfig:
-    """Defaults <- file <- CLI (only flags the user actually gave), then validate once."""
+    """Defaults <- files (`load_settings`) <- CLI (only flags the user actually gave), then validate once."""
     merged: Dict[str, Any] = {}
     merged.update(file_values)
     merged.update({k: v for k, v in cli_values.items() if v is not None})

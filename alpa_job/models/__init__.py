@@ -1,4 +1,13 @@
-"""Models by name, each with its loss: `get_model(config)` -> `ModelSpec`.
+"""Models by name: each model module registers itself; `get_model(config)` -> `ModelSpec`.
+
+A model module (mlp.py, wide_resnet.py, gpt.py) decorates its builder with `@register_model(...)`,
+naming the model, the batch field it reads, its loss, the config fields it reads (its
+hyperparameters), and its layer structure (what the Alpa engine counts pipeline stages in). Adding a
+model = one new module that registers itself + its name in MODEL_MODULES.
+
+A module's file name is its `--model` name, so checking a name (the config does it while validating)
+needs no flax import: the model modules import flax, hence jax, and the runner emulates CPU devices
+only while jax is not yet imported. The module is imported when its entry is first asked for.
 
 A model module only names logical axes (models/axes.py); which mesh axis splits them is the
 engine's business.
@@ -6,9 +15,15 @@ engine's business.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict
+import importlib
+from typing import Any, Callable, Dict, Tuple
 
+from alpa_job.choices import not_known
 from alpa_job.errors import KitError
+
+# The modules that register a model, in the order `--model` lists them; each registers the model
+# named like the module.
+MODEL_MODULES = ("mlp", "wide_resnet", "gpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +59,13 @@ class ModelSpec:
         return (per_example * mask).sum() / jnp.maximum(mask.sum(), 1.0), new_stats
 
 
-def _mse(outputs, batch):
+def mse(outputs, batch):
+    """Per-example mean squared error against batch["y"]."""
     return ((outputs - batch["y"]) ** 2).mean(axis=-1)
 
 
-def _cross_entropy(logits, labels):
+def cross_entropy(logits, labels):
+    """Per-position cross entropy, computed in float32 whatever the logits' dtype."""
     import jax
     import jax.numpy as jnp
 
@@ -56,43 +73,71 @@ def _cross_entropy(logits, labels):
     return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
 
 
-def _classification_loss(logits, batch):
-    return _cross_entropy(logits, batch["label"])
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """What the kit knows about one model, registered by its module."""
+
+    name: str
+    build: Callable  # build(config, dtype) -> the flax module
+    input_key: str  # the batch field the module reads
+    loss: Callable  # loss(outputs, batch) -> per-example loss, shape [batch]
+    hyperparameters: Tuple[str, ...]  # the JobConfig fields the builder reads
+    layer_count: Callable  # layer_count(config) -> the model's repeated layers (pipeline boundaries count them)
+    layer_class: Callable  # layer_class() -> the flax class whose calls are those layers
+    has_batch_stats: bool = False  # BatchNorm running statistics live beside params
+
+    def defaults(self) -> Dict[str, Any]:
+        """The model's hyperparameters with their default values (JobConfig's defaults: one place)."""
+        from alpa_job.config import JobConfig
+
+        fields = {f.name: f.default for f in dataclasses.fields(JobConfig)}
+        return {name: fields[name] for name in self.hyperparameters}
 
 
-def _next_token_loss(logits, batch):
-    return _cross_entropy(logits, batch["tokens"][:, 1:]).mean(axis=-1)
+_REGISTRY: Dict[str, ModelEntry] = {}
+
+
+def register_model(name: str, *, input_key: str, loss: Callable, hyperparameters: Tuple[str, ...],
+                   layer_count: Callable, layer_class: Callable, has_batch_stats: bool = False) -> Callable:
+    """Decorator for a model module's builder: `@register_model("gpt", ...) def build(config, dtype)`."""
+
+    def decorate(build: Callable) -> Callable:
+        if name in _REGISTRY and _REGISTRY[name].build is not build:
+            raise ValueError(f"model {name!r} is registered twice")  # a programming error, not a user's
+        _REGISTRY[name] = ModelEntry(name, build, input_key, loss, tuple(hyperparameters), layer_count,
+                                     layer_class, has_batch_stats)
+        return build
+
+    return decorate
+
+
+def model_names() -> Tuple[str, ...]:
+    """The `--model` names, without importing any model (so without importing jax)."""
+    return MODEL_MODULES
+
+
+def check_model_name(name: str) -> None:
+    if name not in MODEL_MODULES:
+        raise KitError(not_known("--model", name, MODEL_MODULES))
+
+
+def get_entry(name: str) -> ModelEntry:
+    """The registered entry of model `name` (imports its module, hence flax, on first use)."""
+    check_model_name(name)
+    importlib.import_module(f"{__name__}.{name}")
+    if name not in _REGISTRY:
+        raise ValueError(f"module {__name__}.{name} registers no model {name!r}")  # a programming error
+    return _REGISTRY[name]
+
+
+def registered() -> Dict[str, ModelEntry]:
+    """Every model's entry, in MODEL_MODULES order."""
+    return {name: get_entry(name) for name in MODEL_MODULES}
 
 
 def get_model(config) -> ModelSpec:
     import jax.numpy as jnp
 
+    entry = get_entry(config.model)
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-    if config.model == "mlp":
-        from alpa_job.models.mlp import MLPModel
-
-        return ModelSpec("mlp", MLPModel(config.hidden_dim, dtype), "x", False, _mse)
-    if config.model == "wide_resnet":
-        from alpa_job.models.wide_resnet import WideResNet
-
-        return ModelSpec("wide_resnet", WideResNet(config.depth, config.width, 10, dtype), "image", True,
-                         _classification_loss)
-    if config.model == "gpt":
-        from alpa_job.models.gpt import GPT
-
-        module = GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len, config.vocab_size, dtype)
-        return ModelSpec("gpt", _InputsOnly(module), "tokens", False, _next_token_loss)
-    raise KitError(f"--model {config.model!r} is not known; use one of: mlp, wide_resnet, gpt")
-
-
-class _InputsOnly:
-    """GPT reads tokens[:, :-1] and predicts tokens[:, 1:]; the batch holds seq_len + 1 tokens."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def init(self, rngs, tokens, **kwargs):
-        return self.module.init(rngs, tokens[:, :-1], **kwargs)
-
-    def apply(self, variables, tokens, **kwargs):
-        return self.module.apply(variables, tokens[:, :-1], **kwargs)
+    return ModelSpec(entry.name, entry.build(config, dtype), entry.input_key, entry.has_batch_stats, entry.loss)

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from alpa_job.models import cross_entropy, register_model
 from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical
 
 _normal = nn.initializers.normal(stddev=0.02)
@@ -101,3 +102,29 @@ class GPT(nn.Module):
             x = DecoderBlock(self.num_heads, self.dtype, self.attention)(x)
         x = _layer_norm(self.dtype)(x)
         return embed.attend(x.astype(jnp.float32))  # tied output embedding
+
+
+def _next_token_loss(logits, batch):
+    return cross_entropy(logits, batch["tokens"][:, 1:]).mean(axis=-1)
+
+
+class _InputsOnly:
+    """GPT reads tokens[:, :-1] and predicts tokens[:, 1:]; the batch holds seq_len + 1 tokens."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def init(self, rngs, tokens, **kwargs):
+        return self.module.init(rngs, tokens[:, :-1], **kwargs)
+
+    def apply(self, variables, tokens, **kwargs):
+        return self.module.apply(variables, tokens[:, :-1], **kwargs)
+
+
+@register_model("gpt", input_key="tokens", loss=_next_token_loss,
+                hyperparameters=("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"),
+                layer_count=lambda config: config.num_layers,
+                layer_class=lambda: DecoderBlock)
+def build(config, dtype):
+    module = GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len, config.vocab_size, dtype)
+    return _InputsOnly(module)

@@ -6,6 +6,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from alpa_job.models import mse, register_model
 from alpa_job.models.axes import EMBED, MLP, logical
 
 
@@ -26,3 +27,10 @@ class MLPModel(nn.Module):
             )(x)
             x = nn.relu(x)
         return x
+
+
+@register_model("mlp", input_key="x", loss=mse, hyperparameters=("hidden_dim",),
+                layer_count=lambda config: 4,  # Dense 4h -> h -> 4h -> h
+                layer_class=lambda: nn.Dense)
+def build(config, dtype):
+    return MLPModel(config.hidden_dim, dtype)

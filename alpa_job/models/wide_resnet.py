@@ -9,6 +9,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from alpa_job.models import cross_entropy, register_model
 from alpa_job.models.axes import CHANNELS, CONV_IN, EMBED, logical
 
 
@@ -68,3 +69,15 @@ class WideResNet(nn.Module):
             kernel_init=logical(nn.initializers.lecun_normal(), (EMBED, None)),
             bias_init=logical(nn.initializers.zeros, (None,)),
         )(x)
+
+
+def _classification_loss(logits, batch):
+    return cross_entropy(logits, batch["label"])
+
+
+@register_model("wide_resnet", input_key="image", loss=_classification_loss, has_batch_stats=True,
+                hyperparameters=("depth", "width"),
+                layer_count=lambda config: 3 * ((config.depth - 4) // 6),  # 3 stages x n blocks
+                layer_class=lambda: WideBlock)
+def build(config, dtype):
+    return WideResNet(config.depth, config.width, 10, dtype)
