@@ -46,7 +46,9 @@ class MgmtCluster:
         p = self.testbed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(want),
                               "--timeout", str(timeout), timeout=timeout + 60,
                               env={"RAY_ADDRESS": self.address}, check=False)  # fewer than `want` is an answer too
-        return json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["alive"]
+        reports = [x for x in p.stdout.splitlines() if x.startswith("{")]
+        assert reports, "wait_nodes printed no report (rc=%d): %s" % (p.returncode, p.stderr[-2000:])
+        return json.loads(reports[-1])["alive"]
 
     def start_worker(self, node_ip: Optional[str] = None):
         """Start Ray on w1 with `node_ip` as --node-ip-address (default: its cluster IP)."""
