@@ -155,9 +155,15 @@ def _dataset(n):
 @pytest.mark.parametrize("policy", ["drop", "pad"])
 def test_kit_batching_never_trips_the_guard(policy):
     guard = g.SearchGuard(auto_search=True)
+    signatures = []
     for epoch in range(2):
         for batch, _ in epoch_batches(_dataset(100), 32, policy, 0, epoch):
-            guard.check(g.shape_signature(batch))
+            signatures.append(g.shape_signature(batch))
+            guard.check(signatures[-1])  # raises on a second shape
+    # 100 rows / 32: 3 full batches per epoch, plus the padded ragged one under "pad"; all one shape.
+    assert len(signatures) == {"drop": 6, "pad": 8}[policy]
+    assert set(signatures) == {guard.first}
+    assert dict((p, s) for p, s, _ in guard.first) == {"x": (32, 8), "y": (32, 8), "mask": (32,)}
 
 
 def test_ragged_last_batch_stops_before_second_search():
@@ -176,9 +182,15 @@ def test_ragged_last_batch_stops_before_second_search():
 
 
 def test_no_guard_without_auto_search():
+    first, other = g.shape_signature({"x": np.zeros((4, 2))}), g.shape_signature({"x": np.zeros((3, 2))})
     guard = g.SearchGuard(auto_search=False)
-    guard.check(g.shape_signature({"x": np.zeros((4, 2))}))
-    guard.check(g.shape_signature({"x": np.zeros((3, 2))}))  # recompiles are allowed there
+    guard.check(first)
+    guard.check(other)  # recompiles are allowed there: no exception
+    assert guard.first == first
+    searching = g.SearchGuard(auto_search=True)  # the same two shapes are refused only with auto search
+    searching.check(first)
+    with pytest.raises(KitError, match="second Alpa auto search"):
+        searching.check(other)
 
 
 # ----------------------------------------------------------------------------- dump_debug_info
