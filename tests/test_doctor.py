@@ -15,6 +15,7 @@ import pytest
 from alpa_job import versions
 from alpa_job.cluster import doctor
 from alpa_job.cluster.doctor import matrix, render
+from alpa_job.cluster.ray_api import gcs_address
 from alpa_job.errors import EXIT_CHECK_FAILED
 from fixtures_multihost import run_doctor
 
@@ -196,12 +197,12 @@ def test_doctor_unreachable_head_from_a_member(ray_cluster):
     """Inside the cluster network, a head address nobody answers on: non-zero in seconds, one line."""
     bed = ray_cluster.testbed
     t0 = time.monotonic()
-    p = bed.exec("w1", "python", "-m", "alpa_job", "doctor", "--address", "10.77.0.99:6379", timeout=60,
-                 check=False)
+    address = gcs_address(ray_cluster.spec, "10.77.0.99")
+    p = bed.exec("w1", "python", "-m", "alpa_job", "doctor", "--address", address, timeout=60, check=False)
     assert time.monotonic() - t0 < 30
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "10.77.0.99:6379" in lines[0], p.stderr
+    assert len(lines) == 1 and address in lines[0], p.stderr
 
 
 @pytest.mark.testbed

@@ -17,6 +17,7 @@ import shlex
 import sys
 from typing import List, Optional, Tuple
 
+from alpa_job.cluster.ray_api import gcs_address
 from alpa_job.cluster.spec import ClusterSpec, load_spec
 from alpa_job.errors import KitError
 
@@ -74,7 +75,7 @@ def ray_start_args(
         if head_ip is None:
             raise KitError("a worker needs the head's IP to join; pass head_ip (--head-ip)")
         head_ip = _member_ip(spec, head_ip, "head IP")
-        args += ["--address=%s:%d" % (head_ip, ports["gcs"]), "--node-ip-address=%s" % node_ip]
+        args += ["--address=%s" % gcs_address(spec, head_ip), "--node-ip-address=%s" % node_ip]
 
     args += [
         "--node-manager-port=%d" % ports["node_manager"],
