@@ -18,7 +18,7 @@ import numpy as np
 
 from alpa_job import progress, versions
 from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_epoch
-from alpa_job.engines.base import Engine
+from alpa_job.engines.base import Engine, missing_members
 from alpa_job.errors import KitError
 from alpa_job.inspect.record import ProcessResult
 
@@ -117,8 +117,10 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     data = prepare_data(config)
     total_steps = config.steps if config.steps is not None else config.epochs * data.epoch.steps
     engine = (build_engine or build_jax_engine)(config, model, data)
-    if not isinstance(engine, Engine):
-        raise TypeError(f"{type(engine).__name__} does not implement alpa_job.engines.base.Engine")
+    missing = missing_members(engine)
+    if missing:
+        raise TypeError(f"{type(engine).__name__} does not implement alpa_job.engines.base.Engine: "
+                        f"no {', '.join(missing)}")
     check_supported(config, engine)
 
     checkpointer = None

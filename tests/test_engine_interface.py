@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 import pytest
 
 from alpa_job.engines.alpa_engine import AlpaEngine, alpa_session
-from alpa_job.engines.base import Engine, EngineHooks, interface_gaps, interface_members
+from alpa_job.engines.base import Engine, EngineHooks, interface_gaps, interface_members, missing_members
 from alpa_job.errors import KitError
 from helpers_train import tiny_config
 
@@ -82,7 +82,7 @@ def test_one_loop_drives_the_jax_engine_to_a_typed_result():
 
     config = tiny_config("mlp", num_samples=40, epochs=2, remainder="pad")
     result = train_process(config, build_engine=build)
-    assert isinstance(engines[0], Engine)
+    assert isinstance(engines[0], Engine) and missing_members(engines[0]) == []
     assert isinstance(result, ProcessResult)
     assert result.engine == "jax" and result.steps == 6 and result.samples_seen == 80  # 16+16+8 per epoch
     assert result.compiles == 1 and result.backend_compiles_during_loop == 0
@@ -90,6 +90,13 @@ def test_one_loop_drives_the_jax_engine_to_a_typed_result():
     assert result.process.id == 0 and result.devices.count == 8
     json.dumps(result.to_dict())  # plain data all the way down
     assert isinstance(run_in_process(config.replace(steps=1)), ProcessResult)
+
+
+def test_loop_refuses_a_factory_that_returns_no_engine():
+    from alpa_job.train import train_process
+
+    with pytest.raises(TypeError, match=r"does not implement .*Engine: no abstract_state, checkpoints, compile"):
+        train_process(tiny_config("mlp", steps=1), build_engine=lambda config, model, data: object())
 
 
 def test_checkpoint_flags_refused_for_alpa_before_joining(spec):
@@ -188,7 +195,7 @@ ALPA_ON_PY39 = """
     import json, sys
     from alpa_job.config import JobConfig
     from alpa_job.engines.alpa_engine import AlpaCluster, AlpaEngine
-    from alpa_job.engines.base import Engine, interface_gaps
+    from alpa_job.engines.base import Engine, interface_gaps, missing_members
     from alpa_job.models import get_model
     from alpa_job.train import prepare_data
     import jax
@@ -201,7 +208,7 @@ ALPA_ON_PY39 = """
     abstract = engine.abstract_state
     print("JSON" + json.dumps({
         "python": list(sys.version_info[:2]),
-        "is_engine": isinstance(engine, Engine),
+        "is_engine": isinstance(engine, Engine) and missing_members(engine) == [],
         "gaps": interface_gaps(AlpaEngine),
         "alpa_imported": "alpa" in sys.modules,
         "strategy": engine.strategy,

@@ -116,6 +116,13 @@ def interface_members() -> List[str]:
     return sorted(names)
 
 
+def missing_members(engine: Any) -> List[str]:
+    """The interface members an engine instance lacks. Unlike isinstance(engine, Engine), which on
+    Python < 3.12 reads every property (AlpaEngine.abstract_state traces the model's init), this
+    looks members up statically."""
+    return [n for n in interface_members() if inspect.getattr_static(engine, n, None) is None]
+
+
 def interface_gaps(cls: type) -> List[str]:
     """How `cls` falls short of `Engine`, checked on the class (no instance, so no engine runtime):
     every member present; methods take the same parameters by name; properties stay properties
