@@ -10,7 +10,7 @@ import os
 from typing import Optional
 
 from alpa_job.cluster import ray_api
-from alpa_job.cluster.ray_api import LOCAL, check_reachable  # noqa: F401  (check_reachable: callers' import)
+from alpa_job.cluster.ray_api import LOCAL
 
 NO_RAY = "none"  # run in this process without Ray (benchmarks, machines without Ray)
 
