@@ -37,15 +37,10 @@ def _worker_env(config, spec) -> Dict[str, str]:
     return env
 
 
-def run_on_nodes(config, spec=None) -> List[Dict[str, Any]]:
-    """Train with one JAX process per node. `spec`: the ClusterSpec the entry point resolved (None:
-    load it from config.cluster_spec, for callers not yet passing it)."""
+def run_on_nodes(config, spec) -> List[Dict[str, Any]]:
+    """Train with one JAX process per node. `spec`: the ClusterSpec the entry point resolved."""
     import ray
 
-    if spec is None:
-        from alpa_job.cluster.spec import load_spec
-
-        spec = load_spec(config.cluster_spec)
     nodes = training_nodes()
     count = config.processes or len(nodes)
     if count > len(nodes):
