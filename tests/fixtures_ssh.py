@@ -7,6 +7,12 @@ Fixtures (session-scoped):
   host's IP port 22, root login by key only. ``.testbed``, ``.key`` (client private key),
   ``.ssh_dir``, ``.ssh(host_or_ip, *cmd)`` (runs ssh from the head), ``.stop()``.
 
+``SshBed`` on a site bed (``Testbed.up(..., site=True)``, see ``site_bed`` in fixtures_testbed.py):
+sshd runs in the NODE hosts only and the client side is the CONTROLLER (``ctl``, outside the
+cluster CIDR): ``.ssh(host, *cmd)`` runs ssh from the controller, and ``.ssh_config`` (written by
+``start``) names every node (``Host head`` -> its IP, ``User root``, ``IdentityFile`` = ``.key``, no
+host-key prompts) for ``ssh -F <ssh_config> w1 ...`` or Ansible's ``ansible_ssh_common_args``.
+
 The hosts share the machine's filesystem (not /tmp/ray, /dev/shm, /etc/hosts), so one key pair and
 one authorized_keys serve all of them; each sshd has its own config and pid file.
 """
@@ -31,6 +37,10 @@ class SshBed:
         self.testbed = bed
         self.ssh_dir = bed.state_dir / "ssh"
         self.key = self.ssh_dir / "id_ed25519"
+        self.ssh_config = self.ssh_dir / "ssh_config"
+        # Where the client runs: the site's controller when there is one (its SSH comes from outside
+        # the cluster CIDR, like a laptop or bastion), else the head.
+        self.client = bed.controller.name if getattr(bed, "controller", None) else "head"
         self._procs: List[subprocess.Popen] = []
 
     def _write_keys(self):
@@ -42,6 +52,13 @@ class SshBed:
         auth = self.ssh_dir / "authorized_keys"
         auth.write_text(Path(str(self.key) + ".pub").read_text())
         auth.chmod(0o600)
+        blocks = []
+        for h in self.testbed.hosts:
+            blocks.append("\n".join([f"Host {h.name} {h.ip}", f"  HostName {h.ip}", "  User root",
+                                      f"  Port {SSH_PORT}", f"  IdentityFile {self.key}", "  IdentitiesOnly yes",
+                                      "  StrictHostKeyChecking no", "  UserKnownHostsFile /dev/null",
+                                      "  LogLevel ERROR", "  BatchMode yes", "  ConnectTimeout 5"]))
+        self.ssh_config.write_text("\n".join(blocks) + "\n")
 
     def _config(self, host) -> Path:
         conf = self.ssh_dir / f"sshd_{host.name}.conf"
@@ -88,7 +105,7 @@ class SshBed:
 
     def ssh(self, target: str, *cmd, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         ip = self.testbed.host(target).ip
-        return self.testbed.exec("head", "ssh", *SSH_OPTS, "-i", str(self.key), f"root@{ip}", *cmd,
+        return self.testbed.exec(self.client, "ssh", *SSH_OPTS, "-i", str(self.key), f"root@{ip}", *cmd,
                                  timeout=timeout, check=check)
 
     def stop(self):
