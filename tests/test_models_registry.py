@@ -78,17 +78,16 @@ def test_layer_facts_for_the_alpa_engine():
         assert entry.layer_class() is cls
 
 
-def test_layer_facts_agree_with_the_alpa_engine_helpers():
-    """The Alpa engine still has its own model_layer_count/_layer_class (it is to ask the registry);
-    until it does, both must say the same thing."""
+def test_the_alpa_engine_counts_pipeline_layers_from_the_registry():
     from alpa_job.engines import alpa_engine
 
+    gpt = tiny_config("gpt", num_layers=6, engine="alpa", strategy="pipeshard-manual", pipeline_stages=3)
+    assert alpa_engine.method_settings(gpt, 3, 1)["boundaries"] == [1, 3]  # 6 DecoderBlocks in 3 stages
+    wrn = tiny_config("wide_resnet", depth=22, engine="alpa", strategy="pipeshard-auto")
+    assert alpa_engine.method_settings(wrn, 2, 1)["layer_num"] == get_entry("wide_resnet").layer_count(wrn) == 9
     for model in MODEL_MODULES:
-        for sizes in ({}, {"num_layers": 5, "depth": 22}):
-            config = tiny_config(model, **sizes)
-            entry = get_entry(model)
-            assert entry.layer_count(config) == alpa_engine.model_layer_count(config)
-            assert entry.layer_class() is alpa_engine._layer_class(config)
+        config = tiny_config(model)
+        assert alpa_engine._layer_class(config) is get_entry(model).layer_class()
 
 
 def test_unknown_model_is_one_line_listing_the_registered_names():

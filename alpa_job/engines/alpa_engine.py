@@ -38,12 +38,10 @@ ALPA_METHODS = ("data", "shard", "pipeshard-manual", "pipeshard-auto")
 
 # ----------------------------------------------------------------------------- pure helpers
 def model_layer_count(config) -> int:
-    """The model's repeated layers (what pipeline boundaries are counted in)."""
-    if config.model == "mlp":
-        return 4  # Dense 4h -> h -> 4h -> h
-    if config.model == "gpt":
-        return config.num_layers
-    return 3 * ((config.depth - 4) // 6)  # wide_resnet: 3 stages x n blocks
+    """The model's repeated layers (what pipeline boundaries are counted in), as its module registered."""
+    from alpa_job.models import get_entry
+
+    return get_entry(config.model).layer_count(config)
 
 
 def boundary_after(num_layers: int, num_stages: int) -> List[int]:
@@ -140,18 +138,10 @@ def make_eval_step(model):
 
 
 def _layer_class(config):
-    """The flax class whose calls are the model's layers (boundaries go after them)."""
-    if config.model == "mlp":
-        import flax.linen as nn
+    """The flax class whose calls are the model's layers (boundaries go after them), as registered."""
+    from alpa_job.models import get_entry
 
-        return nn.Dense
-    if config.model == "gpt":
-        from alpa_job.models.gpt import DecoderBlock
-
-        return DecoderBlock
-    from alpa_job.models.wide_resnet import WideBlock
-
-    return WideBlock
+    return get_entry(config.model).layer_class()
 
 
 @contextlib.contextmanager
