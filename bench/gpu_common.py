@@ -1,0 +1,94 @@
+"""What the GPU benches share: the kit's loop, parking a loop's state on the host, alternating timing.
+
+Parking: GPT 24L's state (fp32 params + Adam moments, 15 GB) fits twice on an 80 GB H100, but not
+with the un-donated peer's second copy and both steps' scratch beside it (the first ablation ran
+out of memory). So each loop's state goes to host memory while the other loop runs, comes back
+before its own turn, and one untimed step runs after the move, so no timed step pays for it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import jax
+
+PEAK_TFLOPS_H100 = 798.0  # bf16 dense, measured with an 8192^3 matmul on the lent H100 (KINDS.md)
+
+
+def gpt_flops(n_params: int, batch: int, seq: int, layers: int, d_model: int) -> float:
+    """6 * params * tokens + 12 * layers * batch * seq^2 * d_model (attention, no causal discount)."""
+    return 6.0 * n_params * batch * seq + 12.0 * layers * batch * seq ** 2 * d_model
+
+
+def park(holder: list, sharding=None) -> None:
+    """Move holder[0] (a pytree of device arrays) to the host and free the device copies."""
+    tree = holder[0]
+    host = jax.device_get(tree)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+    holder[0] = host
+
+
+def unpark(holder: list, sharding=None) -> None:
+    holder[0] = jax.device_put(holder[0], sharding) if sharding is not None else jax.device_put(holder[0])
+    jax.block_until_ready(holder[0])
+
+
+class Loop:
+    """A named training loop: run(n) does n steps on its own state, held in holder[0]."""
+
+    def __init__(self, name: str, run: Callable[[int], object], holder: list, sharding=None):
+        self.name, self.run, self.holder, self.sharding = name, run, holder, sharding
+        self.samples: List[float] = []
+
+    def time(self, steps: int, parked: bool) -> float:
+        if parked:
+            unpark(self.holder, self.sharding)
+        self.run(1)  # untimed: the first step after a move or a compile
+        start = time.perf_counter()
+        self.run(steps)
+        seconds = (time.perf_counter() - start) / steps
+        if parked:
+            park(self.holder)
+        self.samples.append(seconds)
+        return seconds
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples)
+
+
+def alternate(loops: List[Loop], steps: int, repeats: int, parked: bool) -> Dict[str, float]:
+    """Time the loops in turn, `repeats` rounds of `steps` steps; median seconds per step each."""
+    if parked:
+        for loop in loops:
+            park(loop.holder)
+    for _ in range(repeats):
+        for loop in loops:
+            loop.time(steps, parked)
+    return {loop.name: loop.median_s for loop in loops}
+
+
+def kit_loop(config, model, batch, engine_cls=None, compiler_options: Optional[dict] = None):
+    """The kit's JaxEngine on one device: (Loop, engine)."""
+    from alpa_job.engines.jax_engine import JaxEngine
+
+    engine = (engine_cls or JaxEngine)(config, model, batch, "data", (1, 1))
+    if compiler_options is not None:
+        engine.compiler_options = compiler_options
+    engine.compile()
+    holder = [engine.init_state(0)]
+    device_batch = engine.put_batch(batch)
+
+    def run(n: int):
+        state = holder[0]
+        loss = None
+        for _ in range(n):
+            state, loss = engine.step(state, device_batch)
+        jax.block_until_ready(loss)
+        holder[0] = state
+        return loss
+
+    return Loop("kit", run, holder, engine.state_sharding), engine
