@@ -111,6 +111,10 @@ class Listeners:
             s.close()
             if err.errno == errno.EADDRINUSE:  # a listener (Ray's, sshd) holds it on this address
                 return "in use", None
+            # Unprivileged (the kit's images run Ray as uid 1000): a port below 1024 cannot be bound,
+            # but a root daemon (sshd on 22) may already listen there: that listener is the target.
+            if err.errno == errno.EACCES and connect_one(ip, port, 0.5)["status"] == "ok":
+                return "in use", None
             return "none", errno.errorcode.get(err.errno or 0, str(err))
         with self.lock:
             self.socks.append(s)
