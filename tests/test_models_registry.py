@@ -2,7 +2,6 @@
 order (defaults -> preset and its bases -> --config -> flags), and every shipped preset."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
