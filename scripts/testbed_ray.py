@@ -191,6 +191,9 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     if rc != 0:
         raise tb.TestbedError(f"`ray start --head` failed on head (rc={rc}): {failed('head')}; "
                               f"read {logs / 'head.log'}")
+    # The wait (a Python start-up + ray.init, ~2 s of CPU) overlaps the workers' start-up: the head's
+    # raylet is up now, which is all a driver on the head needs.
+    waiter = start_wait_nodes(bed, len(bed.hosts), max(5.0, deadline - time.monotonic()))
     retry = []
     for name, proc in procs.items():
         if finish(name, proc, deadline) != 0:
@@ -207,28 +210,45 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     seconds["ray_start"] = time.monotonic() - mark
 
     mark = time.monotonic()
-    info["nodes"] = wait_nodes(bed, len(bed.hosts), max(5.0, deadline - time.monotonic()))
-    seconds["wait"] = time.monotonic() - mark
+    info["nodes"] = finish_wait_nodes(bed, waiter, len(bed.hosts))
+    seconds["wait"] = time.monotonic() - mark  # what was left of the wait after every `ray start` returned
     seconds["total"] = time.monotonic() - t0
     info["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
     bed._save()
     return info
 
 
-def wait_nodes(bed: "tb.Testbed", count: int, timeout: float) -> List[str]:
-    """``python -m alpa_job.cluster.wait_nodes`` inside the head: the alive node IPs, or TestbedError."""
-    p = bed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(count), "--timeout",
-                 "%.0f" % timeout, "--address", bed.ray["address"], timeout=timeout + 60, check=False)
+def start_wait_nodes(bed: "tb.Testbed", count: int, timeout: float) -> subprocess.Popen:
+    """``python -m alpa_job.cluster.wait_nodes`` inside the head, in the background."""
+    proc = bed.popen("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(count), "--timeout",
+                     "%.0f" % timeout, "--address", bed.ray["address"], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+    proc.timeout = timeout + 60
+    return proc
+
+
+def finish_wait_nodes(bed: "tb.Testbed", proc: subprocess.Popen, count: int) -> List[str]:
+    """The alive node IPs once ``start_wait_nodes`` is done, or TestbedError naming the missing nodes."""
+    try:
+        out, err = proc.communicate(timeout=proc.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
     alive = []
-    for line in p.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("{"):
             alive = json.loads(line).get("alive", [])
-    if p.returncode != 0 or len(alive) < count:
+    if proc.returncode != 0 or len(alive) < count:
         missing = sorted(set(bed.ips.values()) - set(alive))
         raise tb.TestbedError(f"only {len(alive)} of {count} Ray nodes alive (missing {missing}): "
-                              f"{(p.stderr or '').strip().splitlines()[-1:] or p.returncode}; read "
+                              f"{(err or '').strip().splitlines()[-1:] or proc.returncode}; read "
                               f"{bed.state_dir}/hosts/<host>/ray/session_latest/logs/raylet.out")
     return sorted(alive)
+
+
+def wait_nodes(bed: "tb.Testbed", count: int, timeout: float) -> List[str]:
+    """``python -m alpa_job.cluster.wait_nodes`` inside the head: the alive node IPs, or TestbedError."""
+    return finish_wait_nodes(bed, start_wait_nodes(bed, count, timeout), count)
 
 
 def stop_ray(bed: "tb.Testbed", timeout: float = 30) -> Dict[str, str]:
