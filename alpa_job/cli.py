@@ -1,4 +1,4 @@
-"""`python -m alpa_job [train|inspect|doctor] ...`: argument parsing and dispatch only.
+"""`python -m alpa_job [train|inspect|doctor|cluster] ...`: argument parsing and dispatch only.
 
 No arguments = `train` with the defaults: the tutorial MLP on the embedded default (a local Ray
 and emulated CPU devices), or on the cluster when run under `ray job submit`.
@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from alpa_job.errors import EXIT_OK, KitError
 
-SUBCOMMANDS = ("train", "inspect", "doctor")
+SUBCOMMANDS = ("train", "inspect", "doctor", "cluster")
 
 
 def _train_parser(sub) -> None:
@@ -75,12 +75,19 @@ def _doctor_parser(sub) -> None:
     p.add_argument("--skip-ports", help="comma-separated planned port names not to probe (Kubernetes: ssh)")
 
 
+def _cluster_parser(sub) -> None:
+    from alpa_job.ops.cli import add_parser  # up|down|status|logs|preflight: alpa_job/ops
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m alpa_job", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
     _inspect_parser(sub)
     _doctor_parser(sub)
+    _cluster_parser(sub)
     return parser
 
 
@@ -96,6 +103,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from alpa_job.cluster import doctor
 
             return doctor.main(args)
+        if args.command == "cluster":
+            from alpa_job.ops import cli as ops_cli
+
+            return ops_cli.main(args)
         return _train(args)
     except KitError as err:
         print(f"error: {err}", file=sys.stderr)
