@@ -211,8 +211,11 @@ def main() -> None:
             engine.compile()
             layout = str(jax.tree_util.tree_structure(engine.abstract_state))
             if layout not in initial:
-                initial[layout] = jax.device_get(engine.init_state(0))
-            holder = [initial[layout]]
+                initial[layout] = [engine.init_state(0)]
+                park(initial[layout])
+            holder = [jax.tree_util.tree_map(  # a fresh copy, parked like the peer's state
+                lambda x: jax.device_put(x, x.sharding, may_alias=False) if isinstance(x, jax.Array) else x,
+                initial[layout][0])]
             device_batch = engine.put_batch(batch)
 
             def kit_run(n, engine=engine, holder=holder, device_batch=device_batch):
