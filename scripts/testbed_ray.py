@@ -9,9 +9,12 @@
    sysctls in every host (one ``sh`` per host, all hosts at once);
 3. ``ray start`` with ``alpa_job.cluster.ray_start.ray_start_args`` (every port pinned): the head, and
    every worker as soon as the head's GCS port listens (read from the head's own
-   ``/proc/<pid>/net/tcp``: no extra process), all workers in parallel; a worker whose ``ray start``
-   fails (Ray's own start-up timeout can fire on a loaded 2-core machine) is stopped and retried once;
-4. waits with ``python -m alpa_job.cluster.wait_nodes`` inside the head until every host's node is alive.
+   ``/proc/<pid>/net/tcp``: no extra process), all workers in parallel. Ray's ``ray start`` gives up
+   after a hard-coded 30 s of waiting for its raylet to register (a loaded 2-core machine gets
+   there) but leaves the raylet running: such a worker gets ``LATE_JOIN_S`` more to join, and only
+   if it is still missing then is it stopped and started once more;
+4. waits with ``python -m alpa_job.cluster.wait_nodes`` inside the head (started as soon as the head's
+   ``ray start`` returns, so its Python start-up overlaps the workers') until every node is alive.
 
 With ``auth=True`` a token is generated once (``<state>/ray/auth_token``, 0600) and every host runs with
 ``RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<that file>`` (Ray >= 2.59); ``Testbed.exec`` then passes
@@ -30,6 +33,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +48,7 @@ if str(tb.REPO_ROOT) not in sys.path:  # the kit's own modules (alpa_job.cluster
 DEFAULT_NUM_CPUS = 1
 DEFAULT_OBJECT_STORE = 100_000_000
 DEFAULT_TIMEOUT = 120.0
+LATE_JOIN_S = 45.0  # how long a worker whose `ray start` timed out may still join before it is restarted
 TOKEN_FILE = "auth_token"
 
 
@@ -87,6 +92,18 @@ def _parallel(jobs: Dict[str, "callable"], what: str) -> Dict[str, subprocess.Co
 
 def _tail(p: subprocess.CompletedProcess, n: int = 1500) -> str:
     return ((p.stderr or "")[-n:] + (p.stdout or "")[-n // 3:]).strip()
+
+
+def _kill(proc: subprocess.Popen):
+    """SIGKILL a command started with ``bed.popen`` AND what runs inside the host (nsenter's child: it
+    would otherwise live on under the host's tini); returns ``communicate()``'s output."""
+    for child in tb._children(proc.pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    return proc.communicate()
 
 
 def _listening(pid: int, port: int) -> bool:
@@ -167,8 +184,7 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
         try:
             return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _kill(proc)
             raise tb.TestbedError(f"`ray start` on {name} did not return within {timeout:.0f}s; "
                                   f"read {logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs") from None
 
@@ -193,24 +209,33 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
                               f"read {logs / 'head.log'}")
     # The wait (a Python start-up + ray.init, ~2 s of CPU) overlaps the workers' start-up: the head's
     # raylet is up now, which is all a driver on the head needs.
-    waiter = start_wait_nodes(bed, len(bed.hosts), max(5.0, deadline - time.monotonic()))
-    retry = []
-    for name, proc in procs.items():
-        if finish(name, proc, deadline) != 0:
-            retry.append(name)
-    if retry:  # once, after `ray stop` (what a half-started node left behind)
-        _parallel({n: (lambda n=n: bed.exec(n, "ray", "stop", "--force", timeout=60, check=False, env=env))
-                   for n in retry}, "ray stop before retry")
-        again = {n: launch(bed.hosts.index(bed.host(n)), bed.host(n)) for n in retry}
-        for name, proc in again.items():
-            if finish(name, proc, deadline) != 0:
-                raise tb.TestbedError(f"`ray start` failed twice on {name}: {failed(name)}; read "
-                                      f"{logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs")
-    info["worker_retries"] = retry
+    n = len(bed.hosts)
+    waiter = start_wait_nodes(bed, n, max(5.0, deadline - time.monotonic()))
+    late = [name for name, proc in procs.items() if finish(name, proc, deadline) != 0]
     seconds["ray_start"] = time.monotonic() - mark
-
+    info["late_workers"], info["worker_retries"] = late, []
     mark = time.monotonic()
-    info["nodes"] = finish_wait_nodes(bed, waiter, len(bed.hosts))
+    if late:
+        # Ray's `ray start` gives up after a hard-coded 30 s of waiting for its raylet to register,
+        # but leaves that raylet running; on a loaded machine it registers a little later. So: give
+        # the late ones LATE_JOIN_S, and restart (once) only the nodes still missing after that.
+        try:
+            waiter.wait(timeout=min(LATE_JOIN_S, max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            _kill(waiter)
+            alive = set(alive_now(bed))
+            retry = [name for name in late if bed.host(name).ip not in alive]
+            info["worker_retries"] = retry
+            _parallel({r: (lambda r=r: bed.exec(r, "ray", "stop", "--force", timeout=60, check=False, env=env))
+                       for r in retry}, "ray stop before the retry")
+            again = {r: launch(bed.hosts.index(bed.host(r)), bed.host(r)) for r in retry}
+            for name, proc in again.items():
+                if finish(name, proc, deadline) != 0:
+                    raise tb.TestbedError(f"`ray start` failed twice on {name}: {failed(name)}; read "
+                                          f"{logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs")
+            waiter = start_wait_nodes(bed, n, max(5.0, deadline - time.monotonic()))
+
+    info["nodes"] = finish_wait_nodes(bed, waiter, n)
     seconds["wait"] = time.monotonic() - mark  # what was left of the wait after every `ray start` returned
     seconds["total"] = time.monotonic() - t0
     info["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
@@ -232,8 +257,7 @@ def finish_wait_nodes(bed: "tb.Testbed", proc: subprocess.Popen, count: int) -> 
     try:
         out, err = proc.communicate(timeout=proc.timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
+        out, err = _kill(proc)
     alive = []
     for line in out.splitlines():
         if line.startswith("{"):
@@ -244,6 +268,14 @@ def finish_wait_nodes(bed: "tb.Testbed", proc: subprocess.Popen, count: int) -> 
                               f"{(err or '').strip().splitlines()[-1:] or proc.returncode}; read "
                               f"{bed.state_dir}/hosts/<host>/ray/session_latest/logs/raylet.out")
     return sorted(alive)
+
+
+def alive_now(bed: "tb.Testbed") -> List[str]:
+    """The IPs of the Ray nodes alive right now (``wait_nodes --count 0``: it answers at once)."""
+    proc = start_wait_nodes(bed, 0, 1)
+    out, _ = proc.communicate(timeout=proc.timeout)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]).get("alive", []) if lines else []
 
 
 def wait_nodes(bed: "tb.Testbed", count: int, timeout: float) -> List[str]:
