@@ -62,7 +62,8 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float) -> 
         t["doctor"] = time.monotonic() - mark
         t["green_total"] = time.monotonic() - t0
         failed = [c for c in doctor.get("checks", []) if not c["ok"]] if doctor else []
-        result.update({"alive": len(info["nodes"]), "worker_retries": info.get("worker_retries", []),
+        result.update({"alive": len(info["nodes"]), "late_workers": info.get("late_workers", []),
+                       "worker_retries": info.get("worker_retries", []),
                        "doctor_ok": bool(doctor and doctor.get("ok")), "doctor_attempts": attempts,
                        "doctor_own_seconds": doctor.get("seconds") if doctor else None, "doctor_failed": failed[:5]})
     finally:
@@ -89,11 +90,12 @@ def main(argv=None) -> int:
         return 2
     rows = [bring_up(n, opts.num_cpus, opts.object_store_memory, opts.prefix, opts.timeout) for n in opts.sizes]
     cols = ("bed_up", "firewall", "head_gcs", "ray_start", "wait", "joined_total", "doctor", "green_total", "teardown")
-    header = ["hosts", "alive", "doctor"] + list(cols) + ["load 1m before/after"]
+    header = ["hosts", "alive", "doctor"] + list(cols) + ["late / restarted workers", "load 1m before/after"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
         lines.append(" | ".join([str(r["hosts"]), str(r.get("alive")), "green" if r.get("doctor_ok") else "RED"]
                                 + ["%.1f" % r["seconds"].get(c, float("nan")) for c in cols]
+                                + ["%d / %d" % (len(r.get("late_workers", [])), len(r.get("worker_retries", [])))]
                                 + ["%.2f / %.2f" % (r["loadavg_1m"]["before"], r["loadavg_1m"]["after"])]))
     table = "\n".join("| %s |" % line for line in lines)
     print(table)

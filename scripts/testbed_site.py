@@ -27,7 +27,6 @@ before it kills the hosts.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import shutil
 import signal
