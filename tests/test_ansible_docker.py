@@ -1,0 +1,321 @@
+"""Day one at a user's site (issue 11): `ansible-playbook site.yml` with the example inventory's
+defaults (ray_runtime: docker, ray_stack: jax, a registry) run from a controller OUTSIDE the cluster
+(``ctl`` on its own admin subnet) against 3 test-bed nodes, each with a real dockerd that pulls the
+kit's CPU image from the registry on the controller (fixture ``site_bed``, tests/fixtures_testbed.py).
+
+Order is the file's order: the bad inputs first (each must stop before any change on any node), then
+the cluster up (doctor green), a token-authenticated `ray job submit` from the controller training
+across the 3 nodes, the re-run from the controller over fresh SSH connections (changed=0: the
+firewall admitted it), a wrong admin CIDR against the running cluster (stops, changes nothing), and
+teardown (containers, our nft table and its include gone; the image, other tables and the plan stay).
+What only the test bed needs is set on top of the example inventory and said so: CPU nodes
+(ray_gpus: false), a plain-HTTP registry, per-node paths (the hosts share one filesystem), each
+node's dockerd socket, and limits within this sandbox's hard limits.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_ansible import recap
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+ANSIBLE_DIR = REPO / "ansible"
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+CONTAINER = "alpa-kit-ray"
+SENTINEL_TABLE = "akt_not_ours"  # a table of someone else's: teardown must leave it
+
+
+class SiteAnsible:
+    """Inventories from inventory/example.yml for the site bed, and ansible-playbook run on the controller."""
+
+    def __init__(self, site):
+        self.site = site
+        self.bed = site.testbed
+        self.work = self.bed.state_dir / "ansible-docker"
+        self.work.mkdir(exist_ok=True)
+        self.token_file = self.work / "ray_auth_token"
+        self.runs = 0
+
+    def etc(self, node: str) -> Path:
+        return self.bed.host_dir(node) / "etc"
+
+    def ray_dir(self, node: str) -> Path:
+        return self.bed.host_dir(node) / "var-lib-alpa-kit-ray"
+
+    def host_vars(self, node: str, ip: str) -> dict:
+        etc = self.etc(node)
+        return {
+            "ansible_host": ip,
+            # test bed only: one dockerd per node, each behind its own socket
+            "alpa_kit_docker_host": self.site.docker_sockets[node],
+            # test bed only: the hosts share the machine's filesystem, so every node gets its own paths
+            "alpa_kit_config_dir": str(etc / "alpa-kit"),
+            "ray_node_prep_sysctl_file": str(etc / "sysctl.d" / "90-alpa-kit.conf"),
+            "ray_node_prep_limits_file": str(etc / "limits.d" / "90-alpa-kit.conf"),
+            "ray_firewall_persist_conf": str(etc / "nftables.conf"),
+            "ray_cluster_host_ray_dir": str(self.ray_dir(node)),
+        }
+
+    def inventory(self, name: str, overrides: dict = None, heads=None) -> Path:
+        example = yaml.safe_load((ANSIBLE_DIR / "inventory" / "example.yml").read_text())
+        group = example["ray_cluster"]
+        vars_ = dict(group["vars"])
+        assert vars_["ray_runtime"] == "docker" and vars_["ray_stack"] == "jax"  # the defaults under test
+        vars_.update({
+            "alpa_kit_registry": self.site.registry,   # the site's registry (the example's placeholder)
+            "alpa_kit_cluster_cidr": self.site.cluster_cidr,
+            # test bed only:
+            "alpa_kit_registry_insecure": True,         # plain HTTP on the admin network
+            "ray_gpus": False,                          # CPU nodes: images.jax_cpu, no device_requests
+            "ansible_ssh_private_key_file": str(self.site.ssh.key),
+            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
+                                       "-o ConnectTimeout=5",
+            "ansible_python_interpreter": str(VENV_PYTHON),  # community.docker needs `requests` on the node
+            "ray_cluster_shm_size": "1g",
+            "ray_cluster_nofile": 20000, "ray_cluster_memlock": "",  # the sandbox's hard limits
+            "ray_cluster_num_cpus": 2,
+            "ray_cluster_object_store_memory": 200_000_000,
+            "ray_cluster_auth_token_file": str(self.token_file),
+        })
+        vars_.update(overrides or {})
+        nodes = list(self.site.nodes.items())
+        head_names = heads or [nodes[0][0]]
+        hv = {n: self.host_vars(n, ip) for n, ip in nodes}
+        inv = {"ray_cluster": {"children": {
+            "ray_head": {"hosts": {n: hv[n] for n in head_names}},
+            "ray_workers": {"hosts": {n: hv[n] for n in hv if n not in head_names}},
+        }, "vars": vars_}}
+        d = self.work / name
+        d.mkdir(exist_ok=True)
+        path = d / "hosts.yml"
+        path.write_text(yaml.safe_dump(inv, sort_keys=False))
+        return path
+
+    def run(self, playbook: str, inventory: Path, *extra, fresh_ssh: bool = False, timeout: float = 500):
+        """ansible-playbook on the controller. fresh_ssh: a new ANSIBLE_HOME, so no ControlPersist master
+        of an earlier run is reused: every connection is new and must pass the nodes' firewalls."""
+        self.runs += 1
+        home = self.work / ("home-%d" % self.runs if fresh_ssh else "home")
+        env = {"ANSIBLE_HOME": str(home), "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
+        t0 = time.monotonic()
+        p = self.bed.exec(self.site.controller, "ansible-playbook", "-i", str(inventory), playbook, *extra,
+                          cwd=str(ANSIBLE_DIR), timeout=timeout, check=False, env=env)
+        return p, time.monotonic() - t0
+
+    # ---- what is on the nodes ---------------------------------------------------------------------
+    def containers(self) -> dict:
+        return {n: self.site.docker(n, "ps", "-a", "--format", "{{.Names}} {{.ID}} {{.State}}").stdout.strip()
+                for n in self.site.nodes}
+
+    def images(self) -> dict:
+        return {n: sorted(self.site.docker(n, "images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split())
+                for n in self.site.nodes}
+
+    def tables(self) -> dict:
+        return {n: self.bed.exec(n, "nft", "list", "tables").stdout for n in self.site.nodes}
+
+    def our_table(self, node: str) -> str:
+        p = self.bed.exec(node, "nft", "list", "table", "inet", "alpa_kit", check=False)
+        return p.stdout if p.returncode == 0 else ""
+
+    def files(self) -> dict:
+        return {n: sorted(str(p.relative_to(self.etc(n))) for p in self.etc(n).rglob("*")) if self.etc(n).exists()
+                else [] for n in self.site.nodes}
+
+
+@pytest.fixture(scope="module")
+def site(site_bed):
+    pytest.importorskip("ansible")
+    s = SiteAnsible(site_bed)
+    for node in site_bed.nodes:  # someone else's table, which nothing of ours may touch
+        s.bed.exec(node, "nft", "add", "table", "inet", SENTINEL_TABLE)
+    yield s
+    for node in site_bed.nodes:  # leave the session's site as it was
+        site_bed.docker(node, "rm", "-f", CONTAINER, check=False)
+        site_bed.docker(node, "rmi", "-f", site_bed.image, check=False)
+        s.bed.exec(node, "nft", "delete", "table", "inet", "alpa_kit", check=False)
+        s.bed.exec(node, "nft", "delete", "table", "inet", SENTINEL_TABLE, check=False)
+
+
+_STATE = {}
+
+
+def _site_up(site):
+    if "up" not in _STATE:
+        _STATE["up"] = site.run("site.yml", site.inventory("good"))
+    return _STATE["up"]
+
+
+def _bad(site, mistake):
+    ctl, reg = site.site.controller_ip, site.site.registry
+    host, port = reg.rsplit(":", 1)
+    if mistake == "wrong_admin_cidr":
+        return ({"alpa_kit_admin_cidrs": ["192.0.2.0/24"]}, None,
+                r"the controller reaches this node from %s, which neither alpa_kit_admin_cidrs \(192\.0\.2\.0/24\) "
+                r"nor the cluster's members hold: its firewall would lock you out\. Add %s/32 to "
+                r"alpa_kit_admin_cidrs" % (re.escape(ctl), re.escape(ctl)))
+    if mistake == "registry_unreachable":  # nothing listens there
+        return ({"alpa_kit_registry": "%s:%d" % (host, int(port) + 1)}, None,
+                r"registry %s:%d is unreachable \(.*\); start it or fix alpa_kit_registry"
+                % (re.escape(host), int(port) + 1))
+    if mistake == "tag_missing":
+        return ({"alpa_kit_images": {"jax_cpu": "alpa-cluster-kit/jax:no-such-tag"}}, None,
+                r"registry %s has no alpa-cluster-kit/jax:no-such-tag; push it" % re.escape(reg))
+    if mistake == "no_docker_engine":  # one node's engine is missing: every node stops
+        return ({}, {"w2": {"alpa_kit_docker_host": "unix:///run/%s-nothing-here.sock" % site.bed.prefix}},
+                r"w2: ray_runtime is docker but no Docker Engine answers at unix:///run/\S+-nothing-here\.sock")
+    if mistake == "no_address_in_cidr":  # holds the head only
+        head_ip = list(site.site.nodes.values())[0]
+        return ({"alpa_kit_cluster_cidr": head_ip + "/32"}, None,
+                r"host w1: no interface of this host has an address in cluster CIDR %s/32" % re.escape(head_ip))
+    if mistake == "two_heads":
+        return ({}, None, r"group ray_head must hold exactly one host.*it holds 2: head, w1")
+    raise AssertionError(mistake)
+
+
+def _bad_inventory(site, mistake):
+    overrides, per_host, message = _bad(site, mistake)
+    path = site.inventory(mistake, overrides, heads=["head", "w1"] if mistake == "two_heads" else None)
+    if per_host:
+        inv = yaml.safe_load(path.read_text())
+        for group in inv["ray_cluster"]["children"].values():
+            for name, hv in group["hosts"].items():
+                hv.update(per_host.get(name, {}))
+        path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return path, message
+
+
+def _assert_nothing_changed(site, p, before):
+    counts = recap(p.stdout)
+    assert all(c["changed"] == 0 for c in counts.values()), (counts, p.stdout[-4000:])
+    assert "TASK [ray_firewall" not in p.stdout and "TASK [ray_cluster" not in p.stdout
+    assert site.containers() == before["containers"]
+    assert site.images() == before["images"]
+    assert site.tables() == before["tables"]
+    assert site.files() == before["files"]
+
+
+def _snapshot(site):
+    return {"containers": site.containers(), "images": site.images(), "tables": site.tables(), "files": site.files()}
+
+
+@pytest.mark.parametrize("mistake", ["wrong_admin_cidr", "registry_unreachable", "tag_missing", "no_docker_engine",
+                                     "no_address_in_cidr", "two_heads"])
+def test_bad_input_stops_before_any_change(site, mistake):
+    assert "up" not in _STATE  # the nodes are still untouched
+    before = _snapshot(site)
+    assert not any(before["containers"].values()) and all(SENTINEL_TABLE in t for t in before["tables"].values())
+    inventory, message = _bad_inventory(site, mistake)
+    p, seconds = site.run("site.yml", inventory, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert re.search(message, out), out[-5000:]
+    _assert_nothing_changed(site, p, before)
+    assert seconds < 90, seconds
+
+
+def test_site_from_an_outside_controller_brings_the_cluster_up(site):
+    p, seconds = _site_up(site)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-8000:]
+    counts = recap(p.stdout)
+    assert set(counts) == {"localhost", "head", "w1", "w2"}
+    assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), counts
+    nodes = site.site.nodes
+    head_ip = nodes["head"]
+    assert re.search(r"doctor: %s:6379 .*: OK" % re.escape(head_ip), p.stdout), p.stdout[-4000:]
+    assert "3 alive node(s): %s" % ", ".join(nodes.values()) in p.stdout
+    ctl = site.site.controller_ip
+    for node, ip in nodes.items():
+        # the image came from the registry (nodes had none before the run)
+        assert site.site.image in site.images()[node]
+        info = json.loads(site.site.docker(node, "inspect", CONTAINER).stdout)[0]
+        assert info["State"]["Running"] and info["Config"]["Image"] == site.site.image
+        assert info["HostConfig"]["NetworkMode"] == "host" and info["Config"]["User"] == "1000:1000"
+        # the container's user owns the directory it writes (Ray's /tmp/ray), and Ray wrote there
+        st = site.ray_dir(node).stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1000, 0o777)  # 0777: what Ray sets itself
+        assert any(site.ray_dir(node).glob("session_*")), list(site.ray_dir(node).iterdir())
+        # the firewall admits the controller's own address (as the node sees it) to the admin ports
+        table = site.our_table(node)
+        assert "elements = { %s }" % ctl in table, table
+        # ... and survives a reboot: the distribution's nftables config includes the rendered file
+        conf = (site.etc(node) / "nftables.conf").read_text()
+        assert 'include "%s"' % (site.etc(node) / "alpa-kit" / "nftables-alpa_kit.nft") in conf
+        check = site.bed.exec(node, "nft", "-c", "-f", str(site.etc(node) / "nftables.conf"), check=False)
+        assert check.returncode == 0, check.stderr
+    print("site.yml docker runtime, cold incl. image pull (3 nodes, outside controller): %.1f s" % seconds)
+
+
+def test_a_job_from_the_controller_trains_across_the_nodes_with_token_auth(site):
+    assert _site_up(site)[0].returncode == 0
+    nodes = site.site.nodes
+    head_ip = nodes["head"]
+    run_id = "akt-job-%s" % uuid.uuid4().hex[:8]
+    spec = site.etc("head") / "alpa-kit" / "cluster.yaml"  # mounted at the same path in the containers
+    submit = ["ray", "job", "submit", "--address", "http://%s:8265" % head_ip, "--submission-id", run_id, "--",
+              "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "3", "--devices", "2",
+              "--batch-size", "96", "--cluster-spec", str(spec), "--out", "/tmp/ray/" + run_id]
+    # Token auth is on: without the token the jobs API refuses the controller.
+    anon = site.site.on_controller("ray", "job", "list", "--address", "http://%s:8265" % head_ip,
+                                   env={"RAY_AUTH_MODE": "disabled"}, timeout=120, check=False)
+    assert anon.returncode != 0, anon.stdout[-2000:]
+    token = site.token_file.read_text().strip()
+    job = site.site.on_controller(*submit, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, timeout=500,
+                                  check=False)
+    assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-3000:]
+    report = json.loads((site.ray_dir("head") / run_id / "report.json").read_text())
+    assert report["steps"] == 3
+    assert report["summary"]["hosts"] == 3 and report["summary"]["processes"] == 3
+    assert sorted(x["ip"] for x in report["processes"]) == sorted(nodes.values())
+
+
+def test_second_run_from_the_controller_is_admitted_and_changes_nothing(site):
+    assert _site_up(site)[0].returncode == 0
+    ids = site.containers()
+    p, seconds = site.run("site.yml", site.inventory("good"), fresh_ssh=True)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    counts = recap(p.stdout)
+    assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, \
+        p.stdout[-8000:]
+    assert site.containers() == ids  # nothing restarted
+    for node in site.site.nodes:  # a brand-new SSH connection from the controller passes the firewall
+        assert site.site.ssh.ssh(node, "hostname", timeout=60).stdout.strip() == node
+    print("site.yml docker runtime, idempotent re-run (fresh SSH): %.1f s" % seconds)
+
+
+def test_wrong_admin_cidr_against_the_running_cluster_changes_nothing(site):
+    assert _site_up(site)[0].returncode == 0
+    before = _snapshot(site)
+    tables = {n: site.our_table(n) for n in site.site.nodes}
+    inventory, message = _bad_inventory(site, "wrong_admin_cidr")
+    p, _ = site.run("site.yml", inventory, fresh_ssh=True, timeout=240)
+    assert p.returncode != 0 and re.search(message, p.stdout + p.stderr), (p.stdout + p.stderr)[-5000:]
+    _assert_nothing_changed(site, p, before)
+    assert {n: site.our_table(n) for n in site.site.nodes} == tables
+
+
+def test_teardown_removes_the_containers_and_the_table_and_nothing_else(site):
+    assert _site_up(site)[0].returncode == 0
+    before = _snapshot(site)
+    p, _ = site.run("teardown.yml", site.inventory("good"))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
+    assert site.containers() == {n: "" for n in site.site.nodes}
+    assert site.images() == before["images"]  # the image stays (a re-run needs no pull)
+    for node, tables in site.tables().items():
+        assert "alpa_kit" not in tables and SENTINEL_TABLE in tables, (node, tables)
+        assert tables == before["tables"][node].replace("table inet alpa_kit\n", "")
+        assert "alpa_kit" not in (site.etc(node) / "nftables.conf").read_text()
+    gone = {"alpa-kit/nftables-alpa_kit.nft"}
+    assert site.files() == {n: [f for f in fs if f not in gone] for n, fs in before["files"].items()}
+    p2, _ = site.run("teardown.yml", site.inventory("good"))
+    assert p2.returncode == 0 and all(c["changed"] == 0 for c in recap(p2.stdout).values()), p2.stdout[-4000:]
