@@ -2,6 +2,12 @@
 
 The saved step number is enough to resume the data stream: batches are a pure function of
 (seed, epoch, step), so no iterator state needs saving.
+
+A save is atomic: orbax writes `<dir>/<step>.orbax-checkpoint-tmp-<n>/` and renames it to `<dir>/<step>`
+only once every process's shards are written, so a kill during a save leaves the previous step the
+latest complete one (`latest_complete_step` reads that without importing orbax; the driver uses it to
+decide whether a restart resumes). Restoring to `engine.abstract_state` reshards onto the current mesh,
+so a run saved on 3 hosts resumes on 2 (issue 12).
 """
 from __future__ import annotations
 
@@ -9,6 +15,17 @@ import os
 from typing import Any, Optional
 
 from alpa_job.errors import KitError
+
+
+def latest_complete_step(directory: str) -> Optional[int]:
+    """The highest step saved completely under `directory` (orbax's step folders are plain integers;
+    a save in flight or killed mid-way is still a `*.orbax-checkpoint-tmp-*` folder), or None."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    steps = [int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
+    return max(steps) if steps else None
 
 
 class Checkpointer:
@@ -19,7 +36,7 @@ class Checkpointer:
         self.every = every
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(save_interval_steps=max(every, 1), max_to_keep=max_to_keep,
-                                               create=True)
+                                               create=True, cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> Optional[int]:

@@ -47,6 +47,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint-every", type=int, help="save an orbax checkpoint every N steps")
     p.add_argument("--resume", action="store_const", const=True, help="continue from the latest checkpoint in --out")
+    p.add_argument("--max-restarts", type=int, help="jax on Ray: after a lost process/node, restart this many times on "
+                                                    "the surviving nodes from the last checkpoint (default 0: fail fast)")
+    p.add_argument("--restart-wait", type=float, help="seconds a restart waits for a replacement node to join (default 0)")
     p.add_argument("--auto-trial-steps", type=int, help="auto: timed steps per candidate")
     p.add_argument("--memory-limit-gb", type=float, help="auto: per-device memory budget")
     p.add_argument("--micro-batches", type=int, help="alpa: num_micro_batches")

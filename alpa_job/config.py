@@ -69,6 +69,8 @@ class JobConfig:
     out: str = "runs/latest"
     checkpoint_every: int = 0  # 0: no checkpoints
     resume: bool = False
+    max_restarts: int = 0  # JAX engine on Ray: restarts on the surviving nodes after a lost process (0: fail fast)
+    restart_wait: float = 0.0  # seconds a restart waits for a replacement node to join (0: go on with the survivors)
 
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,7 +90,8 @@ class JobConfig:
                      "num_heads", "seq_len", "vocab_size", "num_layers", "width", "auto_trial_steps",
                      "micro_batches"):
             _positive(name, getattr(self, name))
-        for name in ("checkpoint_every", "processes", "model_parallel", "pipeline_stages", "pipeline_layers"):
+        for name in ("checkpoint_every", "processes", "model_parallel", "pipeline_stages", "pipeline_layers",
+                     "max_restarts", "restart_wait"):
             if getattr(self, name) < 0:
                 raise KitError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.steps is not None:

@@ -30,14 +30,22 @@ def ensure_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
 
 
+HEARTBEAT_TIMEOUT_S = 30  # a peer silent this long ends the others (backstop: the driver kills them first)
+
+
 def init_distributed(coordinator: Optional[str], num_processes: int, process_id: int, timeout_s: int = 60) -> None:
     """Join the JAX processes of a multi-host job (no-op for one process)."""
     if num_processes <= 1:
         return
+    import inspect
+
     import jax
 
+    extra = {}
+    if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
+        extra["heartbeat_timeout_seconds"] = HEARTBEAT_TIMEOUT_S  # never block forever on a dead peer
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id, initialization_timeout=timeout_s)
+                               process_id=process_id, initialization_timeout=timeout_s, **extra)
 
 
 # ----------------------------------------------------------------------------- data
@@ -104,11 +112,14 @@ def check_supported(config, engine: Any) -> None:
 
 # ----------------------------------------------------------------------------- the process
 def train_process(config, process_id: int = 0, num_processes: int = 1, coordinator: Optional[str] = None,
-                  return_state: bool = False, build_engine: Optional[EngineFactory] = None) -> ProcessResult:
+                  return_state: bool = False, build_engine: Optional[EngineFactory] = None,
+                  on_step: Optional[Callable[[int], None]] = None) -> ProcessResult:
     """Train with the engine `build_engine` makes (default: the JAX engine on this process's
     devices); returns this process's statistics and plan (`ProcessResult`, plain data).
 
     `return_state` keeps the final train state in `final_state` (in-process callers only).
+    `on_step(global_step)` is called after each step is dispatched (no host sync): the driver's
+    failure reports read it (cluster/processes.py).
     """
     init_distributed(coordinator, num_processes, process_id)
     from alpa_job.models import get_model
@@ -137,7 +148,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
         state = engine.init_state(config.seed)
 
     compiles_since = engine.watch_compiles()
-    state, stats = run_loop(engine, state, data, start_step, total_steps, checkpointer)
+    state, stats = run_loop(engine, state, data, start_step, total_steps, checkpointer, on_step=on_step)
     loop_compiles = compiles_since()
     if checkpointer is not None:
         checkpointer.close()
@@ -152,7 +163,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
 
 
 def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total_steps: int,
-             checkpointer=None) -> Tuple[Any, Dict[str, Any]]:
+             checkpointer=None, on_step: Optional[Callable[[int], None]] = None) -> Tuple[Any, Dict[str, Any]]:
     """Steps `start_step`..`total_steps` over fixed-shape batches; returns (final state, loop statistics).
 
     Resuming mid-epoch skips that epoch's first batches: batches are a pure function of
@@ -177,6 +188,8 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
             samples_seen += real
             if checkpointer is not None:
                 checkpointer.maybe_save(global_step, state)
+            if on_step is not None:
+                on_step(global_step)
             bar.update(1, epoch=epoch_index + 1)
         else:
             samples_dropped += data.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped

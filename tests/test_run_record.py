@@ -278,7 +278,7 @@ def test_schema_catches_drift(train_runs, where, mutate):
 SCHEMA_DEFS = {"meshShape": rec.MeshShape, "meshRecord": rec.MeshRecord, "leaf": rec.Leaf,
                "collective": rec.Collective, "memory": rec.MemoryRecord, "stage": rec.StageRecord,
                "process": rec.ProcessInfo, "devices": rec.DeviceInfo, "searchCandidate": rec.SearchCandidate,
-               "summary": rec.Summary}
+               "summary": rec.Summary, "restart": rec.RestartRecord}
 
 
 def test_schema_and_dataclasses_name_the_same_fields():

@@ -3,7 +3,7 @@
 Public names (stable): `ProcessResult` (what one JAX process -- or the Alpa driver -- returns),
 `RunRecord` (the run: a ProcessResult of process 0 plus the run-level facts), and their rows:
 `ProcessInfo`, `DeviceInfo`, `MeshShape`, `MeshRecord`, `Leaf`, `Collective`, `MemoryRecord`,
-`StageRecord`, `SearchCandidate`, `Summary`. `SCHEMA_VERSION` is written as `schema_version`.
+`StageRecord`, `SearchCandidate`, `RestartRecord`, `Summary`. `SCHEMA_VERSION` is written as `schema_version`.
 
 Field names are the report.json keys users already read (`params`, `batch_sharding`, `losses`,
 ...), so a report written before schema_version existed still loads (`from_dict` fills defaults
@@ -149,6 +149,23 @@ class DeviceInfo:
 
 
 @dataclasses.dataclass
+class RestartRecord:
+    """One restart after a lost JAX process or node (`--max-restarts`, issue 12)."""
+
+    time: str  # when the loss was detected (ISO 8601, UTC, milliseconds)
+    host: Optional[str]  # the lost process's host name
+    ip: Optional[str]  # its node's IP
+    node_id: Optional[str]  # its Ray node id
+    process: int  # its process index
+    reason: str  # first line of the error Ray gave
+    failed_at_step: Optional[int]  # the last step the process reported
+    resumed_from_step: int  # the checkpoint step the next attempt restored (0: none yet, started over)
+    steps_lost: int  # steps run past that checkpoint, run again
+    processes_after: int  # processes of the next attempt
+    recover_seconds: Optional[float]  # detection -> the first step of the next attempt
+
+
+@dataclasses.dataclass
 class SearchCandidate:
     """One row of the JAX engine's `--strategy auto` table."""
 
@@ -214,6 +231,9 @@ class ProcessResult:
     step_time_s: Optional[float] = None
     throughput: Optional[float] = None
     losses: List[float] = dataclasses.field(default_factory=list)
+    # Restarts after a lost process/node (run-level; set on process 0's result by cluster/processes.py).
+    # With restarts, steps/samples_seen count the final trajectory once (lost steps are not counted).
+    restarts: List[RestartRecord] = dataclasses.field(default_factory=list)
     final_state: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> Dict[str, Any]:

@@ -1,0 +1,231 @@
+"""Naming a dead JAX process (or its node) and waiting until Ray's view of the cluster is settled.
+
+Ray-side helpers for cluster/processes.py; the decisions are pure functions in alpa_job/restarts.py.
+
+- `Slot`: who one process is (index, host name, node IP, Ray node id, actor/worker id, pid): asked from
+  the actor itself when it starts, so a failure can be named after the process is gone.
+- `log_tail(slot)`: the last lines of its worker log through Ray's log API (bounded), or None when Ray
+  cannot serve it any more (its node is gone); `log_location(slot)` says where the file is then.
+- `failure_message(lost, slot, ...)`: the one line the user reads.
+- `wait_settled(lost, timeout_s)`: until every lost node is marked dead/gone by Ray, or answers a task
+  pinned to it (then only the process died and the node may be used again). A node that is neither
+  within the deadline is a one-line KitError naming it.
+
+Imports on the Alpa image's stack (Python 3.9, ray 2.1.0): standard library at module level, ray when used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Set
+
+from alpa_job.cluster import ray_api
+from alpa_job.errors import EXIT_TIMEOUT, KitError
+from alpa_job.restarts import Lost, node_alive
+
+LOG_TAIL_LINES = 20
+LOG_TIMEOUT_S = 5.0
+SETTLE_TIMEOUT_S = 90.0  # Ray marks a silent node dead after its health checks fail (~15-30 s by default)
+PROBE_TIMEOUT_S = 10.0
+LOG_DIR = "/tmp/ray/session_latest/logs"
+
+
+@dataclasses.dataclass
+class Slot:
+    """One JAX process as it described itself when it started."""
+
+    index: int
+    ip: str
+    host: str = "?"
+    node_id: str = ""
+    actor_id: str = ""
+    worker_id: str = ""
+    pid: Optional[int] = None
+
+    def lost(self, step: Optional[int], reason: str) -> Lost:
+        return Lost(index=self.index, host=self.host, ip=self.ip, node_id=self.node_id, step=step, reason=reason)
+
+
+def describe_self(index: int) -> Dict[str, Any]:
+    """Run INSIDE a process's actor: its identity (the fields of Slot)."""
+    import os
+    import socket
+
+    import ray
+
+    ctx = ray.get_runtime_context()
+
+    def hexid(getter: str, attr: str) -> str:
+        try:
+            value = getattr(ctx, getter)() if hasattr(ctx, getter) else getattr(ctx, attr)
+            return value if isinstance(value, str) else value.hex()
+        except Exception:  # an older/newer Ray without this id: the message just omits it
+            return ""
+
+    return {"index": index, "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+            "node_id": hexid("get_node_id", "node_id"), "actor_id": hexid("get_actor_id", "actor_id"),
+            "worker_id": hexid("get_worker_id", "worker_id"), "pid": os.getpid()}
+
+
+# ---- the log ------------------------------------------------------------------------------------
+def _bounded(fn, timeout_s: float) -> Any:
+    """fn() in a daemon thread; None when it fails or runs past `timeout_s` (a dead node's agent may hang)."""
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # the caller falls back to naming the file's location
+            box["error"] = err
+
+    t = threading.Thread(target=run, name="ray-log", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return box.get("value")
+
+
+def log_tail(slot: Slot, lines: int = LOG_TAIL_LINES, timeout_s: float = LOG_TIMEOUT_S) -> Optional[List[str]]:
+    """The last `lines` lines of the process's worker log (stdout+stderr), or None when Ray cannot serve it."""
+    try:
+        from ray.util.state import get_log  # Ray >= 2.7
+    except ImportError:
+        try:
+            from ray.experimental.state.api import get_log  # Ray 2.1 .. 2.6
+        except ImportError:
+            return None
+
+    def read(suffix: str) -> List[str]:
+        kw: Dict[str, Any] = {"tail": lines, "timeout": max(1, int(timeout_s))}
+        if slot.actor_id:
+            kw["actor_id"] = slot.actor_id
+        else:
+            kw.update(node_ip=slot.ip, pid=slot.pid)
+        try:
+            chunks = list(get_log(suffix=suffix, **kw))
+        except TypeError:  # Ray 2.1's get_log has no `suffix`: it reads .out
+            if suffix != "out":
+                return []
+            chunks = list(get_log(**kw))
+        return "".join(chunks).splitlines()
+
+    def both() -> List[str]:
+        out = read("out")
+        err = read("err")
+        return (out + err)[-lines:]
+
+    text = _bounded(both, timeout_s)
+    return text or None
+
+
+def log_location(slot: Slot) -> str:
+    name = "worker-%s-*" % slot.worker_id if slot.worker_id else "worker-*-%s" % (slot.pid or "*")
+    return "%s:%s/%s.{out,err}" % (slot.ip, LOG_DIR, name)
+
+
+def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[int], log_shown: bool) -> str:
+    step = "at step %d" % lost.step if lost.step is not None else "before its first step"
+    saved = ("last complete checkpoint: step %d" % checkpoint_step if checkpoint_step is not None
+             else "no complete checkpoint yet")
+    where = "its log is printed above" if log_shown else (
+        "read its log on that node: %s" % log_location(slot) if slot else "read its log under %s on that node" % LOG_DIR)
+    return ("JAX %s died %s (%s; %s); the other processes were stopped; %s; rerun with --resume (from the last "
+            "checkpoint) or pass --max-restarts N to continue on the surviving nodes"
+            % (lost.where(), step, lost.reason or "no reason given", saved, where))
+
+
+def print_log_tail(slot: Slot, lines: Optional[List[str]]) -> bool:
+    if not lines:
+        return False
+    print("[alpa_job] last %d lines of process %d's log (host %s, %s):" % (len(lines), slot.index, slot.host,
+                                                                          log_location(slot)), file=sys.stderr)
+    for line in lines:
+        print("  | " + line, file=sys.stderr)
+    sys.stderr.flush()
+    return True
+
+
+def first_line(err: BaseException) -> str:
+    for line in str(err).splitlines():
+        line = line.strip()
+        if line:
+            return line[:300]
+    return type(err).__name__
+
+
+# ---- the settled view --------------------------------------------------------------------------
+def current_nodes() -> List[ray_api.RayNode]:
+    import ray
+
+    return ray_api.parse_nodes(ray.nodes())
+
+
+@dataclasses.dataclass
+class Settled:
+    """What waiting found: node ids Ray marked dead/gone, and node ids that are alive and answered."""
+
+    dead: Set[str]
+    healthy: Set[str]
+    seconds: float
+
+
+def wait_settled(lost: Sequence[Lost], timeout_s: float = SETTLE_TIMEOUT_S, poll_s: float = 0.5) -> Settled:
+    """Block until every lost node is either gone from Ray's alive list, or alive and running a task
+    pinned to it (bounded); a KitError naming the node past `timeout_s`."""
+    import ray
+
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    todo = {x.node_id: x for x in lost if x.node_id}
+    dead: Set[str] = set()
+    healthy: Set[str] = set()
+
+    @ray.remote(num_cpus=0)
+    def here() -> str:
+        return ray.util.get_node_ip_address()
+
+    probes: Dict[str, Any] = {nid: here.options(**ray_api.pin_to_node(x.ip)).remote() for nid, x in todo.items()}
+    try:
+        while todo:
+            nodes = current_nodes()
+            for nid in list(todo):
+                if not node_alive(nodes, nid):
+                    dead.add(nid)
+                    todo.pop(nid)
+            if probes and todo:
+                ready, _ = ray.wait([probes[n] for n in todo], num_returns=len(todo), timeout=0)
+                for nid in list(todo):
+                    if probes[nid] in ready:
+                        try:
+                            ray.get(probes[nid], timeout=1)
+                            healthy.add(nid)
+                        except Exception:  # the probe died with the node: Ray will mark it dead
+                            continue
+                        todo.pop(nid)
+            if not todo:
+                break
+            if time.monotonic() > deadline:
+                x = next(iter(todo.values()))
+                raise KitError("the cluster did not settle within %.0f s: Ray still lists the node of %s as alive, "
+                               "but it runs no task; check `ray status` and that node, then rerun with --resume"
+                               % (timeout_s, x.where()), EXIT_TIMEOUT)
+            time.sleep(poll_s)
+    finally:
+        for ref in probes.values():
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # already finished, or its node is gone
+                pass
+    return Settled(dead, healthy, time.monotonic() - t0)
+
+
+def kill_all(actors: Sequence[Any]) -> None:
+    """ray.kill every actor (no restart): survivors blocked in a collective with a dead peer go too."""
+    import ray
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already dead
+            pass

@@ -1,0 +1,290 @@
+"""Node loss (issue 12): a job that loses a host names it, and restarts on the survivors from its last
+checkpoint.
+
+Unit part (no test bed): the settled-view and node-choice decisions on injected node rows, the batch
+divisibility check of a shrunk mesh, the final trajectory's counts, the shared --out check, and that a
+checkpoint killed mid-save (a leftover orbax tmp folder) never counts as the latest.
+
+Test-bed part (slow, real host kills: the host's PID 1 is SIGKILLed, which takes every process of
+that host with it, its raylet and its JAX process included): 3 hosts x 2 devices, process 2 on w2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from alpa_job.checkpoint import latest_complete_step
+from alpa_job.cluster import ray_api, shared_out
+from alpa_job.errors import KitError
+from alpa_job.restarts import Lost, check_batch_divides, eligible_nodes, samples_in_steps, trajectory_counts, \
+    view_settled
+from alpa_job.data import plan_epoch
+
+
+# ============================================================================ unit: settled view
+def _row(ip, node_id, alive=True, cpus=2.0):
+    return {"NodeManagerAddress": ip, "NodeID": node_id, "Alive": alive, "Resources": {"CPU": cpus}}
+
+
+LOST = [Lost(index=2, host="w2", ip="10.77.0.3", node_id="n3", step=70)]
+
+
+def test_view_not_settled_while_the_lost_node_is_listed_alive():
+    """The --resume crash of issue 12: Ray still listed the killed node as alive."""
+    nodes = ray_api.parse_nodes([_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3")])
+    assert not view_settled(nodes, LOST)
+
+
+@pytest.mark.parametrize("rows", [
+    [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False)],  # marked dead
+    [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2")],  # gone from the table
+    [_row("10.77.0.1", "n1"), _row("10.77.0.3", "n9")],  # its raylet came back under a new id
+])
+def test_view_settled_once_the_lost_node_is_dead_or_gone(rows):
+    assert view_settled(ray_api.parse_nodes(rows), LOST)
+
+
+def test_eligible_nodes_never_include_the_lost_node():
+    rows = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3"),  # n3: not yet marked
+            _row("10.77.0.4", "n4", cpus=0.0)]  # no CPU to spare
+    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3", "n4"})
+    assert [n.ip for n in chosen] == ["10.77.0.1", "10.77.0.2"]
+
+
+def test_a_replacement_node_at_the_lost_ip_is_used_once_it_joins_under_a_new_id():
+    rows = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False),
+            _row("10.77.0.3", "n7")]  # w2 restarted: a new raylet, a new node id
+    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3"})
+    assert [n.node_id for n in chosen] == ["n1", "n2", "n7"]
+    # ... but an id that was already alive at the failure, at the lost IP, is the stale view: excluded
+    stale = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3", "n7"})
+    assert [n.node_id for n in stale] == ["n1", "n2"]
+
+
+def test_a_node_whose_process_died_but_that_answers_is_used_again():
+    rows = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3")]
+    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3"}, healthy_ids={"n3"})
+    assert [n.node_id for n in chosen] == ["n1", "n2", "n3"]
+
+
+# ============================================================================ unit: the shrunk mesh
+def test_batch_that_divides_the_shrunk_data_axis_passes():
+    assert check_batch_divides(96, 2, 2, "data", before=3) == 4
+    assert check_batch_divides(96, 2, 4, "tensor", model_parallel=2) == 4
+
+
+def test_batch_that_does_not_divide_the_shrunk_data_axis_names_the_sizes():
+    with pytest.raises(KitError) as err:
+        check_batch_divides(36, 4, 2, "data", before=3)  # 3 x 2 = 6 divided 36; 4 x 2 = 8 does not
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "--batch-size 36 is not divisible by the new data axis 8" in msg and "4 process(es)" in msg
+    assert "was 3 process(es)" in msg and "e.g. 72" in msg
+
+
+# ============================================================================ unit: the final trajectory
+def test_trajectory_counts_each_step_once():
+    epoch = plan_epoch(1000, 96, "drop")  # 10 full batches, 40 dropped per epoch
+    # run from 0; the last attempt resumed from step 20 and ran 10 steps (20 -> 30)
+    steps, seen, dropped = trajectory_counts(10, 10 * 96, 0, run_start=0, resumed_from=20, epoch=epoch,
+                                             batch_size=96)
+    assert steps == 30 and seen == 30 * 96 and dropped == 40 * 2  # epochs 1 and 2 ran to their end
+    pad = plan_epoch(1000, 96, "pad")  # 11 steps: the 11th holds 40 real samples
+    assert samples_in_steps(pad.steps, pad.full_batches, pad.remainder, "pad", 96, 0, 11) == (1000, 0)
+
+
+# ============================================================================ unit: --out shared / checkpoints
+def test_shared_out_probe_passes_on_one_directory(tmp_path):
+    token = "t1"
+    for i in range(3):
+        shared_out.write_probe(str(tmp_path), token, i, "h%d" % i)
+    seen = {i: shared_out.missing_probes(str(tmp_path), token, 3) for i in range(3)}
+    shared_out.check_shared(str(tmp_path), seen, ["h0", "h1", "h2"])  # no error
+    shared_out.remove_probes(str(tmp_path), token)
+    assert not os.path.exists(tmp_path / shared_out.PROBE_DIR)
+
+
+def test_non_shared_out_names_the_host(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"  # process 2 writes into a folder the others do not see
+    for i in (0, 1):
+        shared_out.write_probe(str(a), "t", i, "h%d" % i)
+    shared_out.write_probe(str(b), "t", 2, "w2")
+    seen = {0: shared_out.missing_probes(str(a), "t", 3), 1: shared_out.missing_probes(str(a), "t", 3),
+            2: shared_out.missing_probes(str(b), "t", 3)}
+    with pytest.raises(KitError, match=r"not one shared directory: on host w2 \(process 2\)"):
+        shared_out.check_shared("/x", seen, ["head", "w1", "w2"])
+
+
+def test_a_save_killed_midway_never_counts_as_the_latest_checkpoint(tmp_path):
+    """orbax writes <step>.orbax-checkpoint-tmp-<n> and renames it when complete: the leftover of a
+    kill mid-save is ignored by the driver's reader and by orbax itself; the previous step restores."""
+    pytest.importorskip("orbax.checkpoint")
+    import numpy as np
+
+    from alpa_job.checkpoint import Checkpointer
+
+    ck = Checkpointer(str(tmp_path / "checkpoints"), every=10)
+    state = {"w": np.arange(4.0)}
+    assert ck.maybe_save(10, state)
+    ck.close()
+    (tmp_path / "checkpoints" / "20.orbax-checkpoint-tmp-1700000000").mkdir()  # the killed save of step 20
+    assert latest_complete_step(str(tmp_path / "checkpoints")) == 10
+    again = Checkpointer(str(tmp_path / "checkpoints"), every=10)
+    assert again.latest_step() == 10
+    restored = again.restore({"w": np.zeros(4)})
+    assert np.array_equal(np.asarray(restored["w"]), np.arange(4.0))
+    again.close()
+    assert latest_complete_step(str(tmp_path / "missing")) is None
+
+
+def test_cli_takes_max_restarts_and_restart_wait():
+    from alpa_job.config import JobConfig
+
+    assert JobConfig().max_restarts == 0  # today's fail-fast stays the default
+    with pytest.raises(KitError, match="--max-restarts must be >= 0"):
+        JobConfig(max_restarts=-1).validated()
+    with pytest.raises(KitError, match="--restart-wait must be >= 0"):
+        JobConfig(restart_wait=-2.0).validated()
+
+
+# ============================================================================ test bed: real host kills
+KILL_AFTER_CHECKPOINT = 20
+EVERY = 10
+STEPS = 300
+BATCH = 96  # divides 3 x 2 and 2 x 2 devices
+
+
+def kill_host(bed, name: str) -> float:
+    """SIGKILL the host's PID 1 (tini): its PID namespace dies with it, every process of the host with it
+    (raylet, object store, the JAX process); its network namespace stays, nothing answers there.
+    Returns the wall-clock time of the kill."""
+    pid = bed.host(name).pid
+    assert pid, f"host {name} has no PID 1 recorded"
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return t
+
+
+def _cluster(testbed_factory):
+    """A 3-host Ray cluster on its own bed (tag nodeloss); rebuilt after a test killed one of its hosts."""
+    from fixtures_testbed import _start_ray
+
+    bed = testbed_factory(3, tag="nodeloss")
+    cached = _CLUSTERS.get(bed.prefix)
+    if cached is not None and cached.testbed is bed:
+        return cached
+    cluster = _start_ray(bed)
+    _CLUSTERS[bed.prefix] = cluster
+    return cluster
+
+
+_CLUSTERS: dict = {}
+
+
+def _train_argv(cluster, out: str, *extra: str):
+    return ["python", "-m", "alpa_job", "train", "--model", "mlp", "--hidden-dim", "512", "--steps", str(STEPS),
+            "--devices", "2", "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
+            "--address", cluster.address, "--cluster-spec", str(cluster.spec_path), "--out", out, *extra]
+
+
+def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float = 420):
+    """Train from the head; kill `victim` once checkpoint KILL_AFTER_CHECKPOINT is complete.
+    Returns (rc, stdout, stderr, kill wall time, seconds from the kill to the driver's exit)."""
+    bed = cluster.testbed
+    log = open(out.parent / (out.name + ".driver.log"), "w+")
+    p = bed.popen("head", *_train_argv(cluster, str(out), *extra), stdout=log, stderr=subprocess.STDOUT,
+                  env={"RAY_ADDRESS": cluster.address})
+    deadline = time.monotonic() + timeout
+    killed_at = None
+    try:
+        while p.poll() is None and time.monotonic() < deadline:
+            if killed_at is None and (latest_complete_step(str(out / "checkpoints")) or 0) >= KILL_AFTER_CHECKPOINT:
+                killed_at = kill_host(bed, victim)
+            time.sleep(0.05)
+        if p.poll() is None:
+            p.kill()
+            pytest.fail(f"the job did not end within {timeout} s")
+    finally:
+        ended = time.time()
+        log.seek(0)
+        text = log.read()
+        log.close()
+    assert killed_at is not None, f"the job ended before checkpoint {KILL_AFTER_CHECKPOINT} (rc {p.returncode}):\n" \
+                                  f"{text[-4000:]}"
+    return p.returncode, text, killed_at, ended - killed_at
+
+
+def _out(name: str) -> Path:
+    # /tmp outside /tmp/ray is the machine's /tmp, the same folder on every test-bed host: a shared --out.
+    path = Path("/tmp") / ("aktg-nodeloss-%s-%s" % (name, uuid.uuid4().hex[:8]))
+    path.mkdir()
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
+    cluster = _cluster(testbed_factory)
+    out = _out("restart")
+    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1")
+    assert rc == 0, text[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == STEPS  # the final trajectory, each step once
+    assert report["samples_seen"] == STEPS * BATCH
+    assert report["summary"]["processes"] == 2 and report["summary"]["hosts"] == 2
+    assert sorted(p["host"] for p in report["processes"]) == ["head", "w1"]
+    (r,) = report["restarts"]
+    assert r["host"] == "w2" and r["ip"] == cluster.node_ips["w2"] and r["process"] == 2 and r["node_id"]
+    assert r["resumed_from_step"] >= KILL_AFTER_CHECKPOINT and r["resumed_from_step"] % EVERY == 0
+    assert 0 <= r["steps_lost"] <= EVERY, r  # at most one checkpoint interval
+    assert r["processes_after"] == 2 and r["recover_seconds"] and r["recover_seconds"] > 0
+    assert "lost JAX process 2 on host w2" in text
+    shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_worker_host_killed_without_restarts_fails_fast_naming_the_host(testbed_factory):
+    cluster = _cluster(testbed_factory)
+    out = _out("failfast")
+    rc, text, killed_at, seconds = _run_and_kill(cluster, out, "w2")
+    assert rc != 0
+    assert seconds < 15, f"the job took {seconds:.1f} s after the kill to fail:\n{text[-3000:]}"
+    line = [x for x in text.splitlines() if "JAX process 2 on host w2" in x and "died" in x]
+    assert line, text[-4000:]
+    assert cluster.node_ips["w2"] in line[-1] and "Ray node id" in line[-1] and re.search(r"at step \d+", line[-1])
+    assert "Traceback" not in text
+    shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_non_shared_out_is_refused_before_training(testbed_factory):
+    cluster = _cluster(testbed_factory)
+    bed = cluster.testbed
+    out = _out("private")
+    # w2 has its own mount namespace: a tmpfs over --out there is a folder only w2 sees.
+    bed.exec("w2", "mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(out))
+    try:
+        t0 = time.monotonic()
+        p = bed.exec("head", *_train_argv(cluster, str(out)), timeout=300, check=False,
+                     env={"RAY_ADDRESS": cluster.address})
+        seconds = time.monotonic() - t0
+    finally:
+        bed.exec("w2", "umount", str(out), check=False)
+    assert p.returncode != 0
+    err = [x for x in (p.stdout + p.stderr).splitlines() if "not one shared directory" in x]
+    assert err and "host w2 (process 2)" in err[-1] and str(out) in err[-1], p.stderr[-3000:]
+    assert "compiling train step" not in p.stdout + p.stderr  # refused before any training
+    assert not (out / "checkpoints").exists() or latest_complete_step(str(out / "checkpoints")) is None
+    assert seconds < 120
+    shutil.rmtree(out, ignore_errors=True)
