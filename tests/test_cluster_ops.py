@@ -229,8 +229,10 @@ def test_status_exits_3_when_the_cluster_is_not_the_inventory(ray_cluster):
     ips = ray_cluster.node_ips
     bed = ray_cluster.testbed
     cases = {
-        # w1 named as the head: Ray's head is elsewhere
-        "swapped": ([("w1", ips["w1"])], [("head", ips["head"]), ("w2", ips["w2"])], "is a worker in Ray"),
+        # w1 named as the head: it serves no dashboard, Ray's head is found among the inventory's workers
+        "swapped": ([("w1", ips["w1"])], [("head", ips["head"]), ("w2", ips["w2"])],
+                    "the inventory's head w1 (%s) serves no Ray dashboard; Ray's head answers at http://%s:"
+                    % (ips["w1"], ips["head"])),
         # w2 left out: an alive node the inventory lacks
         "missing": ([("head", ips["head"])], [("w1", ips["w1"])], "is alive but not in the inventory"),
         # a node the inventory promises and Ray does not have
@@ -241,7 +243,8 @@ def test_status_exits_3_when_the_cluster_is_not_the_inventory(ray_cluster):
         p, result = status(bed, ray_inventory(ray_cluster, "bad-" + name, heads, workers))
         assert p.returncode == 3, (name, p.stdout[-2000:], p.stderr)
         assert any(says in x["problem"] for x in result["problems"]), (name, result["problems"])
-        assert "cluster status:" in p.stderr and says in p.stderr
+        assert p.stderr.startswith("cluster status: %d difference(s)" % len(result["problems"]))
+        assert result["problems"][0]["problem"] in p.stderr  # the first one, with its fix, on one stderr line
 
 
 _JOB = r"""
@@ -274,10 +277,16 @@ def test_logs_through_rays_log_api(ray_cluster, tmp_path):
     assert {h["host"]: h["how"] for h in collection["hosts"]} == {"head": "api", "w1": "api", "w2": "api"}
     assert collection["job_id"] == job_id
     assert (out / "head" / "gcs_server.out").exists()
+    seen = {}
     for host in ("head", "w1", "w2"):
         assert (out / host / "raylet.out").stat().st_size > 0
         workers = list((out / host).glob("worker-*-%s-*.out" % job_id))
-        assert any(marker in w.read_text(errors="replace") for w in workers), (host, [w.name for w in workers])
+        seen[host] = {w.name: w.read_text(errors="replace")[-300:] for w in workers}
+        disk = ray_cluster.logs(host)
+        seen[host + "-disk"] = {str(w): (w.stat().st_size, marker in w.read_text(errors="replace")) for w in disk.rglob("worker-*-%s-*.out" % job_id)}
+    assert all(any(marker in t for t in seen[h].values()) for h in ("head", "w1", "w2")), (
+        {h: [(n[:12], len(t), marker in t) for n, t in v.items()] if "disk" not in h else v for h, v in seen.items()})
+    for host in ("head", "w1", "w2"):
         # other jobs' worker logs are left out
         assert not [w for w in (out / host).glob("worker-*.out") if ("-%s-" % job_id) not in w.name]
 

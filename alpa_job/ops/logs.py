@@ -37,7 +37,9 @@ DEFAULT_DEADLINE_S = 300.0
 COLLECTION_FILE = "collection.json"
 # Ray's per-worker files carry the job: worker-<worker id>-<job id hex>-<pid>.{out,err}
 _WORKER_FILE = re.compile(r"^(?:.*/)?worker-[0-9a-f]+-([0-9a-f]+)-\d+\.(?:out|err)$")
-_PER_WORKER = re.compile(r"^(?:.*/)?(?:worker-|python-core-worker-|runtime_env_setup-)")
+# ... and python-core-driver-<job id hex><...>_<pid>.log, the driver's core log
+_DRIVER_FILE = re.compile(r"^(?:.*/)?python-core-driver-([0-9a-f]{8})")
+_PER_WORKER = re.compile(r"^(?:.*/)?(?:worker-|python-core-worker-|python-core-driver-|runtime_env_setup-)")
 
 
 class JobRef:
@@ -53,7 +55,7 @@ class JobRef:
         base = filename.rsplit("/", 1)[-1]
         if self.submission_id and self.submission_id in base:
             return True  # job-driver-<submission id>.log, runtime_env_setup-<...>
-        m = _WORKER_FILE.match(filename)
+        m = _WORKER_FILE.match(filename) or _DRIVER_FILE.match(filename)
         if m:
             return self.job_id is not None and m.group(1).lower() == self.job_id
         if base.startswith("job-driver-"):
@@ -88,7 +90,8 @@ def fetch_via_api(api: RayHttp, node_ip: str, dest: str, job: Optional[JobRef] =
                   deadline: Optional[float] = None) -> Dict[str, Any]:
     """Download a node's log files through the log API into `dest`; {"files", "bytes", "errors"}."""
     listing = api.list_logs(node_ip)
-    names = sorted({f for files in listing.values() for f in files})
+    # the listing names sub-directories too ("events/", "old/"): files only
+    names = sorted({f for files in listing.values() for f in files if not f.endswith("/")})
     if job is not None:
         names = [f for f in names if job.keeps(f)]
     os.makedirs(dest, exist_ok=True)
@@ -113,26 +116,12 @@ def fetch_via_api(api: RayHttp, node_ip: str, dest: str, job: Optional[JobRef] =
 
 
 # ---- way 2: SSH --------------------------------------------------------------------------------------
-def _remote_tar_command(log_dir: str, job: Optional[JobRef]) -> str:
-    """A shell command that tars the node's log dir (the job's selection) into a temp file and prints its path."""
-    selection = "."
-    if job is not None:  # node-wide files + this job's: decided here by the same rule as the API path
-        selection = "$(find . -type f | sed 's|^\\./||' | %s)" % _grep_filter(job)
+def _remote_tar_command(log_dir: str, names: Optional[List[str]] = None) -> str:
+    """A shell command that tars the node's log dir (or just `names` in it) into a temp file and prints its path."""
+    listing = "." if names is None else "-T - <<'AKT_NAMES'\n%s\nAKT_NAMES" % "\n".join(names)
     return ("set -e; d=%s; test -d \"$d\" || { echo \"no Ray log directory $d\" >&2; exit 3; }; "
-            "t=$(mktemp /tmp/akt-logs.XXXXXX); cd \"$d\"; tar -czf \"$t\" --ignore-failed-read %s 2>/dev/null || "
-            "test -s \"$t\"; echo \"$t\"" % (shlex.quote(log_dir), selection))
-
-
-def _grep_filter(job: JobRef) -> str:
-    keep = []
-    if job.job_id:
-        keep.append("worker-[0-9a-f]*-%s-[0-9]*\\.(out|err)$" % re.escape(job.job_id))
-    if job.submission_id:
-        keep.append(re.escape(job.submission_id))
-    drop = "(^|/)(worker-|python-core-worker-|runtime_env_setup-|job-driver-)"
-    pattern = "|".join(keep) if keep else "^$"
-    # node-wide files (not per-worker), or the job's own
-    return "awk %s" % shlex.quote("/%s/ || !/%s/" % (pattern.replace("/", "\\/"), drop.replace("/", "\\/")))
+            "t=$(mktemp /tmp/akt-logs.XXXXXX); cd \"$d\"; echo \"$t\"; tar -czf \"$t\" --ignore-failed-read %s"
+            % (shlex.quote(log_dir), listing))
 
 
 def fetch_via_ssh(inv, node, dest: str, job: Optional[JobRef] = None, timeout_s: float = 120.0) -> Dict[str, Any]:
@@ -140,13 +129,21 @@ def fetch_via_ssh(inv, node, dest: str, job: Optional[JobRef] = None, timeout_s:
     from alpa_job.ops.remote import Remote, RemoteError
 
     log_dir = inv.ray_log_dir(node)
+    dest = os.path.abspath(dest)
     os.makedirs(dest, exist_ok=True)
     with Remote(node) as remote:
         try:
-            r = remote.run(_remote_tar_command(log_dir, job), timeout_s=timeout_s)
-            if not r.ok:
+            names = None
+            if job is not None:  # the same rule as the log API path (JobRef.keeps), applied to the node's listing
+                r = remote.run("cd %s && find . -type f" % shlex.quote(log_dir), timeout_s=min(timeout_s, 30))
+                if not r.ok:
+                    return {"files": 0, "bytes": 0, "errors": [r.why()], "from": log_dir}
+                names = [n[2:] for n in r.stdout.splitlines() if n.startswith("./") and job.keeps(n[2:])]
+            r = remote.run(_remote_tar_command(log_dir, names), timeout_s=timeout_s)
+            lines = r.stdout.strip().splitlines()
+            if not lines or not lines[0].startswith("/tmp/akt-logs."):
                 return {"files": 0, "bytes": 0, "errors": [r.why()], "from": log_dir}
-            remote_tar = r.stdout.strip().splitlines()[-1]
+            remote_tar = lines[0]  # tar's exit 1 ("file changed as we read it": Ray is writing) still made it
             with tempfile.TemporaryDirectory(prefix="akt-logs-") as tmp:
                 local_tar = os.path.join(tmp, "logs.tgz")
                 try:
@@ -159,6 +156,8 @@ def fetch_via_ssh(inv, node, dest: str, job: Optional[JobRef] = None, timeout_s:
                     _extract(tar, members, dest)
         except RemoteError as err:
             return {"files": 0, "bytes": 0, "errors": [str(err)], "from": log_dir}
+        except (tarfile.TarError, OSError) as err:
+            return {"files": 0, "bytes": 0, "errors": ["the copied archive is unreadable: %s" % err], "from": log_dir}
     return {"files": len(members), "bytes": size, "errors": [], "from": log_dir}
 
 
@@ -202,10 +201,12 @@ def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional
         res: Dict[str, Any] = {"host": name, "ip": ip or (node.ip() if node else None)}
         if api is not None and ip is not None:
             try:
-                res.update(fetch_via_api(api, ip, dest, job_ref, lines, deadline), how="api")
-                if not res["errors"] or node is None:
+                got = fetch_via_api(api, ip, dest, job_ref, lines, deadline)
+                if not got["errors"] or node is None:
+                    res.update(got, how="api")
                     results[name] = res
                     return
+                res["api_error"] = "; ".join(got["errors"])[:1000]  # then the whole directory over SSH
             except KitError as err:
                 res["api_error"] = str(err)
         if node is None:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from alpa_job.cluster import ray_api
 from alpa_job.cluster.doctor.render import grid
 from alpa_job.cluster.node_ip import ips_in_cidr
 from alpa_job.errors import KitError
 from alpa_job.ops.inventory import Inventory
-from alpa_job.ops.ray_http import RayHttp, dashboard_url
+from alpa_job.ops.ray_http import RayHttp, RayHttpError, dashboard_url
 
 RESOURCE_COLUMNS = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -46,7 +46,15 @@ def cluster_status(inv: Inventory, address: Optional[str] = None, timeout_s: flo
     t0 = time.monotonic()
     url = head_url(inv, address)
     api = RayHttp(url, token=inv.auth_token(), timeout_s=timeout_s)
-    auth = api.auth_mode()  # public endpoint: also the first "is the head there" probe
+    found_elsewhere = None
+    try:
+        auth = api.auth_mode()  # public endpoint: also the first "is the head there" probe
+    except RayHttpError as err:
+        if address:
+            raise
+        api, auth = _head_elsewhere(inv, timeout_s, err)
+        found_elsewhere = api.url
+        url = api.url
     version = api.version()
     rows = ray_api.parse_nodes(api.nodes())
     names = inv.by_ip()
@@ -60,9 +68,31 @@ def cluster_status(inv: Inventory, address: Optional[str] = None, timeout_s: flo
               "session": version.get("session_name"), "nodes": nodes,
               "expected": {"head": inv.head.name, "workers": [w.name for w in inv.workers]}}
     result["problems"] = compare(inv, nodes)
+    if found_elsewhere:
+        result["problems"].insert(0, {"node": inv.head.name, "problem": "the inventory's head %s (%s) serves no Ray "
+                                      "dashboard; Ray's head answers at %s" % (inv.head.name, inv.head.address,
+                                                                              found_elsewhere),
+                                      "fix": "point ray_head at the node Ray runs its head on, or cluster down + up"})
     result["ok"] = not result["problems"]
     result["seconds"] = round(time.monotonic() - t0, 2)
     return result
+
+
+def _head_elsewhere(inv: Inventory, timeout_s: float, first: RayHttpError) -> Tuple[RayHttp, str]:
+    """The inventory head has no dashboard: is Ray's head another inventory node? Else the first error."""
+    spec = inv.spec()
+    for node in inv.workers:
+        ip = node.ip()
+        if not ip:
+            continue
+        api = RayHttp(dashboard_url(spec, ip), token=inv.auth_token(), timeout_s=min(timeout_s, 3.0))
+        try:
+            auth = api.auth_mode()
+        except RayHttpError:
+            continue
+        api.timeout_s = timeout_s
+        return api, auth
+    raise first
 
 
 def _field(row: Any, name: str) -> Any:
