@@ -56,7 +56,7 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float) -> 
         attempts = 0
         while time.monotonic() - mark < timeout:
             attempts += 1
-            doctor = testbed_ray.doctor(bed, deadline=120, timeout=180)
+            doctor = testbed_ray.doctor(bed, deadline=120, timeout=180, node_timeout=60)
             if doctor.get("ok"):
                 break
         t["doctor"] = time.monotonic() - mark

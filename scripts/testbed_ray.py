@@ -313,14 +313,16 @@ def token_of(bed: "tb.Testbed") -> Optional[str]:
     return Path(path).read_text().strip() if path and os.path.exists(path) else None
 
 
-def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120) -> dict:
+def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_timeout: Optional[float] = None) -> dict:
     """``python -m alpa_job doctor --format json`` inside the head against the bed's Ray; the parsed
-    report ({"ok": bool, "checks": [...]}) plus "rc"; {"ok": False, "error": ...} when it printed no JSON."""
+    report ({"ok": bool, "checks": [...]}) plus "rc"; {"ok": False, "error": ...} when it printed no JSON.
+    ``node_timeout``: doctor's per-node probe limit (its default, 10 s, is short for a first task on a
+    loaded 2-core machine: a Python worker must start on every node)."""
     if not bed.ray:
         raise tb.TestbedError(f"no Ray on test bed {bed.prefix!r}: `scripts/testbed up --hosts N --ray` first")
     p = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", bed.ray["address"], "--cluster-spec",
-                 bed.ray["spec_path"], "--format", "json", "--deadline", "%.0f" % deadline, timeout=timeout,
-                 check=False)
+                 bed.ray["spec_path"], "--format", "json", "--deadline", "%.0f" % deadline,
+                 *(["--node-timeout", "%.0f" % node_timeout] if node_timeout else []), timeout=timeout, check=False)
     try:
         report = json.loads(p.stdout)
     except ValueError:
