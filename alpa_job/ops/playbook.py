@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -27,6 +28,7 @@ COUNTS = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignor
 _STATS_KEYS = {"ok": "ok", "changed": "changed", "dark": "unreachable", "failures": "failed", "skipped": "skipped",
                "rescued": "rescued", "ignored": "ignored"}
 SUMMARY_FILE = "summary.json"
+SLOWEST_SHOWN = 12
 DEFAULT_TIMEOUT_S = 1800
 
 
@@ -40,6 +42,8 @@ class PlaybookSummary:
     seconds: float
     hosts: Dict[str, Dict[str, int]] = field(default_factory=dict)  # host -> COUNTS
     failures: List[Dict[str, Any]] = field(default_factory=list)  # {host, task, message, unreachable, ignored}
+    # the slowest tasks: {"task" ("role : name"), "seconds" (the slowest host's), "host"}, slowest first
+    slowest: List[Dict[str, Any]] = field(default_factory=list)
     run_dir: str = ""
     artifact_dir: str = ""
 
@@ -88,6 +92,16 @@ def failure_message(res: Mapping[str, Any]) -> str:
     return " ".join(msg.split())[:1000] or "(no message)"
 
 
+def ansible_error(stdout: str) -> str:
+    """The ERROR line Ansible printed (and where it points), else its last lines; one line."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in stdout.splitlines()]
+    lines = [line for line in lines if line]
+    for i, line in enumerate(lines):
+        if line.startswith(("ERROR!", "[ERROR]")):
+            return " ".join(" ".join(lines[i:i + 2]).split())[:1000]
+    return " ".join(" ".join(lines[-3:]).split())[:1000]
+
+
 class EventCollector:
     """Folds ansible-runner events into counts and failures; forwards each event to `on_event`."""
 
@@ -95,6 +109,10 @@ class EventCollector:
         self.on_event = on_event
         self.failures: List[Dict[str, Any]] = []
         self.stats: Optional[Dict[str, Any]] = None
+        self.durations: Dict[str, Dict[str, Any]] = {}  # task -> its slowest host's result
+
+    def slowest(self, n: int = SLOWEST_SHOWN) -> List[Dict[str, Any]]:
+        return sorted(self.durations.values(), key=lambda d: -d["seconds"])[:n]
 
     def __call__(self, event: Dict[str, Any]) -> bool:
         kind = event.get("event", "")
@@ -106,7 +124,12 @@ class EventCollector:
                                       "play": data.get("play") or "", "message": failure_message(res),
                                       "unreachable": kind == "runner_on_unreachable",
                                       "ignored": bool(data.get("ignore_errors"))})
-        elif kind == "playbook_on_stats":
+        if kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and data.get("duration") is not None:
+            task = "%s : %s" % (data["role"], data.get("task") or "") if data.get("role") else data.get("task") or ""
+            seconds = round(float(data["duration"]), 2)
+            if seconds > self.durations.get(task, {}).get("seconds", -1):
+                self.durations[task] = {"task": task, "seconds": seconds, "host": data.get("host")}
+        if kind == "playbook_on_stats":
             self.stats = data
         if self.on_event is not None:
             try:
@@ -154,7 +177,7 @@ def run_playbook(playbook: str, inventory: str, check: bool = False, run_dir: Op
     ident = "%s-%s" % (playbook.split(".")[0], stamp)
     args = list(cmdline) + (["--check"] if check else [])
     env = dict(tool_env())
-    env.setdefault("ANSIBLE_FORCE_COLOR", "0")
+    env.update(ANSIBLE_FORCE_COLOR="0", ANSIBLE_NOCOLOR="1")  # artifacts and messages in plain text
     env.update(envvars or {})
     collector = EventCollector(on_event)
     t0 = time.monotonic()
@@ -172,16 +195,14 @@ def run_playbook(playbook: str, inventory: str, check: bool = False, run_dir: Op
     stats = collector.stats or runner.stats
     summary = PlaybookSummary(playbook=playbook, inventory=inventory, check=check, rc=int(runner.rc or 0),
                               status=str(runner.status), seconds=round(seconds, 1), hosts=host_counts(stats),
-                              failures=collector.failures, run_dir=run_dir,
+                              failures=collector.failures, slowest=collector.slowest(), run_dir=run_dir,
                               artifact_dir=os.path.join(run_dir, "artifacts", ident))
     if runner.status == "timeout":
         summary.failures.append({"host": "", "task": "", "play": "", "unreachable": False, "ignored": False,
                                  "message": "the run passed its %d s limit and was stopped" % timeout_s})
     elif not summary.ok and not [f for f in summary.failures if not f["ignored"]]:
         # ansible-playbook failed before any task (a syntax or inventory error): its own words
-        tail = [line for line in summary.stdout().strip().splitlines() if line.strip()][-3:]
         summary.failures.append({"host": "", "task": "", "play": "", "unreachable": False, "ignored": False,
-                                 "message": " ".join(" ".join(tail).split())[:1000] or "ansible-playbook exit %d"
-                                 % summary.rc})
+                                 "message": ansible_error(summary.stdout()) or "ansible-playbook exit %d" % summary.rc})
     summary.write_json()
     return summary
