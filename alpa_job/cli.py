@@ -8,56 +8,136 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from typing import List, Optional
 
+from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, KitError
 
 SUBCOMMANDS = ("train", "inspect", "doctor", "cluster")
 
 
+EXIT_CODES = ("exit codes: 0 done; 1 training failed (the report in the run directory says how far it got); "
+              "2 bad input (one line: what to change); 3 a check found the cluster unhealthy; "
+              "4 a network wait ran past its deadline (--address, node start)")
+
+TRAIN_EPILOG = """examples:
+  python -m alpa_job train                                    # the tutorial MLP on a local Ray, 8 CPU devices
+  python -m alpa_job train --preset gpt-small --strategy auto # try data/fsdp/tensor, keep the fastest
+  python -m alpa_job train --model gpt --strategy tensor --model-parallel 2 --steps 50 --out runs/gpt-tp2
+  python -m alpa_job train --address 10.0.0.1:6379 --checkpoint-every 100 --out runs/long --resume
+
+runs go to runs/<time>-<model>-<strategy>/ (runs/latest points at the newest): report.html/.md/.json,
+train.log, checkpoints/. Compare runs: python -m alpa_job inspect --compare runs/A runs/B
+
+""" + EXIT_CODES
+
+
+def _default(name: str) -> str:
+    """' (default: X)' from JobConfig's default, so --help never disagrees with the code."""
+    from alpa_job.config import JobConfig
+
+    value = getattr(JobConfig, name)
+    return "" if value is None else f" (default: {value})"
+
+
+def _choices(names) -> str:
+    """{a,b,c} in --help; the value itself is checked by config.py, whose error suggests the nearest name."""
+    return "{" + ",".join(names) + "}"
+
+
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model and write a report (the default command)")
-    p.add_argument("--preset", help="named settings from alpa_job/presets (gpt-24l, mlp-tutorial, ...); "
-                                    "--config and flags override it")
-    p.add_argument("--config", help="YAML file of job settings; flags override it")
-    p.add_argument("--model", help="mlp | wide_resnet | gpt")
-    p.add_argument("--dataset", help="synthetic | cifar10")
-    p.add_argument("--data-dir", help="cifar10: folder with data_batch_1..5")
-    p.add_argument("--num-samples", type=int, help="synthetic dataset size")
-    p.add_argument("--batch-size", type=int, help="global batch size")
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--steps", type=int, help="stop after this many steps")
-    p.add_argument("--learning-rate", type=float)
-    ragged = p.add_mutually_exclusive_group()
+    from alpa_job.config import ALPA_STRATEGIES, DATASETS, DTYPES, ENGINES, STRATEGIES
+    from alpa_job.models import model_names
+
+    p = sub.add_parser("train", help="train a model and write a report (the default command)",
+                       description="Train a model with a parallel strategy and write a report of its plan.",
+                       epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = _default
+    g = p.add_argument_group("settings files")
+    g.add_argument("--preset", metavar="NAME", help="named settings from alpa_job/presets (gpt-24l, mlp-tutorial, "
+                                                    "...); --config and flags override it")
+    g.add_argument("--config", metavar="FILE", help="YAML file of job settings (keys as the flags, - or _); "
+                                                    "flags override it")
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", metavar=_choices(model_names()), help="what to train" + d("model"))
+    g.add_argument("--dataset", metavar=_choices(DATASETS), help="synthetic (learnable, generated) or local CIFAR-10"
+                   + d("dataset"))
+    g.add_argument("--data-dir", metavar="DIR", help="cifar10: the extracted cifar-10-batches-py folder")
+    g.add_argument("--num-samples", type=int, metavar="N", help="synthetic dataset size" + d("num_samples"))
+    g.add_argument("--batch-size", type=int, metavar="N", help="global batch, split over the data-parallel axis"
+                   + d("batch_size"))
+    g.add_argument("--epochs", type=int, metavar="N", help="passes over the dataset" + d("epochs"))
+    g.add_argument("--steps", type=int, metavar="N", help="stop after N steps (default: all epochs)")
+    g.add_argument("--learning-rate", type=float, metavar="LR", help="Adam learning rate" + d("learning_rate"))
+    g.add_argument("--dtype", metavar=_choices(DTYPES), help="compute dtype" + d("dtype"))
+    g.add_argument("--seed", type=int, help="parameters and data order" + d("seed"))
+    ragged = g.add_mutually_exclusive_group()
     ragged.add_argument("--drop-remainder", dest="remainder", action="store_const", const="drop",
                         help="drop a ragged last batch (default)")
     ragged.add_argument("--pad-remainder", dest="remainder", action="store_const", const="pad",
                         help="pad a ragged last batch and mask it out of the loss")
-    p.add_argument("--engine", help="auto | jax | alpa (auto: alpa when it imports, else jax)")
-    p.add_argument("--strategy", help="jax: data | fsdp | tensor | auto; alpa: data | shard | pipeshard-manual | "
-                                      "pipeshard-auto")
-    p.add_argument("--model-parallel", type=int, help="tensor: size of the model mesh axis")
-    p.add_argument("--devices", type=int, help="CPU devices to emulate per process without an accelerator")
-    p.add_argument("--processes", type=int, help="JAX processes, one per node (default: every alive node)")
-    p.add_argument("--dtype", help="float32 | bfloat16")
-    p.add_argument("--address", help="local | auto | HOST:PORT | none (default: RAY_ADDRESS, else local)")
-    p.add_argument("--cluster-spec", help="cluster spec YAML (ports, CIDR); default: the package's")
-    p.add_argument("--out", help="run directory for report and checkpoints (default runs/latest)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--checkpoint-every", type=int, help="save an orbax checkpoint every N steps")
-    p.add_argument("--resume", action="store_const", const=True, help="continue from the latest checkpoint in --out")
-    p.add_argument("--max-restarts", type=int, help="jax on Ray: after a lost process/node, restart this many times on "
-                                                    "the surviving nodes from the last checkpoint (default 0: fail fast)")
-    p.add_argument("--restart-wait", type=float, help="seconds a restart waits for a replacement node to join (default 0)")
-    p.add_argument("--auto-trial-steps", type=int, help="auto: timed steps per candidate")
-    p.add_argument("--memory-limit-gb", type=float, help="auto: per-device memory budget")
-    p.add_argument("--micro-batches", type=int, help="alpa: num_micro_batches")
-    p.add_argument("--pipeline-stages", type=int, help="alpa pipeshard-manual: stages (default: one per node)")
-    p.add_argument("--pipeline-layers", type=int, help="alpa pipeshard-auto: AutoLayerOption layer_num")
-    p.add_argument("--plan-cache", help="alpa pipeshard-auto: folder to save/reuse the auto search result")
-    for name in ("hidden-dim", "depth", "width", "num-layers", "d-model", "num-heads", "seq-len", "vocab-size"):
-        p.add_argument(f"--{name}", type=int)
+    sizes = (("hidden-dim", "mlp: width (layers 4h -> h -> 4h -> h)"), ("depth", "wide_resnet: 6n+4"),
+             ("width", "wide_resnet: widening factor k"), ("num-layers", "gpt: transformer blocks"),
+             ("d-model", "gpt: embedding width"), ("num-heads", "gpt: attention heads (divide --d-model)"),
+             ("seq-len", "gpt: tokens per sequence"), ("vocab-size", "gpt: vocabulary"))
+    for name, text in sizes:
+        g.add_argument(f"--{name}", type=int, metavar="N", help=text + d(name.replace("-", "_")))
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--engine", metavar=_choices(ENGINES), help="auto: alpa when it imports, else jax" + d("engine"))
+    g.add_argument("--strategy", metavar=_choices(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES)),
+                   help=f"jax: {' | '.join(STRATEGIES)}; alpa: {' | '.join(ALPA_STRATEGIES)}" + d("strategy"))
+    g.add_argument("--model-parallel", type=int, metavar="N",
+                   help="tensor: size of the model mesh axis (default: the largest of 1-4 that divides)")
+    g.add_argument("--devices", type=int, metavar="N", help="CPU devices to emulate per process without an "
+                                                            "accelerator" + d("devices"))
+    g.add_argument("--auto-trial-steps", type=int, metavar="N", help="auto: timed steps per candidate"
+                   + d("auto_trial_steps"))
+    g.add_argument("--memory-limit-gb", type=float, metavar="GB",
+                   help="auto: per-device memory budget (default: the device's own)")
+    g.add_argument("--micro-batches", type=int, metavar="N", help="alpa: num_micro_batches" + d("micro_batches"))
+    g.add_argument("--pipeline-stages", type=int, metavar="N",
+                   help="alpa pipeshard-manual: stages (default: one per node)")
+    g.add_argument("--pipeline-layers", type=int, metavar="N",
+                   help="alpa pipeshard-auto: AutoLayerOption layer_num (default: the model's layers)")
+    g.add_argument("--plan-cache", metavar="DIR", help="alpa pipeshard-auto: folder to save/reuse the auto "
+                                                       "search result")
+
+    g = p.add_argument_group("cluster")
+    g.add_argument("--address", metavar="ADDR", help="local | auto | HOST:PORT (the head's GCS) | none (no Ray) "
+                                                     "(default: RAY_ADDRESS, else local)")
+    g.add_argument("--processes", type=int, metavar="N", help="JAX processes, one per node (default: every "
+                                                              "alive node)")
+    g.add_argument("--cluster-spec", metavar="FILE", help="cluster spec YAML (ports, CIDR) (default: the "
+                                                          "package's, or ALPA_KIT_CLUSTER_SPEC)")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", metavar="DIR", help="run directory for report, train.log and checkpoints (default: "
+                                                "runs/<time>-<model>-<strategy>, runs/latest -> the newest)")
+    g.add_argument("--checkpoint-every", type=int, metavar="N", help="save an orbax checkpoint every N steps "
+                                                                     "(default: none)")
+    g.add_argument("--resume", action="store_const", const=True,
+                   help="continue from the latest checkpoint in --out (same model settings)")
+    g.add_argument("--overwrite", action="store_const", const=True,
+                   help="replace the checkpoints and reports of an earlier run in --out")
+    g.add_argument("--max-restarts", type=int, metavar="N",
+                   help="jax engine on Ray: after a lost process or node, restart up to N times on the nodes alive "
+                        "then, from the last checkpoint (default 0: fail fast)")
+    g.add_argument("--restart-wait", type=float, metavar="S",
+                   help="seconds a restart waits for a replacement node to join (default 0: the survivors)")
+    g.add_argument("--progress-every", type=int, metavar="N", default=0,
+                   help="without a terminal: a progress line every N steps (default: about 10 per run)")
+    _verbosity_flags(g)
+
+
+def _verbosity_flags(g) -> None:
+    loud = g.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_true",
+                      help="also Ray's own output (worker logs, C++ warnings, notices)")
+    loud.add_argument("-q", "--quiet", action="store_true", help="only the result line and errors")
 
 
 def _inspect_parser(sub) -> None:
@@ -85,7 +165,8 @@ def _cluster_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m alpa_job", description=__doc__.splitlines()[0])
+    parser = KitArgumentParser(prog="python -m alpa_job", description=__doc__.splitlines()[0],
+                               epilog=EXIT_CODES)
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
     _inspect_parser(sub)
@@ -94,12 +175,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class KitArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes are the kit's one-line errors (exit 2), with the nearest flag suggested."""
+
+    known_options: List[str] = []
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        hint = ""
+        match = re.search(r"unrecognized arguments: (\S+)", message)
+        if match:
+            hint = did_you_mean(match.group(1).split("=")[0], KitArgumentParser.known_options)
+        raise KitError(f"{message}{hint}; see {self.prog} --help")
+
+
+def _all_options(parser: argparse.ArgumentParser) -> List[str]:
+    names: List[str] = []
+    for action in parser._actions:  # argparse keeps no public list of a parser's options
+        names += [o for o in action.option_strings if o.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                names += _all_options(child)
+    return sorted(set(names))
+
+
+def _command_argv(argv: List[str]) -> List[str]:
+    """Bare flags mean `train`; a first word that is no command is an error naming the nearest one."""
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        return ["train"] + argv
+    if argv[0] not in SUBCOMMANDS + ("-h", "--help"):
+        raise KitError(f"unknown command {argv[0]!r}{did_you_mean(argv[0], SUBCOMMANDS)}; "
+                       f"use one of: {', '.join(SUBCOMMANDS)} (python -m alpa_job --help)")
+    return argv
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS + ("-h", "--help"):
-        argv = ["train"] + argv  # bare flags mean train
-    args = build_parser().parse_args(argv)
     try:
+        parser = build_parser()
+        KitArgumentParser.known_options = _all_options(parser)
+        args = parser.parse_args(_command_argv(argv))
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "doctor":
@@ -112,24 +226,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             return ops_cli.main(args)
         return _train(args)
     except KitError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr, flush=True)
         logging.getLogger(__name__).debug("user error", exc_info=True)
         return err.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted (the run directory keeps a report of the steps done)", file=sys.stderr)
+        return 130
 
 
 def _train(args) -> int:
-    from alpa_job import config as config_lib
+    from alpa_job import config as config_lib, progress
     from alpa_job.runner import run_job
 
+    verbosity = progress.VERBOSE if args.verbose else progress.QUIET if args.quiet else progress.DEFAULT
+    progress.configure(verbosity, every=args.progress_every)
+    if args.progress_every < 0:
+        raise KitError(f"--progress-every must be >= 0, got {args.progress_every}")
     file_values = config_lib.load_settings(args.preset, args.config)
     cli_values = {k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}
     config = config_lib.build_config(file_values, cli_values)
-    record, paths = run_job(config)
+    explicit = [k for k, v in cli_values.items() if v is not None]
+    if args.config:
+        explicit += list(config_lib.load_yaml_overrides(args.config))  # the user's file (not a preset's base)
+    record, paths = run_job(config, explicit=explicit, capture_native=True)
     s = record.summary
     print(f"trained {config.model} with {record.engine}/{record.strategy} on {s.devices} devices "
           f"({s.processes} process(es), {s.hosts} host(s)): {record.steps} steps, "
-          f"{record.compiles} compile, loss {s.loss_first} -> {s.loss_last}")
-    print(f"report: {paths['html']}  (also {os.path.basename(paths['json'])}, {os.path.basename(paths['md'])})")
+          f"{record.compiles} compile, loss {s.loss_first} -> {s.loss_last}", flush=True)
+    print(f"report: {paths['html']}  (also {os.path.basename(paths['json'])}, {os.path.basename(paths['md'])})",
+          flush=True)
     return EXIT_OK
 
 

@@ -66,11 +66,12 @@ class JobConfig:
     plan_cache: Optional[str] = None  # pipeshard-auto: folder that keeps/reuses the auto search result
 
     # Output and checkpoints.
-    out: str = "runs/latest"
+    out: Optional[str] = None  # None: runs/<time>-<model>-<strategy> with runs/latest -> it (alpa_job/rundir.py)
     checkpoint_every: int = 0  # 0: no checkpoints
     resume: bool = False
     max_restarts: int = 0  # JAX engine on Ray: restarts on the surviving nodes after a lost process (0: fail fast)
     restart_wait: float = 0.0  # seconds a restart waits for a replacement node to join (0: go on with the survivors)
+    overwrite: bool = False  # an --out holding another run's checkpoints: replace them (else refused)
 
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,6 +112,8 @@ class JobConfig:
         if self.resume and not self.checkpoint_every:
             # Resuming without saving again would silently lose the resumed progress.
             raise KitError("--resume needs --checkpoint-every N so the resumed run keeps saving")
+        if self.resume and self.overwrite:
+            raise KitError("--resume continues the run in --out and --overwrite replaces it; pass one of them")
         return self
 
 

@@ -1,61 +1,406 @@
-"""Progress for long work (compile, search, epochs): a bar on a terminal, plain lines elsewhere.
+"""Progress a trainer can watch: events from the training process, one display on the driver.
 
-Under `ray job submit` and inside Ray actors stderr is not a terminal and carriage-return bars
-turn into noise, so there we print one line per update instead.
+Producers (train.run_loop, the auto search, compile timers) call `Progress`, `phase`, `note` and
+`timed`; each makes an event (a small dict) and hands it to this process's sink:
+  - on the driver (in-process training, the Alpa engine): the `Display` itself;
+  - in process 0's Ray actor: a `ChannelSink` that batches events to a tiny `ProgressChannel` actor
+    (a fire-and-forget call at most every 0.5 s, plus one per phase), which the driver drains while
+    it waits for the training futures (`wait_for`). No per-step host sync: the loss shown is the
+    previous step's, converted at most once per display interval (that step has long finished);
+  - in the other processes: nothing (process 0 speaks for the run).
+
+The `Display` renders on the driver: on a TTY a rich progress bar (step, loss, samples/s, ETA) with
+phase lines printed above it; elsewhere plain lines every `every` steps with the same fields. Every
+line also goes to the run's train.log (no ANSI codes). Verbosity: -1 quiet (only the final summary
+and errors), 0 default, 1 verbose (Ray's own logs come back too; see `ray_noise_env`).
+
+Python 3.9-compatible, rich optional (the Alpa image may lack it: plain lines then).
 """
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+Event = Dict[str, Any]
+FLUSH_INTERVAL_S = 0.5  # actor -> driver batching
+LOSS_INTERVAL_S = 1.0  # how often a loss is read back to the host for display
+QUIET, DEFAULT, VERBOSE = -1, 0, 1
 
 
-def _is_tty() -> bool:
-    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+def _is_tty(stream=None) -> bool:
+    stream = stream or sys.stderr
+    return hasattr(stream, "isatty") and stream.isatty()
 
 
-class Progress:
-    def __init__(self, desc: str, total: Optional[int], unit: str = "step"):
-        self.desc, self.total, self.unit, self.n = desc, total, unit, 0
-        self._bar = None
-        self._last_line = 0.0
-        if _is_tty():
-            try:
-                from tqdm import tqdm
+# ============================================================================ the driver's display
+class Display:
+    """Renders events for the user; remembers the last step (a failed run's report says how far it got)."""
 
-                self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
-            except ImportError:  # tqdm is optional on the legacy image
-                self._bar = None
+    def __init__(self, verbosity: int = DEFAULT, tty: Optional[bool] = None, every: int = 0,
+                 stream=None, log_path: Optional[str] = None):
+        self.verbosity = verbosity
+        self.stream = stream or sys.stderr
+        self.tty = _is_tty(self.stream) if tty is None else tty
+        self.every = every  # 0: about 10 lines per run
+        self.last_step = 0
+        self.total: Optional[int] = None
+        self.last: Event = {}
+        self._log = None
+        self._rich = None
+        self._task = None
+        if log_path:
+            self.open_log(log_path)
 
-    def update(self, n: int = 1, **postfix: object) -> None:
-        self.n += n
-        if self._bar is not None:
-            self._bar.update(n)
-            if postfix:
-                self._bar.set_postfix(postfix, refresh=False)
+    # ----- train.log
+    def open_log(self, path: str) -> None:
+        self.close_log()
+        self._log = open(path, "a", buffering=1)
+
+    def close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _log_line(self, text: str) -> None:
+        if self._log is not None:
+            stamp = time.strftime("%H:%M:%S")
+            self._log.write(f"{stamp} {text}\n")
+
+    # ----- output
+    def line(self, text: str, important: bool = False) -> None:
+        """One line for the user (above the bar on a TTY) and for train.log."""
+        self._log_line(text)
+        if self.verbosity <= QUIET and not important:
             return
-        now = time.monotonic()
-        done = self.total is not None and self.n >= self.total
-        if done or now - self._last_line >= 2.0:
-            self._last_line = now
-            of = f"/{self.total}" if self.total else ""
-            extra = " ".join(f"{k}={v}" for k, v in postfix.items())
-            print(f"[{self.desc}] {self.n}{of} {self.unit}s {extra}".rstrip(), file=sys.stderr, flush=True)
+        if self._rich is not None:
+            self._rich.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def __call__(self, event: Event) -> None:
+        self.handle(event)
+
+    def handle(self, event: Event) -> None:
+        kind = event.get("kind")
+        if kind == "step":
+            self._step(event)
+        elif kind == "start":
+            self.total = event.get("total")
+            self.last_step = event.get("first", 0)
+            self._log_line(f"[{event.get('desc', 'train')}] {self.total} steps from step {self.last_step}")
+            self._start_bar(event)
+        elif kind == "end":
+            self._stop_bar()
+        elif kind in ("phase", "note"):
+            self.line(event["text"], important=event.get("important", False))
+
+    def _start_bar(self, event: Event) -> None:
+        if not self.tty or self.verbosity <= QUIET:
+            return
+        try:
+            from rich.progress import (BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+        except ImportError:
+            return
+        self._stop_bar()
+        self._rich = RichProgress(
+            TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
+            console=_rich_console(self.stream))
+        self._rich.start()
+        self._task = self._rich.add_task(event.get("desc", "train"), total=event.get("total"), loss="-", rate="-",
+                                         completed=0)
+
+    def _stop_bar(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+            self._task = None
+
+    def _step(self, event: Event) -> None:
+        self.last_step = event.get("step", self.last_step)
+        self.total = event.get("total", self.total)
+        self.last = event
+        loss = event.get("loss")
+        rate = event.get("rate")
+        text = format_step(event)
+        if self._rich is not None:
+            self._rich.update(self._task, completed=event.get("done", 0),
+                              loss="-" if loss is None else f"{loss:.4g}",
+                              rate="-" if rate is None else f"{rate:,.0f}")
+        every = self.every or max(1, (self.total or 10) // 10)
+        due = event.get("done", 0) % every == 0 or event.get("last")
+        if due:
+            self._log_line(text)
+            if self._rich is None and self.verbosity > QUIET:
+                print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        self._stop_bar()
+        self.close_log()
+
+
+def format_step(event: Event) -> str:
+    """`[train] step 40/210  loss 0.8123  5,120 samples/s  ETA 12 s` (the fields known so far)."""
+    parts = [f"[{event.get('desc', 'train')}] step {event.get('step')}/{event.get('total_step', '?')}"]
+    if event.get("loss") is not None:
+        parts.append(f"loss {event['loss']:.4g}")
+    if event.get("rate") is not None:
+        parts.append(f"{event['rate']:,.0f} samples/s")
+    if event.get("eta") is not None:
+        parts.append(f"ETA {_duration(event['eta'])}")
+    return "  ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _rich_console(stream):
+    from rich.console import Console
+
+    return Console(file=stream, stderr=stream is sys.stderr)
+
+
+# ============================================================================ sinks
+_sink: Optional[Callable[[Event], None]] = None
+_display: Optional[Display] = None
+
+
+def display() -> Display:
+    """This process's display (created on first use with default settings)."""
+    global _display
+    if _display is None:
+        _display = Display()
+    return _display
+
+
+def configure(verbosity: int = DEFAULT, every: int = 0, stream=None) -> Display:
+    """The driver's display (the CLI calls this once); also this process's sink."""
+    global _display, _sink
+    if _display is not None:
+        _display.close()
+    _display = Display(verbosity=verbosity, every=every, stream=stream)
+    _sink = _display
+    return _display
+
+
+def set_sink(sink: Optional[Callable[[Event], None]]) -> None:
+    global _sink
+    _sink = sink
+
+
+def emit(kind: str, **fields: Any) -> None:
+    sink = _sink if _sink is not None else display()
+    sink(dict(kind=kind, **fields))
+
+
+class ChannelSink:
+    """Process 0's sink inside a Ray actor: batches events to the driver's ProgressChannel."""
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+        self.pending: List[Event] = []
+        self.last_flush = 0.0
+
+    def __call__(self, event: Event) -> None:
+        self.pending.append(event)
+        now = time.monotonic()
+        if event["kind"] != "step" or event.get("last") or now - self.last_flush >= FLUSH_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.channel.push.remote(self.pending)  # fire and forget: never waits on the driver
+            self.pending = []
+        self.last_flush = time.monotonic()
+
+
+def _null_sink(event: Event) -> None:
+    if event["kind"] in ("phase", "note"):  # still in the worker's own log (ray logs / -v)
+        print(event["text"], file=sys.stderr, flush=True)
+
+
+def use_channel(channel: Any) -> None:
+    """In a Ray actor: send this process's events to `channel` (None: keep them local to its log)."""
+    set_sink(ChannelSink(channel) if channel is not None else _null_sink)
+
+
+def open_channel():
+    """A ProgressChannel actor (num_cpus=0, so it never takes a node's training CPU)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class ProgressChannel:
+        def __init__(self):
+            self.events: List[Event] = []
+
+        def push(self, events: List[Event]) -> None:
+            self.events.extend(events)
+
+        def drain(self) -> List[Event]:
+            out, self.events = self.events, []
+            return out
+
+    return ProgressChannel.remote()
+
+
+def wait_for(futures: List[Any], channel: Any, poll_s: float = 0.5) -> List[Any]:
+    """`ray.get(futures)` that shows process 0's progress while it waits."""
+    import ray
+
+    pending = list(futures)
+    try:
+        while pending:
+            _ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+            _drain(channel)
+        _drain(channel)
+    finally:
+        display()._stop_bar()
+    return ray.get(futures)
+
+
+def _drain(channel: Any) -> None:
+    import ray
+
+    try:
+        events = ray.get(channel.drain.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - progress is best effort; the futures carry the real errors
+        return
+    for event in events:
+        display().handle(event)
+
+
+# ============================================================================ producers
+class Progress:
+    """Steps of one loop (train) or candidates of a search; `update` after each."""
+
+    def __init__(self, desc: str, total: Optional[int], unit: str = "step", first: int = 0):
+        self.desc, self.total, self.unit, self.n, self.first = desc, total, unit, 0, first
+        self.start = time.perf_counter()
+        self.samples = 0
+        self._loss_at = 0.0
+        self._prev_loss: Any = None
+        self._shown_loss: Optional[float] = None
+        if unit == "step":
+            emit("start", desc=desc, total=total, first=first)
+
+    def update(self, n: int = 1, **postfix: Any) -> None:
+        self.n += n
+        if self.unit != "step":
+            detail = " ".join(f"{k}={v}" for k, v in postfix.items())
+            emit("phase", text=f"[{self.desc}] {self.n}/{self.total} {detail}".rstrip())
+            return
+        self.samples += int(postfix.get("samples") or 0)
+        loss = postfix.get("loss")
+        now = time.perf_counter()
+        last = self.total is not None and self.n >= self.total
+        if self._prev_loss is not None and (last or now - self._loss_at >= LOSS_INTERVAL_S):
+            # The previous step's loss: finished by now, so reading it does not stall the pipeline.
+            self._shown_loss = _to_float(self._prev_loss)
+            self._loss_at = now
+        if last and loss is not None:
+            self._shown_loss = _to_float(loss)
+        self._prev_loss = loss
+        elapsed = now - self.start
+        rate = self.samples / elapsed if self.samples and elapsed > 0 else None
+        eta = (self.total - self.n) * elapsed / self.n if self.total and self.n else None
+        emit("step", desc=self.desc, done=self.n, total=self.total, step=self.first + self.n,
+             total_step=self.first + (self.total or 0), loss=self._shown_loss, rate=rate, eta=eta, last=last,
+             epoch=postfix.get("epoch"))
+
+    def close(self) -> None:
+        if self.unit == "step":
+            emit("end", desc=self.desc)
+        if isinstance(_sink, ChannelSink):
+            _sink.flush()
+
+
+def _to_float(value: Any) -> Optional[float]:
+    try:
+        return float(value)
+    except Exception:  # noqa: BLE001 - an engine's loss type float() cannot read: show no loss
+        return None
+
+
+def phase(text: str) -> None:
+    """A phase line: compiling, an auto-search candidate starting, the winner and why."""
+    emit("phase", text=text)
+    if isinstance(_sink, ChannelSink):
+        _sink.flush()
 
 
 def note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    emit("note", text=message)
 
 
 @contextmanager
 def timed(message: str) -> Iterator[None]:
     """`compiling train step ...` then `... done in 3.2 s`."""
-    note(f"{message} ...")
+    phase(f"{message} ...")
     start = time.perf_counter()
     yield
-    note(f"{message} done in {time.perf_counter() - start:.1f} s")
+    phase(f"{message} done in {time.perf_counter() - start:.1f} s")
+
+
+# ============================================================================ Ray's own noise
+def ray_noise_env(verbosity: int, tty: bool) -> Dict[str, str]:
+    """Environment for Ray's own output: without -v no dedup summaries; never colour codes in a log."""
+    env = {"RAY_DEDUP_LOGS": "0"}
+    if not tty:
+        env["RAY_COLOR_PREFIX"] = "0"
+    return env
+
+
+def quiet_ray_loggers(verbosity: int) -> None:
+    """Ray's Python warnings (the token-auth notice, ...) only with -v."""
+    if verbosity < VERBOSE:
+        import ray  # noqa: F401 - importing ray sets its logger's level, so ours must come after
+
+        logging.getLogger("ray").setLevel(logging.ERROR)
+
+
+class NativeStderr:
+    """Send what native code writes to fd 2 (Ray's C++ retry spam, raylet/GCS child processes, XLA)
+    to a log file, while Python's sys.stderr keeps going to the user. Undone by `restore`."""
+
+    def __init__(self, log_path: str):
+        self.log_path = log_path
+        self._saved_fd: Optional[int] = None
+        self._saved_stderr = None
+
+    def start(self) -> "NativeStderr":
+        sys.stderr.flush()
+        self._saved_fd = os.dup(2)
+        self._saved_stderr = sys.stderr
+        user = os.fdopen(os.dup(self._saved_fd), "w", buffering=1, errors="replace")
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        sys.stderr = user
+        if _display is not None and _display.stream is self._saved_stderr:
+            _display.stream = user
+        return self
+
+    def restore(self) -> None:
+        if self._saved_fd is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self._saved_fd, 2)
+        os.close(self._saved_fd)
+        self._saved_fd = None
+        if _display is not None and _display.stream is sys.stderr:
+            _display.stream = self._saved_stderr
+        sys.stderr = self._saved_stderr

@@ -23,6 +23,19 @@ def build_report(config, results: Iterable[Any], address: Optional[str] = None) 
     return RunRecord.from_processes(results, config.as_dict(), created=created, address=address)
 
 
+def failed_report(config, engine: str, status: str, error: str, steps_done: int,
+                  address: Optional[str] = None) -> RunRecord:
+    """The record of a run that stopped part-way: what was asked, how far it got, and why it stopped."""
+    from alpa_job import versions
+
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = RunRecord(engine=engine, strategy=config.strategy, requested_strategy=config.strategy,
+                       steps=int(steps_done or 0), config=config.as_dict(), created=created, address=address,
+                       status=status, error=error, versions=versions.collect())
+    record.summary = record.summarize()
+    return record
+
+
 def report_json(record: RunRecord) -> str:
     return json.dumps(record.to_dict(), indent=2, sort_keys=False, default=str)
 

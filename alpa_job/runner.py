@@ -1,23 +1,29 @@
-"""Run a job end to end: resolve the engine, the cluster spec and the address once, place the
-training, write the report.
+"""Run a job end to end: check everything the config allows (before Ray), resolve the engine, the
+cluster spec and the address once, place the training, write the report -- also when training fails.
 
 Every engine trains through the one loop, `train.train_process`; what differs is where it runs:
   alpa          on the driver, inside an Alpa session (alpa.parallelize drives every GPU node)
   jax, no Ray   in this process (benchmarks, tests, machines without Ray)
-  jax, Ray      one JAX process per node, each a Ray actor (cluster/processes.py)
+  jax, Ray      one JAX process per node, each a Ray actor (cluster/processes.py); process 0's
+                progress reaches the driver's display through a small channel actor (progress.py)
 """
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any, List, Tuple
+import traceback
+from typing import Any, Iterable, List, Optional, Tuple
 
+from alpa_job import progress, rundir, validate
 from alpa_job.cluster.connect import NO_RAY, connect, resolve_address
 from alpa_job.cluster.spec import load_spec
 from alpa_job.config import check_engine_strategy
 from alpa_job.engines import resolve_engine
 from alpa_job.errors import KitError
 from alpa_job.inspect.record import ProcessResult
-from alpa_job.report import build_report, write_report
+from alpa_job.report import build_report, failed_report, write_report
+
+JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this (plus the TCP check's share): issue 13's 20 s
 
 
 def run_in_process(config, return_state: bool = False) -> ProcessResult:
@@ -29,21 +35,50 @@ def run_in_process(config, return_state: bool = False) -> ProcessResult:
     return train_process(config, return_state=return_state)
 
 
-def run_job(config) -> Tuple[Any, dict]:
-    """Train as `config` says; returns (the run record, the written report's paths)."""
+def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) -> Tuple[Any, dict]:
+    """Train as `config` says; returns (the run record, the written report's paths).
+
+    `explicit`: the settings the user named (flags, config file), for the inert-flag check.
+    `capture_native`: send native stderr (Ray's C++ logs, raylet) to RUN_DIR/ray.log unless -v (the CLI)."""
     engine = resolve_engine(config.engine)
     check_engine_strategy(engine, config.strategy)
     spec = load_spec(config.cluster_spec)  # resolved once; everything below gets it passed down
     address = resolve_address(config.address)
-    results = _train(engine, config, address, spec)
+    validate.preflight(config, engine, address, explicit)
+    config = rundir.prepare(config, explicit_out=bool(config.out))
+    shown = progress.display()
+    shown.open_log(os.path.join(config.out, "train.log"))
+    shown.line(f"[alpa_job] run directory {config.out}")
+    if capture_native and shown.verbosity < progress.VERBOSE:
+        progress.NativeStderr(os.path.join(config.out, "ray.log")).start()  # for the rest of this process
+    try:
+        results = _train(engine, config, address, spec, shown)
+    except BaseException as err:
+        _write_failed(config, engine, address, err, shown)
+        raise
     report = build_report(config, results, address=address)
-    return report, write_report(report, config.out)
+    paths = write_report(report, config.out)
+    shown.close_log()
+    return report, paths
 
 
-def _train(engine: str, config, address: str, spec) -> List[ProcessResult]:
+def _write_failed(config, engine: str, address: str, err: BaseException, shown) -> None:
+    """The report of a run that stopped part-way: status, the error, the steps done (never masks `err`)."""
+    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    message = str(err) if isinstance(err, KitError) else \
+        (traceback.format_exception_only(type(err), err)[-1].strip() or type(err).__name__)
+    try:
+        record = failed_report(config, engine, status, message, shown.last_step, address=address)
+        paths = write_report(record, config.out)
+        shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {paths['html']}", important=True)
+    except Exception as report_err:  # noqa: BLE001 - the training error is the one to show
+        shown.line(f"[alpa_job] could not write the failed run's report ({report_err})", important=True)
+    finally:
+        shown.close()
+
+
+def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult]:
     if engine == "alpa":
-        if address == NO_RAY:
-            raise KitError("--engine alpa needs Ray (Alpa places its meshes with Ray); drop --address none")
         from alpa_job.engines.alpa_engine import AlpaEngine, alpa_session
         from alpa_job.train import train_process
 
@@ -51,8 +86,13 @@ def _train(engine: str, config, address: str, spec) -> List[ProcessResult]:
             return [train_process(config, build_engine=AlpaEngine.factory(cluster))]
     if address == NO_RAY:
         return [run_in_process(config)]
-    where = connect(address, engine, spec=spec)
-    print(f"[alpa_job] joined {where}", file=sys.stderr, flush=True)
+    os.environ.update(progress.ray_noise_env(shown.verbosity, shown.tty))
+    progress.quiet_ray_loggers(shown.verbosity)
+    where = connect(address, engine, spec=spec, timeout_s=JOIN_TIMEOUT_S,
+                    log_to_driver=shown.verbosity >= progress.VERBOSE)
+    shown.line(f"[alpa_job] joined {where}")
+    from alpa_job.cluster import ray_api
     from alpa_job.cluster.processes import run_on_nodes
 
+    validate.check_cluster_size(config, ray_api.alive_nodes())  # the one check that needs the cluster
     return run_on_nodes(config, spec)

@@ -171,7 +171,7 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
     steps = samples_seen = samples_dropped = 0
     losses: List[float] = []
     global_step = start_step
-    bar = progress.Progress("train", total_steps - start_step)
+    bar = progress.Progress("train", total_steps - start_step, first=start_step)
     loop_start = time.perf_counter()
     while global_step < total_steps:
         epoch_index, skip = divmod(global_step, data.epoch.steps)
@@ -190,7 +190,7 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
                 checkpointer.maybe_save(global_step, state)
             if on_step is not None:
                 on_step(global_step)
-            bar.update(1, epoch=epoch_index + 1)
+            bar.update(1, epoch=epoch_index + 1, loss=loss, samples=real)  # loss: read back throttled
         else:
             samples_dropped += data.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
         losses.extend(engine.to_floats(pending))  # one host sync per epoch

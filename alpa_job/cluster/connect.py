@@ -21,8 +21,9 @@ def resolve_address(address: Optional[str]) -> str:
 
 
 def connect(address: str, engine: str, num_cpus: Optional[int] = None, spec=None,
-            timeout_s: float = ray_api.JOIN_TIMEOUT_S) -> str:
-    """ray.init for `address` (bounded); returns a description of what was joined."""
+            timeout_s: float = ray_api.JOIN_TIMEOUT_S, log_to_driver: bool = True) -> str:
+    """ray.init for `address` (bounded); returns a description of what was joined. `log_to_driver`
+    False: the workers' output stays in their Ray logs (the job's progress comes through progress.py)."""
     address = ray_api.normalize_address(address, spec, default=LOCAL)
     if engine == "alpa":
         from alpa_job.engines.alpa_guards import refuse_ray_client  # pure checks, no `import alpa`
@@ -30,5 +31,5 @@ def connect(address: str, engine: str, num_cpus: Optional[int] = None, spec=None
         refuse_ray_client(address)
     if address == LOCAL:
         return ray_api.join_ray(LOCAL, num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
-                                object_store_memory=200 * 2**20, log_to_driver=True, configure_logging=False)
-    return ray_api.join_ray(address, timeout_s, log_to_driver=True, configure_logging=False)
+                                object_store_memory=200 * 2**20, log_to_driver=log_to_driver, configure_logging=False)
+    return ray_api.join_ray(address, timeout_s, log_to_driver=log_to_driver, configure_logging=False)

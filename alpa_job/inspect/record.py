@@ -268,6 +268,8 @@ class RunRecord(ProcessResult):
     created: Optional[str] = None
     address: Optional[str] = None
     source: Optional[str] = None  # the folder an Alpa dump was read from
+    status: str = "ok"  # ok | failed | interrupted (a failed run still writes its report: issue 13)
+    error: Optional[str] = None  # why it stopped (one line), for failed/interrupted runs
     summary: Summary = dataclasses.field(default_factory=Summary)
 
     @classmethod

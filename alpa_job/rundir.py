@@ -1,0 +1,136 @@
+"""Where a run writes: one directory per run, never another run's files (issue 13: nothing lost).
+
+Without --out a run gets runs/<UTC time>-<model>-<strategy>/ and runs/latest becomes a symlink to it
+(replaced atomically; a real runs/latest folder from an older kit is moved aside under its own time).
+An explicit --out that already holds checkpoints belongs to another run: it is refused unless --resume
+(continue it: the checkpoint must exist and be of the same model) or --overwrite (its checkpoints and
+reports are removed first). The folder is created and probed for writing before Ray starts, and
+run.json (the job config) is written into it so a later --resume can tell which model it holds.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from typing import Any, Dict, Optional
+
+from alpa_job.errors import KitError
+
+RUNS_ROOT = "runs"
+LATEST = "latest"
+RUN_META = "run.json"
+CHECKPOINTS = "checkpoints"
+REPORT_FILES = ("report.json", "report.md", "report.html", "train.log", "ray.log")
+
+
+def _stamp(when: Optional[float] = None) -> str:
+    moment = datetime.datetime.fromtimestamp(when, datetime.timezone.utc) if when else \
+        datetime.datetime.now(datetime.timezone.utc)
+    return moment.strftime("%Y%m%d-%H%M%S")
+
+
+def new_run_dir(config, root: str = RUNS_ROOT) -> str:
+    """runs/<UTC time>-<model>-<strategy>, unique (a suffix when two runs start in the same second)."""
+    base = os.path.join(root, f"{_stamp()}-{config.model}-{config.strategy}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def checkpoint_steps(out: str) -> list:
+    """The saved steps under OUT/checkpoints (orbax keeps one folder per step, named by the number)."""
+    folder = os.path.join(out, CHECKPOINTS)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(n) for n in os.listdir(folder) if n.isdigit() and os.path.isdir(os.path.join(folder, n)))
+
+
+def saved_config(out: str) -> Optional[Dict[str, Any]]:
+    """The config of the run that wrote OUT: run.json, else report.json's `config` (older kits)."""
+    for name, key in ((RUN_META, None), ("report.json", "config")):
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                continue
+            data = data.get(key) if key else data
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+def check_out(config, explicit_out: bool) -> None:
+    """Refuse an --out that would mix two runs, and a --resume with nothing (or another model) to resume."""
+    from alpa_job.validate import MODEL_FIELDS
+
+    out = config.out
+    steps = checkpoint_steps(out) if out else []
+    if config.resume:
+        if not steps:
+            raise KitError(f"--resume: no checkpoint in {os.path.join(out, CHECKPOINTS)}; run once with "
+                           "--checkpoint-every N into this --out first, or drop --resume")
+        old = saved_config(out)
+        if old is not None:
+            fields = ("model",) + MODEL_FIELDS.get(config.model, ())
+            differ = [f for f in fields if f in old and old[f] != getattr(config, f)]
+            if differ:
+                what = ", ".join(f"--{f.replace('_', '-')} {old[f]} (now {getattr(config, f)})" for f in differ)
+                raise KitError(f"--resume: the checkpoint in {out} is of another model: {what}; "
+                               "resume with the same model settings or use another --out")
+        return
+    if steps and not config.overwrite:
+        raise KitError(f"--out {out} holds another run's checkpoints (steps up to {steps[-1]}); pass --resume to "
+                       "continue that run, --overwrite to replace it, or another --out")
+
+
+def prepare(config, explicit_out: bool, root: str = RUNS_ROOT):
+    """Resolve, check and create the run directory; returns the config with `out` set.
+
+    Nothing is written into an existing run's folder until every check passed."""
+    if not config.out:
+        config = config.replace(out=new_run_dir(config, root))
+    check_out(config, explicit_out)
+    out = config.out
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise KitError(f"--out {out}: cannot write there ({err.strerror}); pass a writable folder") from None
+    if config.overwrite and not config.resume:
+        shutil.rmtree(os.path.join(out, CHECKPOINTS), ignore_errors=True)
+        for name in REPORT_FILES + (RUN_META,):
+            if os.path.isfile(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+    if not config.resume or not os.path.isfile(os.path.join(out, RUN_META)):
+        write_meta(out, config)
+    if not explicit_out:
+        point_latest(os.path.dirname(out) or ".", out)
+    return config
+
+
+def write_meta(out: str, config) -> None:
+    tmp = os.path.join(out, RUN_META + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(config.as_dict(), f, indent=2, default=str)
+    os.replace(tmp, os.path.join(out, RUN_META))
+
+
+def point_latest(root: str, run_dir: str) -> str:
+    """root/latest -> run_dir (relative), replaced atomically; an old real `latest` folder is kept aside."""
+    link = os.path.join(root, LATEST)
+    if os.path.isdir(link) and not os.path.islink(link):
+        os.rename(link, os.path.join(root, f"{_stamp(os.path.getmtime(link))}-previous-latest"))
+    tmp = os.path.join(root, f".{LATEST}.{os.getpid()}")
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.relpath(run_dir, root), tmp)
+    os.replace(tmp, link)
+    return link

@@ -1,0 +1,176 @@
+"""Checks that run in the driver before Ray starts or is joined (issue 13: fail in seconds, not after a join).
+
+Everything that follows from the config alone is checked here: flags that would do nothing for this
+engine/strategy/model ("inert": an error, so a typo'd experiment never runs silently as another), the
+dataset and the batch against it, the data-parallel size the run will have and the batch's divisibility
+by it, the tensor mesh. No jax, no ray, no dataset loading: the whole pass takes milliseconds.
+
+The only fact not known before a cluster join is how many nodes (and GPUs) it has; `check_cluster_size`
+runs right after the join with the alive nodes, before any actor starts.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
+
+from alpa_job.config import JobConfig
+from alpa_job.data import CIFAR10_TRAIN_FILES
+from alpa_job.errors import KitError
+
+# The size fields each model reads (the models' `hyperparameters` in their register_model; kept here so
+# this check needs no model import -- tests/test_cli.py keeps the two in step).
+MODEL_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "mlp": ("hidden_dim",),
+    "wide_resnet": ("depth", "width"),
+    "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"),
+}
+ALPA_ONLY = ("micro_batches", "pipeline_stages", "pipeline_layers", "plan_cache")
+JAX_AUTO_ONLY = ("auto_trial_steps", "memory_limit_gb")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def given_fields(config: JobConfig, explicit: Iterable[str] = ()) -> FrozenSet[str]:
+    """The fields the user named (flags, --config file); a preset's or an API caller's values are not
+    checked for inertness (a preset may carry settings for another engine)."""
+    return frozenset(explicit)
+
+
+def check_inert(config: JobConfig, engine: str, given: FrozenSet[str], address: str) -> None:
+    """A flag that this engine, strategy, model or dataset never reads is an error naming why."""
+    for name in sorted(given):
+        why = _inert_reason(config, engine, name, address)
+        if why:
+            raise KitError(f"{_flag(name)} does nothing here: {why}")
+
+
+def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Optional[str]:
+    strategy = config.strategy
+    if name in ALPA_ONLY and engine != "alpa":
+        what = {"micro_batches": "Alpa's num_micro_batches (gradient accumulation/pipelining)",
+                "pipeline_stages": "Alpa pipeshard-manual's stage count",
+                "pipeline_layers": "Alpa pipeshard-auto's layer count",
+                "plan_cache": "Alpa pipeshard-auto's saved search"}[name]
+        return f"it sets {what} and the {engine} engine has none; drop it or use --engine alpa"
+    if name == "pipeline_stages" and engine == "alpa" and strategy != "pipeshard-manual":
+        return f"it is read by --strategy pipeshard-manual only (this run: {strategy}); drop it or switch strategy"
+    if name in ("pipeline_layers", "plan_cache") and engine == "alpa" and strategy != "pipeshard-auto":
+        return f"it is read by --strategy pipeshard-auto only (this run: {strategy}); drop it or switch strategy"
+    if name == "model_parallel" and (engine != "jax" or strategy != "tensor"):
+        return (f"it sizes the model axis of --strategy tensor (this run: {engine}/{strategy}); "
+                "drop it or use --strategy tensor")
+    if name in JAX_AUTO_ONLY and (engine != "jax" or strategy != "auto"):
+        return f"it tunes --strategy auto's search (this run: {engine}/{strategy}); drop it or use --strategy auto"
+    if name == "data_dir" and config.dataset != "cifar10":
+        return "only --dataset cifar10 reads files; drop it or add --dataset cifar10"
+    if name == "num_samples" and config.dataset != "synthetic":
+        return "it sizes the synthetic dataset and --dataset cifar10 has its own size; drop it"
+    owner = next((m for m, fields in MODEL_FIELDS.items() if name in fields), None)
+    if owner is not None and owner != config.model:
+        reads = ", ".join(_flag(f) for f in MODEL_FIELDS[config.model])
+        return f"it sizes --model {owner}, and --model {config.model} reads {reads}; drop it or use --model {owner}"
+    if name == "processes" and address == "none":
+        return "--address none trains in this one process; drop it or run on Ray (--address local/HOST:PORT)"
+    if name == "devices" and engine == "alpa":
+        return "Alpa runs on the nodes' GPUs, it never emulates CPU devices; drop it"
+    return None
+
+
+def check_data(config: JobConfig) -> None:
+    """The dataset exists and the batch fits it (sizes only; nothing is loaded)."""
+    if config.dataset == "cifar10":
+        data_dir = config.data_dir
+        if not data_dir or not os.path.isdir(data_dir):
+            raise KitError(f"--data-dir {data_dir!r} is not a folder; point it at the extracted "
+                           "cifar-10-batches-py folder (data_batch_1..5)")
+        present = [f for f in CIFAR10_TRAIN_FILES if os.path.isfile(os.path.join(data_dir, f))]
+        if not present:
+            raise KitError(f"--data-dir {data_dir} holds no CIFAR-10 batches (expected "
+                           f"{', '.join(CIFAR10_TRAIN_FILES)}); extract cifar-10-python.tar.gz there")
+        unreadable = [f for f in present if not os.access(os.path.join(data_dir, f), os.R_OK)]
+        if unreadable:
+            raise KitError(f"--data-dir {data_dir}: {unreadable[0]} is not readable; fix its permissions")
+        return
+    from alpa_job.data import plan_epoch
+
+    plan_epoch(config.num_samples, config.batch_size, config.remainder)
+
+
+def gpu_present() -> bool:
+    """An NVIDIA device node: the in-process JAX engine then sees GPUs, not --devices CPU devices."""
+    return os.path.exists("/dev/nvidia0")
+
+
+def planned_devices(config: JobConfig, engine: str, address: str) -> Optional[int]:
+    """The device count the run will have, when the config alone says (None: only the cluster knows)."""
+    if engine != "jax" or gpu_present():
+        return None
+    if address == "none":
+        return config.devices
+    if address == "local":
+        if config.processes > 1:
+            raise KitError(f"--processes {config.processes} but a local Ray has one node; drop --processes or "
+                           "pass --address HOST:PORT of a cluster")
+        return config.devices
+    return None  # a cluster: known after the join (check_cluster_size)
+
+
+def tensor_model_size(devices: int, model_parallel: int) -> int:
+    """The model axis of `tensor` on `devices` devices: engines/sharding_rules.mesh_shape_for's rule, here
+    without its flax import (tests/test_cli.py keeps the two in step)."""
+    if model_parallel == 0:
+        return max(m for m in (1, 2, 3, 4) if devices % m == 0)
+    if devices % model_parallel:
+        options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+        raise KitError(f"--model-parallel {model_parallel} does not divide the {devices} devices; "
+                       f"use one of: {options}")
+    return model_parallel
+
+
+def check_divisibility(config: JobConfig, devices: int, where: str = "") -> None:
+    """The mesh the strategy builds on `devices` devices, and the batch split over its data axis."""
+    if config.strategy == "auto":
+        return  # the search tries every mesh and skips the ones the batch does not divide
+    model = tensor_model_size(devices, config.model_parallel) if config.strategy == "tensor" else 1
+    data = devices // model
+    if config.batch_size % data:
+        lower = config.batch_size // data * data
+        near = " or ".join(str(b) for b in (lower, lower + data) if b > 0)
+        raise KitError(f"batch size {config.batch_size} is not divisible by the data-parallel size {data}; "
+                       f"use a multiple of {data} (--batch-size {near}){where}")
+
+
+def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[str] = ()) -> Optional[int]:
+    """Every check the config allows, before Ray; returns the planned device count (None: the cluster's)."""
+    check_inert(config, engine, given_fields(config, explicit), address)
+    if engine == "alpa":
+        if address == "none":
+            raise KitError("--engine alpa needs Ray (Alpa places its meshes with Ray); drop --address none")
+        if config.checkpoint_every or config.resume:
+            raise KitError("--checkpoint-every/--resume: the alpa engine does not checkpoint (its state lives in "
+                           "Alpa's distributed arrays); drop the flags or use --engine jax")
+        if config.batch_size % config.micro_batches:
+            raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches "
+                           f"{config.micro_batches}; use a multiple of {config.micro_batches}")
+    check_data(config)
+    devices = planned_devices(config, engine, address)
+    if devices is not None:
+        where = f"; the run has {devices} emulated CPU devices (--devices)"
+        check_divisibility(config, devices, where)
+    return devices
+
+
+def check_cluster_size(config: JobConfig, nodes: List[Any]) -> None:
+    """After a join, before any actor: the run's device count from the alive nodes (ray_api.RayNode)."""
+    usable = [n for n in nodes if n.cpus() >= 1]
+    count = config.processes or len(usable)
+    if count > len(usable):
+        raise KitError(f"--processes {count} but only {len(usable)} alive Ray nodes have a free CPU; "
+                       f"use --processes {len(usable)} or add nodes")
+    if not usable:
+        return
+    chosen = usable[:count]
+    per_node = [int(n.gpus()) or config.devices for n in chosen]
+    check_divisibility(config, sum(per_node), f"; the cluster gives {count} node(s) x {per_node[0]} devices")
