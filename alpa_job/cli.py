@@ -105,6 +105,9 @@ def _train_parser(sub) -> None:
                    help="alpa pipeshard-auto: AutoLayerOption layer_num (default: the model's layers)")
     g.add_argument("--plan-cache", metavar="DIR", help="alpa pipeshard-auto: folder to save/reuse the auto "
                                                        "search result")
+    g.add_argument("--compile-cache", metavar="DIR",
+                   help="jax: persistent compile cache, so a second identical run skips compiling; on a cluster "
+                        "a folder every node sees (default: ~/.cache/alpa_job/jax; 'none' turns it off)")
 
     g = p.add_argument_group("cluster")
     g.add_argument("--address", metavar="ADDR", help="local | auto | HOST:PORT (the head's GCS) | none (no Ray) "

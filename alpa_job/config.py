@@ -59,6 +59,7 @@ class JobConfig:
     auto_trial_steps: int = 3  # `auto`: timed steps per candidate
     memory_limit_gb: Optional[float] = None  # `auto`: per-device budget (None: the device's own)
     cluster_spec: Optional[str] = None  # path to a cluster spec YAML (default: the package's)
+    compile_cache: Optional[str] = None  # jax: persistent compile cache folder (None: ~/.cache/alpa_job/jax; "none": off)
     # Alpa engine only.
     micro_batches: int = 1  # Alpa num_micro_batches (gradient accumulation / pipeline)
     pipeline_stages: int = 0  # pipeshard-manual: stages (0: one per node, at least 2)

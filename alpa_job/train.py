@@ -90,14 +90,17 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
 
     from alpa_job.engines import auto_search
     from alpa_job.engines.jax_engine import JaxEngine
+    from alpa_job.engines.optimizer import schedule_steps
     from alpa_job.engines.sharding_rules import mesh_shape_for
 
+    horizon = schedule_steps(config, data.epoch.steps)
     if config.strategy == "auto":
-        engine, table = auto_search.search(config, model, data.example, data.first(2))
+        engine, table = auto_search.search(config, model, data.example, data.first(2), schedule_steps=horizon)
         engine.search_table = table
         return engine
     engine = JaxEngine(config, model, data.example, config.strategy,
-                       mesh_shape_for(config.strategy, len(jax.devices()), config.model_parallel))
+                       mesh_shape_for(config.strategy, len(jax.devices()), config.model_parallel),
+                       schedule_steps=horizon)
     with progress.timed(f"compiling train step ({config.model}, {config.strategy}, mesh {engine.mesh.devices.shape})"):
         engine.compile()
     return engine

@@ -32,8 +32,10 @@ def device_memory_budget(limit_gb: Optional[float]) -> int:
     return ram // max(len(jax.local_devices()), 1)
 
 
-def search(config, model, example_batch, batches) -> Tuple[JaxEngine, List[Dict[str, object]]]:
-    """Return the fastest fitting engine (compiled) and the table of every candidate."""
+def search(config, model, example_batch, batches, schedule_steps: Optional[int] = None
+           ) -> Tuple[JaxEngine, List[Dict[str, object]]]:
+    """Return the fastest fitting engine (compiled) and the table of every candidate.
+    `schedule_steps`: the learning-rate schedule's horizon (JaxEngine)."""
     budget = device_memory_budget(config.memory_limit_gb)
     candidates = auto_candidates(len(jax.devices()))
     table: List[Dict[str, object]] = []
@@ -46,7 +48,7 @@ def search(config, model, example_batch, batches) -> Tuple[JaxEngine, List[Dict[
                                   "chosen": False, "note": ""}
         table.append(row)
         try:
-            engine = JaxEngine(config, model, example_batch, strategy, mesh_shape)
+            engine = JaxEngine(config, model, example_batch, strategy, mesh_shape, schedule_steps=schedule_steps)
             stats = engine.compile()
         except KitError as err:
             row["note"] = str(err)

@@ -25,6 +25,9 @@ class CompileStats:
     compile_seconds: float = 0.0
     hlo_texts: Optional[List[str]] = None  # one per executable/stage; None: could not be read
     memory: Optional[Dict[str, int]] = None
+    init_compile_seconds: Optional[float] = None  # the state initialiser's own compile (None: not separate)
+    compile_cache_dir: Optional[str] = None  # the persistent compile cache in use (None: off)
+    compile_cache_hits: int = 0  # executables (step, init) loaded from that cache instead of compiled
 
     @property
     def hlo_text(self) -> str:

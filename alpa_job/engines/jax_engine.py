@@ -6,6 +6,7 @@ of silently recompiling (the failure mode behind Alpa's issue #776).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -13,11 +14,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from alpa_job.engines import compile_cache
 from alpa_job.engines.base import CompileStats, EngineHooks
+from alpa_job.engines.optimizer import default_optimizer
 from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES
 from alpa_job.errors import KitError
 from alpa_job.inspect import plan as plan_model
@@ -43,15 +45,19 @@ class JaxEngine(EngineHooks):
     name = "jax"
 
     def __init__(self, config, model: ModelSpec, example_batch: Dict[str, np.ndarray], strategy: str,
-                 mesh_shape: Tuple[int, int]):
+                 mesh_shape: Tuple[int, int], schedule_steps: Optional[int] = None):
+        """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         self.config, self.model, self.strategy = config, model, strategy
         self.mesh = make_mesh(mesh_shape)
         self.rules = STRATEGY_RULES[strategy]
         self.stats = CompileStats()
+        # Before anything compiles: a second identical run loads the executables (compile_cache.py).
+        self.stats.compile_cache_dir = compile_cache.enable(
+            compile_cache.resolve(getattr(config, "compile_cache", None)))
         self._example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
         self._check_batch_divisible(example_batch)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
-        self.tx = optax.adam(config.learning_rate)
+        self.tx = default_optimizer(config.learning_rate, schedule_steps if schedule_steps is not None else config.steps)
         boxed = jax.eval_shape(self._init_boxed, jax.random.PRNGKey(0))
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
@@ -61,6 +67,8 @@ class JaxEngine(EngineHooks):
         self.abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         self._compiled = None
+        self._init_compiled: Optional[concurrent.futures.Future] = None
+        self._hits_before = 0
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
@@ -74,9 +82,37 @@ class JaxEngine(EngineHooks):
         # weak/strong mismatch between the AOT signature and real calls costs a second compile.
         return state.replace(step=jnp.zeros((), jnp.int32))
 
+    def _init_unboxed(self, rng):
+        return nn.meta.unbox(self._init_boxed(rng))
+
     def init_state(self, seed: int) -> TrainState:
-        init = jax.jit(lambda rng: nn.meta.unbox(self._init_boxed(rng)), out_shardings=self.state_sharding)
+        """The state, created on the devices already sharded (the initialiser compiled by compile())."""
+        if self._init_compiled is None:
+            self._start_init_compile()
+        init = self._init_compiled.result()
+        self._count_cache_hits()
         return init(jax.random.PRNGKey(seed))
+
+    def _count_cache_hits(self) -> None:
+        if self.stats.compile_cache_dir:
+            self.stats.compile_cache_hits = compile_cache.hits() - self._hits_before
+
+    def _start_init_compile(self) -> None:
+        """Lower the initialiser here and compile it on a worker thread (XLA compiles outside the
+        GIL), so it overlaps the step's compile; its time is reported as init_compile_seconds."""
+        start = time.perf_counter()
+        lowered = jax.jit(self._init_unboxed, out_shardings=self.state_sharding).lower(jax.random.PRNGKey(0))
+        lower_seconds = time.perf_counter() - start
+
+        def compile_init():
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            self.stats.init_compile_seconds = round(lower_seconds + time.perf_counter() - start, 3)
+            return compiled
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="init-compile")
+        self._init_compiled = pool.submit(compile_init)
+        pool.shutdown(wait=False)
 
     # ----- the step ----------------------------------------------------------------------------
     def _train_step(self, state: TrainState, batch: Dict[str, jax.Array]):
@@ -98,6 +134,9 @@ class JaxEngine(EngineHooks):
         jitted = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
                          out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
                          donate_argnums=(0,))
+        self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0
+        if self._init_compiled is None:
+            self._start_init_compile()
         start = time.perf_counter()
         self._compiled = jitted.lower(self.abstract_state, abstract_batch).compile()
         # Steps go through `jitted`: its C++ dispatch path is faster than calling the Compiled
@@ -107,6 +146,7 @@ class JaxEngine(EngineHooks):
         self._jitted = jitted
         self.stats.compile_seconds += time.perf_counter() - start
         self.stats.compiles += 1
+        self._count_cache_hits()  # the step's; init_state() adds the initialiser's
         self.stats.hlo_texts = [self._compiled.as_text() or ""]
         self.stats.memory = memory_analysis(self._compiled)
         return self.stats
