@@ -68,7 +68,7 @@ def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], known_before: Set[str]
 
 
 def data_axis(strategy: str, devices: int, model_parallel: int = 0) -> int:
-    from alpa_job.engines.sharding_rules import mesh_shape_for  # numpy only: no jax import
+    from alpa_job.engines.sharding_rules import mesh_shape_for  # the engine's own mesh rule (imports jax)
 
     if strategy == "auto":
         return devices  # auto's candidates all keep the whole data axis at least as a divisor

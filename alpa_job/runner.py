@@ -82,8 +82,18 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
         from alpa_job.engines.alpa_engine import AlpaEngine, alpa_session
         from alpa_job.train import train_process
 
-        with alpa_session(config, address, spec) as cluster:
-            return [train_process(config, build_engine=AlpaEngine.factory(cluster))]
+        try:
+            with alpa_session(config, address, spec) as cluster:
+                return [train_process(config, build_engine=AlpaEngine.factory(cluster))]
+        except Exception as err:
+            import ray
+
+            if not isinstance(err, ray.exceptions.RayActorError):
+                raise
+            from alpa_job.cluster.failures import actor_error_message  # issue 12: name the lost node
+
+            raise KitError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
+                           "job once the node is back (or without it)", 1) from None
     if address == NO_RAY:
         return [run_in_process(config)]
     os.environ.update(progress.ray_noise_env(shown.verbosity, shown.tty))

@@ -229,3 +229,57 @@ def kill_all(actors: Sequence[Any]) -> None:
             ray.kill(a, no_restart=True)
         except Exception:  # already dead
             pass
+
+
+# ---- the Alpa engine: its mesh workers are Alpa's own actors ----------------------------------------
+def _actor_row(actor_id: str) -> Optional[Dict[str, Any]]:
+    """{node_id, ip, pid, class_name} of an actor, dead ones included, from the GCS actor table (no
+    dashboard needed; `ray.state` on Ray 2.1, `ray._private.state` later); None when Ray cannot say."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        from ray._private import state  # Ray >= 2.2
+    except ImportError:
+        state = getattr(ray, "state", None)  # Ray 2.1
+    if state is None:
+        return None
+    row = _bounded(lambda: state.actors(actor_id), LOG_TIMEOUT_S)
+    if not row:
+        return None
+    address = row.get("Address") or {}
+    return {"node_id": address.get("NodeID") or "", "ip": address.get("IPAddress"), "pid": row.get("Pid"),
+            "class_name": row.get("ActorClassName") or ""}
+
+
+def actor_error_message(err: BaseException, what: str = "an Alpa mesh worker") -> str:
+    """One line naming the node of the actor a RayActorError is about (host, IP, Ray node id, pid, class)
+    as far as Ray can still tell, and where its log is."""
+    import re
+
+    actor_id = getattr(err, "actor_id", None) or ""
+    if not actor_id:
+        m = re.search(r"actor(?: ID)?[ :]+([0-9a-f]{16,})", str(err), re.IGNORECASE)
+        actor_id = m.group(1) if m else ""
+    row = _actor_row(actor_id) if actor_id else None
+
+    def field(name: str) -> Any:
+        return row.get(name) if row else None
+
+    node_id = field("node_id") or ""
+    ip, host = field("ip") or "?", "?"
+    if node_id:
+        try:
+            for n in current_nodes():
+                if n.node_id == node_id:
+                    ip = n.ip
+                    host = (n.row.get("NodeManagerHostname") if isinstance(n.row, dict) else None) or "?"
+        except Exception:  # noqa: BLE001 - naming is best effort; the error itself is still reported
+            pass
+    pid = field("pid")
+    cls = field("class_name") or ""
+    where = ("on host %s (node IP %s, Ray node id %s%s)" % (host, ip, node_id, ", pid %s" % pid if pid else "")
+             if node_id else "(Ray no longer knows its node%s)" % (": actor %s" % actor_id if actor_id else ""))
+    log = "%s:%s/worker-*-%s.out" % (ip, LOG_DIR, pid or "*") if node_id else "%s on that node" % LOG_DIR
+    return "%s%s died %s: %s; read its log at %s" % (what, " (%s)" % cls if cls else "", where, first_line(err), log)

@@ -37,6 +37,7 @@ ACTOR_START_TIMEOUT_S = 120
 POLL_S = 0.5  # how often the driver looks at the processes' futures and steps
 GRACE_S = 3.0  # after the first failure: time for the others' to arrive (the dead one is the one to name)
 PING_TIMEOUT_S = 5.0
+STALL_S = 10.0  # a step poll unanswered this long: look at whether Ray still lists the node alive
 PORT_FREE_TIMEOUT_S = 30.0  # process 0 waits for the last attempt's coordinator to release the port
 PLACEMENT_RETRIES = 3  # a node that died before its process started: settle and choose again
 EXIT_PROCESS_LOST = 1
@@ -146,6 +147,10 @@ class _Failed(Exception):
         self.run_step: Optional[int] = None  # the furthest step any process had reached
 
 
+class _Unresponsive(Exception):
+    """A process whose actor stopped answering (its node gone without a connection reset telling us)."""
+
+
 class _PlacementFailed(Exception):
     """A chosen node died (or was already dead) before its process started."""
 
@@ -178,6 +183,7 @@ class _Attempt:
         self.slots: Dict[int, failures.Slot] = {}
         self.steps: Dict[int, Optional[int]] = {}
         self.first_step_at: Optional[float] = None
+        self._poll_since = {}
         self._ray = ray
 
     def __len__(self) -> int:
@@ -190,8 +196,16 @@ class _Attempt:
         """Every actor describes itself (bounded); a node that died meanwhile -> _PlacementFailed."""
         ray = self._ray
         refs = [a.describe.remote(i) for i, a in enumerate(self.actors)]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=ACTOR_START_TIMEOUT_S)
-        lost = []
+        deadline = time.monotonic() + ACTOR_START_TIMEOUT_S
+        lost: List[Lost] = []
+        pending = list(refs)
+        while pending and not lost and time.monotonic() < deadline:
+            _ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if pending:  # a node Ray marks dead meanwhile never starts its actor: stop waiting for it
+                nodes = failures.current_nodes()
+                lost = [Lost(i, None, n.ip, n.node_id, None, "its node died before the process started")
+                        for i, (ref, n) in enumerate(zip(refs, self.nodes))
+                        if ref in pending and not any(m.alive and m.node_id == n.node_id for m in nodes)]
         for i, (ref, node) in enumerate(zip(refs, self.nodes)):
             if ref in pending:
                 continue
@@ -262,6 +276,7 @@ class _Attempt:
 
     def _poll_steps(self, polls: Dict[int, Any], errors: Dict[int, BaseException]) -> None:
         ray = self._ray
+        self._check_stalled(polls, errors)
         for i, ref in list(polls.items()):
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -281,6 +296,25 @@ class _Attempt:
         for i, a in enumerate(self.actors):
             if i not in polls and i not in errors:
                 polls[i] = a.current_step.remote()
+                self._poll_since[i] = time.monotonic()
+
+    _poll_since: Dict[int, float] = {}
+    _nodes_checked = 0.0
+
+    def _check_stalled(self, polls: Dict[int, Any], errors: Dict[int, BaseException]) -> None:
+        """A process silent for STALL_S whose node Ray has marked dead is lost (when no RST told us sooner:
+        a network partition rather than a crash)."""
+        now = time.monotonic()
+        stalled = [i for i in polls if now - self._poll_since.get(i, now) > STALL_S]
+        if not stalled or now - self._nodes_checked < 2.0:
+            return
+        self._nodes_checked = now
+        nodes = failures.current_nodes()
+        for i in stalled:
+            slot = self.slots.get(i)
+            if slot and slot.node_id and not any(n.alive and n.node_id == slot.node_id for n in nodes):
+                errors.setdefault(i, _Unresponsive("silent for %.0f s and Ray marked its node dead"
+                                                   % (now - self._poll_since[i])))
 
     def _ping_all(self, errors: Dict[int, BaseException], results: Dict[int, Any]) -> None:
         """A process whose actor no longer answers (within PING_TIMEOUT_S) is dead too."""
@@ -291,7 +325,7 @@ class _Attempt:
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
         for i, ref in refs.items():
             if ref not in ready:
-                errors[i] = ray.exceptions.RayActorError(error_msg="did not answer within %.0f s" % PING_TIMEOUT_S)
+                errors[i] = _Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S)
                 continue
             try:
                 ray.get(ref)
@@ -302,7 +336,7 @@ class _Attempt:
 
     def _failed(self, errors: Dict[int, BaseException], first_failure: float) -> BaseException:
         ray = self._ray
-        dead = {i: e for i, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)}
+        dead = {i: e for i, e in errors.items() if isinstance(e, (ray.exceptions.RayActorError, _Unresponsive))}
         if not dead:
             # Every process is alive and one raised: a bug or a bad input, not a lost node; no restart.
             i, err = sorted(errors.items())[0]
@@ -338,14 +372,6 @@ def _open_channel():
 
 
 # ---------------------------------------------------------------------------------------- the job
-@dataclasses.dataclass
-class _Pending:
-    """A restart recorded at the failure, completed when the next attempt takes its first step."""
-
-    row: Dict[str, Any]
-    detected: float
-
-
 def run_on_nodes(config, spec) -> List[Any]:
     """Train with one JAX process per node (restarting up to --max-restarts times after a loss).
     `spec`: the ClusterSpec the entry point resolved."""
@@ -426,7 +452,8 @@ class _Job:
                 attempt.start()
             except _PlacementFailed as err:
                 attempt.kill()
-                progress.note(f"[alpa_job] {err}: its node is gone; waiting for Ray to mark it dead")
+                progress.note(f"[alpa_job] a JAX process could not start on {', '.join(x.ip for x in err.lost)} "
+                              f"({err.lost[0].reason}); waiting for Ray's view of the cluster to settle")
                 self.known = {n.node_id for n in failures.current_nodes() if n.alive}
                 settled = failures.wait_settled(err.lost)
                 self.healthy |= settled.healthy
