@@ -144,10 +144,19 @@ def _verbosity_flags(g) -> None:
 
 
 def _inspect_parser(sub) -> None:
-    p = sub.add_parser("inspect", help="re-render the report of a run directory or an Alpa dump folder")
-    p.add_argument("path", help="a run directory (report.json) or an Alpa dump_debug_info folder")
-    p.add_argument("--format", default="table", choices=("table", "json", "md", "html"))
-    p.add_argument("--output", help="html/md: file to write (default: PATH/report.html or stdout for md)")
+    p = sub.add_parser("inspect", help="re-render the report of a run directory or an Alpa dump folder, or "
+                                       "compare runs",
+                       epilog="examples:\n  python -m alpa_job inspect runs/latest\n"
+                              "  python -m alpa_job inspect runs/latest --format html\n"
+                              "  python -m alpa_job inspect --compare runs/A runs/B runs/C --format html\n\n"
+                              + EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", help="a run directory (report.json) or an Alpa dump_debug_info folder")
+    p.add_argument("--compare", nargs="+", metavar="RUN", help="two or more run directories: one table and plots "
+                                                                 "of step time, throughput, bytes, collectives")
+    p.add_argument("--format", default="table", choices=("table", "json", "md", "html"),
+                   help="table (terminal), json, md or html (default: table)")
+    p.add_argument("--output", metavar="FILE", help="html/md: file to write (default: PATH/report.html, "
+                                                    "compare.html for --compare, stdout for md)")
 
 
 def _doctor_parser(sub) -> None:
@@ -266,6 +275,10 @@ def _inspect(args) -> int:
     from alpa_job.inspect.load import load_any
     from alpa_job.report import report_json
 
+    if args.compare:
+        return _compare(([args.path] if args.path else []) + args.compare, args)
+    if not args.path:
+        raise KitError("inspect needs a run directory, an Alpa dump folder, or --compare RUN RUN")
     record = load_any(args.path)
     if args.format == "json":
         print(report_json(record))
@@ -281,6 +294,28 @@ def _inspect(args) -> int:
         target = args.output or os.path.join(args.path if os.path.isdir(args.path) else os.path.dirname(args.path),
                                              "report.html")
         _write(target, render.to_html(record))
+        print(target)
+    return EXIT_OK
+
+
+def _compare(paths: List[str], args) -> int:
+    from alpa_job.inspect import compare
+
+    data = compare.rows(paths)
+    if args.format == "json":
+        print(compare.to_json(data))
+    elif args.format == "table":
+        print(compare.to_text(data))
+    elif args.format == "md":
+        text = compare.to_markdown(data)
+        if args.output:
+            _write(args.output, text)
+        else:
+            print(text)
+    else:
+        target = args.output or "compare.html"
+        _write(target, compare.to_html(data))
+        print(compare.to_text(data))
         print(target)
     return EXIT_OK
 

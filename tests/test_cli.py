@@ -155,3 +155,141 @@ def test_html_report_renders_in_headless_chromium(default_run, tmp_path):
     assert '<table class="params">' in dom and "params/Dense_0/kernel" in dom
     widths = [int(w) for w in re.findall(r'data-rendered="(\d+)"', dom)]
     assert widths and all(w > 100 for w in widths), "the plots must decode and lay out as images"
+
+
+# ----------------------------------------------------------------------------- issue 13: help, progress, runs, compare
+def test_help_teaches_groups_defaults_examples_and_exit_codes():
+    proc = run_cli("train", "--help")
+    assert proc.returncode == 0
+    text = proc.stdout
+    for group in ("model and data:", "parallelism:", "cluster:", "output:"):
+        assert group in text
+    assert "(default: 256)" in text and "{mlp,wide_resnet,gpt}" in text and "exit codes:" in text
+    assert text.count("python -m alpa_job train") >= 4  # the epilog's example commands
+    from alpa_job.cli import build_parser
+
+    train = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
+    silent = [a.option_strings for a in train._actions if a.option_strings and not a.help]
+    assert silent == [], "every flag has a description"
+
+
+def test_validate_mirrors_the_engines_rules():
+    """validate.py repeats two facts to stay import-free (no flax/jax before Ray); they must agree."""
+    from alpa_job.engines.sharding_rules import mesh_shape_for
+    from alpa_job.models import registered
+    from alpa_job.validate import MODEL_FIELDS, tensor_model_size
+
+    assert {name: tuple(e.hyperparameters) for name, e in registered().items()} == MODEL_FIELDS
+    for devices in (1, 2, 3, 4, 6, 8, 12):
+        for mp in (0, 1, 2, 4):
+            if mp and devices % mp:
+                continue
+            assert tensor_model_size(devices, mp) == mesh_shape_for("tensor", devices, mp)[1]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two small in-process runs (data and tensor) into runs/ under a fresh folder, as a user makes them."""
+    home = tmp_path_factory.mktemp("user")
+    procs = []
+    for strategy in (["--strategy", "data"], ["--strategy", "tensor", "--model-parallel", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "alpa_job", "--address", "none", "--model", "gpt",
+                               "--num-layers", "1", "--d-model", "32", "--seq-len", "16", "--vocab-size", "64",
+                               "--batch-size", "16", "--num-samples", "96", "--epochs", "2", *strategy,
+                               "--progress-every", "2"],
+                              cwd=home, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        procs.append(proc)
+    runs = sorted(p for p in (home / "runs").iterdir() if not p.is_symlink())
+    return home, runs, procs
+
+
+def test_runs_are_kept_and_latest_points_at_the_newest(two_runs):
+    home, runs, _ = two_runs
+    assert len(runs) == 2 and all(re.match(r"\d{8}-\d{6}-gpt-(data|tensor)", r.name) for r in runs)
+    latest = home / "runs" / "latest"
+    assert latest.is_symlink() and latest.resolve() == runs[-1].resolve()
+    for run in runs:
+        assert (run / "report.json").exists() and (run / "run.json").exists()
+        assert json.loads((run / "report.json").read_text())["status"] == "ok"
+
+
+def test_progress_lines_without_a_tty(two_runs):
+    _, runs, procs = two_runs
+    lines = [l for l in procs[0].stderr.splitlines() if l.startswith("[train] step")]
+    # 12 steps, a line every 2: loss, rate and ETA on each (the first has no loss read back yet)
+    assert len(lines) == 6, procs[0].stderr
+    assert re.match(r"\[train\] step 12/12  loss \d.*  [\d,]+ samples/s  ETA 0 s", lines[-1]), lines[-1]
+    assert "compiling train step (gpt, data" in procs[0].stderr
+    assert "\x1b[" not in procs[0].stderr  # no colour codes in a log
+    log = (runs[0] / "train.log").read_text()
+    assert "[train] step 12/12" in log and "compiling train step" in log
+
+
+def _chromium_run(args, tmp_path, timeout=120):
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _screenshot(page, png, tmp_path):
+    _chromium_run([f"--screenshot={png}", "--window-size=1400,1800", f"file://{page}"], tmp_path)
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(png))
+    assert pixels.shape[0] >= 1000 and pixels.std() > 0.05, "the screenshot shows a rendered page, not a blank one"
+    return pixels
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium package (apt-get install chromium)")
+def test_report_mesh_picture_and_compare_page_in_headless_chromium(two_runs, tmp_path):
+    home, runs, _ = two_runs
+    tensor = next(r for r in runs if r.name.endswith("tensor"))
+    dom = _chromium_run(["--dump-dom", f"file://{tensor / 'report.html'}"], tmp_path).stdout
+    assert "<h1>gpt: tensor (4×2)</h1>" in dom
+    assert dom.count('<g class="device">') == 8  # the 4x2 device grid
+    # The default parameter is split over the model axis: devices of one row hold different slices.
+    slices = re.findall(r'<text class="slice" data-device="(\d)"[^>]*>([^<]*)</text>', dom)
+    assert len(slices) == 8 and slices[0][1] != slices[1][1] and slices[0][1] == slices[2][1]
+    assert "<h2>Memory per device</h2>" in dom and "peak estimate" in dom
+    assert "<h2>Config</h2>" in dom and "<h2>Versions</h2>" in dom and re.search(r"\d\.\d (KiB|MiB)", dom)
+    assert re.search(r"<details data-group=\"g\d+\"[^>]*><summary>2 arrays", dom)  # Adam mu, nu folded under it
+    _screenshot(tensor / "report.html", tmp_path / "report.png", tmp_path)
+
+    page = tmp_path / "compare.html"
+    proc = run_cli("inspect", "--compare", *map(str, runs), "--format", "html", "--output", str(page))
+    assert proc.returncode == 0, proc.stderr
+    assert "runs compared" in proc.stdout and runs[0].name in proc.stdout
+    dom = _chromium_run(["--dump-dom", f"file://{page}"], tmp_path).stdout
+    table = re.search(r'<table class="compare">.*?</table>', dom, re.S).group(0)
+    assert table.count("<tr>") == 3 and "data (8×1)" in table and "tensor (4×2)" in table
+    assert "step ms" in table and "collectives" in table and "compile s" in table
+    widths = [int(w) for w in re.findall(r'data-rendered="(\d+)"', dom)]
+    assert widths and widths[0] > 500, "the comparison plot decodes and lays out"
+    _screenshot(page, tmp_path / "compare.png", tmp_path)
+
+
+def test_compare_needs_two_runs_and_prints_markdown(two_runs):
+    _, runs, _ = two_runs
+    one = run_cli("inspect", "--compare", str(runs[0]))
+    assert one.returncode == 2 and "needs at least two run directories" in one.stderr
+    md = run_cli("inspect", "--compare", *map(str, runs), "--format", "md")
+    assert md.returncode == 0 and md.stdout.count("| 20") == 2 and "Fastest step" in md.stdout
+
+
+def test_alpa_report_draws_stage_mesh_devices(tmp_path):
+    """An Alpa pipeshard dump (real PlacementSpecs, tests/alpa_fixtures): the mesh picture is stage -> mesh
+    -> devices, one box per pipeline stage, each holding its mesh's devices."""
+    from alpa_job.inspect import render
+    from alpa_job.inspect.load import load_any
+
+    record = load_any(os.path.join(REPO, "tests", "alpa_fixtures", "pipeshard_zero"))
+    page = render.to_html(record, rendered_plots=[])
+    stages = re.findall(r'<g class="stage">.*?</g>\s*(?=<g class="stage">|</svg>)', page, re.S)
+    assert len(stages) == len(record.stages) >= 2
+    for st, box in zip(record.stages, stages):
+        assert f"stage {st.stage} → mesh {st.mesh}" in box
+        assert box.count("<rect") == 1 + int(np.prod(st.submesh_shape))  # the stage box + one per device
+    assert "gpu 0" in stages[0] and f"gpu {sum(int(np.prod(s.submesh_shape)) for s in record.stages) - 1}" in stages[-1]

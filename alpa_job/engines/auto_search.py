@@ -14,7 +14,7 @@ import jax
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.engines.sharding_rules import auto_candidates
 from alpa_job.errors import KitError
-from alpa_job.progress import Progress, note
+from alpa_job.progress import Progress, phase
 
 
 def device_memory_budget(limit_gb: Optional[float]) -> int:
@@ -42,7 +42,9 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     best: Optional[JaxEngine] = None
     best_time = float("inf")
     bar = Progress("auto search", len(candidates), unit="candidate")
-    for strategy, mesh_shape in candidates:
+    phase(f"[auto] searching {len(candidates)} candidates (strategy x mesh), budget {budget / 2**30:.1f} GiB/device")
+    for number, (strategy, mesh_shape) in enumerate(candidates, 1):
+        phase(f"[auto] candidate {number}/{len(candidates)}: {strategy} on mesh {mesh_shape}: compiling and timing")
         row: Dict[str, object] = {"strategy": strategy, "mesh_shape": list(mesh_shape), "fits": None,
                                   "peak_bytes_per_device": None, "compile_s": None, "step_time_s": None,
                                   "chosen": False, "note": ""}
@@ -72,8 +74,11 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
                        "model size, or raise --memory-limit-gb")
     for row in table:
         row["chosen"] = row["strategy"] == best.strategy and tuple(row["mesh_shape"]) == tuple(best.mesh.devices.shape)
-    note(f"auto search chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)} "
-         f"({best_time * 1e3:.2f} ms/step) out of {len(table)} candidates")
+    timed = sorted((r for r in table if r["step_time_s"]), key=lambda r: r["step_time_s"])
+    runner_up = (f"; next {timed[1]['strategy']} {tuple(timed[1]['mesh_shape'])} at "
+                 f"{timed[1]['step_time_s'] * 1e3:.2f} ms") if len(timed) > 1 else ""
+    phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: fastest step "
+          f"({best_time * 1e3:.2f} ms) of the {len(timed)} candidate(s) that fit, out of {len(table)}{runner_up}")
     return best, table
 
 

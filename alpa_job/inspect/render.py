@@ -7,10 +7,12 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from typing import List, Optional, Sequence
 
 from alpa_job.inspect import plots
 from alpa_job.inspect.record import MemoryRecord, RunRecord
+from alpa_job.inspect.units import human_bytes, plan_title
 
 PARAM_COLUMNS = ("path", "shape", "dtype", "bytes", "bytes_per_device", "spec", "mesh_ids", "strategy")
 
@@ -26,7 +28,9 @@ def _cell(value: object) -> str:
 def summary_pairs(record: RunRecord) -> List[tuple]:
     s = record.summary
     pairs = [
+        ("plan", plan_title(record)),
         ("engine / strategy", f"{record.engine} / {record.strategy}"),
+        ("status", record.status if record.status == "ok" else f"{record.status}: {record.error}"),
         ("mesh", f"{'x'.join(map(str, record.mesh.shape))} {tuple(record.mesh.axes)}"),
         ("processes / hosts / devices", f"{s.processes} / {s.hosts} / {s.devices}"),
         ("compiles (train step)", record.compiles),
@@ -36,7 +40,7 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         ("step time (s)", record.step_time_s),
         ("throughput (samples/s)", record.throughput),
         ("loss first -> last", f"{s.loss_first} -> {s.loss_last}"),
-        ("state bytes total / per device", f"{s.state_bytes} / {s.state_bytes_per_device}"),
+        ("state bytes total / per device", f"{human_bytes(s.state_bytes)} / {human_bytes(s.state_bytes_per_device)}"),
         ("strategy counts (params)", s.strategy_counts.get("params")),
         ("strategy counts (opt_state)", s.strategy_counts.get("opt_state")),
         ("memory", _memory_text(record.memory)),
@@ -53,11 +57,11 @@ def _memory_text(memory: Optional[MemoryRecord]) -> str:
         return "not measured"
     parts = []
     if memory.peak_estimate_bytes is not None:
-        parts.append(f"peak estimate {memory.peak_estimate_bytes} B/device")
+        parts.append(f"peak estimate {human_bytes(memory.peak_estimate_bytes)}/device")
     if memory.total_allocation_bytes is not None:
-        parts.append(f"allocation {memory.total_allocation_bytes} B")
+        parts.append(f"allocation {human_bytes(memory.total_allocation_bytes)}")
     if memory.stage_allocation_bytes:
-        parts.append(f"per stage {_cell(memory.stage_allocation_bytes)} B")
+        parts.append(f"per stage {', '.join(human_bytes(b) for b in memory.stage_allocation_bytes)}")
     return ", ".join(parts) or "not measured"
 
 
@@ -156,13 +160,117 @@ class _NullFile:
 
 
 # ----- HTML ----------------------------------------------------------------------------------------
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; max-width: 1400px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; }
+table.params td:nth-child(8) { font-weight: 600; }
+tr.opt td:first-child { padding-left: 2em; color: #555; }
+figure { display: inline-block; margin: 0 1em 1em 0; }
+figure img { max-width: 100%; }
+.status-failed, .status-interrupted { background: #fde2e1; border: 1px solid #e45756; padding: 0.6em 1em; }
+.bar { background: #4c78a8; height: 10px; display: inline-block; vertical-align: middle; }
+.bar.over { background: #e45756; }
+details summary { cursor: pointer; color: #4c78a8; }
+.mesh-picture svg text { fill: #222; }
+"""
+
+
 def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]], css_class: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
     return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def _raw_table(header: Sequence[str], rows: Sequence[Sequence[str]], css_class: str = "") -> str:
+    """Like _html_table, cells already HTML (the caller escaped them)."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+FOLDED_HEADER = ("path", "shape", "dtype", "bytes", "per device", "spec", "mesh", "strategy", "optimizer state")
+
+
+def _folded_params_html(record: RunRecord) -> str:
+    """One row per parameter with its optimizer state (Adam's mu/nu ...) folded under it: the state's rows
+    follow their parameter, hidden until its toggle opens them; state of no parameter (step, count) last."""
+    params = [r for r in record.params if r.path.startswith("params/")]
+    others = [r for r in record.params if not r.path.startswith("params/")]
+    used = set()
+    body = []
+    for n, p in enumerate(params):
+        tail = "/" + p.path[len("params/"):]
+        mine = [o for o in others if o.path.endswith(tail)]
+        used.update(id(o) for o in mine)
+        toggle = ""
+        if mine:
+            total = sum(o.bytes_per_device for o in mine)
+            toggle = (f'<details data-group="g{n}" ontoggle="foldState(this)"><summary>{len(mine)} arrays, '
+                      f"{human_bytes(total)}/device</summary></details>")
+        body.append('<tr class="param">' + "".join(f"<td>{c}</td>" for c in _leaf_cells(p) + [toggle]) + "</tr>")
+        for o in mine:
+            body.append(f'<tr class="opt g{n}" hidden>' + "".join(f"<td>{c}</td>" for c in _leaf_cells(o) + [""])
+                        + "</tr>")
+    for o in others:
+        if id(o) not in used:
+            body.append('<tr class="other">' + "".join(f"<td>{c}</td>" for c in _leaf_cells(o) + [""]) + "</tr>")
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in FOLDED_HEADER)
+    script = ("<script>function foldState(d){document.querySelectorAll('tr.'+d.dataset.group)"
+              ".forEach(function(r){r.hidden=!d.open;});}</script>")
+    return f'<table class="params"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>{script}'
+
+
+def _leaf_cells(r) -> List[str]:
+    return [html.escape(r.path), html.escape(_cell(r.shape)), html.escape(r.dtype), human_bytes(r.bytes),
+            human_bytes(r.bytes_per_device), html.escape(r.spec), html.escape(_cell(r.mesh_ids)),
+            html.escape(r.strategy)]
+
+
+def device_budget(record: RunRecord) -> Optional[int]:
+    """Bytes one device may use: --memory-limit-gb, else the size in the device kind ('H100 80GB')."""
+    limit = (record.config or {}).get("memory_limit_gb")
+    if limit:
+        return int(float(limit) * 1e9)
+    match = re.search(r"(\d+)\s*GB", record.devices.kind or "")
+    return int(match.group(1)) * 10 ** 9 if match else None
+
+
+MEMORY_ROWS = (("argument_size_in_bytes", "arguments (state + batch)"), ("output_size_in_bytes", "outputs"),
+               ("alias_size_in_bytes", "aliased (donated) outputs"), ("temp_size_in_bytes", "temporaries"),
+               ("generated_code_size_in_bytes", "generated code"), ("peak_estimate_bytes", "peak estimate"),
+               ("total_allocation_bytes", "total allocation"))
+
+
+def _memory_html(record: RunRecord) -> str:
+    memory = record.memory
+    if memory is None:
+        return "<p>not measured</p>"
+    budget = device_budget(record)
+    values = [(label, getattr(memory, key)) for key, label in MEMORY_ROWS if getattr(memory, key) is not None]
+    values += [(f"stage {i}", b) for i, b in enumerate(memory.stage_allocation_bytes or [])]
+    scale = budget or max((v for _l, v in values), default=1) or 1
+    rows = []
+    for label, value in values:
+        share = value / scale
+        over = " over" if budget and value > budget else ""
+        bar = f'<span class="bar{over}" style="width:{min(share, 1) * 300:.0f}px"></span>'
+        rows.append([html.escape(label), human_bytes(value), f"{share:.1%}" if budget else "", bar])
+    where = (f"device budget {human_bytes(budget)} ({'--memory-limit-gb' if (record.config or {}).get('memory_limit_gb') else html.escape(record.devices.kind or '')})"
+             if budget else f"no device budget known ({html.escape(record.devices.kind or 'device')}); bars relative "
+                            "to the largest value")
+    return (f"<p>XLA's memory analysis of the compiled step, per device; {where}.</p>"
+            + _raw_table(("what", "bytes", "of budget", ""), rows, "memory"))
+
+
+def _dict_rows(data: dict) -> List[List[str]]:
+    return [[str(k), _cell(v) if not isinstance(v, dict) else json.dumps(v)] for k, v in data.items()]
+
+
 def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None) -> str:
+    from alpa_job.inspect.mesh_picture import mesh_picture
+
     if rendered_plots is None:
         rendered_plots = plots.all_plots(record)
     figures = "".join(
@@ -170,31 +278,42 @@ def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None)
         f'src="data:image/png;base64,{base64.b64encode(png).decode()}">'
         f"<figcaption>{html.escape(caption)}</figcaption></figure>"
         for _name, caption, png in rendered_plots)
-    sections = [
+    sections = []
+    if record.status != "ok":
+        sections.append(f'<p class="status-{html.escape(record.status)}"><b>{html.escape(record.status)}</b> after '
+                        f"{record.steps} step(s): {html.escape(record.error or '')}</p>")
+    sections += [
         "<h2>Summary</h2>", _html_table(("item", "value"), summary_pairs(record), "summary"),
+        "<h2>Mesh</h2>", mesh_picture(record),
+        "<h2>Memory per device</h2>", _memory_html(record),
         "<h2>Plots</h2>", figures or "<p>no plots</p>",
     ]
     if record.search:
-        sections += ["<h2>Auto search</h2>", _html_table(SEARCH_HEADER, _search_rows(record), "search")]
+        chosen = next((r for r in record.search if r.chosen), None)
+        why = ""
+        if chosen:
+            fitting = [r for r in record.search if r.step_time_s]
+            why = (f"<p>Chosen: <b>{html.escape(chosen.strategy)} {html.escape(_cell(chosen.mesh_shape))}</b>, the "
+                   f"fastest of {len(fitting)} candidate(s) that fit ({len(record.search) - len(fitting)} skipped or "
+                   "did not fit).</p>")
+        sections += ["<h2>Auto search</h2>", why, _html_table(SEARCH_HEADER, _search_rows(record), "search")]
     if record.processes:
         sections += ["<h2>Processes</h2>", _html_table(PROCESS_HEADER, _process_rows(record), "processes")]
     if record.stages:
         sections += ["<h2>Pipeline stages</h2>", _html_table(STAGE_HEADER, _stage_rows(record), "stages")]
+    collectives = [[kind, _cell(c.count), human_bytes(c.bytes)] for kind, c in (record.collectives or {}).items()]
     sections += ["<h2>Collectives in the optimized HLO</h2>",
-                 _html_table(("kind", "count", "bytes"), _collective_rows(record), "collectives"),
-                 "<h2>Parameters and optimizer state</h2>",
-                 _html_table(PARAM_COLUMNS, _param_rows(record), "params")]
-    title = f"Parallel plan: {record.config.get('model', '?')} / {record.strategy}"
+                 _html_table(("kind", "count", "bytes"), collectives, "collectives"),
+                 "<h2>Parameters (optimizer state folded under each)</h2>",
+                 _folded_params_html(record)]
+    if record.config:
+        sections += ["<h2>Config</h2>", _html_table(("setting", "value"), _dict_rows(record.config), "config")]
+    if record.versions:
+        sections += ["<h2>Versions</h2>", _html_table(("package", "version"), _dict_rows(record.versions), "versions")]
+    title = f"{record.config.get('model', '?')}: {plan_title(record)}"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}
-table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }}
-th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: left; }}
-th {{ background: #f0f0f0; }}
-td:nth-child(8) {{ font-weight: 600; }}
-figure {{ display: inline-block; margin: 0 1em 1em 0; }}
-</style></head>
+<style>{STYLE}</style></head>
 <body><h1>{html.escape(title)}</h1>
 {''.join(sections)}
 </body></html>
