@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from alpa_job import progress, versions
+from alpa_job import progress, timing, versions
 from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_epoch
 from alpa_job.engines.base import Engine, missing_members
 from alpa_job.errors import KitError
@@ -124,6 +124,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     `on_step(global_step)` is called after each step is dispatched (no host sync): the driver's
     failure reports read it (cluster/processes.py).
     """
+    started = time.perf_counter()
     init_distributed(coordinator, num_processes, process_id)
     from alpa_job.models import get_model
 
@@ -143,12 +144,17 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
 
         checkpointer = Checkpointer(os.path.join(config.out, "checkpoints"), config.checkpoint_every)
     start_step = 0
+    built = time.perf_counter()
     if config.resume:
         state = checkpointer.restore(engine.abstract_state)
         start_step = int(engine.to_floats([state.step])[0])
         progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
     else:
         state = engine.init_state(config.seed)
+        engine.wait(state)
+    phases = {"setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
+              "init_compile": getattr(engine.stats, "init_compile_seconds", None),
+              "init_or_restore": time.perf_counter() - built}
 
     compiles_since = engine.watch_compiles()
     state, stats = run_loop(engine, state, data, start_step, total_steps, checkpointer, on_step=on_step)
@@ -157,7 +163,14 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
         checkpointer.close()
     eval_loss = engine.eval_loss(state, data.example)
 
+    first_done = stats.pop("first_step_done_at")
+    phases["first_step"] = stats.pop("first_step_s")
+    phases["to_first_step"] = first_done - started if first_done is not None else None
     result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
+    result.timing = timing.summary(
+        phases, stats["window_step_s"], engine.stats.flops_per_step, result.devices.kind, config.dtype,
+        len(result.process.local_devices) or 1, engine.peak_memory_bytes(),
+        (engine.stats.memory or {}).get("peak_estimate_bytes"))
     if config.out:
         engine.finish(config.out)
     if return_state:
@@ -175,7 +188,10 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
     losses: List[float] = []
     global_step = start_step
     bar = progress.Progress("train", total_steps - start_step, first=start_step)
-    loop_start = time.perf_counter()
+    # Timing without a per-step sync: the first step alone, then one sync per window (timing.py).
+    window, in_window, window_step_s = timing.window_size(total_steps - start_step), 0, []
+    first_step_s = first_done = None
+    loop_start = mark = time.perf_counter()
     while global_step < total_steps:
         epoch_index, skip = divmod(global_step, data.epoch.steps)
         pending = []
@@ -193,6 +209,15 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
                 checkpointer.maybe_save(global_step, state)
             if on_step is not None:
                 on_step(global_step)
+            in_window += 1
+            if first_done is None or in_window == window:
+                engine.to_floats([loss])  # sync: this step (and all before it) is done
+                now = time.perf_counter()
+                if first_done is None:
+                    first_step_s, first_done = now - loop_start, now
+                else:
+                    window_step_s.append((now - mark) / in_window)
+                mark, in_window = now, 0
             bar.update(1, epoch=epoch_index + 1, loss=loss, samples=real)  # loss: read back throttled
         else:
             samples_dropped += data.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
@@ -200,7 +225,9 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
     engine.wait(state)
     loop_seconds = time.perf_counter() - loop_start
     bar.close()
-    return state, loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
+    stats = loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
+    stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s)
+    return state, stats
 
 
 def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_seconds: float,

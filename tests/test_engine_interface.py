@@ -31,7 +31,7 @@ NEEDS_VENV39 = pytest.mark.skipif(not VENV39_PY.exists(), reason=f"{VENV39_PY} n
 def test_interface_is_the_members_the_loop_uses():
     loop_uses = {"name", "strategy", "checkpoints", "stats", "abstract_state", "compile", "init_state",
                  "put_batch", "step", "to_floats", "wait", "watch_compiles", "plan", "topology",
-                 "eval_loss", "finish", "extra_report"}
+                 "eval_loss", "finish", "extra_report", "peak_memory_bytes"}
     assert set(interface_members()) == loop_uses
 
 

@@ -92,3 +92,21 @@ def test_small_gpt_loss_falls_at_defaults():
     losses = [float(x) for x in jax.device_get(losses)]
     assert all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+
+
+def test_report_times_phases_and_the_steady_state_apart():
+    """The record's `timing`: phases (compile, init, first step, time to first step), the steady
+    state as median/p10/p90 of windowed step times (the first step not among them), XLA's FLOPs."""
+    from alpa_job.runner import run_in_process
+    from helpers_train import tiny_config
+
+    result = run_in_process(tiny_config("gpt", steps=41, epochs=100))
+    t = result.timing
+    phases = t["phases_s"]
+    assert phases["compile"] > 0 and phases["init_compile"] > 0 and phases["first_step"] > 0
+    assert phases["to_first_step"] >= phases["setup_and_compile"] + phases["first_step"]
+    steady = t["steady_step"]
+    assert steady["windows"] == 20  # 40 steps after the first, windows of 2
+    assert 0 < steady["p10_s"] <= steady["median_s"] <= steady["p90_s"]
+    assert t["flops_per_step"] > 0 and t["tflops_per_device"] is not None
+    assert t["mfu"] is None  # CPU: no known peak, no MFU

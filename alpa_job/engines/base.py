@@ -28,6 +28,7 @@ class CompileStats:
     init_compile_seconds: Optional[float] = None  # the state initialiser's own compile (None: not separate)
     compile_cache_dir: Optional[str] = None  # the persistent compile cache in use (None: off)
     compile_cache_hits: int = 0  # executables (step, init) loaded from that cache instead of compiled
+    flops_per_step: Optional[float] = None  # XLA's cost analysis of one device's step executable
 
     @property
     def hlo_text(self) -> str:
@@ -96,6 +97,9 @@ class Engine(Protocol):
     def extra_report(self) -> Dict[str, Any]:
         """Engine-specific result fields (JAX: the auto-search table; Alpa: method, stages, plan cache)."""
 
+    def peak_memory_bytes(self) -> Optional[int]:
+        """Measured peak device memory of this process; None where the runtime does not say."""
+
 
 class EngineHooks:
     """Defaults for the optional members of `Engine`."""
@@ -110,6 +114,10 @@ class EngineHooks:
 
     def extra_report(self) -> Dict[str, Any]:
         return {}
+
+    def peak_memory_bytes(self) -> Optional[int]:
+        """Measured peak device memory of this process (the largest over its devices); None: unknown."""
+        return None
 
 
 def interface_members() -> List[str]:

@@ -149,7 +149,19 @@ class JaxEngine(EngineHooks):
         self._count_cache_hits()  # the step's; init_state() adds the initialiser's
         self.stats.hlo_texts = [self._compiled.as_text() or ""]
         self.stats.memory = memory_analysis(self._compiled)
+        self.stats.flops_per_step = cost_flops(self._compiled)
         return self.stats
+
+    def peak_memory_bytes(self) -> Optional[int]:
+        peaks = []
+        for device in jax.local_devices():
+            try:
+                stats = device.memory_stats() or {}
+            except Exception:  # noqa: BLE001 - CPU and some runtimes keep no allocator statistics
+                stats = {}
+            if "peak_bytes_in_use" in stats:
+                peaks.append(int(stats["peak_bytes_in_use"]))
+        return max(peaks) if peaks else None
 
     def put_batch(self, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
         for key, expected in self._example.items():
@@ -236,6 +248,19 @@ def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Me
                 used.add(mesh_axis)
                 break
     return PartitionSpec(*assigned)
+
+
+def cost_flops(compiled) -> Optional[float]:
+    """XLA's FLOP count for one device's executable (custom calls such as cuDNN attention may be
+    left out of it); None when the backend does not say."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
 
 
 def memory_analysis(compiled) -> Optional[Dict[str, int]]:

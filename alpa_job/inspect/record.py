@@ -231,6 +231,8 @@ class ProcessResult:
     step_time_s: Optional[float] = None
     throughput: Optional[float] = None
     losses: List[float] = dataclasses.field(default_factory=list)
+    # Phases, steady-state step median/p10/p90, TFLOP/s, MFU, measured vs estimated peak memory (timing.py).
+    timing: Optional[Dict[str, Any]] = None
     # Restarts after a lost process/node (run-level; set on process 0's result by cluster/processes.py).
     # With restarts, steps/samples_seen count the final trajectory once (lost steps are not counted).
     restarts: List[RestartRecord] = dataclasses.field(default_factory=list)

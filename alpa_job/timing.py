@@ -1,0 +1,60 @@
+"""Honest timing for the report: phases, and the steady-state step time as a distribution.
+
+The loop never syncs with the device per step (that would stall the pipeline); it syncs once per
+window of steps (`window_size`) and records the window's time per step. The first step is timed
+on its own: it carries whatever the runtime does lazily on first use, so averaging it in (what
+`step_time_s` = loop seconds / steps does) overstates the step on short runs (GPT 24L on an H100:
+174-178 ms reported against 137-142 ms in steady state, issue 16). Plain Python (Python 3.9).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+# Dense bf16 matmul rates measured on the lent machines (an 8192^3 product on random data,
+# /work/.library/device/KINDS.md), keyed by jax's device_kind; MFU is reported only for these.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 798e12,
+    "NVIDIA H200": 788e12,
+}
+
+
+def window_size(steps: int) -> int:
+    """Steps per timing window: about 20 windows a run, at least 1 step, at most 10."""
+    return max(1, min(10, steps // 20))
+
+
+def percentile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def steady_state(window_step_s: List[float]) -> Optional[Dict[str, float]]:
+    """Median, p10 and p90 of the per-step times of the windows after the first step."""
+    if not window_step_s:
+        return None
+    return {"median_s": round(percentile(window_step_s, 0.5), 6), "p10_s": round(percentile(window_step_s, 0.1), 6),
+            "p90_s": round(percentile(window_step_s, 0.9), 6), "windows": len(window_step_s)}
+
+
+def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flops_per_step: Optional[float],
+            device_kind: Optional[str], dtype: str, device_count: int, peak_memory_bytes: Optional[int],
+            peak_estimate_bytes: Optional[int]) -> Dict[str, Any]:
+    """The report's `timing`: phases (seconds), steady state, TFLOP/s and MFU, memory measured vs estimated.
+
+    `flops_per_step` is XLA's count for one device's executable (cost analysis); TFLOP/s is per
+    device. MFU only for bf16 compute on a device whose peak is in PEAK_BF16_FLOPS."""
+    steady = steady_state(window_step_s)
+    out: Dict[str, Any] = {"phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
+                           "steady_step": steady, "flops_per_step": flops_per_step, "tflops_per_device": None,
+                           "mfu": None, "peak_memory_bytes": peak_memory_bytes,
+                           "peak_estimate_bytes": peak_estimate_bytes, "devices": device_count}
+    if steady and flops_per_step:
+        rate = flops_per_step / steady["median_s"]
+        out["tflops_per_device"] = round(rate / 1e12, 1)
+        peak = PEAK_BF16_FLOPS.get(device_kind or "")
+        if peak and dtype == "bfloat16":
+            out["mfu"] = round(rate / peak, 3)
+    return out
