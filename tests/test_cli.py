@@ -293,3 +293,36 @@ def test_alpa_report_draws_stage_mesh_devices(tmp_path):
         assert f"stage {st.stage} → mesh {st.mesh}" in box
         assert box.count("<rect") == 1 + int(np.prod(st.submesh_shape))  # the stage box + one per device
     assert "gpu 0" in stages[0] and f"gpu {sum(int(np.prod(s.submesh_shape)) for s in record.stages) - 1}" in stages[-1]
+
+
+def test_interrupted_run_still_writes_its_report(tmp_path):
+    """Ctrl-C part-way: exit 130, one line, no traceback, and the run directory's report says
+    `interrupted` with the steps done (issue 13: nothing lost)."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "alpa_job", "--address", "none", "--hidden-dim", "16",
+                             "--batch-size", "16", "--num-samples", "64", "--epochs", "100000",
+                             "--progress-every", "1", "--out", str(out)],
+                            cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"))
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("[train] step 5/"):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = "".join(seen) + rest
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert [l for l in stderr.splitlines() if l.startswith("error:")] == [
+        "error: interrupted (the run directory keeps a report of the steps done)"]
+    report = json.loads((out / "report.json").read_text())
+    assert_valid_report(report)
+    assert report["status"] == "interrupted" and report["steps"] >= 5 and report["error"]
+    assert "interrupted after" in stderr and (out / "report.html").exists() and (out / "train.log").exists()
