@@ -197,6 +197,9 @@ class KitArgumentParser(argparse.ArgumentParser):
         match = re.search(r"unrecognized arguments: (\S+)", message)
         if match:
             hint = did_you_mean(match.group(1).split("=")[0], KitArgumentParser.known_options)
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            hint = did_you_mean(choice.group(1), [c.strip(" '") for c in choice.group(2).split(",")])
         raise KitError(f"{message}{hint}; see {self.prog} --help")
 
 

@@ -89,13 +89,24 @@ def check_data(config: JobConfig) -> None:
         if not present:
             raise KitError(f"--data-dir {data_dir} holds no CIFAR-10 batches (expected "
                            f"{', '.join(CIFAR10_TRAIN_FILES)}); extract cifar-10-python.tar.gz there")
-        unreadable = [f for f in present if not os.access(os.path.join(data_dir, f), os.R_OK)]
-        if unreadable:
-            raise KitError(f"--data-dir {data_dir}: {unreadable[0]} is not readable; fix its permissions")
+        for name in present:
+            _check_pickle_header(os.path.join(data_dir, name))
         return
     from alpa_job.data import plan_epoch
 
     plan_epoch(config.num_samples, config.batch_size, config.remainder)
+
+
+def _check_pickle_header(path: str) -> None:
+    """A CIFAR-10 python batch is a pickle (protocol >= 2 starts with 0x80, then the protocol number):
+    two bytes tell a wrong file now, not after Ray started and a worker tried to load it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError as err:
+        raise KitError(f"--data-dir: cannot read {path} ({err.strerror}); fix its permissions") from None
+    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        raise KitError(f"{path} is not a CIFAR-10 python batch (not a pickle); re-extract cifar-10-python.tar.gz")
 
 
 def gpu_present() -> bool:

@@ -75,6 +75,8 @@ def workdir(tmp_path):
         (run / "run.json").write_text(json.dumps({"model": "mlp", "hidden_dim": 256}))
     os.symlink(old.name, tmp_path / "runs" / "latest")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "data_batch_1").write_text("not a pickle")
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "bad.yaml").write_text("modle: mlp\n")
     (tmp_path / "broken.yaml").write_text("model: [mlp\n")
@@ -129,6 +131,9 @@ CASES = [
     (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "nowhere"], r"'nowhere' is not a folder", 2),
     (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "empty"], r"holds no CIFAR-10 batches", 2),
     (["--dataset", "cifar10", "--data-dir", "empty"], r"--dataset cifar10 feeds images; use --model wide_resnet", 2),
+    (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "junk"],
+     r"junk/data_batch_1 is not a CIFAR-10 python batch \(not a pickle\)", 2),
+    (["inspect", "runs/latest", "--format", "htm"], r"invalid choice: 'htm' .* \(did you mean html\?\)", 2),
     # output, checkpoints, resume
     (["--resume"], r"--resume needs --checkpoint-every", 2),
     (["--resume", "--overwrite", "--checkpoint-every", "1"], r"--resume continues .* and --overwrite replaces it", 2),
