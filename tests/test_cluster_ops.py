@@ -260,14 +260,22 @@ def say():
 ips = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
 print("IPS", ray.get([say.options(resources={"node:" + ip: 0.001}).remote() for ip in ips]))
 print("JOB", ray.get_runtime_context().get_job_id())
+if len(sys.argv) > 2:  # what a failed training job does: its logs, from every node, next to its report
+    from alpa_job.ops.logs import collect_job_logs
+    print("COLLECTED", collect_job_logs(sys.argv[2]))
 """
 
 
 def test_logs_through_rays_log_api(ray_cluster, tmp_path):
     bed = ray_cluster.testbed
     marker = "akt-marker-%s" % uuid.uuid4().hex[:8]
-    run = ray_cluster.run_python(_JOB, marker, timeout=180)
+    job_dir = tmp_path / "job-run"
+    run = ray_cluster.run_python(_JOB, marker, job_dir, timeout=180)
     job_id = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("JOB ")][0]
+    # the job's side (alpa_job.ops.logs.collect_job_logs): Ray's log API from inside the connected driver
+    assert "COLLECTED %s" % (job_dir / "logs") in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert sorted(p.name for p in (job_dir / "logs").iterdir()) == sorted(ray_cluster.node_ips.values())
+    assert (job_dir / "logs" / ray_cluster.head_ip / "raylet.out").stat().st_size > 0
     ips = ray_cluster.node_ips
     inventory = ray_inventory(ray_cluster, "logs", [("head", ips["head"])], [("w1", ips["w1"]), ("w2", ips["w2"])])
     out = tmp_path / "logs"
@@ -277,18 +285,22 @@ def test_logs_through_rays_log_api(ray_cluster, tmp_path):
     assert {h["host"]: h["how"] for h in collection["hosts"]} == {"head": "api", "w1": "api", "w2": "api"}
     assert collection["job_id"] == job_id
     assert (out / "head" / "gcs_server.out").exists()
-    seen = {}
     for host in ("head", "w1", "w2"):
+        # byte for byte what the node wrote: every file of this job in the node's log dir, and the job's
+        # output (the marker its tasks printed) wherever Ray put it on that node
+        # (session_latest is a link to the host's own /tmp/ray/...: from out here, the newest session dir)
+        disk = max(ray_cluster.logs(host).glob("session_2*"), key=lambda d: d.stat().st_mtime) / "logs"
+        mine = ("worker-*-%s-*.out" % job_id, "worker-*-ffffffff-*.out")  # ffffffff: see JobRef.keeps
+        on_disk = {w.name: w.read_bytes() for pattern in mine for w in disk.glob(pattern)}
+        got = {w.name: w.read_bytes() for pattern in mine for w in (out / host).glob(pattern)}
+        assert set(got) == set(on_disk) and got, (host, sorted(got), sorted(on_disk))
+        assert all(got[n] == on_disk[n][:len(got[n])] for n in got)  # (a file may have grown since)
+        printed = [f.relative_to(disk) for f in disk.rglob("*") if f.is_file() and marker.encode() in f.read_bytes()]
+        assert printed, (host, "the job's tasks printed nothing on this node?")
+        assert all(marker in (out / host / f).read_text(errors="replace") for f in printed), (host, printed)
         assert (out / host / "raylet.out").stat().st_size > 0
-        workers = list((out / host).glob("worker-*-%s-*.out" % job_id))
-        seen[host] = {w.name: w.read_text(errors="replace")[-300:] for w in workers}
-        disk = ray_cluster.logs(host)
-        seen[host + "-disk"] = {str(w): (w.stat().st_size, marker in w.read_text(errors="replace")) for w in disk.rglob("worker-*-%s-*.out" % job_id)}
-    assert all(any(marker in t for t in seen[h].values()) for h in ("head", "w1", "w2")), (
-        {h: [(n[:12], len(t), marker in t) for n, t in v.items()] if "disk" not in h else v for h, v in seen.items()})
-    for host in ("head", "w1", "w2"):
         # other jobs' worker logs are left out
-        assert not [w for w in (out / host).glob("worker-*.out") if ("-%s-" % job_id) not in w.name]
+        assert not [w for w in (out / host).glob("worker-*.out") if w.name not in got]
 
 
 # ---- the round trip: up / status / logs / a node dies / logs over SSH / down (ssh_bed, process runtime) --
@@ -340,7 +352,8 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
     try:
         up = site.cli("up", "-i", inventory, "--run-dir", run_dir, timeout=600)
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert up.returncode == 0, (up.stdout[-5000:], up.stderr[-2000:], summary.get("failures"))
+        assert up.returncode == 0, "\n".join(["rc=%d" % up.returncode, up.stderr[-2000:]] + [
+            "%(host)s / %(task)s: %(message)s" % f for f in summary["failures"]])
         assert summary["ok"] and summary["status"] == "successful" and summary["playbook"] == "site.yml"
         assert set(summary["hosts"]) == {"localhost", "head", "w1", "w2"}
         assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in summary["hosts"].values())

@@ -161,7 +161,7 @@ def test_job_log_selection():
     job = JobRef("raysubmit_abc", job_id="03000000", submission_id="raysubmit_abc")
     keep = ["raylet.out", "gcs_server.err", "dashboard_agent.log", "events/event_RAYLET.log",
             "worker-aa11-03000000-42.out", "worker-aa11-03000000-42.err", "job-driver-raysubmit_abc.log",
-            "python-core-driver-03000000ffffffff_9.log"]
+            "python-core-driver-03000000ffffffff_9.log", "worker-cc33-ffffffff-7.out"]
     drop = ["worker-bb22-02000000-41.out", "job-driver-raysubmit_other.log", "python-core-worker-bb22_41.log",
-            "python-core-driver-02000000ffffffff_8.log", "worker-cc33-ffffffff-7.out"]
+            "python-core-driver-02000000ffffffff_8.log"]
     assert [f for f in keep + drop if job.keeps(f)] == keep

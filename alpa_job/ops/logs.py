@@ -38,6 +38,7 @@ COLLECTION_FILE = "collection.json"
 # Ray's per-worker files carry the job: worker-<worker id>-<job id hex>-<pid>.{out,err}
 _WORKER_FILE = re.compile(r"^(?:.*/)?worker-[0-9a-f]+-([0-9a-f]+)-\d+\.(?:out|err)$")
 # ... and python-core-driver-<job id hex><...>_<pid>.log, the driver's core log
+NIL_JOB_ID = "ffffffff"
 _DRIVER_FILE = re.compile(r"^(?:.*/)?python-core-driver-([0-9a-f]{8})")
 _PER_WORKER = re.compile(r"^(?:.*/)?(?:worker-|python-core-worker-|python-core-driver-|runtime_env_setup-)")
 
@@ -55,9 +56,14 @@ class JobRef:
         base = filename.rsplit("/", 1)[-1]
         if self.submission_id and self.submission_id in base:
             return True  # job-driver-<submission id>.log, runtime_env_setup-<...>
-        m = _WORKER_FILE.match(filename) or _DRIVER_FILE.match(filename)
-        if m:
-            return self.job_id is not None and m.group(1).lower() == self.job_id
+        worker = _WORKER_FILE.match(filename)
+        if worker:
+            # ffffffff: a worker Ray started before any job (prestarted on the head), which then runs
+            # tasks of whichever job comes: the job's output can be there (seen on Ray 2.60)
+            return worker.group(1).lower() in (self.job_id, NIL_JOB_ID)
+        driver = _DRIVER_FILE.match(filename)
+        if driver:
+            return driver.group(1).lower() == self.job_id
         if base.startswith("job-driver-"):
             return False  # another submission's driver
         return not _PER_WORKER.match(filename)  # node-wide logs (raylet, gcs_server, dashboard...) stay
