@@ -326,3 +326,23 @@ def test_interrupted_run_still_writes_its_report(tmp_path):
     assert_valid_report(report)
     assert report["status"] == "interrupted" and report["steps"] >= 5 and report["error"]
     assert "interrupted after" in stderr and (out / "report.html").exists() and (out / "train.log").exists()
+
+
+def test_cluster_size_is_checked_from_the_alive_nodes_before_any_actor():
+    """After a join the run's device count comes from Ray's node rows (2.1.0's ray.nodes() shape here):
+    GPUs per node, else --devices; a batch the data axis does not divide is the same one-line error."""
+    from alpa_job.cluster.ray_api import parse_nodes
+    from alpa_job.errors import KitError
+    from alpa_job.validate import check_cluster_size
+    from helpers_train import tiny_config
+
+    rows = [{"Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "NodeID": str(i),
+             "Resources": {"CPU": 8.0, "GPU": 4.0}} for i in (1, 2)]
+    rows.append({"Alive": False, "NodeManagerAddress": "10.0.0.3", "NodeID": "3", "Resources": {"CPU": 8.0}})
+    nodes = [n for n in parse_nodes(rows) if n.alive]
+    check_cluster_size(tiny_config(batch_size=16), nodes)  # 2 x 4 GPUs: 16 splits over 8
+    with pytest.raises(KitError, match=r"batch size 12 is not divisible by the data-parallel size 8; .*"
+                                       r"the cluster gives 2 node\(s\) x 4 devices"):
+        check_cluster_size(tiny_config(batch_size=12, address="10.0.0.1:6379"), nodes)
+    with pytest.raises(KitError, match=r"--processes 3 but only 2 alive Ray nodes"):
+        check_cluster_size(tiny_config(processes=3, address="10.0.0.1:6379"), nodes)
