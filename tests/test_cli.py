@@ -346,3 +346,11 @@ def test_cluster_size_is_checked_from_the_alive_nodes_before_any_actor():
         check_cluster_size(tiny_config(batch_size=12, address="10.0.0.1:6379"), nodes)
     with pytest.raises(KitError, match=r"--processes 3 but only 2 alive Ray nodes"):
         check_cluster_size(tiny_config(processes=3, address="10.0.0.1:6379"), nodes)
+
+
+def test_quiet_prints_only_the_result(tmp_path):
+    proc = run_cli("-q", "--address", "none", "--hidden-dim", "16", "--batch-size", "16", "--num-samples", "32",
+                   "--steps", "2", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and proc.stdout.startswith("trained mlp with jax/data")
+    assert "[train] step 2/2" in (tmp_path / "run" / "train.log").read_text()  # the log still has it all
