@@ -52,14 +52,19 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
     return [(k, _cell(v) if not isinstance(v, dict) else json.dumps(v)) for k, v in pairs]
 
 
+def _exact(n: int) -> str:
+    """'31138512 B (29.7 MiB)': the exact count (what scripts grep) and the human one."""
+    return f"{n} B ({human_bytes(n)})"
+
+
 def _memory_text(memory: Optional[MemoryRecord]) -> str:
     if memory is None:
         return "not measured"
     parts = []
     if memory.peak_estimate_bytes is not None:
-        parts.append(f"peak estimate {human_bytes(memory.peak_estimate_bytes)}/device")
+        parts.append(f"peak estimate {_exact(memory.peak_estimate_bytes)}/device")
     if memory.total_allocation_bytes is not None:
-        parts.append(f"allocation {human_bytes(memory.total_allocation_bytes)}")
+        parts.append(f"allocation {_exact(memory.total_allocation_bytes)}")
     if memory.stage_allocation_bytes:
         parts.append(f"per stage {', '.join(human_bytes(b) for b in memory.stage_allocation_bytes)}")
     return ", ".join(parts) or "not measured"
