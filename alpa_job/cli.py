@@ -163,10 +163,10 @@ def _doctor_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check a running cluster: IPs, ports, tasks, versions")
     p.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else auto)")
     p.add_argument("--cluster-spec", help="cluster spec YAML (ports, CIDR)")
-    p.add_argument("--format", default="table", choices=("table", "json"))
-    p.add_argument("--deadline", type=float, default=60.0, help="overall seconds before giving up")
+    p.add_argument("--format", default="table", choices=("table", "json"), help="table or json (default: table)")
+    p.add_argument("--deadline", type=float, default=60.0, help="overall seconds before giving up (default: 60)")
     p.add_argument("--node-timeout", type=float, default=10.0,
-                   help="seconds a probe pinned to one node may take before that node fails")
+                   help="seconds a probe pinned to one node may take before that node fails (default: 10)")
     p.add_argument("--skip-ports", help="comma-separated planned port names not to probe (Kubernetes: ssh)")
 
 

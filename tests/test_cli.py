@@ -168,9 +168,10 @@ def test_help_teaches_groups_defaults_examples_and_exit_codes():
     assert text.count("python -m alpa_job train") >= 4  # the epilog's example commands
     from alpa_job.cli import build_parser
 
-    train = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
-    silent = [a.option_strings for a in train._actions if a.option_strings and not a.help]
-    assert silent == [], "every flag has a description"
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name in ("train", "inspect", "doctor"):
+        silent = [a.option_strings for a in commands[name]._actions if a.option_strings and not a.help]
+        assert silent == [], f"every {name} flag has a description"
 
 
 def test_validate_mirrors_the_engines_rules():
