@@ -44,15 +44,16 @@ def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flop
             peak_estimate_bytes: Optional[int]) -> Dict[str, Any]:
     """The report's `timing`: phases (seconds), steady state, TFLOP/s and MFU, memory measured vs estimated.
 
-    `flops_per_step` is XLA's count for one device's executable (cost analysis); TFLOP/s is per
-    device. MFU only for bf16 compute on a device whose peak is in PEAK_BF16_FLOPS."""
+    `flops_per_step` is XLA's count for the whole step over all `device_count` devices (cost analysis
+    of the unpartitioned module); TFLOP/s is per device. MFU only for bf16 compute on a device whose
+    peak is in PEAK_BF16_FLOPS."""
     steady = steady_state(window_step_s)
     out: Dict[str, Any] = {"phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
                            "steady_step": steady, "flops_per_step": flops_per_step, "tflops_per_device": None,
                            "mfu": None, "peak_memory_bytes": peak_memory_bytes,
                            "peak_estimate_bytes": peak_estimate_bytes, "devices": device_count}
     if steady and flops_per_step:
-        rate = flops_per_step / steady["median_s"]
+        rate = flops_per_step / device_count / steady["median_s"]
         out["tflops_per_device"] = round(rate / 1e12, 1)
         peak = PEAK_BF16_FLOPS.get(device_kind or "")
         if peak and dtype == "bfloat16":

@@ -169,7 +169,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
     result.timing = timing.summary(
         phases, stats["window_step_s"], engine.stats.flops_per_step, result.devices.kind, config.dtype,
-        len(result.process.local_devices) or 1, engine.peak_memory_bytes(),
+        result.devices.count or 1, engine.peak_memory_bytes(),
         (engine.stats.memory or {}).get("peak_estimate_bytes"))
     if config.out:
         engine.finish(config.out)

@@ -28,7 +28,7 @@ class CompileStats:
     init_compile_seconds: Optional[float] = None  # the state initialiser's own compile (None: not separate)
     compile_cache_dir: Optional[str] = None  # the persistent compile cache in use (None: off)
     compile_cache_hits: int = 0  # executables (step, init) loaded from that cache instead of compiled
-    flops_per_step: Optional[float] = None  # XLA's cost analysis of one device's step executable
+    flops_per_step: Optional[float] = None  # XLA's cost analysis of the whole (unpartitioned) step
 
     @property
     def hlo_text(self) -> str:
