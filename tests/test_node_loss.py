@@ -385,3 +385,53 @@ ray.shutdown()
     host, node_id, pid = expect[0]
     assert msg[0].startswith("an Alpa mesh worker (MeshWorker) died on host %s" % host), msg[0]
     assert "Ray node id %s" % node_id in msg[0] and "pid %s" % pid in msg[0] and "\n" not in msg[0]
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_resume_after_the_heads_ray_restarts(testbed_factory):
+    """Head loss (README: "Losing the head"): the driver, the GCS and process 0 go with it, so the job ends.
+    Here the head's Ray is stopped mid-run (with the driver, which runs on the head), Ray is started again on
+    every host (what `python -m alpa_job cluster up` / `ray start` does at a site), and the same command with
+    --resume continues from the last complete checkpoint on all 3 hosts."""
+    from fixtures_testbed import RAY_NUM_CPUS, RAY_OBJECT_STORE, RAY_FORM_TIMEOUT
+    import testbed_ray
+
+    cluster = _cluster(testbed_factory)
+    bed = cluster.testbed
+    out = _out("head")
+
+    def stop_heads_ray(_bed, _name):
+        t = time.time()
+        bed.exec("head", "ray", "stop", "--force", timeout=120, check=False)  # inside the head host only
+        return t
+
+    log = open(out.parent / (out.name + ".driver.log"), "w+")
+    p = bed.popen("head", *_train_argv(cluster, str(out)), stdout=log, stderr=subprocess.STDOUT,
+                  env={"RAY_ADDRESS": cluster.address})
+    deadline = time.monotonic() + 400
+    try:
+        while (latest_complete_step(str(out / "checkpoints")) or 0) < KILL_AFTER_CHECKPOINT:
+            assert p.poll() is None and time.monotonic() < deadline, "the job ended before its checkpoint"
+            time.sleep(0.05)
+        stop_heads_ray(bed, "head")
+    finally:
+        if p.poll() is None:
+            p.kill()  # the driver runs on the head: a lost head takes it along
+        p.wait(timeout=30)
+        log.close()
+    saved = latest_complete_step(str(out / "checkpoints"))
+    assert saved is not None and saved >= KILL_AFTER_CHECKPOINT
+
+    # Ray again on every host (the workers' raylets are gone with the GCS, or stopped here), then resubmit.
+    for host in bed.ips:
+        bed.exec(host, "ray", "stop", "--force", timeout=120, check=False)
+    bed.ray = None
+    testbed_ray.start_ray(bed, num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE, include_dashboard=True,
+                          timeout=RAY_FORM_TIMEOUT)
+    p2 = bed.exec("head", *_train_argv(cluster, str(out), "--resume", steps=saved + 10), timeout=400, check=False,
+                  env={"RAY_ADDRESS": cluster.address})
+    assert p2.returncode == 0, (p2.stdout + p2.stderr)[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["resumed_from_step"] == saved and report["steps"] == 10 and report["summary"]["hosts"] == 3
+    shutil.rmtree(out, ignore_errors=True)

@@ -385,7 +385,7 @@ class _Job:
         self.restart_wait = float(getattr(config, "restart_wait", 0) or 0)
         self.ckpt_dir = os.path.join(config.out, "checkpoints") if config.out else None
         self.lost: List[Lost] = []  # every node lost so far (never scheduled onto again)
-        self.known: Set[str] = set()  # node ids alive when the last loss happened
+        self.known: Set[str] = set()  # node ids alive at a lost node's IP when it was lost (the stale view)
         self.healthy: Set[str] = set()  # lost processes whose node was found alive
         self.restarts: List[Dict[str, Any]] = []
         self.run_start = (latest_complete_step(self.ckpt_dir) or 0) if config.resume and self.ckpt_dir else 0
@@ -397,6 +397,10 @@ class _Job:
         nodes = training_nodes(eligible_nodes(failures.current_nodes(), self.lost, self.known,
                                               healthy_ids=self.healthy))
         count = want or len(nodes)
+        if not nodes:
+            raise KitError("no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
+                           "add nodes, then rerun with --resume" % (", ".join(x.where() for x in self.lost) or "-"),
+                           EXIT_PROCESS_LOST)
         if count > len(nodes):
             raise KitError(f"--processes {count} but only {len(nodes)} alive Ray nodes have a free CPU; "
                            f"use --processes {len(nodes)} or add nodes")
@@ -454,10 +458,7 @@ class _Job:
                 attempt.kill()
                 progress.note(f"[alpa_job] a JAX process could not start on {', '.join(x.ip for x in err.lost)} "
                               f"({err.lost[0].reason}); waiting for Ray's view of the cluster to settle")
-                self.known = {n.node_id for n in failures.current_nodes() if n.alive}
-                settled = failures.wait_settled(err.lost)
-                self.healthy |= settled.healthy
-                self.lost.extend(err.lost)
+                self._settle(err.lost)
                 continue
             except BaseException:
                 attempt.kill()
@@ -471,6 +472,16 @@ class _Job:
             return attempt
         raise KitError(f"could not place the JAX processes in {PLACEMENT_RETRIES} tries: nodes kept dying "
                        f"({', '.join(x.where() for x in self.lost)}); check `ray status`", EXIT_PROCESS_LOST)
+
+    def _settle(self, lost: List[Lost]) -> None:
+        """Wait for Ray's settled view of `lost`; remember them (never used again unless found healthy)."""
+        ips = {x.ip for x in lost}
+        # Ids alive at a lost IP now are the stale view; a node joining there later is a replacement.
+        self.known |= {n.node_id for n in failures.current_nodes() if n.alive and n.ip in ips}
+        self.healthy -= {x.node_id for x in lost}  # a node found healthy once may be the one lost now
+        settled = failures.wait_settled(lost)
+        self.healthy |= settled.healthy
+        self.lost.extend(lost)
 
     def _eligible_count(self) -> int:
         return len(eligible_nodes(failures.current_nodes(), self.lost, self.known, healthy_ids=self.healthy))
@@ -493,13 +504,10 @@ class _Job:
                           f"{x.reason}")
 
     def _prepare_restart(self, failed: _Failed, attempt: "_Attempt") -> None:
-        self.known = {n.node_id for n in failures.current_nodes() if n.alive}
         x = failed.lost[0]
         progress.note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.max_restarts}: waiting for Ray to settle "
                       f"(node {x.ip} marked dead, or answering again)")
-        settled = failures.wait_settled(failed.lost)
-        self.healthy |= settled.healthy
-        self.lost.extend(failed.lost)
+        self._settle(failed.lost)
         want = len(attempt)
         deadline = time.monotonic() + self.restart_wait
         while self._eligible_count() < want and time.monotonic() < deadline:
