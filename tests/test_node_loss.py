@@ -77,6 +77,19 @@ def test_a_node_whose_process_died_but_that_answers_is_used_again():
     assert [n.node_id for n in chosen] == ["n1", "n2", "n3"]
 
 
+def test_failure_message_names_host_ip_node_index_step_and_the_log():
+    from alpa_job.cluster.failures import Slot, failure_message
+
+    slot = Slot(index=2, ip="10.77.0.3", host="w2", node_id="n3abc", actor_id="a1", worker_id="wk9", pid=77)
+    lost = slot.lost(70, "The actor is unavailable: Connection reset by peer")
+    msg = failure_message(lost, slot, checkpoint_step=50, log_shown=False)
+    assert "JAX process 2 on host w2 (node IP 10.77.0.3, Ray node id n3abc) died at step 70" in msg
+    assert "last complete checkpoint: step 50" in msg and "Connection reset by peer" in msg
+    assert "10.77.0.3:/tmp/ray/session_latest/logs/worker-wk9-*" in msg and "--max-restarts" in msg
+    assert "\n" not in msg
+    assert "its log is printed above" in failure_message(lost, slot, None, log_shown=True)
+
+
 # ============================================================================ unit: the shrunk mesh
 def test_batch_that_divides_the_shrunk_data_axis_passes():
     assert check_batch_divides(96, 2, 2, "data", before=3) == 4
