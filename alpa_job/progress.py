@@ -43,7 +43,7 @@ class Display:
     def __init__(self, verbosity: int = DEFAULT, tty: Optional[bool] = None, every: int = 0,
                  stream=None, log_path: Optional[str] = None):
         self.verbosity = verbosity
-        self.stream = stream or sys.stderr
+        self._stream = stream  # None: whatever sys.stderr is when a line is printed (pytest's capsys too)
         self.tty = _is_tty(self.stream) if tty is None else tty
         self.every = every  # 0: about 10 lines per run
         self.last_step = 0
@@ -54,6 +54,10 @@ class Display:
         self._task = None
         if log_path:
             self.open_log(log_path)
+
+    @property
+    def stream(self):
+        return self._stream if self._stream is not None else sys.stderr
 
     # ----- train.log
     def open_log(self, path: str) -> None:
@@ -389,9 +393,7 @@ class NativeStderr:
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log_fd, 2)
         os.close(log_fd)
-        sys.stderr = user
-        if _display is not None and _display.stream is self._saved_stderr:
-            _display.stream = user
+        sys.stderr = user  # a Display without its own stream follows sys.stderr
         return self
 
     def restore(self) -> None:
@@ -401,6 +403,4 @@ class NativeStderr:
         os.dup2(self._saved_fd, 2)
         os.close(self._saved_fd)
         self._saved_fd = None
-        if _display is not None and _display.stream is sys.stderr:
-            _display.stream = self._saved_stderr
         sys.stderr = self._saved_stderr
