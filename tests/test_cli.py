@@ -277,7 +277,8 @@ def test_compare_needs_two_runs_and_prints_markdown(two_runs):
     one = run_cli("inspect", "--compare", str(runs[0]))
     assert one.returncode == 2 and "needs at least two run directories" in one.stderr
     md = run_cli("inspect", "--compare", *map(str, runs), "--format", "md")
-    assert md.returncode == 0 and md.stdout.count("| 20") == 2 and "Fastest step" in md.stdout
+    assert md.returncode == 0 and "Fastest step" in md.stdout
+    assert len(re.findall(r"^\| \d{8}-\d{6}-gpt-(data|tensor) \|", md.stdout, re.M)) == 2, md.stdout
 
 
 def test_alpa_report_draws_stage_mesh_devices(tmp_path):
