@@ -73,6 +73,11 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
         return f"it sizes --model {owner}, and --model {config.model} reads {reads}; drop it or use --model {owner}"
     if name == "processes" and address == "none":
         return "--address none trains in this one process; drop it or run on Ray (--address local/HOST:PORT)"
+    if name in ("max_restarts", "restart_wait") and (engine != "jax" or address == "none"):
+        return ("restarts replace lost JAX processes on Ray nodes (this run: "
+                f"{engine}, --address {address}); drop it or run the JAX engine on Ray")
+    if name == "restart_wait" and not getattr(config, "max_restarts", 0):
+        return "it is how long a restart waits, and --max-restarts is 0; drop it or add --max-restarts N"
     if name == "devices" and engine == "alpa":
         return "Alpa runs on the nodes' GPUs, it never emulates CPU devices; drop it"
     return None

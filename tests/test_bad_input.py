@@ -112,6 +112,9 @@ CASES = [
     (["--model", "gpt", "--hidden-dim", "64"], r"--hidden-dim does nothing here: it sizes --model mlp", 2),
     (["--data-dir", "empty"], r"--data-dir does nothing here: only --dataset cifar10 reads files", 2),
     (["--address", "none", "--processes", "2"], r"--processes does nothing here: --address none", 2),
+    (["--address", "none", "--max-restarts", "2"], r"--max-restarts does nothing here: restarts replace lost JAX "
+                                                   r"processes on Ray nodes", 2),
+    (["--restart-wait", "30"], r"--restart-wait does nothing here: .* --max-restarts is 0", 2),
     # sizes and divisibility against the devices the run will have
     (["--processes", "2"], r"--processes 2 but a local Ray has one node", 2),
     (["--batch-size", "60"], r"batch size 60 is not divisible by the data-parallel size 8; use a multiple of 8 "
