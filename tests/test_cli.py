@@ -105,6 +105,11 @@ def default_run(tmp_path_factory):
 def test_no_arguments_trains_the_mlp_on_local_ray(default_run):
     out, proc = default_run
     assert "joined local Ray" in proc.stderr
+    # Process 0 trains in a Ray actor; its progress reaches the driver through the channel actor.
+    assert re.search(r"^\[train\] step 21/21  loss [\d.]+  [\d,]+ samples/s  ETA 0 s$", proc.stderr, re.M), proc.stderr
+    # Ray's own noise stays off by default: no token notice, no colour codes, no dedup lines, no actor prefixes.
+    for noise in ("Token authentication", "\x1b[", "repeated", "(JaxProcess pid="):
+        assert noise not in proc.stderr, noise
     report = json.loads((out / "report.json").read_text())
     assert_valid_report(report)  # the Ray path (run_on_nodes) writes the schema's report too
     assert REQUIRED_KEYS <= set(report)
