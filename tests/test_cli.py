@@ -361,3 +361,15 @@ def test_quiet_prints_only_the_result(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "" and proc.stdout.startswith("trained mlp with jax/data")
     assert "[train] step 2/2" in (tmp_path / "run" / "train.log").read_text()  # the log still has it all
+
+
+def test_plan_title_and_units():
+    from alpa_job.inspect.record import MeshShape, RunRecord
+    from alpa_job.inspect.units import human_bytes, plan_title
+
+    auto = RunRecord(engine="jax", strategy="tensor", requested_strategy="auto",
+                     mesh=MeshShape(shape=[2, 4], axes=["data", "model"]))
+    assert plan_title(auto) == "auto → tensor (2×4)"
+    assert plan_title(RunRecord(engine="jax", strategy="fsdp", requested_strategy="fsdp",
+                                mesh=MeshShape(shape=[8, 1]))) == "fsdp (8×1)"
+    assert [human_bytes(n) for n in (512, 1536, 3 * 2**20, 80 * 2**30)] == ["512 B", "1.5 KiB", "3.0 MiB", "80.0 GiB"]
