@@ -373,3 +373,20 @@ def test_plan_title_and_units():
     assert plan_title(RunRecord(engine="jax", strategy="fsdp", requested_strategy="fsdp",
                                 mesh=MeshShape(shape=[8, 1]))) == "fsdp (8×1)"
     assert [human_bytes(n) for n in (512, 1536, 3 * 2**20, 80 * 2**30)] == ["512 B", "1.5 KiB", "3.0 MiB", "80.0 GiB"]
+
+
+def test_overwrite_replaces_an_earlier_runs_checkpoints(tmp_path):
+    prev = tmp_path / "prev"
+    (prev / "checkpoints" / "5").mkdir(parents=True)
+    (prev / "checkpoints" / "5" / "state").write_text("orbax data")
+    (prev / "report.json").write_text("{}")
+    args = ("--address", "none", "--hidden-dim", "16", "--batch-size", "16", "--num-samples", "32", "--steps", "1",
+            "--out", str(prev))
+    refused = run_cli(*args)
+    assert refused.returncode == 2 and "holds another run's checkpoints" in refused.stderr
+    assert (prev / "checkpoints" / "5" / "state").exists()
+    proc = run_cli(*args, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert not (prev / "checkpoints").exists()
+    report = json.loads((prev / "report.json").read_text())
+    assert report["status"] == "ok" and report["steps"] == 1 and report["config"]["overwrite"] is True
