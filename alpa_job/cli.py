@@ -247,6 +247,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted (the run directory keeps a report of the steps done)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `inspect ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 def _train(args) -> int:

@@ -78,7 +78,8 @@ def table_rows(data: List[Dict[str, Any]]) -> List[List[str]]:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["collectives"].items()) if n) or "none"
         out.append([r["run"], r["plan"], r["status"], _fmt(r["steps"]), _fmt(r["step_ms"]), _fmt(r["throughput"]),
                     _fmt(r["state_bytes_per_device"], "bytes"), _fmt(r["peak_bytes_per_device"], "bytes"),
-                    f"{_fmt(r['collective_count'])} ({kinds})", _fmt(r["collective_bytes"], "bytes"),
+                    "-" if r["collective_count"] is None else f"{r['collective_count']} ({kinds})",
+                    _fmt(r["collective_bytes"], "bytes"),
                     _fmt(r["compile_s"]), _fmt(r["loss_last"])])
     return out
 
