@@ -390,3 +390,21 @@ def test_overwrite_replaces_an_earlier_runs_checkpoints(tmp_path):
     assert not (prev / "checkpoints").exists()
     report = json.loads((prev / "report.json").read_text())
     assert report["status"] == "ok" and report["steps"] == 1 and report["config"]["overwrite"] is True
+
+
+def test_an_old_real_runs_latest_folder_is_kept_aside(tmp_path):
+    """Older kits wrote runs/latest as a folder; the first new run keeps it (renamed by its time) and
+    makes runs/latest a symlink."""
+    from alpa_job.rundir import point_latest
+
+    old = tmp_path / "latest"
+    old.mkdir()
+    (old / "report.json").write_text("{}")
+    new = tmp_path / "20261123-120000-mlp-data"
+    new.mkdir()
+    link = point_latest(str(tmp_path), str(new))
+    assert os.path.islink(link) and os.readlink(link) == new.name
+    kept = [p for p in tmp_path.iterdir() if p.name.endswith("-previous-latest")]
+    assert len(kept) == 1 and (kept[0] / "report.json").read_text() == "{}"
+    point_latest(str(tmp_path), str(new))  # again: replaced atomically, nothing else moves
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([new.name, kept[0].name, "latest"])
