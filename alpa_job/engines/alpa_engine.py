@@ -257,8 +257,11 @@ class AlpaEngine(EngineHooks):
     name = "alpa"
     checkpoints = False  # the state lives in Alpa's DistributedArrays; orbax does not save those
 
-    def __init__(self, config, model, example_batch: Dict[str, Any], cluster: AlpaCluster):
+    def __init__(self, config, model, example_batch: Dict[str, Any], cluster: AlpaCluster,
+                 schedule_steps: Optional[int] = None):
+        """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         self.config, self.model, self.cluster = config, model, cluster
+        self._schedule_steps = schedule_steps if schedule_steps is not None else config.steps
         self.settings = method_settings(config, cluster.num_nodes, cluster.per_node)
         self.strategy = self.settings["strategy"]
         self.stats = CompileStats()
@@ -281,7 +284,9 @@ class AlpaEngine(EngineHooks):
     def factory(cls, cluster: AlpaCluster):
         """train.train_process's `build_engine`: construct and compile on `cluster`."""
         def build(config, model, data):
-            engine = cls(config, model, data.example, cluster)
+            from alpa_job.engines.optimizer import schedule_steps
+
+            engine = cls(config, model, data.example, cluster, schedule_steps=schedule_steps(config, data.epoch.steps))
             engine.compile()
             return engine
 
@@ -300,10 +305,11 @@ class AlpaEngine(EngineHooks):
                                          tx=self._tx(), batch_stats=variables.get("batch_stats"))
 
     def _tx(self):
-        import optax
+        from alpa_job.engines.optimizer import default_optimizer
 
         if self._optimizer is None:  # one object: it is part of the state's treedef
-            self._optimizer = optax.adam(self.config.learning_rate)
+            # The same warmup + decay as the JAX engine: one default for every engine.
+            self._optimizer = default_optimizer(self.config.learning_rate, self._schedule_steps)
         return self._optimizer
 
     def init_state(self, seed: int):
