@@ -52,6 +52,7 @@ class Display:
         self._log = None
         self._rich = None
         self._task = None
+        self._status = None  # a TTY spinner while a phase ("compiling ... ...") runs
         if log_path:
             self.open_log(log_path)
 
@@ -100,9 +101,28 @@ class Display:
         elif kind == "end":
             self._stop_bar()
         elif kind in ("phase", "note"):
-            self.line(event["text"], important=event.get("important", False))
+            self._phase(event["text"], important=event.get("important", False))
+
+    def _phase(self, text: str, important: bool) -> None:
+        """A phase that starts ("... ...") spins on a TTY until the next line; everything else is a line."""
+        self._stop_status()
+        if self.tty and self.verbosity > QUIET and self._rich is None and text.endswith(" ..."):
+            try:
+                self._status = _rich_console(self.stream).status(text)
+                self._status.start()
+                self._log_line(text)
+                return
+            except ImportError:
+                self._status = None
+        self.line(text, important=important)
+
+    def _stop_status(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
 
     def _start_bar(self, event: Event) -> None:
+        self._stop_status()
         if not self.tty or self.verbosity <= QUIET:
             return
         try:
@@ -145,6 +165,7 @@ class Display:
                 print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
+        self._stop_status()
         self._stop_bar()
         self.close_log()
 
@@ -272,6 +293,7 @@ def wait_for(futures: List[Any], channel: Any, poll_s: float = 0.5) -> List[Any]
             _drain(channel)
         _drain(channel)
     finally:
+        display()._stop_status()
         display()._stop_bar()
     return ray.get(futures)
 

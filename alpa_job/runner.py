@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Tuple
 
 from alpa_job import progress, rundir, validate
 from alpa_job.cluster.connect import NO_RAY, connect, resolve_address

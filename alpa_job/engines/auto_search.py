@@ -44,7 +44,8 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     bar = Progress("auto search", len(candidates), unit="candidate")
     phase(f"[auto] searching {len(candidates)} candidates (strategy x mesh), budget {budget / 2**30:.1f} GiB/device")
     for number, (strategy, mesh_shape) in enumerate(candidates, 1):
-        phase(f"[auto] candidate {number}/{len(candidates)}: {strategy} on mesh {mesh_shape}: compiling and timing")
+        phase(f"[auto] candidate {number}/{len(candidates)}: {strategy} on mesh {mesh_shape}: "
+              "compiling and timing ...")  # " ...": a spinner on a terminal until its result line
         row: Dict[str, object] = {"strategy": strategy, "mesh_shape": list(mesh_shape), "fits": None,
                                   "peak_bytes_per_device": None, "compile_s": None, "step_time_s": None,
                                   "chosen": False, "note": ""}

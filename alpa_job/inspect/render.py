@@ -262,9 +262,10 @@ def _memory_html(record: RunRecord) -> str:
         over = " over" if budget and value > budget else ""
         bar = f'<span class="bar{over}" style="width:{min(share, 1) * 300:.0f}px"></span>'
         rows.append([html.escape(label), human_bytes(value), f"{share:.1%}" if budget else "", bar])
-    where = (f"device budget {human_bytes(budget)} ({'--memory-limit-gb' if (record.config or {}).get('memory_limit_gb') else html.escape(record.devices.kind or '')})"
-             if budget else f"no device budget known ({html.escape(record.devices.kind or 'device')}); bars relative "
-                            "to the largest value")
+    source = "--memory-limit-gb" if (record.config or {}).get("memory_limit_gb") else record.devices.kind or ""
+    where = (f"device budget {human_bytes(budget)} ({html.escape(source)})" if budget else
+             f"no device budget known ({html.escape(record.devices.kind or 'device')}); bars relative to the "
+             "largest value")
     return (f"<p>XLA's memory analysis of the compiled step, per device; {where}.</p>"
             + _raw_table(("what", "bytes", "of budget", ""), rows, "memory"))
 
