@@ -271,7 +271,8 @@ def test_report_mesh_picture_and_compare_page_in_headless_chromium(two_runs, tmp
     dom = _chromium_run(["--dump-dom", f"file://{page}"], tmp_path).stdout
     table = re.search(r'<table class="compare">.*?</table>', dom, re.S).group(0)
     assert table.count("<tr>") == 3 and "data (8×1)" in table and "tensor (4×2)" in table
-    assert "step ms" in table and "collectives" in table and "compile s" in table
+    assert "step ms" in table and "collectives" in table and "compile s" in table and "labels (params)" in table
+    assert re.search(r"<td>DP \d+, MP \d+</td>", table)  # tensor: some parameters split over the model axis
     widths = [int(w) for w in re.findall(r'data-rendered="(\d+)"', dom)]
     assert widths and widths[0] > 500, "the comparison plot decodes and lays out"
     _screenshot(page, tmp_path / "compare.png", tmp_path)

@@ -2,8 +2,8 @@
 between data, fsdp and tensor on their model (issue 13).
 
 Each row is a run's record reduced to what differs between strategies: step time, throughput, state
-bytes per device and XLA's peak estimate, collectives (count and bytes), compile time, the final loss,
-the run's status. Rendered as a terminal table, Markdown, JSON or a self-contained HTML page.
+bytes per device and XLA's peak estimate, the parameters' strategy labels (DP/ZeRO/MP counts),
+collectives (count and bytes), compile time, the final loss, the run's status. Rendered as a terminal table, Markdown, JSON or a self-contained HTML page.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from alpa_job.inspect.record import RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
 
 COLUMNS = ("run", "plan", "status", "steps", "step ms", "samples/s", "state / device", "peak / device",
-           "collectives", "collective bytes", "compile s", "loss last")
+           "labels (params)", "collectives", "collective bytes", "compile s", "loss last")
 
 
 def load_runs(paths: Sequence[str]) -> List[RunRecord]:
@@ -51,6 +51,7 @@ def row(label: str, record: RunRecord) -> Dict[str, Any]:
         "collective_count": sum(c.count for c in collectives.values()) if record.collectives is not None else None,
         "collective_bytes": sum(c.bytes for c in collectives.values()) if record.collectives is not None else None,
         "collectives": {k: c.count for k, c in collectives.items()},
+        "labels": dict(record.summary.strategy_counts.get("params") or {}),  # DP / ZeRO / MP / MP+ZeRO counts
         "compile_s": record.compile_seconds,
         "loss_last": record.summary.loss_last,
     }
@@ -77,6 +78,7 @@ def table_rows(data: List[Dict[str, Any]]) -> List[List[str]]:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["collectives"].items()) if n) or "none"
         out.append([r["run"], r["plan"], r["status"], _fmt(r["steps"]), _fmt(r["step_ms"]), _fmt(r["throughput"]),
                     _fmt(r["state_bytes_per_device"], "bytes"), _fmt(r["peak_bytes_per_device"], "bytes"),
+                    ", ".join(f"{k} {n}" for k, n in sorted(r["labels"].items())) or "-",
                     "-" if r["collective_count"] is None else f"{r['collective_count']} ({kinds})",
                     _fmt(r["collective_bytes"], "bytes"),
                     _fmt(r["compile_s"]), _fmt(r["loss_last"])])
