@@ -48,7 +48,7 @@ def write_inventory(path: Path, heads: List[tuple], workers: List[tuple], file_v
 def ssh_vars(sb, extra: Optional[dict] = None) -> dict:
     """The ssh bed's access (root, its key, no host-key prompts) and the process runtime."""
     v = {"ansible_user": "root", "ansible_ssh_private_key_file": str(sb.key),
-         "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=3",
+         "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=10",
          "ansible_python_interpreter": str(VENV_PYTHON), "ray_runtime": "process",
          "alpa_kit_cluster_cidr": sb.testbed.subnet}
     v.update(extra or {})
@@ -76,6 +76,14 @@ def preflight(bed, inventory: Path, *extra, host: str = "head"):
         raise AssertionError("preflight printed no JSON (rc=%d):\n%s\n%s" % (p.returncode, p.stdout[-3000:],
                                                                              p.stderr[-3000:]))
     return p, result, seconds
+
+
+def as_json(p: subprocess.CompletedProcess) -> dict:
+    try:
+        return json.loads(p.stdout)
+    except ValueError:
+        raise AssertionError("no JSON from %s (rc=%d):\n%s\n%s" % (p.args[3:6], p.returncode, p.stdout[-2000:],
+                                                                   p.stderr[-2000:])) from None
 
 
 def failed(result: dict, host: Optional[str] = None, name: Optional[str] = None) -> List[dict]:
@@ -336,7 +344,7 @@ class Site:
         return cli(self.bed, *args, timeout=timeout, env={"ANSIBLE_HOME": str(self.work / "ansible-home")})
 
     def ray_pids(self, host: str) -> Dict[str, List[int]]:
-        p = self.bed.exec(host, "pgrep", "-a", "-x", "raylet|gcs_server", check=False)
+        p = self.bed.exec(host, "pgrep", "-l", "-x", "raylet|gcs_server", check=False)  # "PID NAME" lines
         out: Dict[str, List[int]] = {}
         for line in p.stdout.splitlines():
             pid, name = line.split()[:2]
@@ -350,7 +358,7 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
     inventory = site.inventory()
     run_dir = tmp_path / "up"
     try:
-        up = site.cli("up", "-i", inventory, "--run-dir", run_dir, timeout=600)
+        up = site.cli("up", "-i", inventory, "--run-dir", run_dir, "--timeout", 480, timeout=560)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert up.returncode == 0, "\n".join(["rc=%d" % up.returncode, up.stderr[-2000:]] + [
             "%(host)s / %(task)s: %(message)s" % f for f in summary["failures"]])
@@ -362,7 +370,7 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
         assert "doctor: " in (Path(summary["artifact_dir"]) / "stdout").read_text()  # Ansible's own output kept
 
         p = site.cli("status", "-i", inventory, "--format", "json")
-        status_result = json.loads(p.stdout)
+        status_result = as_json(p)
         assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
         assert sorted(n["host"] for n in status_result["nodes"] if n["alive"]) == ["head", "w1", "w2"]
         assert status_result["auth"] == "token" and status_result["token_given"]  # the jax stack's token auth
@@ -375,8 +383,9 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
         assert (out / "w2" / "raylet.out").stat().st_size > 0
 
         # w2's Ray crashes (its raylet killed by PID): the log API cannot serve it, SSH still can
-        for pid in site.ray_pids("w2").get("raylet", []):
-            bed.exec("w2", "kill", "-9", str(pid), check=False)
+        raylets = site.ray_pids("w2").get("raylet", [])
+        assert len(raylets) == 1, site.ray_pids("w2")
+        bed.exec("w2", "kill", "-9", str(raylets[0]))
         deadline = time.monotonic() + 90
         while True:  # the GCS marks the node dead after its health checks fail
             p = site.cli("status", "-i", inventory, "--format", "json")
@@ -384,7 +393,7 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
                 break
             assert time.monotonic() < deadline, "w2 still alive in Ray 90 s after its raylet was killed"
             time.sleep(3)
-        assert any(x["node"] == "w2" for x in json.loads(p.stdout)["problems"])
+        assert any(x["node"] == "w2" for x in as_json(p)["problems"])
         out = tmp_path / "logs-crash"
         p = site.cli("logs", "-i", inventory, "--out", out, timeout=240)
         assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
