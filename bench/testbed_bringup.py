@@ -34,7 +34,7 @@ import testbed_lib  # noqa: E402
 import testbed_ray  # noqa: E402
 
 
-def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float) -> dict:
+def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max_parallel=None) -> dict:
     t = {}
     load_before = os.getloadavg()[0]
     testbed_lib.down(prefix=prefix)
@@ -44,7 +44,7 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float) -> 
     try:
         t["bed_up"] = time.monotonic() - t0
         info = testbed_ray.start_ray(bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True,
-                                     timeout=timeout)
+                                     timeout=timeout, max_parallel=max_parallel)
         steps = info["seconds"]
         t["firewall"] = steps["firewall"]
         t["head_gcs"] = steps["head_gcs"]
@@ -82,13 +82,16 @@ def main(argv=None) -> int:
     ap.add_argument("--object-store-memory", type=int, default=80_000_000)
     ap.add_argument("--prefix", default="akb")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--max-parallel", type=int, default=None,
+                    help="workers starting at once (default: testbed_ray's, cores + 1)")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/results or bench/RESULTS.md")
     opts = ap.parse_args(argv)
     why = testbed_lib.missing_requirements()
     if why:
         print("cannot run: " + "; ".join(why), file=sys.stderr)
         return 2
-    rows = [bring_up(n, opts.num_cpus, opts.object_store_memory, opts.prefix, opts.timeout) for n in opts.sizes]
+    rows = [bring_up(n, opts.num_cpus, opts.object_store_memory, opts.prefix, opts.timeout, opts.max_parallel)
+            for n in opts.sizes]
     cols = ("bed_up", "firewall", "head_gcs", "ray_start", "wait", "joined_total", "doctor", "green_total", "teardown")
     header = ["hosts", "alive", "doctor"] + list(cols) + ["late / restarted workers", "load 1m before/after"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]

@@ -9,7 +9,7 @@
    sysctls in every host (one ``sh`` per host, all hosts at once);
 3. ``ray start`` with ``alpa_job.cluster.ray_start.ray_start_args`` (every port pinned): the head, and
    every worker as soon as the head's GCS port listens (read from the head's own
-   ``/proc/<pid>/net/tcp``: no extra process), all workers in parallel. Ray's ``ray start`` gives up
+   ``/proc/<pid>/net/tcp``: no extra process), at most cores+1 workers at a time. Ray's ``ray start`` gives up
    after a hard-coded 30 s of waiting for its raylet to register (a loaded 2-core machine gets
    there) but leaves the raylet running: such a worker gets ``LATE_JOIN_S`` more to join, and only
    if it is still missing then is it stopped and started once more;
@@ -131,7 +131,7 @@ def auth_env(token_path: Optional[str]) -> Dict[str, str]:
 
 def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_memory: int = DEFAULT_OBJECT_STORE,
               include_dashboard: bool = True, firewall: bool = True, auth: bool = False,
-              timeout: float = DEFAULT_TIMEOUT) -> dict:
+              timeout: float = DEFAULT_TIMEOUT, max_parallel: Optional[int] = None) -> dict:
     """Firewall + Ray on every host of ``bed`` + wait until all nodes are alive. Returns ``bed.ray``:
     {"address", "dashboard", "spec_path", "nodes", "auth", "token_path", "seconds": {step: s}, ...}.
 
@@ -201,17 +201,39 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     tb._wait(lambda: _listening(bed.head.pid, gcs_port) or head_proc.poll() is not None,
              max(1.0, deadline - time.monotonic()), f"the head's GCS port {gcs_port}")
     seconds["head_gcs"] = time.monotonic() - mark
-    procs = {h.name: launch(i, h) for i, h in enumerate(bed.hosts) if i > 0}
-    rc = finish("head", head_proc, deadline)
-    seconds["head_start"] = time.monotonic() - mark
-    if rc != 0:
-        raise tb.TestbedError(f"`ray start --head` failed on head (rc={rc}): {failed('head')}; "
-                              f"read {logs / 'head.log'}")
-    # The wait (a Python start-up + ray.init, ~2 s of CPU) overlaps the workers' start-up: the head's
-    # raylet is up now, which is all a driver on the head needs.
+    # At most `parallel` workers start at once: each start is CPU-bound (a Python CLI, an agent or
+    # two, a log monitor), so more at once on a few cores only stretches every one of them towards
+    # Ray's fixed 30 s registration limit; the total is the same.
+    parallel = max_parallel or max(2, (os.cpu_count() or 2) + 1)
+    pending = [(i, h) for i, h in enumerate(bed.hosts) if i > 0]
+    running: Dict[str, subprocess.Popen] = {}
+    rcs: Dict[str, int] = {}
     n = len(bed.hosts)
-    waiter = start_wait_nodes(bed, n, max(5.0, deadline - time.monotonic()))
-    late = [name for name, proc in procs.items() if finish(name, proc, deadline) != 0]
+    waiter = None
+    while pending or running or waiter is None:
+        while pending and len(running) < parallel:
+            i, h = pending.pop(0)
+            running[h.name] = launch(i, h)
+        if waiter is None and head_proc.poll() is not None:
+            seconds["head_start"] = time.monotonic() - mark
+            if head_proc.returncode != 0:
+                raise tb.TestbedError(f"`ray start --head` failed on head (rc={head_proc.returncode}): "
+                                      f"{failed('head')}; read {logs / 'head.log'}")
+            # The wait (a Python start-up + ray.init, ~2 s of CPU) overlaps the workers' start-up:
+            # the head's raylet is up now, which is all a driver on the head needs.
+            waiter = start_wait_nodes(bed, n, max(5.0, deadline - time.monotonic()))
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                rcs[name] = proc.returncode
+                del running[name]
+        if time.monotonic() > deadline:
+            for proc in list(running.values()) + [head_proc]:
+                _kill(proc)
+            raise tb.TestbedError(f"`ray start` did not return within {timeout:.0f}s on "
+                                  f"{', '.join(sorted(running)) or 'head'}; read {logs}/<host>.log and "
+                                  f"{bed.state_dir}/hosts/<host>/ray/session_*/logs")
+        time.sleep(0.05)
+    late = [name for name, rc in rcs.items() if rc != 0]
     seconds["ray_start"] = time.monotonic() - mark
     info["late_workers"], info["worker_retries"] = late, []
     mark = time.monotonic()
