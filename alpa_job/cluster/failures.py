@@ -124,15 +124,18 @@ def log_location(slot: Slot) -> str:
     return "%s:%s/%s.{out,err}" % (slot.ip, LOG_DIR, name)
 
 
-def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[int], log_shown: bool) -> str:
+def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[int], log_shown: bool,
+                    also: Sequence[int] = ()) -> str:
     step = "at step %d" % lost.step if lost.step is not None else "before its first step"
     saved = ("last complete checkpoint: step %d" % checkpoint_step if checkpoint_step is not None
              else "no complete checkpoint yet")
     where = "its log is printed above" if log_shown else (
         "read its log on that node: %s" % log_location(slot) if slot else "read its log under %s on that node" % LOG_DIR)
-    return ("JAX %s died %s (%s; %s); the other processes were stopped; %s; rerun with --resume (from the last "
-            "checkpoint) or pass --max-restarts N to continue on the surviving nodes"
-            % (lost.where(), step, lost.reason or "no reason given", saved, where))
+    others = ("process(es) %s ended with it (JAX stops the peers of a dead process), the rest were stopped"
+              % ", ".join(str(i) for i in also)) if also else "the other processes were stopped"
+    return ("JAX %s died %s (%s; %s); %s; %s; rerun with --resume (from the last checkpoint) or pass "
+            "--max-restarts N to continue on the surviving nodes"
+            % (lost.where(), step, lost.reason or "no reason given", saved, others, where))
 
 
 def print_log_tail(slot: Slot, lines: Optional[List[str]]) -> bool:

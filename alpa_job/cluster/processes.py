@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -347,10 +348,40 @@ class _Attempt:
             who = f"process {i} on host {slot.host} ({slot.ip})" if slot else f"process {i}"
             return KitError(f"JAX {who} failed: {failures.first_line(getattr(err, 'cause', None) or err)}",
                             EXIT_PROCESS_LOST)
-        lost = [self.slots[i].lost(self.steps.get(i), failures.first_line(e)) for i, e in sorted(dead.items())]
+        # The lost one first: a node that stopped answering (Ray: "unavailable") over a process that died on a
+        # live node (JAX's coordination service aborts the survivors of a dead peer: collateral), then by
+        # arrival (`errors` keeps the order the failures were seen in).
+        unreachable = tuple(t for t in (getattr(ray.exceptions, "ActorUnavailableError", None), _Unresponsive) if t)
+        arrival = list(errors)
+        collateral = self._aborted_by_jax(dead) if not any(isinstance(e, unreachable) for e in dead.values()) else set()
+        order = sorted(dead, key=lambda i: (not isinstance(dead[i], unreachable), i in collateral, arrival.index(i)))
+        lost = [self.slots[i].lost(self.steps.get(i), failures.first_line(dead[i])) for i in order]
         failed = _Failed(lost, self.slots, first_failure, _now_iso())
         failed.run_step = max((s for s in self.steps.values() if s is not None), default=None)
         return failed
+
+
+    def _aborted_by_jax(self, dead: Dict[int, BaseException]) -> Set[int]:
+        """Of several processes that died on live nodes, those whose log shows JAX's coordination service
+        aborting them because a peer died (read at once, bounded): they are not the one to name."""
+        if len(dead) < 2:
+            return set()
+        tails: Dict[int, Optional[List[str]]] = {}
+
+        def read(i: int) -> None:
+            slot = self.slots.get(i)
+            tails[i] = failures.log_tail(slot, lines=60) if slot else None
+
+        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in dead]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(failures.LOG_TIMEOUT_S + 1)
+        return {i for i, lines in list(tails.items()) if lines and any(m in line for line in lines for m in JAX_ABORT)}
+
+
+JAX_ABORT = ("CoordinationServiceAgent::SetError", "detected fatal errors", "Terminating process because",
+             "SIGABRT received")
 
 
 def _drain(channel) -> None:
@@ -436,7 +467,9 @@ class _Job:
                 self._report(failed)
                 if len(self.restarts) >= self.max_restarts:
                     raise KitError(failures.failure_message(failed.lost[0], failed.slots.get(failed.lost[0].index),
-                                                            self.latest(), self._log_shown), EXIT_PROCESS_LOST) from None
+                                                            self.latest(), self._log_shown,
+                                                            also=[y.index for y in failed.lost[1:]]),
+                                   EXIT_PROCESS_LOST) from None
                 self._prepare_restart(failed, attempt)
                 want = len(attempt)
                 attempt_no += 1
@@ -496,12 +529,13 @@ class _Job:
     _log_shown = False
 
     def _report(self, failed: _Failed) -> None:
-        for x in failed.lost:
-            slot = failed.slots.get(x.index)
-            if slot is not None:
-                self._log_shown = failures.print_log_tail(slot, failures.log_tail(slot)) or self._log_shown
-            progress.note(f"[alpa_job] lost JAX {x.where()} at step {x.step if x.step is not None else '-'}: "
-                          f"{x.reason}")
+        x = failed.lost[0]
+        slot = failed.slots.get(x.index)
+        if slot is not None:
+            self._log_shown = failures.print_log_tail(slot, failures.log_tail(slot))
+        progress.note(f"[alpa_job] lost JAX {x.where()} at step {x.step if x.step is not None else '-'}: {x.reason}")
+        for y in failed.lost[1:]:
+            progress.note(f"[alpa_job] ended with it: JAX {y.where()} ({y.reason})")
 
     def _prepare_restart(self, failed: _Failed, attempt: "_Attempt") -> None:
         x = failed.lost[0]
