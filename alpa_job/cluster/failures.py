@@ -185,8 +185,9 @@ def wait_settled(lost: Sequence[Lost], timeout_s: float = SETTLE_TIMEOUT_S, poll
     healthy: Set[str] = set()
 
     @ray.remote(num_cpus=0)
-    def here() -> str:
-        return ray.util.get_node_ip_address()
+    def here() -> str:  # ray only: the node may not import alpa_job without the job's runtime_env
+        ctx = ray.get_runtime_context()  # a replacement node at the same IP answers too: compare ids
+        return ctx.get_node_id() if hasattr(ctx, "get_node_id") else ctx.node_id.hex()
 
     probes: Dict[str, Any] = {nid: here.options(**ray_api.pin_to_node(x.ip)).remote() for nid, x in todo.items()}
     try:
@@ -201,10 +202,12 @@ def wait_settled(lost: Sequence[Lost], timeout_s: float = SETTLE_TIMEOUT_S, poll
                 for nid in list(todo):
                     if probes[nid] in ready:
                         try:
-                            ray.get(probes[nid], timeout=1)
-                            healthy.add(nid)
+                            answered = ray.get(probes[nid], timeout=1)
                         except Exception:  # the probe died with the node: Ray will mark it dead
                             continue
+                        if answered and answered != nid:
+                            continue  # a NEW node at that IP ran it: the lost one must still be marked dead
+                        healthy.add(nid)
                         todo.pop(nid)
             if not todo:
                 break
