@@ -17,6 +17,7 @@ import os
 from typing import Optional
 
 OFF = ("none", "off")
+_UNSUPPORTED = object()
 
 
 def default_dir() -> str:
@@ -44,8 +45,13 @@ def enable(directory: Optional[str]) -> Optional[str]:
         return None
     import jax
 
+    current = getattr(jax.config, "jax_compilation_cache_dir", _UNSUPPORTED)
+    if current is _UNSUPPORTED:
+        # Older jax (the Alpa image's 0.3.22, jax 0.4.13 on Python 3.9) has no such option: those
+        # runs compile as before, without a persistent cache, rather than fail.
+        return None
     os.makedirs(directory, exist_ok=True)
-    if jax.config.jax_compilation_cache_dir == directory:
+    if current == directory:
         return directory
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
