@@ -6,6 +6,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers_report import assert_valid_report
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -35,6 +36,7 @@ def _submit(ray_cluster, host: str):
     seconds = time.monotonic() - t0
     assert p.returncode == 0, "ray job submit from %s failed:\n%s\n%s" % (host, p.stdout[-5000:], p.stderr[-3000:])
     report = json.loads((out / "report.json").read_text())
+    assert_valid_report(report)  # a multi-process report too matches the shipped schema
     _JOBS[host] = (report, seconds, p)
     return _JOBS[host]
 
