@@ -86,7 +86,10 @@ class Ansible:
         t0 = time.monotonic()
         p = self.bed.exec("head", "ansible-playbook", "-i", str(inventory), playbook, *extra, cwd=str(ANSIBLE_DIR),
                           timeout=timeout, check=False,
+                          # own ControlPersist sockets: the default ~/.ansible/cp names a socket by
+                          # host+port+user only, so another test bed's 10.77.0.2 would answer ours
                           env={"ANSIBLE_HOME": str(self.work / "home"), "ANSIBLE_FORCE_COLOR": "0",
+                               "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "home" / "cp"),
                                "ANSIBLE_NOCOLOR": "1"})
         return p, time.monotonic() - t0
 

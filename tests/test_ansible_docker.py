@@ -105,7 +105,10 @@ class SiteAnsible:
         of an earlier run is reused: every connection is new and must pass the nodes' firewalls."""
         self.runs += 1
         home = self.work / ("home-%d" % self.runs if fresh_ssh else "home")
-        env = {"ANSIBLE_HOME": str(home), "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
+        # Our own ControlPersist sockets: Ansible's default dir is ~/.ansible/cp whatever ANSIBLE_HOME says,
+        # and a socket is named by host+port+user only, so another test bed's 10.77.0.2 would answer ours.
+        env = {"ANSIBLE_HOME": str(home), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(home / "cp"),
+               "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
         t0 = time.monotonic()
         p = self.bed.exec(self.site.controller, "ansible-playbook", "-i", str(inventory), playbook, *extra,
                           cwd=str(ANSIBLE_DIR), timeout=timeout, check=False, env=env)
@@ -223,10 +226,27 @@ def test_bad_input_stops_before_any_change(site, mistake):
     assert seconds < 90, seconds
 
 
+def _auth_state(site) -> str:
+    """What a failed run needs for diagnosis: each container's auth env (hashed) and the token file's."""
+    import hashlib
+
+    def h(text):
+        return hashlib.sha256(text.strip().encode()).hexdigest()[:8]
+
+    lines = ["token file %s: %s" % (site.token_file, h(site.token_file.read_text()) if site.token_file.exists()
+                                    else "absent")]
+    for node in site.site.nodes:
+        p = site.site.docker(node, "inspect", "--format", "{{json .Config.Env}}", CONTAINER, check=False)
+        env = json.loads(p.stdout) if p.returncode == 0 else []
+        lines.append("%s: %s" % (node, {e.split("=", 1)[0]: h(e.split("=", 1)[1]) if "TOKEN" in e else e.split("=", 1)[1]
+                                        for e in env if e.startswith("RAY_AUTH")}))
+    return "\n".join(lines)
+
+
 def test_site_from_an_outside_controller_brings_the_cluster_up(site):
     p, seconds = _site_up(site)
     out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-8000:]
+    assert p.returncode == 0, out[-8000:] + "\n" + _auth_state(site)
     counts = recap(p.stdout)
     assert set(counts) == {"localhost", "head", "w1", "w2"}
     assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), counts
@@ -319,3 +339,46 @@ def test_teardown_removes_the_containers_and_the_table_and_nothing_else(site):
     assert site.files() == {n: [f for f in fs if f not in gone] for n, fs in before["files"].items()}
     p2, _ = site.run("teardown.yml", site.inventory("good"))
     assert p2.returncode == 0 and all(c["changed"] == 0 for c in recap(p2.stdout).values()), p2.stdout[-4000:]
+
+
+def test_air_gapped_nodes_load_the_image_from_a_tar(site, tmp_path):
+    """alpa_kit_image_source: load: the preflight finds the image missing and the archive on the
+    controller, the node gets the tar copied and `docker_image_load`ed, the copy is removed; a second
+    run finds the image and does nothing. A small image (the Debian base) stands in for the kit's."""
+    from testbed_site import IMAGE_CACHE
+
+    base = IMAGE_CACHE / "debian-bookworm-minbase.tar"
+    if not base.exists():
+        pytest.skip("no cached Debian base rootfs (%s) to make a small image from" % base)
+    ref, archive = "akt-airgap/base:1", site.work / "airgap.tar"
+    node, docker = "w2", site.site.docker
+    docker(node, "import", str(base), ref, timeout=300)
+    docker(node, "save", "-o", str(archive), ref, timeout=300)
+    docker(node, "rmi", ref)
+    play = site.work / "airgap.yml"
+    play.write_text(yaml.safe_dump([{
+        "name": "Air-gapped image.", "hosts": node, "gather_facts": False,
+        "vars": {"alpa_kit_image": ref, "alpa_kit_image_source": "load", "alpa_kit_image_archive": str(archive),
+                 "ray_cluster_archive_dir": str(site.bed.host_dir(node))},
+        "tasks": [
+            {"name": "Preflight.", "ansible.builtin.include_role": {"name": "ray_node_prep", "tasks_from": "docker.yml"}},
+            {"name": "Image.", "ansible.builtin.include_role": {"name": "ray_cluster", "tasks_from": "image.yml"}},
+        ]}], sort_keys=False))
+    try:
+        p, _ = site.run(str(play), site.inventory("good"))
+        assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
+        assert recap(p.stdout)[node]["changed"] == 3, p.stdout[-5000:]  # copied, loaded, copy removed
+        assert ref in site.images()[node]
+        assert not (site.bed.host_dir(node) / "airgap.tar").exists()
+        p2, _ = site.run(str(play), site.inventory("good"))
+        assert p2.returncode == 0 and recap(p2.stdout)[node]["changed"] == 0, p2.stdout[-4000:]
+        # no archive where the operator said: one line, before anything is copied
+        archive.unlink()
+        docker(node, "rmi", ref)
+        p3, _ = site.run(str(play), site.inventory("good"))
+        assert p3.returncode != 0 and recap(p3.stdout)[node]["changed"] == 0
+        assert re.search(r"w2: alpa_kit_image_source is load but the archive '%s' is not on the controller"
+                         % re.escape(str(archive)), p3.stdout), p3.stdout[-3000:]
+    finally:
+        docker(node, "rmi", "-f", ref, check=False)
+        archive.unlink(missing_ok=True)
