@@ -341,7 +341,10 @@ class Site:
                                v, host_vars=per_host)
 
     def cli(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-        return cli(self.bed, *args, timeout=timeout, env={"ANSIBLE_HOME": str(self.work / "ansible-home")})
+        # own ControlPersist sockets: Ansible's default dir names a socket by host+port+user only, so another
+        # test bed's 10.77.0.1 (same address, other namespace) would answer through a live one
+        return cli(self.bed, *args, timeout=timeout, env={"ANSIBLE_HOME": str(self.work / "ansible-home"),
+                                                           "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "cp")})
 
     def ray_pids(self, host: str) -> Dict[str, List[int]]:
         p = self.bed.exec(host, "pgrep", "-l", "-x", "raylet|gcs_server", check=False)  # "PID NAME" lines
