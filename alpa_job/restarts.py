@@ -7,8 +7,8 @@ without a cluster (tests/test_node_loss.py's unit part); cluster/processes.py do
 - `view_settled(nodes, lost)`: Ray's node table no longer shows a lost node as alive (it was marked
   dead or removed), or the node is alive under a NEW id (its raylet restarted). Until then a new
   process could be placed on a node that is already gone: the `--resume` crash of issue 12.
-- `eligible_nodes(nodes, lost, known_before)`: the alive nodes a new attempt may use; a lost node's id
-  never, its IP only for a node that joined after the failure (a replacement at the same address).
+- `eligible_nodes(nodes, lost)`: the alive nodes a new attempt may use; a lost node's id never, its IP
+  not while Ray still lists the lost id alive there (after that, a node at that IP is a replacement).
 - `check_batch_divides(...)`: the global batch stays the same on the shrunk mesh and must divide its
   data axis; else one line naming the sizes.
 - `trajectory_counts(...)`: steps / samples_seen of the final trajectory, each step counted once.
@@ -47,21 +47,21 @@ def node_alive(nodes: Iterable, node_id: str) -> bool:
     return any(n.alive and n.node_id == node_id for n in nodes)
 
 
-def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], known_before: Set[str],
-                   min_cpus: float = 1.0, healthy_ids: Optional[Set[str]] = None) -> List:
+def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], min_cpus: float = 1.0,
+                   healthy_ids: Optional[Set[str]] = None) -> List:
     """Alive nodes a new attempt may run on, in the given order.
 
-    Excluded: every lost node id (unless it was found healthy: its process died, the node did not),
-    and a lost IP unless the node there joined after the failure (its id is not in `known_before`).
+    Excluded: every lost node id (unless it was found healthy: its process died, the node did not), and
+    every node at a lost IP while Ray still lists the lost id there as alive (the stale view). Once Ray has
+    marked it dead, a node alive at that IP has a new id: a replacement (its raylet restarted), usable.
     """
+    nodes = list(nodes)
     healthy_ids = healthy_ids or set()
     lost_ids = {x.node_id for x in lost if x.node_id} - healthy_ids
-    lost_ips = {x.ip for x in lost if x.node_id not in healthy_ids}
+    stale_ips = {n.ip for n in nodes if n.alive and n.node_id in lost_ids}
     out = []
     for n in nodes:
-        if not n.alive or not n.ip or n.cpus() < min_cpus or n.node_id in lost_ids:
-            continue
-        if n.ip in lost_ips and n.node_id in known_before:
+        if not n.alive or not n.ip or n.cpus() < min_cpus or n.node_id in lost_ids or n.ip in stale_ips:
             continue
         out.append(n)
     return out

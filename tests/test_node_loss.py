@@ -57,37 +57,23 @@ def test_view_settled_once_the_lost_node_is_dead_or_gone(rows):
 def test_eligible_nodes_never_include_the_lost_node():
     rows = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3"),  # n3: not yet marked
             _row("10.77.0.4", "n4", cpus=0.0)]  # no CPU to spare
-    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3", "n4"})
+    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST)
     assert [n.ip for n in chosen] == ["10.77.0.1", "10.77.0.2"]
 
 
-def test_a_replacement_node_at_the_lost_ip_is_used_once_it_joins_under_a_new_id():
-    rows = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False),
-            _row("10.77.0.3", "n7")]  # w2 restarted: a new raylet, a new node id
-    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3"})
-    assert [n.node_id for n in chosen] == ["n1", "n2", "n7"]
-    # ... but an id that was already alive at the failure, at the lost IP, is the stale view: excluded
-    stale = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3", "n7"})
-    assert [n.node_id for n in stale] == ["n1", "n2"]
+def test_a_replacement_node_at_the_lost_ip_is_used_once_the_lost_id_is_marked_dead():
+    # w2's raylet restarted (a new id, n7) before Ray marked the old one (n3) dead: that IP is the stale view
+    stale = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3"), _row("10.77.0.3", "n7")]
+    assert [n.node_id for n in eligible_nodes(ray_api.parse_nodes(stale), LOST)] == ["n1", "n2"]
+    settled = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False),
+               _row("10.77.0.3", "n7")]
+    assert [n.node_id for n in eligible_nodes(ray_api.parse_nodes(settled), LOST)] == ["n1", "n2", "n7"]
 
 
 def test_a_node_whose_process_died_but_that_answers_is_used_again():
     rows = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3")]
-    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST, known_before={"n1", "n2", "n3"}, healthy_ids={"n3"})
+    chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST, healthy_ids={"n3"})
     assert [n.node_id for n in chosen] == ["n1", "n2", "n3"]
-
-
-def test_failure_message_names_host_ip_node_index_step_and_the_log():
-    from alpa_job.cluster.failures import Slot, failure_message
-
-    slot = Slot(index=2, ip="10.77.0.3", host="w2", node_id="n3abc", actor_id="a1", worker_id="wk9", pid=77)
-    lost = slot.lost(70, "The actor is unavailable: Connection reset by peer")
-    msg = failure_message(lost, slot, checkpoint_step=50, log_shown=False)
-    assert "JAX process 2 on host w2 (node IP 10.77.0.3, Ray node id n3abc) died at step 70" in msg
-    assert "last complete checkpoint: step 50" in msg and "Connection reset by peer" in msg
-    assert "10.77.0.3:/tmp/ray/session_latest/logs/worker-wk9-*" in msg and "--max-restarts" in msg
-    assert "\n" not in msg
-    assert "its log is printed above" in failure_message(lost, slot, None, log_shown=True)
 
 
 # ============================================================================ unit: the shrunk mesh
@@ -447,4 +433,42 @@ def test_resume_after_the_heads_ray_restarts(testbed_factory):
     assert p2.returncode == 0, (p2.stdout + p2.stderr)[-5000:]
     report = json.loads((out / "report.json").read_text())
     assert report["resumed_from_step"] == saved and report["steps"] == 10 and report["summary"]["hosts"] == 3
+    shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_a_replacement_node_joining_within_restart_wait_is_used(testbed_factory):
+    """w2's Ray is stopped mid-run (its raylet and JAX process die; Ray marks the node dead) and started
+    again a few seconds later: a NEW node id at the lost IP. With --restart-wait the restart waits for it and
+    runs on 3 hosts again (the stale id is never used, the replacement is)."""
+    import threading
+
+    from alpa_job.cluster.ray_start import ray_start_args
+    from fixtures_testbed import RAY_NUM_CPUS, RAY_OBJECT_STORE
+
+    cluster = _cluster(testbed_factory)
+    bed = cluster.testbed
+    out = _out("replace")
+
+    def restart_w2_ray(_bed, _name):
+        t = time.time()
+        bed.exec("w2", "ray", "stop", "--force", timeout=120, check=False)  # inside w2 only
+
+        def start_again():
+            argv = ray_start_args(cluster.spec, "worker", cluster.node_ips["w2"], head_ip=cluster.head_ip,
+                                  num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE)
+            bed.exec("w2", *argv, timeout=180, check=False)
+
+        threading.Thread(target=start_again, daemon=True).start()
+        return t
+
+    rc, text, _, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1", "--restart-wait", "150",
+                                   kill=restart_w2_ray, timeout=600)
+    assert rc == 0, text[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    (r,) = report["restarts"]
+    assert r["host"] == "w2" and r["processes_after"] == 3, r
+    assert report["summary"]["hosts"] == 3 and report["steps"] == STEPS
+    assert sorted(p["host"] for p in report["processes"]) == ["head", "w1", "w2"]
     shutil.rmtree(out, ignore_errors=True)

@@ -38,7 +38,7 @@ ACTOR_START_TIMEOUT_S = 120
 POLL_S = 0.5  # how often the driver looks at the processes' futures and steps
 GRACE_S = 3.0  # after the first failure: time for the others' to arrive (the dead one is the one to name)
 PING_TIMEOUT_S = 5.0
-STALL_S = 10.0  # a step poll unanswered this long: look at whether Ray still lists the node alive
+NODE_CHECK_S = 2.0  # how often the driver reads Ray's node table while training
 PORT_FREE_TIMEOUT_S = 30.0  # process 0 waits for the last attempt's coordinator to release the port
 PLACEMENT_RETRIES = 3  # a node that died before its process started: settle and choose again
 EXIT_PROCESS_LOST = 1
@@ -184,7 +184,6 @@ class _Attempt:
         self.slots: Dict[int, failures.Slot] = {}
         self.steps: Dict[int, Optional[int]] = {}
         self.first_step_at: Optional[float] = None
-        self._poll_since = {}
         self._ray = ray
 
     def __len__(self) -> int:
@@ -277,7 +276,7 @@ class _Attempt:
 
     def _poll_steps(self, polls: Dict[int, Any], errors: Dict[int, BaseException]) -> None:
         ray = self._ray
-        self._check_stalled(polls, errors)
+        self._check_nodes(errors)
         for i, ref in list(polls.items()):
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -297,25 +296,23 @@ class _Attempt:
         for i, a in enumerate(self.actors):
             if i not in polls and i not in errors:
                 polls[i] = a.current_step.remote()
-                self._poll_since[i] = time.monotonic()
 
-    _poll_since: Dict[int, float] = {}
     _nodes_checked = 0.0
 
-    def _check_stalled(self, polls: Dict[int, Any], errors: Dict[int, BaseException]) -> None:
-        """A process silent for STALL_S whose node Ray has marked dead is lost (when no RST told us sooner:
-        a network partition rather than a crash)."""
+    def _check_nodes(self, errors: Dict[int, BaseException]) -> None:
+        """Every NODE_CHECK_S: a process whose node Ray has marked dead is lost, even while it still answers
+        (its raylet died first) or before any connection reset told us (a partition rather than a crash)."""
         now = time.monotonic()
-        stalled = [i for i in polls if now - self._poll_since.get(i, now) > STALL_S]
-        if not stalled or now - self._nodes_checked < 2.0:
+        if now - self._nodes_checked < NODE_CHECK_S:
             return
         self._nodes_checked = now
-        nodes = failures.current_nodes()
-        for i in stalled:
-            slot = self.slots.get(i)
-            if slot and slot.node_id and not any(n.alive and n.node_id == slot.node_id for n in nodes):
-                errors.setdefault(i, _Unresponsive("silent for %.0f s and Ray marked its node dead"
-                                                   % (now - self._poll_since[i])))
+        try:
+            alive = {n.node_id for n in failures.current_nodes() if n.alive}
+        except Exception:  # noqa: BLE001 - the GCS busy: look again next time
+            return
+        for i, slot in self.slots.items():
+            if i not in errors and slot.node_id and slot.node_id not in alive:
+                errors[i] = _Unresponsive("Ray marked its node dead")
 
     def _ping_all(self, errors: Dict[int, BaseException], results: Dict[int, Any]) -> None:
         """A process whose actor no longer answers (within PING_TIMEOUT_S) is dead too."""
@@ -416,7 +413,6 @@ class _Job:
         self.restart_wait = float(getattr(config, "restart_wait", 0) or 0)
         self.ckpt_dir = os.path.join(config.out, "checkpoints") if config.out else None
         self.lost: List[Lost] = []  # every node lost so far (never scheduled onto again)
-        self.known: Set[str] = set()  # node ids alive at a lost node's IP when it was lost (the stale view)
         self.healthy: Set[str] = set()  # lost processes whose node was found alive
         self.restarts: List[Dict[str, Any]] = []
         self.run_start = (latest_complete_step(self.ckpt_dir) or 0) if config.resume and self.ckpt_dir else 0
@@ -425,8 +421,7 @@ class _Job:
         return latest_complete_step(self.ckpt_dir) if self.ckpt_dir and self.config.checkpoint_every else None
 
     def choose(self, want: Optional[int]) -> List[ray_api.RayNode]:
-        nodes = training_nodes(eligible_nodes(failures.current_nodes(), self.lost, self.known,
-                                              healthy_ids=self.healthy))
+        nodes = training_nodes(eligible_nodes(failures.current_nodes(), self.lost, healthy_ids=self.healthy))
         count = want or len(nodes)
         if not nodes:
             raise KitError("no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
@@ -508,16 +503,13 @@ class _Job:
 
     def _settle(self, lost: List[Lost]) -> None:
         """Wait for Ray's settled view of `lost`; remember them (never used again unless found healthy)."""
-        ips = {x.ip for x in lost}
-        # Ids alive at a lost IP now are the stale view; a node joining there later is a replacement.
-        self.known |= {n.node_id for n in failures.current_nodes() if n.alive and n.ip in ips}
         self.healthy -= {x.node_id for x in lost}  # a node found healthy once may be the one lost now
         settled = failures.wait_settled(lost)
         self.healthy |= settled.healthy
         self.lost.extend(lost)
 
     def _eligible_count(self) -> int:
-        return len(eligible_nodes(failures.current_nodes(), self.lost, self.known, healthy_ids=self.healthy))
+        return len(eligible_nodes(failures.current_nodes(), self.lost, healthy_ids=self.healthy))
 
     def _attempt_config(self, attempt_no: int):
         if attempt_no == 0:
