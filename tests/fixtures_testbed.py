@@ -141,6 +141,7 @@ def testbed(testbed_factory) -> Testbed:
 RAY_NUM_CPUS = 2
 RAY_OBJECT_STORE = 200_000_000
 RAY_FORM_TIMEOUT = 90
+RAY_START_TIMEOUT = testbed_ray.DEFAULT_TIMEOUT  # start_ray's whole budget (late join + one restart included)
 
 _CHECK_DRIVER = r"""
 import json, os, socket, sys, time
@@ -217,7 +218,7 @@ def _start_ray(bed: Testbed) -> RayCluster:
     from alpa_job.cluster.spec import load_spec
 
     info = testbed_ray.start_ray(bed, num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE,
-                                 include_dashboard=True, timeout=RAY_FORM_TIMEOUT)
+                                 include_dashboard=True, timeout=RAY_START_TIMEOUT)
     spec_path = Path(info["spec_path"])
     cluster = RayCluster(bed, load_spec(str(spec_path)), spec_path)
     result = cluster.check(timeout=RAY_FORM_TIMEOUT)
