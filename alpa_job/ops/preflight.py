@@ -89,11 +89,11 @@ class NodePreflight:
                     self.add("ssh", False, str(err), "check ansible_host / ansible_user / ansible_ssh_private_key_file "
                              "of %s in %s and that sshd answers there" % (self.node.name, self.inv.path))
                     return
-                self.step = "clock"
-                self.measure_clock(remote)
                 self.step = "probe"
                 if not self.probe(remote):
                     return
+                self.step = "clock"
+                self.measure_clock(remote)
                 self.add("ssh", True, "%s answers (hostname %s)" % (remote.describe(), self.facts.get("hostname")))
                 self.step = "checks"
                 self.check_iface()
@@ -119,15 +119,16 @@ class NodePreflight:
         best = None
         for _ in range(2):
             t0 = time.time()
-            r = remote.run("date +%s.%N", timeout_s=self.left(10))
-            t1 = time.time()
-            try:
+            try:  # a slow answer (a loaded node) widens the error bound; only no answer leaves it unmeasured
+                r = remote.run("date +%s.%N", timeout_s=self.left(self.deadline - time.monotonic()))
                 value = float(r.stdout.strip())
-            except ValueError:
-                return
+            except (RemoteError, ValueError):
+                break
+            t1 = time.time()
             if best is None or (t1 - t0) < best[1]:
                 best = (value - (t0 + t1) / 2, t1 - t0)
-        self.clock_offset, self.clock_error = best[0], best[1] / 2
+        if best is not None:
+            self.clock_offset, self.clock_error = best[0], best[1] / 2
 
     def probe(self, remote: Remote) -> bool:
         plan = port_plan(self.inv.spec(), self.node.role)
