@@ -71,10 +71,24 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown) 
         record = failed_report(config, engine, status, message, shown.last_step, address=address)
         paths = write_report(record, config.out)
         shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {paths['html']}", important=True)
+        if address != NO_RAY and status == "failed":
+            _collect_logs(config.out, shown)
     except Exception as report_err:  # noqa: BLE001 - the training error is the one to show
         shown.line(f"[alpa_job] could not write the failed run's report ({report_err})", important=True)
     finally:
         shown.close()
+
+
+def _collect_logs(out_dir: str, shown) -> None:
+    """A failed cluster run keeps every node's Ray logs beside its report (issue 14), while Ray still serves them."""
+    from alpa_job.ops.logs import collect_job_logs  # never raises; bounded by its own deadline
+
+    where = collect_job_logs(out_dir, deadline_s=30.0)
+    if where:
+        shown.line(f"[alpa_job] logs of every node collected in {where}", important=True)
+    else:
+        shown.line("[alpa_job] Ray's log API gave no logs; collect them with "
+                   "`python -m alpa_job cluster logs --out DIR` (over SSH when Ray is down)", important=True)
 
 
 def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult]:
