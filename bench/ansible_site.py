@@ -1,21 +1,21 @@
-"""Wall time of `ansible-playbook site.yml` on 3 test-bed hosts over real SSH: the cold run (nothing
-running -> cluster up, doctor green), the idempotent re-run (changed=0) and teardown.yml.
+"""Wall time of `python -m alpa_job cluster up` (site.yml through ansible-runner) on 3 test-bed hosts over
+real SSH: the cold run (nothing running -> cluster up, doctor green), the idempotent re-run (changed=0)
+and `cluster down` (teardown.yml).
 
-    python bench/ansible_site.py [--runtime docker|process] [--repeats N] [--profile]
+    python bench/ansible_site.py [--runtime docker|process] [--repeats N]
                                  (as root; builds and removes its own test bed)
 
 docker (default, issue 11): the example inventory's defaults from a controller OUTSIDE the cluster
 (tests/test_ansible_docker.py's setup: a site bed with a dockerd per node and a registry on the
 controller); every cold run starts with the image absent on the nodes, so it includes the pull.
 process: the controller inside the head, ray_runtime: process (tests/test_ansible.py's setup).
---profile: Ansible's profile_tasks callback; the slowest tasks of each run go into the raw JSON.
+Each run's counts, duration and slowest tasks come from its summary.json (alpa_job/ops/playbook.py).
 Targets (issue 11): docker cold <= 120 s, re-run <= 40 s.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -27,17 +27,10 @@ for p in (HERE, REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")
 
 from common import print_table, record  # noqa: E402
 from fixtures_ssh import SshBed  # noqa: E402
-from test_ansible import Ansible, recap  # noqa: E402
+from test_ansible import Ansible  # noqa: E402
 from testbed_lib import Testbed  # noqa: E402
 
 PREFIX = "aktbas"
-# profile_tasks lines: "ray_cluster : Run the Ray container (...) ------- 12.34s"
-_PROFILE = re.compile(r"^(.+?) -{2,} (\d+\.\d+)s$", re.M)
-
-
-def slowest(stdout: str, n: int = 12):
-    rows = [(name.strip(), float(s)) for name, s in _PROFILE.findall(stdout)]
-    return sorted(rows, key=lambda r: -r[1])[:n]
 
 
 def _docker_setup():
@@ -72,11 +65,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime", choices=["docker", "process"], default="docker")
     parser.add_argument("--repeats", type=int, default=1, help="cold/re-run/teardown cycles")
-    parser.add_argument("--profile", action="store_true", help="profile_tasks: the slowest tasks per run")
     opts = parser.parse_args()
     setup = _docker_setup if opts.runtime == "docker" else _process_setup
-    if opts.profile:  # the commands inside the hosts inherit this environment
-        os.environ["ANSIBLE_CALLBACKS_ENABLED"] = "ansible.posix.profile_tasks"
     bed = ssh = None
     rows, runs = [], []
     try:
@@ -86,14 +76,13 @@ def main() -> int:
             cycle = {}
             for step, playbook in (("cold", "site.yml"), ("rerun", "site.yml"), ("teardown", "teardown.yml")):
                 load = os.getloadavg()[0]
-                p, seconds = ans.run(playbook, inventory)
-                counts = recap(p.stdout)
+                p, summary = ans.run(playbook, inventory)
                 if p.returncode != 0:
-                    print(p.stdout[-5000:], p.stderr[-2000:], file=sys.stderr)
+                    print(p.stdout[-5000:], p.stderr[-2000:], summary["failures"], file=sys.stderr)
                     raise SystemExit("%s failed (rc=%d)" % (playbook, p.returncode))
-                changed = sum(c["changed"] for c in counts.values())
-                cycle[step] = {"seconds": round(seconds, 1), "changed": changed, "recap": counts,
-                               "loadavg_1m_before": round(load, 2), "slowest_tasks": slowest(p.stdout)}
+                cycle[step] = {"seconds": summary["seconds"], "changed": summary["changed_total"],
+                               "recap": summary["hosts"], "loadavg_1m_before": round(load, 2),
+                               "slowest_tasks": summary["slowest"]}
             runs.append(cycle)
             rows.append([i, cycle["cold"]["seconds"], cycle["cold"]["changed"], cycle["rerun"]["seconds"],
                          cycle["rerun"]["changed"], cycle["teardown"]["seconds"], cycle["cold"]["loadavg_1m_before"],
@@ -109,7 +98,7 @@ def main() -> int:
     where = ("the example inventory's defaults (docker runtime, image pulled from the registry) from a controller "
              "outside the cluster" if opts.runtime == "docker" else "process runtime, controller in the head")
     path = record("ansible_site", {"hosts": 3, "runtime": opts.runtime, "runs": runs}, table,
-                  "ansible-playbook site.yml on 3 test-bed hosts over SSH: %s" % where)
+                  "alpa_job cluster up (site.yml) on 3 test-bed hosts over SSH: %s" % where)
     print("saved", os.path.relpath(path, REPO))
     return 0
 

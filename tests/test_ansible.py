@@ -1,4 +1,5 @@
-"""`cd ansible && ansible-playbook site.yml` over real SSH against 3 test-bed hosts (ray_runtime: process).
+"""`python -m alpa_job cluster up|down` (site.yml / teardown.yml through ansible-runner) over real SSH
+against 3 test-bed hosts (ray_runtime: process); the checks read the run's summary.json, not the RECAP.
 
 The controller runs inside the head host (the bridge has no IP in the root namespace), managing the
 head through SSH to its own IP like every other node. Order matters and is the file's order: the bad
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 from pathlib import Path
 
@@ -19,18 +19,22 @@ import yaml
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-ANSIBLE_DIR = REPO / "ansible"
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
-RECAP = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
+ACTIONS = {"site.yml": "up", "teardown.yml": "down"}
 
 
-def recap(out: str) -> dict:
-    return {m[0]: {"ok": int(m[1]), "changed": int(m[2]), "unreachable": int(m[3]), "failed": int(m[4])}
-            for m in RECAP.findall(out)}
+def played(summary: dict) -> str:
+    """Ansible's own (uncoloured) output of the run, from ansible-runner's artifacts."""
+    return Path(summary["artifact_dir"], "stdout").read_text(errors="replace")
+
+
+def failure_lines(summary: dict) -> str:
+    return "\n".join("%s: %s%s" % (f["host"], "UNREACHABLE: " if f.get("unreachable") else "", f["message"])
+                     for f in summary["failures"])
 
 
 class Ansible:
-    """Writes inventories for the ssh bed and runs ansible-playbook inside the head host."""
+    """Writes inventories for the ssh bed and runs `alpa_job cluster up|down` inside the head host."""
 
     def __init__(self, sb):
         self.sb = sb
@@ -38,6 +42,7 @@ class Ansible:
         self.work = self.bed.state_dir / "ansible"
         self.work.mkdir(exist_ok=True)
         self.token_file = self.work / "ray_auth_token"
+        self.runs = 0
 
     def host_vars(self, name: str, ip: str) -> dict:
         etc = self.bed.host_dir(name) if name in self.bed.ips else self.work / name
@@ -83,15 +88,20 @@ class Ansible:
         return self.inventory("good", [("head", ips["head"])], [(n, ips[n]) for n in ("w1", "w2")])
 
     def run(self, playbook: str, inventory: Path, *extra, timeout: float = 500):
-        t0 = time.monotonic()
-        p = self.bed.exec("head", "ansible-playbook", "-i", str(inventory), playbook, *extra, cwd=str(ANSIBLE_DIR),
-                          timeout=timeout, check=False,
+        """(the CLI's CompletedProcess, its summary.json as a dict)."""
+        self.runs += 1
+        run_dir = self.work / ("run-%d-%s" % (self.runs, playbook.split(".")[0]))
+        p = self.bed.exec("head", str(VENV_PYTHON), "-m", "alpa_job", "cluster", ACTIONS[playbook], "-i",
+                          str(inventory), "--run-dir", str(run_dir), "--timeout", str(int(timeout) - 10), *extra,
+                          cwd=str(REPO), timeout=timeout, check=False,
                           # own ControlPersist sockets: the default ~/.ansible/cp names a socket by
                           # host+port+user only, so another test bed's 10.77.0.2 would answer ours
                           env={"ANSIBLE_HOME": str(self.work / "home"), "ANSIBLE_FORCE_COLOR": "0",
                                "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "home" / "cp"),
                                "ANSIBLE_NOCOLOR": "1"})
-        return p, time.monotonic() - t0
+        summary_file = run_dir / "summary.json"
+        assert summary_file.exists(), (p.stdout + p.stderr)[-4000:]
+        return p, json.loads(summary_file.read_text())
 
     def ray_processes(self) -> dict:
         out = {}
@@ -134,7 +144,7 @@ def _bad(ansible, name):
                 r"\(found: .*eth0=10\.77\.0\.2")
     if name == "unreachable":  # nobody owns 10.77.0.9
         return (ansible.inventory(name, [("head", ips["head"])], workers + [("w9", "10.77.0.9")]),
-                r"fatal: \[w9\]: UNREACHABLE!(.|\n)*connect to host 10\.77\.0\.9 port 22")
+                r"w9: UNREACHABLE: .*connect to host 10\.77\.0\.9 port 22")
     if name == "no_docker_engine":  # the docker runtime, and no engine answers on the nodes
         return (ansible.inventory(name, [("head", ips["head"])], workers, file_vars={
                     "ray_runtime": "docker", "ray_gpus": False,
@@ -147,33 +157,35 @@ def _bad(ansible, name):
 @pytest.mark.parametrize("mistake", ["no_head", "two_heads", "no_address_in_cidr", "unreachable", "no_docker_engine"])
 def test_inventory_mistakes_fail_early(ansible, mistake):
     inventory, message = _bad(ansible, mistake)
-    p, seconds = ansible.run("site.yml", inventory, timeout=180)
+    p, summary = ansible.run("site.yml", inventory, timeout=180)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
-    assert re.search(message, out), out[-4000:]
-    counts = recap(p.stdout)
+    assert re.search(message, failure_lines(summary)), summary["failures"]
+    counts = summary["hosts"]
     assert all(c["changed"] == 0 for c in counts.values()), counts  # failed before touching anything
-    assert "TASK [ray_firewall" not in p.stdout and "TASK [ray_cluster" not in p.stdout  # stopped early
+    text = played(summary)
+    assert "TASK [ray_firewall" not in text and "TASK [ray_cluster" not in text  # stopped early
     assert not any(ansible.ray_processes().values())
-    assert seconds < 60, seconds
+    assert summary["seconds"] < 60, summary["seconds"]
 
 
 def test_site_brings_the_cluster_up_and_the_doctor_is_green(ansible):
-    p, seconds = _site(ansible)
+    p, summary = _site(ansible)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
-    counts = recap(p.stdout)
+    counts = summary["hosts"]
     assert set(counts) == {"localhost", "head", "w1", "w2"}
     assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), counts
-    assert re.search(r"doctor: 10\.77\.0\.1:6379 .*: OK", p.stdout), p.stdout[-4000:]
-    assert "3 alive node(s): 10.77.0.1, 10.77.0.2, 10.77.0.3" in p.stdout
+    text = played(summary)
+    assert re.search(r"doctor: 10\.77\.0\.1:6379 .*: OK", text), text[-4000:]
+    assert "3 alive node(s): 10.77.0.1, 10.77.0.2, 10.77.0.3" in text
     procs = ansible.ray_processes()
     assert "gcs_server" in procs["head"] and all("raylet" in procs[h] for h in ("head", "w1", "w2")), procs
     for h in ansible.bed.hosts:  # the daemons outlived the tasks (no ssh -tt); our table is loaded ...
         assert "table inet alpa_kit" in ansible.nft_tables()[h.name]
         etc = ansible.bed.host_dir(h.name) / "etc"  # ... and included from the boot-time config
         assert 'include "%s"' % (etc / "alpa-kit" / "nftables-alpa_kit.nft") in (etc / "nftables.conf").read_text()
-    print("site.yml (cold, 3 hosts): %.1f s" % seconds)
+    print("site.yml (cold, 3 hosts): %.1f s" % summary["seconds"])
 
 
 def test_a_job_runs_on_the_cluster(ansible):
@@ -197,21 +209,22 @@ def test_a_job_runs_on_the_cluster(ansible):
 
 def test_second_run_changes_nothing(ansible):
     assert _site(ansible)[0].returncode == 0
-    p, seconds = ansible.run("site.yml", ansible.good_inventory())
+    p, summary = ansible.run("site.yml", ansible.good_inventory())
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
-    counts = recap(p.stdout)
+    counts = summary["hosts"]
     assert set(counts) == {"localhost", "head", "w1", "w2"}
     assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, \
-        p.stdout[-8000:]
-    print("site.yml (idempotent re-run): %.1f s" % seconds)
+        played(summary)[-8000:]
+    print("site.yml (idempotent re-run): %.1f s" % summary["seconds"])
 
 
 def test_check_mode_on_a_running_cluster_changes_nothing(ansible):
     assert _site(ansible)[0].returncode == 0
     before = ansible.ray_processes()
-    p, _ = ansible.run("site.yml", ansible.good_inventory(), "--check")
+    p, summary = ansible.run("site.yml", ansible.good_inventory(), "--check")
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
-    assert all(c["changed"] == 0 for c in recap(p.stdout).values()), p.stdout[-6000:]
+    assert summary["check"] and summary["hosts"], summary
+    assert all(c["changed"] == 0 for c in summary["hosts"].values()), played(summary)[-6000:]
     assert ansible.ray_processes() == before  # same PIDs: nothing restarted
 
 
@@ -225,5 +238,6 @@ def test_teardown_leaves_the_hosts_clean(ansible):
         conf = ansible.bed.host_dir(name) / "etc" / "nftables.conf"
         assert "alpa_kit" not in conf.read_text()  # the boot-time include is gone too
     # a second teardown finds nothing to do
-    p2, _ = ansible.run("teardown.yml", ansible.good_inventory())
-    assert p2.returncode == 0 and all(c["changed"] == 0 for c in recap(p2.stdout).values()), p2.stdout[-4000:]
+    p2, summary2 = ansible.run("teardown.yml", ansible.good_inventory())
+    assert p2.returncode == 0 and summary2["hosts"], (p2.stdout + p2.stderr)[-4000:]
+    assert all(c["changed"] == 0 for c in summary2["hosts"].values()), played(summary2)[-4000:]

@@ -1,4 +1,4 @@
-"""Day one at a user's site (issue 11): `ansible-playbook site.yml` with the example inventory's
+"""Day one at a user's site (issue 11): `python -m alpa_job cluster up` (site.yml) with the example inventory's
 defaults (ray_runtime: docker, ray_stack: jax, a registry) run from a controller OUTSIDE the cluster
 (``ctl`` on its own admin subnet) against 3 test-bed nodes, each with a real dockerd that pulls the
 kit's CPU image from the registry on the controller (fixture ``site_bed``, tests/fixtures_testbed.py).
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
-from test_ansible import recap
+from test_ansible import ACTIONS, failure_lines, played
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -35,7 +34,7 @@ SENTINEL_TABLE = "akt_not_ours"  # a table of someone else's: teardown must leav
 
 
 class SiteAnsible:
-    """Inventories from inventory/example.yml for the site bed, and ansible-playbook run on the controller."""
+    """Inventories from inventory/example.yml for the site bed, and playbooks run on the controller."""
 
     def __init__(self, site):
         self.site = site
@@ -101,18 +100,32 @@ class SiteAnsible:
         return path
 
     def run(self, playbook: str, inventory: Path, *extra, fresh_ssh: bool = False, timeout: float = 500):
-        """ansible-playbook on the controller. fresh_ssh: a new ANSIBLE_HOME, so no ControlPersist master
-        of an earlier run is reused: every connection is new and must pass the nodes' firewalls."""
+        """`alpa_job cluster up|down` (site.yml, teardown.yml) on the controller, another playbook through
+        run_playbook (what the CLI calls) -> (CompletedProcess, the run's summary.json as a dict).
+        fresh_ssh: a new ANSIBLE_HOME, so no ControlPersist master of an earlier run is reused: every
+        connection is new and must pass the nodes' firewalls."""
         self.runs += 1
         home = self.work / ("home-%d" % self.runs if fresh_ssh else "home")
         # Our own ControlPersist sockets: Ansible's default dir is ~/.ansible/cp whatever ANSIBLE_HOME says,
         # and a socket is named by host+port+user only, so another test bed's 10.77.0.2 would answer ours.
         env = {"ANSIBLE_HOME": str(home), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(home / "cp"),
                "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
-        t0 = time.monotonic()
-        p = self.bed.exec(self.site.controller, "ansible-playbook", "-i", str(inventory), playbook, *extra,
-                          cwd=str(ANSIBLE_DIR), timeout=timeout, check=False, env=env)
-        return p, time.monotonic() - t0
+        run_dir = self.work / ("run-%d-%s" % (self.runs, Path(playbook).stem))
+        limit = str(int(timeout) - 10)  # the play stops (and summary.json is written) before exec's timeout
+        if playbook in ACTIONS:
+            cmd = ["-m", "alpa_job", "cluster", ACTIONS[playbook], "-i", str(inventory), "--run-dir", str(run_dir),
+                   "--timeout", limit, *extra]
+        else:
+            assert not extra, extra
+            cmd = ["-c", "import sys; from alpa_job.ops.playbook import run_playbook; "
+                         "s = run_playbook(sys.argv[1], sys.argv[2], run_dir=sys.argv[3], "
+                         "timeout_s=float(sys.argv[4])); sys.exit(0 if s.ok else 3)",
+                   playbook, str(inventory), str(run_dir), limit]
+        p = self.bed.exec(self.site.controller, str(VENV_PYTHON), *cmd, cwd=str(REPO), timeout=timeout, check=False,
+                          env=env)
+        summary_file = run_dir / "summary.json"
+        assert summary_file.exists(), (p.stdout + p.stderr)[-4000:]
+        return p, json.loads(summary_file.read_text())
 
     # ---- what is on the nodes ---------------------------------------------------------------------
     def containers(self) -> dict:
@@ -197,10 +210,10 @@ def _bad_inventory(site, mistake):
     return path, message
 
 
-def _assert_nothing_changed(site, p, before):
-    counts = recap(p.stdout)
-    assert all(c["changed"] == 0 for c in counts.values()), (counts, p.stdout[-4000:])
-    assert "TASK [ray_firewall" not in p.stdout and "TASK [ray_cluster" not in p.stdout
+def _assert_nothing_changed(site, summary, before):
+    counts, text = summary["hosts"], played(summary)
+    assert all(c["changed"] == 0 for c in counts.values()), (counts, text[-4000:])
+    assert "TASK [ray_firewall" not in text and "TASK [ray_cluster" not in text
     assert site.containers() == before["containers"]
     assert site.images() == before["images"]
     assert site.tables() == before["tables"]
@@ -218,12 +231,12 @@ def test_bad_input_stops_before_any_change(site, mistake):
     before = _snapshot(site)
     assert not any(before["containers"].values()) and all(SENTINEL_TABLE in t for t in before["tables"].values())
     inventory, message = _bad_inventory(site, mistake)
-    p, seconds = site.run("site.yml", inventory, timeout=240)
+    p, summary = site.run("site.yml", inventory, timeout=240)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
-    assert re.search(message, out), out[-5000:]
-    _assert_nothing_changed(site, p, before)
-    assert seconds < 90, seconds
+    assert re.search(message, failure_lines(summary)), summary["failures"]
+    _assert_nothing_changed(site, summary, before)
+    assert summary["seconds"] < 90, summary["seconds"]
 
 
 def _auth_state(site) -> str:
@@ -244,16 +257,17 @@ def _auth_state(site) -> str:
 
 
 def test_site_from_an_outside_controller_brings_the_cluster_up(site):
-    p, seconds = _site_up(site)
+    p, summary = _site_up(site)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-8000:] + "\n" + _auth_state(site)
-    counts = recap(p.stdout)
+    counts = summary["hosts"]
     assert set(counts) == {"localhost", "head", "w1", "w2"}
     assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), counts
     nodes = site.site.nodes
     head_ip = nodes["head"]
-    assert re.search(r"doctor: %s:6379 .*: OK" % re.escape(head_ip), p.stdout), p.stdout[-4000:]
-    assert "3 alive node(s): %s" % ", ".join(nodes.values()) in p.stdout
+    text = played(summary)
+    assert re.search(r"doctor: %s:6379 .*: OK" % re.escape(head_ip), text), text[-4000:]
+    assert "3 alive node(s): %s" % ", ".join(nodes.values()) in text
     ctl = site.site.controller_ip
     for node, ip in nodes.items():
         # the image came from the registry (nodes had none before the run)
@@ -273,7 +287,7 @@ def test_site_from_an_outside_controller_brings_the_cluster_up(site):
         assert 'include "%s"' % (site.etc(node) / "alpa-kit" / "nftables-alpa_kit.nft") in conf
         check = site.bed.exec(node, "nft", "-c", "-f", str(site.etc(node) / "nftables.conf"), check=False)
         assert check.returncode == 0, check.stderr
-    print("site.yml docker runtime, cold incl. image pull (3 nodes, outside controller): %.1f s" % seconds)
+    print("site.yml docker runtime, cold incl. image pull (3 nodes, outside controller): %.1f s" % summary["seconds"])
 
 
 def test_a_job_from_the_controller_trains_across_the_nodes_with_token_auth(site):
@@ -302,15 +316,15 @@ def test_a_job_from_the_controller_trains_across_the_nodes_with_token_auth(site)
 def test_second_run_from_the_controller_is_admitted_and_changes_nothing(site):
     assert _site_up(site)[0].returncode == 0
     ids = site.containers()
-    p, seconds = site.run("site.yml", site.inventory("good"), fresh_ssh=True)
+    p, summary = site.run("site.yml", site.inventory("good"), fresh_ssh=True)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
-    counts = recap(p.stdout)
+    counts = summary["hosts"]
     assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, \
-        p.stdout[-8000:]
+        played(summary)[-8000:]
     assert site.containers() == ids  # nothing restarted
     for node in site.site.nodes:  # a brand-new SSH connection from the controller passes the firewall
         assert site.site.ssh.ssh(node, "hostname", timeout=60).stdout.strip() == node
-    print("site.yml docker runtime, idempotent re-run (fresh SSH): %.1f s" % seconds)
+    print("site.yml docker runtime, idempotent re-run (fresh SSH): %.1f s" % summary["seconds"])
 
 
 def test_wrong_admin_cidr_against_the_running_cluster_changes_nothing(site):
@@ -318,9 +332,9 @@ def test_wrong_admin_cidr_against_the_running_cluster_changes_nothing(site):
     before = _snapshot(site)
     tables = {n: site.our_table(n) for n in site.site.nodes}
     inventory, message = _bad_inventory(site, "wrong_admin_cidr")
-    p, _ = site.run("site.yml", inventory, fresh_ssh=True, timeout=240)
-    assert p.returncode != 0 and re.search(message, p.stdout + p.stderr), (p.stdout + p.stderr)[-5000:]
-    _assert_nothing_changed(site, p, before)
+    p, summary = site.run("site.yml", inventory, fresh_ssh=True, timeout=240)
+    assert p.returncode != 0 and re.search(message, failure_lines(summary)), (p.stdout + p.stderr)[-5000:]
+    _assert_nothing_changed(site, summary, before)
     assert {n: site.our_table(n) for n in site.site.nodes} == tables
 
 
@@ -337,8 +351,9 @@ def test_teardown_removes_the_containers_and_the_table_and_nothing_else(site):
         assert "alpa_kit" not in (site.etc(node) / "nftables.conf").read_text()
     gone = {"alpa-kit/nftables-alpa_kit.nft"}
     assert site.files() == {n: [f for f in fs if f not in gone] for n, fs in before["files"].items()}
-    p2, _ = site.run("teardown.yml", site.inventory("good"))
-    assert p2.returncode == 0 and all(c["changed"] == 0 for c in recap(p2.stdout).values()), p2.stdout[-4000:]
+    p2, summary2 = site.run("teardown.yml", site.inventory("good"))
+    assert p2.returncode == 0 and summary2["hosts"], (p2.stdout + p2.stderr)[-4000:]
+    assert all(c["changed"] == 0 for c in summary2["hosts"].values()), played(summary2)[-4000:]
 
 
 def test_air_gapped_nodes_load_the_image_from_a_tar(site, tmp_path):
@@ -365,20 +380,20 @@ def test_air_gapped_nodes_load_the_image_from_a_tar(site, tmp_path):
             {"name": "Image.", "ansible.builtin.include_role": {"name": "ray_cluster", "tasks_from": "image.yml"}},
         ]}], sort_keys=False))
     try:
-        p, _ = site.run(str(play), site.inventory("good"))
+        p, summary = site.run(str(play), site.inventory("good"))
         assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
-        assert recap(p.stdout)[node]["changed"] == 3, p.stdout[-5000:]  # copied, loaded, copy removed
+        assert summary["hosts"][node]["changed"] == 3, played(summary)[-5000:]  # copied, loaded, copy removed
         assert ref in site.images()[node]
         assert not (site.bed.host_dir(node) / "airgap.tar").exists()
-        p2, _ = site.run(str(play), site.inventory("good"))
-        assert p2.returncode == 0 and recap(p2.stdout)[node]["changed"] == 0, p2.stdout[-4000:]
+        p2, summary2 = site.run(str(play), site.inventory("good"))
+        assert p2.returncode == 0 and summary2["hosts"][node]["changed"] == 0, played(summary2)[-4000:]
         # no archive where the operator said: one line, before anything is copied
         archive.unlink()
         docker(node, "rmi", ref)
-        p3, _ = site.run(str(play), site.inventory("good"))
-        assert p3.returncode != 0 and recap(p3.stdout)[node]["changed"] == 0
+        p3, summary3 = site.run(str(play), site.inventory("good"))
+        assert p3.returncode != 0 and summary3["hosts"][node]["changed"] == 0
         assert re.search(r"w2: alpa_kit_image_source is load but the archive '%s' is not on the controller"
-                         % re.escape(str(archive)), p3.stdout), p3.stdout[-3000:]
+                         % re.escape(str(archive)), failure_lines(summary3)), summary3["failures"]
     finally:
         docker(node, "rmi", "-f", ref, check=False)
         archive.unlink(missing_ok=True)
