@@ -17,3 +17,12 @@ class KitError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_USER_ERROR):
         super().__init__(" ".join(message.split()))  # always one line
         self.exit_code = exit_code
+
+
+class LostProcessError(KitError):
+    """A JAX process or its node was lost. The message already names the host, the node and the
+    process's log (its last lines, or where it is), so no slower, cluster-wide log collection runs
+    before the job exits (issue 12: the failure is named within seconds)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message, exit_code)

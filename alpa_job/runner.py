@@ -19,7 +19,7 @@ from alpa_job.cluster.connect import NO_RAY, connect, resolve_address
 from alpa_job.cluster.spec import load_spec
 from alpa_job.config import check_engine_strategy
 from alpa_job.engines import resolve_engine
-from alpa_job.errors import KitError
+from alpa_job.errors import KitError, LostProcessError
 from alpa_job.inspect.record import ProcessResult
 from alpa_job.report import build_report, failed_report, write_report
 
@@ -71,8 +71,8 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown) 
         record = failed_report(config, engine, status, message, shown.last_step, address=address)
         paths = write_report(record, config.out)
         shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {paths['html']}", important=True)
-        if address != NO_RAY and status == "failed":
-            _collect_logs(config.out, shown)
+        if address != NO_RAY and status == "failed" and not isinstance(err, LostProcessError):
+            _collect_logs(config.out, shown)  # a lost process's message already names its log
     except Exception as report_err:  # noqa: BLE001 - the training error is the one to show
         shown.line(f"[alpa_job] could not write the failed run's report ({report_err})", important=True)
     finally:
@@ -106,7 +106,7 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
                 raise
             from alpa_job.cluster.failures import actor_error_message  # issue 12: name the lost node
 
-            raise KitError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
+            raise LostProcessError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
                            "job once the node is back (or without it)", 1) from None
     if address == NO_RAY:
         return [run_in_process(config)]

@@ -31,7 +31,7 @@ from alpa_job import progress
 from alpa_job.checkpoint import latest_complete_step
 from alpa_job.cluster import failures, ray_api, shared_out
 from alpa_job.cluster.worker_path import worker_pythonpath
-from alpa_job.errors import EXIT_TIMEOUT, KitError
+from alpa_job.errors import EXIT_TIMEOUT, KitError, LostProcessError
 from alpa_job.restarts import Lost, check_batch_divides, eligible_nodes
 
 ACTOR_START_TIMEOUT_S = 120
@@ -424,7 +424,7 @@ class _Job:
         nodes = training_nodes(eligible_nodes(failures.current_nodes(), self.lost, healthy_ids=self.healthy))
         count = want or len(nodes)
         if not nodes:
-            raise KitError("no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
+            raise LostProcessError("no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
                            "add nodes, then rerun with --resume" % (", ".join(x.where() for x in self.lost) or "-"),
                            EXIT_PROCESS_LOST)
         if count > len(nodes):
@@ -461,7 +461,7 @@ class _Job:
                 self._close_recovery(attempt)
                 self._report(failed)
                 if len(self.restarts) >= self.max_restarts:
-                    raise KitError(failures.failure_message(failed.lost[0], failed.slots.get(failed.lost[0].index),
+                    raise LostProcessError(failures.failure_message(failed.lost[0], failed.slots.get(failed.lost[0].index),
                                                             self.latest(), self._log_shown,
                                                             also=[y.index for y in failed.lost[1:]]),
                                    EXIT_PROCESS_LOST) from None
@@ -498,7 +498,7 @@ class _Job:
                     attempt.kill()
                     raise
             return attempt
-        raise KitError(f"could not place the JAX processes in {PLACEMENT_RETRIES} tries: nodes kept dying "
+        raise LostProcessError(f"could not place the JAX processes in {PLACEMENT_RETRIES} tries: nodes kept dying "
                        f"({', '.join(x.where() for x in self.lost)}); check `ray status`", EXIT_PROCESS_LOST)
 
     def _settle(self, lost: List[Lost]) -> None:
