@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
@@ -105,8 +105,9 @@ def synthetic(config) -> Dataset:
     return Dataset({"tokens": tokens.astype(np.int32)})
 
 
-def load_cifar10(data_dir: str) -> Dataset:
-    """CIFAR-10 in the standard python pickle batches, from a local folder (never downloaded)."""
+def cifar10_batch_files(data_dir: str) -> List[str]:
+    """The CIFAR-10 training batch files present in `data_dir` (names), or a one-line error saying what to fix.
+    The driver's pre-Ray check (validate.py) and the loader share it."""
     if not data_dir or not os.path.isdir(data_dir):
         raise KitError(f"--data-dir {data_dir!r} is not a folder; point it at the extracted "
                        "cifar-10-batches-py folder (data_batch_1..5)")
@@ -114,6 +115,12 @@ def load_cifar10(data_dir: str) -> Dataset:
     if not present:
         raise KitError(f"--data-dir {data_dir} holds no CIFAR-10 batches (expected {', '.join(CIFAR10_TRAIN_FILES)}); "
                        "extract cifar-10-python.tar.gz there")
+    return present
+
+
+def load_cifar10(data_dir: str) -> Dataset:
+    """CIFAR-10 in the standard python pickle batches, from a local folder (never downloaded)."""
+    present = cifar10_batch_files(data_dir)
     images, labels = [], []
     for name in present:
         path = os.path.join(data_dir, name)

@@ -14,7 +14,7 @@ import os
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from alpa_job.config import JobConfig
-from alpa_job.data import CIFAR10_TRAIN_FILES
+from alpa_job.data import cifar10_batch_files
 from alpa_job.errors import KitError
 
 # The size fields each model reads (the models' `hyperparameters` in their register_model; kept here so
@@ -86,16 +86,8 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
 def check_data(config: JobConfig) -> None:
     """The dataset exists and the batch fits it (sizes only; nothing is loaded)."""
     if config.dataset == "cifar10":
-        data_dir = config.data_dir
-        if not data_dir or not os.path.isdir(data_dir):
-            raise KitError(f"--data-dir {data_dir!r} is not a folder; point it at the extracted "
-                           "cifar-10-batches-py folder (data_batch_1..5)")
-        present = [f for f in CIFAR10_TRAIN_FILES if os.path.isfile(os.path.join(data_dir, f))]
-        if not present:
-            raise KitError(f"--data-dir {data_dir} holds no CIFAR-10 batches (expected "
-                           f"{', '.join(CIFAR10_TRAIN_FILES)}); extract cifar-10-python.tar.gz there")
-        for name in present:
-            _check_pickle_header(os.path.join(data_dir, name))
+        for name in cifar10_batch_files(config.data_dir):
+            _check_pickle_header(os.path.join(config.data_dir, name))
         return
     from alpa_job.data import plan_epoch
 
