@@ -84,7 +84,9 @@ def test_cli_site_down_stops_every_daemon_and_leaves_no_mount(testbed, tmp_path)
     missing = testbed_site.missing_site_requirements(image=False)
     if missing:
         pytest.skip("; ".join(missing))
-    prefix = f"{PREFIX}7"
+    # The fixtures name their beds PREFIX, PREFIX1, PREFIX2, ... (one per shape); 99 never collides with
+    # them and still matches the session-start sweep of leftovers (PREFIX + digits).
+    prefix = f"{PREFIX}99"
     state = tmp_path / "bed"
     base = [sys.executable, str(CLI), "--prefix", prefix, "--state-dir", str(state)]
     run = lambda *a, timeout=120: subprocess.run(base + list(a), capture_output=True, text=True,  # noqa: E731
