@@ -121,7 +121,7 @@ def _live(needle: str):
 
 def test_cli_up_exec_down_leaves_nothing(testbed, tmp_path):
     # `testbed` only to hold the session's lock; this test drives its own bed through the CLI.
-    prefix = f"{PREFIX}9"
+    prefix = f"{PREFIX}97"  # clear of the fixtures' PREFIX, PREFIX1, PREFIX2, ... beds
     state = tmp_path / "bed"
     base = [sys.executable, str(CLI), "--prefix", prefix, "--state-dir", str(state)]
     run = lambda *a, **kw: subprocess.run(base + list(a), capture_output=True, text=True, timeout=60, **kw)  # noqa: E731
@@ -197,7 +197,7 @@ def test_cli_up_ray_with_auth_and_doctor_then_down_stops_ray(testbed, tmp_path):
     address and the token, every node joined, doctor green; a client with the bed's token (exec passes
     it) connects, one with another token is refused; `down` stops Ray with `ray stop` in every host."""
     pytest.importorskip("ray")
-    prefix = f"{PREFIX}8"
+    prefix = f"{PREFIX}98"  # clear of the fixtures' PREFIX, PREFIX1, PREFIX2, ... beds
     state = tmp_path / "bed"
     base = [sys.executable, str(CLI), "--prefix", prefix, "--state-dir", str(state)]
     run = lambda *a, timeout=300: subprocess.run(base + list(a), capture_output=True, text=True,  # noqa: E731
