@@ -7,6 +7,7 @@ inside its Ray actor is what fails, and its traceback is only in that worker's l
 """
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -56,3 +57,4 @@ def test_failed_cluster_run_collects_every_nodes_logs_and_says_where(ray_cluster
     assert any(name.startswith("worker-") for name in collected), collected  # where the traceback is
     report = json.load(open(os.path.join(out, "report.json")))
     assert report["status"] == "failed" and report["error"]
+    shutil.rmtree(out, ignore_errors=True)  # kept only when the test fails, to read
