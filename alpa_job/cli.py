@@ -286,42 +286,37 @@ def _inspect(args) -> int:
     if not args.path:
         raise KitError("inspect needs a run directory, an Alpa dump folder, or --compare RUN RUN")
     record = load_any(args.path)
-    if args.format == "json":
-        print(report_json(record))
-    elif args.format == "table":
-        print(render.to_table(record))
-    elif args.format == "md":
-        text = render.to_markdown(record)
-        if args.output:
-            _write(args.output, text)
-        else:
-            print(text)
-    else:
-        target = args.output or os.path.join(args.path if os.path.isdir(args.path) else os.path.dirname(args.path),
-                                             "report.html")
-        _write(target, render.to_html(record))
-        print(target)
-    return EXIT_OK
+    here = args.path if os.path.isdir(args.path) else os.path.dirname(args.path)
+    return _emit(args, {"json": lambda: report_json(record), "table": lambda: render.to_table(record),
+                        "md": lambda: render.to_markdown(record), "html": lambda: render.to_html(record)},
+                 html_target=os.path.join(here, "report.html"))
 
 
 def _compare(paths: List[str], args) -> int:
     from alpa_job.inspect import compare
 
     data = compare.rows(paths)
-    if args.format == "json":
-        print(compare.to_json(data))
-    elif args.format == "table":
-        print(compare.to_text(data))
+    return _emit(args, {"json": lambda: compare.to_json(data), "table": lambda: compare.to_text(data),
+                        "md": lambda: compare.to_markdown(data), "html": lambda: compare.to_html(data)},
+                 html_target="compare.html", beside_html=lambda: compare.to_text(data))
+
+
+def _emit(args, render_as, html_target: str, beside_html=None) -> int:
+    """One way out for `inspect` and `inspect --compare`: json and table print; md prints, or writes
+    --output; html writes --output (default `html_target`) and prints its path (after `beside_html()`)."""
+    if args.format in ("json", "table"):
+        print(render_as[args.format]())
     elif args.format == "md":
-        text = compare.to_markdown(data)
+        text = render_as["md"]()
         if args.output:
             _write(args.output, text)
         else:
             print(text)
     else:
-        target = args.output or "compare.html"
-        _write(target, compare.to_html(data))
-        print(compare.to_text(data))
+        target = args.output or html_target
+        _write(target, render_as["html"]())
+        if beside_html is not None:
+            print(beside_html())
         print(target)
     return EXIT_OK
 

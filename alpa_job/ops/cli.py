@@ -63,12 +63,7 @@ def main(args) -> int:
     if args.action == "status":
         from alpa_job.ops import status
 
-        result = status.cluster_status(inv, address=args.address, timeout_s=args.timeout)
-        print(status.render_json(result) if args.format == "json" else status.render_table(result))
-        if not result["ok"]:
-            print(status.failure_summary(result), file=sys.stderr)
-            return EXIT_CHECK_FAILED
-        return EXIT_OK
+        return _verdict(status, status.cluster_status(inv, address=args.address, timeout_s=args.timeout), args)
     if args.action == "logs":
         import time
 
@@ -87,10 +82,15 @@ def main(args) -> int:
         return EXIT_OK
     from alpa_job.ops import preflight
 
-    result = preflight.run_preflight(inv, deadline_s=args.deadline, connect_timeout_s=args.connect_timeout)
-    print(preflight.render_json(result) if args.format == "json" else preflight.render_table(result))
+    return _verdict(preflight, preflight.run_preflight(inv, deadline_s=args.deadline,
+                                                       connect_timeout_s=args.connect_timeout), args)
+
+
+def _verdict(check, result, args) -> int:
+    """Print a check's result (`check`: the status or preflight module) and turn it into the exit code."""
+    print(check.render_json(result) if args.format == "json" else check.render_table(result))
     if not result["ok"]:
-        print(preflight.failure_summary(result), file=sys.stderr)
+        print(check.failure_summary(result), file=sys.stderr)
         return EXIT_CHECK_FAILED
     return EXIT_OK
 
