@@ -13,6 +13,14 @@ from typing import Callable, Dict, List, Optional
 
 import jax
 
+# The GPU bench's models (the sizes of issue 16 / shared notes gpu.md; the presets gpt-12l and gpt-24l
+# are the same models for the CLI), one table for every GPU bench script.
+GPT_CASES = {
+    "gpt12": dict(num_layers=12, d_model=1024, num_heads=16, batch_size=16, seq_len=1024, vocab_size=32768),
+    "gpt24": dict(num_layers=24, d_model=2048, num_heads=16, batch_size=8, seq_len=1024, vocab_size=32768),
+    "tiny": dict(num_layers=2, d_model=64, num_heads=4, batch_size=2, seq_len=64, vocab_size=256),  # CPU smoke
+}
+
 PEAK_TFLOPS_H100 = 798.0  # bf16 dense, measured with an 8192^3 matmul on the lent H100 (KINDS.md)
 
 

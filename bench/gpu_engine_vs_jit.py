@@ -31,16 +31,12 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import gpu_peer  # noqa: E402
-from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, gpt_flops, kit_loop  # noqa: E402
+from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_flops, kit_loop  # noqa: E402
 from alpa_job.config import JobConfig  # noqa: E402
 from alpa_job.data import epoch_batches, synthetic  # noqa: E402
 from alpa_job.models import get_model  # noqa: E402
 
-CASES = {
-    "gpt12": dict(num_layers=12, d_model=1024, num_heads=16, batch_size=16, seq_len=1024, vocab_size=32768),
-    "gpt24": dict(num_layers=24, d_model=2048, num_heads=16, batch_size=8, seq_len=1024, vocab_size=32768),
-    "tiny": dict(num_layers=2, d_model=64, num_heads=4, batch_size=2, seq_len=64, vocab_size=256),  # CPU smoke
-}
+CASES = GPT_CASES
 LABELS = {"gpt12": "GPT 12L d1024 h16 B16 S1024 V32768 bf16", "gpt24": "GPT 24L d2048 h16 B8 S1024 V32768 bf16",
           "tiny": "GPT 2L d64 (CPU smoke)"}
 

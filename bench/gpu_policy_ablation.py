@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import gpu_peer  # noqa: E402
-from gpu_common import PEAK_TFLOPS_H100, Loop, gpt_flops, park  # noqa: E402
+from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, gpt_flops, park  # noqa: E402
 from alpa_job.config import JobConfig  # noqa: E402
 from alpa_job.data import epoch_batches, synthetic  # noqa: E402
 from alpa_job.engines.jax_engine import JaxEngine  # noqa: E402
@@ -44,11 +44,7 @@ from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical  # n
 from alpa_job.models.gpt import _layer_norm, _normal, causal_attention  # noqa: E402
 from alpa_job.models.losses import cross_entropy  # noqa: E402
 
-MODELS = {
-    "gpt12": dict(num_layers=12, d_model=1024, num_heads=16, batch_size=16, seq_len=1024, vocab_size=32768),
-    "gpt24": dict(num_layers=24, d_model=2048, num_heads=16, batch_size=8, seq_len=1024, vocab_size=32768),
-    "tiny": dict(num_layers=2, d_model=64, num_heads=4, batch_size=2, seq_len=64, vocab_size=256),  # CPU smoke
-}
+MODELS = GPT_CASES
 OPTIONS = {
     "notriton": {"xla_gpu_enable_triton_gemm": False},
     "cublaslt": {"xla_gpu_enable_cublaslt": True},
