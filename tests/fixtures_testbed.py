@@ -146,11 +146,12 @@ RAY_START_TIMEOUT = testbed_ray.DEFAULT_TIMEOUT  # start_ray's whole budget (lat
 _CHECK_DRIVER = r"""
 import json, os, socket, sys, time
 import ray
-from alpa_job.cluster.wait_nodes import wait_for_nodes
+from alpa_job.cluster import ray_api
+from alpa_job.cluster.wait_nodes import wait_for_alive
 want, timeout = json.loads(sys.argv[1]), float(sys.argv[2])
 t0 = time.monotonic()
-ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-alive = sorted(n["NodeManagerAddress"] for n in wait_for_nodes(len(want), timeout))
+ray_api.join_ray(os.environ["RAY_ADDRESS"], timeout, log_to_driver=False)
+alive = sorted(n.ip for n in wait_for_alive(len(want), timeout))
 
 @ray.remote(num_cpus=0)
 def where():
@@ -158,7 +159,7 @@ def where():
 
 pinned = {}
 if sorted(alive) == sorted(want):
-    refs = {ip: where.options(resources={"node:" + ip: 0.01}).remote() for ip in want}
+    refs = {ip: where.options(**ray_api.pin_to_node(ip)).remote() for ip in want}
     left = max(5.0, timeout - (time.monotonic() - t0))
     for ip, ref in refs.items():
         try:

@@ -89,7 +89,7 @@ def test_xla_ports_bad_range():
 
 @NEEDS_VENV39
 def test_real_alpa_global_env_reads_the_ports_we_set_before_import():
-    """Set the env from the spec (as run_alpa does before `import alpa`), then load alpa 0.2.3's own
+    """Set the env from the spec (as alpa_session does before `import alpa`), then load alpa 0.2.3's own
     global_env.py: its global_config must carry the spec's range."""
     out = run39("""
         import importlib.util, os

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from alpa_job.cluster import ray_api
 from alpa_job.errors import EXIT_OK, EXIT_TIMEOUT, KitError
@@ -28,12 +28,6 @@ def wait_for_alive(count: int, timeout_s: float, poll_s: float = 0.3) -> List[ra
         if len(nodes) >= count or time.monotonic() >= deadline:
             return nodes
         time.sleep(poll_s)
-
-
-def wait_for_nodes(count: int, timeout_s: float, poll_s: float = 0.3) -> List[Dict]:
-    """wait_for_alive's nodes as Ray's raw rows, for the test-bed fixture's driver that still reads
-    n["NodeManagerAddress"] (new code: wait_for_alive and RayNode.ip)."""
-    return [n.row for n in wait_for_alive(count, timeout_s, poll_s)]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
