@@ -150,7 +150,10 @@ def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     variables of the caller (HOSTNAME, RAY_ADDRESS) are dropped.
     """
     env = dict(os.environ if base is None else base)
-    for k in ("HOSTNAME", "RAY_ADDRESS"):
+    # Ray's auth variables too: an in-process ray.init() (a test, a notebook) leaves RAY_AUTH_MODE=token
+    # in the caller's environment, and drivers that inherit it against an auth-off bed get actors that
+    # die on start. The bed alone decides the mode (below, and exec_argv for an auth-on bed).
+    for k in ("HOSTNAME", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
         env.pop(k, None)
     venv = env.get("VIRTUAL_ENV")
     if not venv and sys.prefix != sys.base_prefix:
@@ -177,7 +180,7 @@ def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     # Ray >= 2.59: `ray start --head` turns token auth on when ~/.ray/auth_token exists (any local
     # ray.init() on this machine writes one), but joining workers do not: they are then refused
     # ("InvalidAuthToken"). Every host shares /root, so pin the mode for the whole bed.
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env["RAY_AUTH_MODE"] = "disabled"
     return env
 
 

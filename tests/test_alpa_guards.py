@@ -246,6 +246,7 @@ def test_dump_keyerror_through_a_real_ray_actor(tmp_path):
     """The KeyError raised inside a Ray actor (as MeshHostWorker is) reaches the driver as a
     RayTaskError carrying the worker's ip and pid: the message names that node and log."""
     ray = pytest.importorskip("ray")
+    saved_env = dict(os.environ)  # ray.init() writes RAY_AUTH_MODE=token (and more) into os.environ
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         class MeshHostWorker:  # defined here so Ray ships it by value (same contract as above)
@@ -271,3 +272,5 @@ def test_dump_keyerror_through_a_real_ray_actor(tmp_path):
         assert f"on {ip}:" in msg and f"worker-*-{pid}.err" in msg
     finally:
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved_env)

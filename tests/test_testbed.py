@@ -30,6 +30,16 @@ print(json.dumps({
 """
 
 
+def test_host_commands_never_inherit_the_callers_ray_auth_mode():
+    """An in-process ray.init() leaves RAY_AUTH_MODE=token in the caller's environment; a driver run in an
+    auth-off bed with it gets actors that die on start (CI saw exactly that). The bed pins the mode."""
+    leftover = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH="/root/.ray/auth_token",
+                    RAY_ADDRESS="10.0.0.9:6379")
+    env = testbed_lib.python_env(leftover)
+    assert env["RAY_AUTH_MODE"] == "disabled"
+    assert "RAY_AUTH_TOKEN_PATH" not in env and "RAY_ADDRESS" not in env
+
+
 def _py(bed, host, code, *args, **kw):
     return bed.exec(host, sys.executable, "-c", code, *args, **kw)
 
