@@ -80,29 +80,12 @@ def load_dataset(config) -> Dataset:
 
 
 def synthetic(config) -> Dataset:
-    """Deterministic from `seed`, and learnable, so a falling loss means the step works."""
-    rng = np.random.default_rng(config.seed)
-    n = config.num_samples
-    if config.model == "mlp":
-        # The pipeshard tutorial's data: y = x W + b + 0.1 noise.
-        dim = config.hidden_dim
-        w = rng.normal(size=(dim, dim)).astype(np.float32) / np.sqrt(dim)
-        b = rng.normal(size=(dim,)).astype(np.float32)
-        x = rng.normal(size=(n, dim)).astype(np.float32)
-        y = x @ w + b + 0.1 * rng.normal(size=(n, dim)).astype(np.float32)
-        return Dataset({"x": x, "y": y.astype(np.float32)})
-    if config.model == "wide_resnet":
-        # Labels follow a fixed random projection of the image, so they can be learned.
-        images = rng.normal(size=(n, 32, 32, 3)).astype(np.float32)
-        proj = rng.normal(size=(32 * 32 * 3, 10)).astype(np.float32)
-        labels = np.argmax(images.reshape(n, -1) @ proj, axis=-1).astype(np.int32)
-        return Dataset({"image": images, "label": labels})
-    # gpt: each sequence is an arithmetic progression modulo the vocabulary (learnable).
-    vocab, seq = config.vocab_size, config.seq_len + 1
-    start = rng.integers(0, vocab, size=(n, 1))
-    stride = rng.integers(1, 4, size=(n, 1))
-    tokens = (start + stride * np.arange(seq)[None, :]) % vocab
-    return Dataset({"tokens": tokens.astype(np.int32)})
+    """Deterministic from `seed`, and learnable, so a falling loss means the step works; each model
+    registers what its data looks like (models/<name>.py `synthetic`)."""
+    from alpa_job.models import get_entry
+
+    make = get_entry(config.model).synthetic
+    return Dataset(make(config, np.random.default_rng(config.seed), config.num_samples))
 
 
 def cifar10_batch_files(data_dir: str) -> List[str]:

@@ -86,6 +86,7 @@ class ModelEntry:
     hyperparameters: Tuple[str, ...]  # the JobConfig fields the builder reads
     layer_count: Callable  # layer_count(config) -> the model's repeated layers (pipeline boundaries count them)
     layer_class: Callable  # layer_class() -> the flax class whose calls are those layers
+    synthetic: Callable  # synthetic(config, rng, n) -> {field: array of n rows}, learnable (data.synthetic)
     has_batch_stats: bool = False  # BatchNorm running statistics live beside params
 
     def defaults(self) -> Dict[str, Any]:
@@ -100,14 +101,15 @@ _REGISTRY: Dict[str, ModelEntry] = {}
 
 
 def register_model(name: str, *, input_key: str, loss: Callable, hyperparameters: Tuple[str, ...],
-                   layer_count: Callable, layer_class: Callable, has_batch_stats: bool = False) -> Callable:
+                   layer_count: Callable, layer_class: Callable, synthetic: Callable,
+                   has_batch_stats: bool = False) -> Callable:
     """Decorator for a model module's builder: `@register_model("gpt", ...) def build(config, dtype)`."""
 
     def decorate(build: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name].build is not build:
             raise ValueError(f"model {name!r} is registered twice")  # a programming error, not a user's
         _REGISTRY[name] = ModelEntry(name, build, input_key, loss, tuple(hyperparameters), layer_count,
-                                     layer_class, has_batch_stats)
+                                     layer_class, synthetic, has_batch_stats)
         return build
 
     return decorate

@@ -6,6 +6,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from alpa_job.models import cross_entropy, register_model
 from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical
@@ -133,10 +134,19 @@ class _InputsOnly:
         return self.module.apply(variables, tokens[:, :-1], **kwargs)
 
 
+def synthetic(config, rng, n):
+    """Each sequence is an arithmetic progression modulo the vocabulary (learnable); seq_len + 1 tokens."""
+    vocab, seq = config.vocab_size, config.seq_len + 1
+    start = rng.integers(0, vocab, size=(n, 1))
+    stride = rng.integers(1, 4, size=(n, 1))
+    tokens = (start + stride * np.arange(seq)[None, :]) % vocab
+    return {"tokens": tokens.astype(np.int32)}
+
+
 @register_model("gpt", input_key="tokens", loss=_next_token_loss,
                 hyperparameters=("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"),
                 layer_count=lambda config: config.num_layers,
-                layer_class=lambda: DecoderBlock)
+                layer_class=lambda: DecoderBlock, synthetic=synthetic)
 def build(config, dtype):
     module = GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len, config.vocab_size, dtype)
     return _InputsOnly(module)

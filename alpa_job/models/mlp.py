@@ -5,6 +5,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from alpa_job.models import mse, register_model
 from alpa_job.models.axes import EMBED, MLP, logical
@@ -29,8 +30,18 @@ class MLPModel(nn.Module):
         return x
 
 
+def synthetic(config, rng, n):
+    """The pipeshard tutorial's data: y = x W + b + 0.1 noise."""
+    dim = config.hidden_dim
+    w = rng.normal(size=(dim, dim)).astype(np.float32) / np.sqrt(dim)
+    b = rng.normal(size=(dim,)).astype(np.float32)
+    x = rng.normal(size=(n, dim)).astype(np.float32)
+    y = x @ w + b + 0.1 * rng.normal(size=(n, dim)).astype(np.float32)
+    return {"x": x, "y": y.astype(np.float32)}
+
+
 @register_model("mlp", input_key="x", loss=mse, hyperparameters=("hidden_dim",),
                 layer_count=lambda config: 4,  # Dense 4h -> h -> 4h -> h
-                layer_class=lambda: nn.Dense)
+                layer_class=lambda: nn.Dense, synthetic=synthetic)
 def build(config, dtype):
     return MLPModel(config.hidden_dim, dtype)

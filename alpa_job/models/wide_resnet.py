@@ -8,6 +8,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from alpa_job.models import cross_entropy, register_model
 from alpa_job.models.axes import CHANNELS, CONV_IN, EMBED, logical
@@ -75,9 +76,17 @@ def _classification_loss(logits, batch):
     return cross_entropy(logits, batch["label"])
 
 
+def synthetic(config, rng, n):
+    """CIFAR-shaped images whose labels follow a fixed random projection of the image (learnable)."""
+    images = rng.normal(size=(n, 32, 32, 3)).astype(np.float32)
+    proj = rng.normal(size=(32 * 32 * 3, 10)).astype(np.float32)
+    labels = np.argmax(images.reshape(n, -1) @ proj, axis=-1).astype(np.int32)
+    return {"image": images, "label": labels}
+
+
 @register_model("wide_resnet", input_key="image", loss=_classification_loss, has_batch_stats=True,
                 hyperparameters=("depth", "width"),
                 layer_count=lambda config: 3 * ((config.depth - 4) // 6),  # 3 stages x n blocks
-                layer_class=lambda: WideBlock)
+                layer_class=lambda: WideBlock, synthetic=synthetic)
 def build(config, dtype):
     return WideResNet(config.depth, config.width, 10, dtype)
