@@ -185,6 +185,12 @@ def test_site_brings_the_cluster_up_and_the_doctor_is_green(ansible):
         assert "table inet alpa_kit" in ansible.nft_tables()[h.name]
         etc = ansible.bed.host_dir(h.name) / "etc"  # ... and included from the boot-time config
         assert 'include "%s"' % (etc / "alpa-kit" / "nftables-alpa_kit.nft") in (etc / "nftables.conf").read_text()
+        # the token: a 0400 file on the node; neither the start record nor the daemons' env holds its value
+        token = ansible.token_file.read_text().strip()
+        placed = etc / "alpa-kit" / "ray_auth_token"
+        assert placed.read_text().strip() == token and placed.stat().st_mode & 0o7777 == 0o400
+        record = json.loads((etc / "alpa-kit" / "ray-start.json").read_text())
+        assert token not in json.dumps(record) and record["env"]["RAY_AUTH_TOKEN_PATH"] == str(placed)
     print("site.yml (cold, 3 hosts): %.1f s" % summary["seconds"])
 
 
@@ -233,6 +239,8 @@ def test_teardown_leaves_the_hosts_clean(ansible):
     p, _ = ansible.run("teardown.yml", ansible.good_inventory())
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     assert ansible.ray_processes() == {"head": "", "w1": "", "w2": ""}
+    for name in ansible.bed.ips:  # the token leaves with the cluster
+        assert not (ansible.bed.host_dir(name) / "etc" / "alpa-kit" / "ray_auth_token").exists()
     for name, tables in ansible.nft_tables().items():
         assert "alpa_kit" not in tables, (name, tables)
         conf = ansible.bed.host_dir(name) / "etc" / "nftables.conf"

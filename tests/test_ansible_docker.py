@@ -275,6 +275,14 @@ def test_site_from_an_outside_controller_brings_the_cluster_up(site):
         info = json.loads(site.site.docker(node, "inspect", CONTAINER).stdout)[0]
         assert info["State"]["Running"] and info["Config"]["Image"] == site.site.image
         assert info["HostConfig"]["NetworkMode"] == "host" and info["Config"]["User"] == "1000:1000"
+        # the token is a file only Ray's user reads; `docker inspect` shows its path, never its value
+        token = site.token_file.read_text().strip()
+        env = dict(e.split("=", 1) for e in info["Config"]["Env"])
+        assert token not in json.dumps(info) and "RAY_AUTH_TOKEN" not in env, env.keys()
+        token_path = site.etc(node) / "alpa-kit" / "ray_auth_token"
+        assert env["RAY_AUTH_TOKEN_PATH"] == str(token_path) and token_path.read_text().strip() == token
+        st = token_path.stat()
+        assert (st.st_uid, st.st_mode & 0o7777) == (1000, 0o400)
         # the container's user owns the directory it writes (Ray's /tmp/ray), and Ray wrote there
         st = site.ray_dir(node).stat()
         assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1000, 0o777)  # 0777: what Ray sets itself
@@ -349,7 +357,7 @@ def test_teardown_removes_the_containers_and_the_table_and_nothing_else(site):
         assert "alpa_kit" not in tables and SENTINEL_TABLE in tables, (node, tables)
         assert tables == before["tables"][node].replace("table inet alpa_kit\n", "")
         assert "alpa_kit" not in (site.etc(node) / "nftables.conf").read_text()
-    gone = {"alpa-kit/nftables-alpa_kit.nft"}
+    gone = {"alpa-kit/nftables-alpa_kit.nft", "alpa-kit/ray_auth_token"}  # the token leaves with the cluster
     assert site.files() == {n: [f for f in fs if f not in gone] for n, fs in before["files"].items()}
     p2, summary2 = site.run("teardown.yml", site.inventory("good"))
     assert p2.returncode == 0 and summary2["hosts"], (p2.stdout + p2.stderr)[-4000:]

@@ -7,6 +7,7 @@ Ansible's own Templar over the roles' defaults/vars/tasks (no SSH, no Docker); o
 ansible-playbook against localhost to show an inventory-file var beating the defaults."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -219,7 +220,13 @@ def test_docker_container_runs_the_same_ray_start_as_the_process_runtime(role):
     assert env == {k: v for k, v in process.var("__ray_cluster_process_env").items() if k not in ("PATH", "VIRTUAL_ENV")}
     assert env["NCCL_SOCKET_IFNAME"] == "ens5"
     assert (env["XLA_SERVER_PORT_START"], env["XLA_SERVER_PORT_END"]) == ("20000", "25000")
-    assert (env["RAY_AUTH_MODE"], env["RAY_AUTH_TOKEN"]) == ("token", "tok3n")  # Ray 2.60 >= 2.52
+    # Ray 2.60 >= 2.52: token auth, the token as a 0400 file on the node, never its value in the env
+    assert (env["RAY_AUTH_MODE"], env["RAY_AUTH_TOKEN_PATH"]) == ("token", "/etc/alpa-kit/ray_auth_token")
+    assert "tok3n" not in json.dumps(env) and "RAY_AUTH_TOKEN" not in env
+    assert env["ALPA_KIT_RAY_TOKEN_SHA256"] == hashlib.sha256(b"tok3n").hexdigest()  # a new token restarts Ray
+    placed = docker.task_args("main.yml", "ansible.builtin.copy", "Place the Ray token")
+    assert (placed["dest"], placed["mode"], str(placed["owner"])) == ("/etc/alpa-kit/ray_auth_token", "0400", "1000")
+    assert placed["content"].strip() == "tok3n"
     assert env["ALPA_KIT_CLUSTER_SPEC"] == "/etc/alpa-kit/cluster.yaml"
     mounts = {m["target"]: m for m in container["mounts"]}
     assert mounts["/etc/alpa-kit"]["source"] == "/etc/alpa-kit" and mounts["/etc/alpa-kit"]["read_only"]
@@ -255,7 +262,7 @@ def test_ray_stack_sets_image_and_ray_version_together(stack):
     flags = list(container["command"])
     assert (("--runtime-env-agent-port=%d" % spec.ports["runtime_env_agent"]) in flags) == (stack == "jax")
     env = dict(container["env"])
-    assert ("RAY_AUTH_TOKEN" in env) == (stack == "jax")  # Ray 2.1.0 has no token auth
+    assert ("RAY_AUTH_TOKEN_PATH" in env) == (stack == "jax")  # Ray 2.1.0 has no token auth
     packages = Render("process", ray_stack=stack).var("ray_cluster_python_packages")
     assert "ray[default]==%s" % want_ray in packages
 
