@@ -131,6 +131,16 @@ def auth_env(token_path: Optional[str]) -> Dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
 
 
+def installed_ray_version() -> Optional[str]:
+    """The caller's Ray version (None: not installed; ray_start_args then assumes the spec's modern Ray)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("ray")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_memory: int = DEFAULT_OBJECT_STORE,
               include_dashboard: bool = True, firewall: bool = True, auth: bool = False,
               timeout: float = DEFAULT_TIMEOUT, max_parallel: Optional[int] = None) -> dict:
@@ -168,9 +178,14 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     bed._save()
     env = auth_env(token_path)
 
+    # The hosts run the caller's Python environment (testbed_lib.python_env), so its Ray: 2.60 from the
+    # project's venv, 2.1.0 from a Python 3.9 one (the Alpa image's Ray), each with the flags it knows.
+    ray_version = installed_ray_version()
+
     def argv(i: int, h) -> List[str]:
         return ray_start_args(spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip, num_cpus=num_cpus,
-                              object_store_memory=object_store_memory, include_dashboard=include_dashboard)
+                              object_store_memory=object_store_memory, include_dashboard=include_dashboard,
+                              ray_version=ray_version)
 
     logs = bed.state_dir / "ray-start"
     logs.mkdir(exist_ok=True)

@@ -188,3 +188,32 @@ def test_models_train_on_py39(py39_models, model, tmp_path):
                             capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "3 steps, 1 compile" in result.stdout + result.stderr
+
+
+_JOIN = r"""
+import sys
+from alpa_job.errors import KitError
+from alpa_job.train import init_distributed
+try:
+    init_distributed(sys.argv[1], 2, int(sys.argv[2]), timeout_s=30)
+    print("JOINED")
+except KitError as err:
+    print("KITERROR " + str(err))
+"""
+
+
+def test_old_jax_that_cannot_join_processes_is_refused_not_split(py39_models, tmp_path):
+    """jax 0.4.13 on CPU accepts jax.distributed.initialize (without the timeout keywords, which it lacks) and
+    then leaves every process on its own devices: two real processes on loopback get a one-line refusal
+    naming the jax version, instead of each training its own replica under one report."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([py39_models, "-c", _JOIN, "127.0.0.1:%d" % port, str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path)) for i in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for out, err in outs:
+        assert "KITERROR jax 0.4.13 on cpu did not join the 2 JAX processes" in out, out + err[-2000:]
