@@ -131,16 +131,6 @@ def auth_env(token_path: Optional[str]) -> Dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
 
 
-def installed_ray_version() -> Optional[str]:
-    """The caller's Ray version (None: not installed; ray_start_args then assumes the spec's modern Ray)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("ray")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_memory: int = DEFAULT_OBJECT_STORE,
               include_dashboard: bool = True, firewall: bool = True, auth: bool = False,
               timeout: float = DEFAULT_TIMEOUT, max_parallel: Optional[int] = None) -> dict:
@@ -150,6 +140,7 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     Raises TestbedError naming the host and the log to read; the bed is left up (for its logs).
     """
     from alpa_job.cluster.ray_start import ray_start_args
+    from alpa_job.versions import package_version
 
     if bed.ray:
         raise tb.TestbedError(f"Ray is already started on test bed {bed.prefix!r} ({bed.ray['address']}); "
@@ -179,8 +170,9 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     env = auth_env(token_path)
 
     # The hosts run the caller's Python environment (testbed_lib.python_env), so its Ray: 2.60 from the
-    # project's venv, 2.1.0 from a Python 3.9 one (the Alpa image's Ray), each with the flags it knows.
-    ray_version = installed_ray_version()
+    # project's venv, 2.1.0 from a Python 3.9 one (the Alpa image's Ray), each with the flags it knows
+    # (None: no Ray installed; ray_start_args then assumes the spec's modern Ray).
+    ray_version = package_version("ray")
 
     def argv(i: int, h) -> List[str]:
         return ray_start_args(spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip, num_cpus=num_cpus,

@@ -52,14 +52,9 @@ def check_alpa_version(version: Optional[str]) -> Tuple[int, ...]:
 
 def installed_alpa_version() -> Optional[str]:
     """alpa's version from package metadata (no import of alpa)."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
-    try:
-        return version("alpa")
-    except PackageNotFoundError:
-        return None
+    from alpa_job.versions import package_version
+
+    return package_version("alpa")
 
 
 # ----------------------------------------------------------------------------- ports
