@@ -7,7 +7,6 @@ collectives (count and bytes), compile time, the final loss, the run's status. R
 """
 from __future__ import annotations
 
-import base64
 import html
 import json
 import os
@@ -149,24 +148,14 @@ def plot_png(data: List[Dict[str, Any]]) -> Optional[bytes]:
 
 
 def to_html(data: List[Dict[str, Any]]) -> str:
-    from alpa_job.inspect.render import STYLE, _html_table
+    from alpa_job.inspect.render import _html_table, figure_html, page_html
 
     png = plot_png(data)
-    figure = (f'<figure><img alt="runs compared" onload="this.dataset.rendered=this.naturalWidth" '
-              f'src="data:image/png;base64,{base64.b64encode(png).decode()}"><figcaption>runs compared'
-              f"</figcaption></figure>") if png else "<p>no measurements to plot</p>"
+    figure = figure_html("runs compared", png) if png else "<p>no measurements to plot</p>"
     best = fastest(data)
     verdict = f"<p>Fastest step: <b>{html.escape(best)}</b></p>" if best else ""
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>Runs compared</title>
-<style>{STYLE}</style></head>
-<body><h1>Runs compared ({len(data)})</h1>
-{_html_table(COLUMNS, table_rows(data), "compare")}
-{verdict}
-<h2>Plots</h2>
-{figure}
-</body></html>
-"""
+    body = f"{_html_table(COLUMNS, table_rows(data), 'compare')}\n{verdict}\n<h2>Plots</h2>\n{figure}"
+    return page_html("Runs compared", body, heading=f"Runs compared ({len(data)})")
 
 
 def to_json(data: List[Dict[str, Any]]) -> str:

@@ -70,8 +70,9 @@ def _memory_text(memory: Optional[MemoryRecord]) -> str:
     return ", ".join(parts) or "not measured"
 
 
-def _collective_rows(record: RunRecord) -> List[List[str]]:
-    return [[kind, _cell(c.count), _cell(c.bytes)] for kind, c in (record.collectives or {}).items()]
+def _collective_rows(record: RunRecord, fmt_bytes=None) -> List[List[str]]:
+    fmt_bytes = fmt_bytes or _cell
+    return [[kind, _cell(c.count), fmt_bytes(c.bytes)] for kind, c in (record.collectives or {}).items()]
 
 
 def _search_rows(record: RunRecord) -> List[List[str]]:
@@ -183,16 +184,36 @@ details summary { cursor: pointer; color: #4c78a8; }
 
 
 def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]], css_class: str = "") -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return _raw_table(header, [[html.escape(str(c)) for c in row] for row in rows], css_class)
 
 
 def _raw_table(header: Sequence[str], rows: Sequence[Sequence[str]], css_class: str = "") -> str:
     """Like _html_table, cells already HTML (the caller escaped them)."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return _table(header, body, css_class)
+
+
+def _table(header: Sequence[str], body_html: str, css_class: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>{body_html}</tbody></table>'
+
+
+def figure_html(caption: str, png: bytes) -> str:
+    """A PNG inline; `dataset.rendered` lets the headless-browser test see that it decoded."""
+    return (f'<figure><img alt="{html.escape(caption)}" onload="this.dataset.rendered=this.naturalWidth" '
+            f'src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
+def page_html(title: str, body: str, heading: Optional[str] = None) -> str:
+    """The report's page around `body` (the report and the run comparison share it); `heading` defaults to the title."""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>{STYLE}</style></head>
+<body><h1>{html.escape(heading or title)}</h1>
+{body}
+</body></html>
+"""
 
 
 FOLDED_HEADER = ("path", "shape", "dtype", "bytes", "per device", "spec", "mesh", "strategy", "optimizer state")
@@ -221,10 +242,9 @@ def _folded_params_html(record: RunRecord) -> str:
     for o in others:
         if id(o) not in used:
             body.append('<tr class="other">' + "".join(f"<td>{c}</td>" for c in _leaf_cells(o) + [""]) + "</tr>")
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in FOLDED_HEADER)
     script = ("<script>function foldState(d){document.querySelectorAll('tr.'+d.dataset.group)"
               ".forEach(function(r){r.hidden=!d.open;});}</script>")
-    return f'<table class="params"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>{script}'
+    return _table(FOLDED_HEADER, "".join(body), "params") + script
 
 
 def _leaf_cells(r) -> List[str]:
@@ -279,11 +299,7 @@ def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None)
 
     if rendered_plots is None:
         rendered_plots = plots.all_plots(record)
-    figures = "".join(
-        f'<figure><img alt="{html.escape(caption)}" onload="this.dataset.rendered=this.naturalWidth" '
-        f'src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
-        for _name, caption, png in rendered_plots)
+    figures = "".join(figure_html(caption, png) for _name, caption, png in rendered_plots)
     sections = []
     if record.status != "ok":
         sections.append(f'<p class="status-{html.escape(record.status)}"><b>{html.escape(record.status)}</b> after '
@@ -307,20 +323,12 @@ def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None)
         sections += ["<h2>Processes</h2>", _html_table(PROCESS_HEADER, _process_rows(record), "processes")]
     if record.stages:
         sections += ["<h2>Pipeline stages</h2>", _html_table(STAGE_HEADER, _stage_rows(record), "stages")]
-    collectives = [[kind, _cell(c.count), human_bytes(c.bytes)] for kind, c in (record.collectives or {}).items()]
     sections += ["<h2>Collectives in the optimized HLO</h2>",
-                 _html_table(("kind", "count", "bytes"), collectives, "collectives"),
+                 _html_table(("kind", "count", "bytes"), _collective_rows(record, human_bytes), "collectives"),
                  "<h2>Parameters (optimizer state folded under each)</h2>",
                  _folded_params_html(record)]
     if record.config:
         sections += ["<h2>Config</h2>", _html_table(("setting", "value"), _dict_rows(record.config), "config")]
     if record.versions:
         sections += ["<h2>Versions</h2>", _html_table(("package", "version"), _dict_rows(record.versions), "versions")]
-    title = f"{record.config.get('model', '?')}: {plan_title(record)}"
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>{STYLE}</style></head>
-<body><h1>{html.escape(title)}</h1>
-{''.join(sections)}
-</body></html>
-"""
+    return page_html(f"{record.config.get('model', '?')}: {plan_title(record)}", "".join(sections))
