@@ -9,6 +9,7 @@ EXIT_OK = 0
 EXIT_USER_ERROR = 2  # bad flag, bad file, bad combination: the message says what to change
 EXIT_CHECK_FAILED = 3  # a check (doctor, guard) ran and found the cluster unhealthy
 EXIT_TIMEOUT = 4  # a network wait ran past its deadline
+EXIT_PROCESS_LOST = 1  # a JAX process or its node was lost (or failed) during the job
 
 
 class KitError(Exception):
@@ -24,5 +25,5 @@ class LostProcessError(KitError):
     process's log (its last lines, or where it is), so no slower, cluster-wide log collection runs
     before the job exits (issue 12: the failure is named within seconds)."""
 
-    def __init__(self, message: str, exit_code: int = 1):
+    def __init__(self, message: str, exit_code: int = EXIT_PROCESS_LOST):
         super().__init__(message, exit_code)

@@ -40,14 +40,6 @@ def new_run_dir(config, root: str = RUNS_ROOT) -> str:
     return path
 
 
-def checkpoint_steps(out: str) -> list:
-    """The saved steps under OUT/checkpoints (orbax keeps one folder per step, named by the number)."""
-    folder = os.path.join(out, CHECKPOINTS)
-    if not os.path.isdir(folder):
-        return []
-    return sorted(int(n) for n in os.listdir(folder) if n.isdigit() and os.path.isdir(os.path.join(folder, n)))
-
-
 def saved_config(out: str) -> Optional[Dict[str, Any]]:
     """The config of the run that wrote OUT: run.json, else report.json's `config` (older kits)."""
     for name, key in ((RUN_META, None), ("report.json", "config")):
@@ -66,12 +58,13 @@ def saved_config(out: str) -> Optional[Dict[str, Any]]:
 
 def check_out(config, explicit_out: bool) -> None:
     """Refuse an --out that would mix two runs, and a --resume with nothing (or another model) to resume."""
+    from alpa_job.checkpoint import latest_complete_step
     from alpa_job.validate import MODEL_FIELDS
 
     out = config.out
-    steps = checkpoint_steps(out) if out else []
+    latest = latest_complete_step(os.path.join(out, CHECKPOINTS)) if out else None
     if config.resume:
-        if not steps:
+        if latest is None:
             raise KitError(f"--resume: no checkpoint in {os.path.join(out, CHECKPOINTS)}; run once with "
                            "--checkpoint-every N into this --out first, or drop --resume")
         old = saved_config(out)
@@ -83,8 +76,8 @@ def check_out(config, explicit_out: bool) -> None:
                 raise KitError(f"--resume: the checkpoint in {out} is of another model: {what}; "
                                "resume with the same model settings or use another --out")
         return
-    if steps and not config.overwrite:
-        raise KitError(f"--out {out} holds another run's checkpoints (steps up to {steps[-1]}); pass --resume to "
+    if latest is not None and not config.overwrite:
+        raise KitError(f"--out {out} holds another run's checkpoints (steps up to {latest}); pass --resume to "
                        "continue that run, --overwrite to replace it, or another --out")
 
 

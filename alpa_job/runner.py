@@ -107,7 +107,7 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
             from alpa_job.cluster.failures import actor_error_message  # issue 12: name the lost node
 
             raise LostProcessError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
-                           "job once the node is back (or without it)", 1) from None
+                           "job once the node is back (or without it)") from None
     if address == NO_RAY:
         return [run_in_process(config)]
     os.environ.update(progress.ray_noise_env(shown.verbosity, shown.tty))

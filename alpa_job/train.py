@@ -21,6 +21,7 @@ from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_
 from alpa_job.engines.base import Engine, missing_members
 from alpa_job.errors import KitError
 from alpa_job.inspect.record import ProcessResult
+from alpa_job.rundir import CHECKPOINTS
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -51,8 +52,6 @@ def init_distributed(coordinator: Optional[str], num_processes: int, process_id:
     # Old jax on CPU (0.4.13, seen here) "joins" and then keeps each process on its own devices: the job
     # would train N unrelated replicas and report one. Refuse that instead.
     if jax.process_count() != num_processes:
-        from alpa_job.errors import KitError
-
         raise KitError(f"jax {jax.__version__} on {jax.default_backend()} did not join the {num_processes} JAX "
                        f"processes into one device set (jax.process_count() = {jax.process_count()}); multi-host "
                        "training needs a jax whose backend supports several processes (the kit's modern image, or GPUs)")
@@ -152,7 +151,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     if config.checkpoint_every:
         from alpa_job.checkpoint import Checkpointer
 
-        checkpointer = Checkpointer(os.path.join(config.out, "checkpoints"), config.checkpoint_every)
+        checkpointer = Checkpointer(os.path.join(config.out, CHECKPOINTS), config.checkpoint_every)
     start_step = 0
     built = time.perf_counter()
     if config.resume:

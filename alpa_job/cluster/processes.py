@@ -31,8 +31,9 @@ from alpa_job import progress
 from alpa_job.checkpoint import latest_complete_step
 from alpa_job.cluster import failures, ray_api, shared_out
 from alpa_job.cluster.worker_path import worker_pythonpath
-from alpa_job.errors import EXIT_TIMEOUT, KitError, LostProcessError
-from alpa_job.restarts import Lost, check_batch_divides, eligible_nodes
+from alpa_job.errors import EXIT_PROCESS_LOST, EXIT_TIMEOUT, KitError, LostProcessError
+from alpa_job.restarts import Lost, check_batch_divides, eligible_nodes, node_alive
+from alpa_job.rundir import CHECKPOINTS
 
 ACTOR_START_TIMEOUT_S = 120
 POLL_S = 0.5  # how often the driver looks at the processes' futures and steps
@@ -41,7 +42,6 @@ PING_TIMEOUT_S = 5.0
 NODE_CHECK_S = 2.0  # how often the driver reads Ray's node table while training
 PORT_FREE_TIMEOUT_S = 30.0  # process 0 waits for the last attempt's coordinator to release the port
 PLACEMENT_RETRIES = 3  # a node that died before its process started: settle and choose again
-EXIT_PROCESS_LOST = 1
 
 
 def training_nodes(nodes: Optional[List[ray_api.RayNode]] = None) -> List[ray_api.RayNode]:
@@ -146,6 +146,7 @@ class _Failed(Exception):
         super().__init__(", ".join(x.where() for x in lost))
         self.lost, self.slots, self.detected, self.wall = lost, slots, detected, wall
         self.run_step: Optional[int] = None  # the furthest step any process had reached
+        self.tails: Dict[int, Optional[List[str]]] = {}  # log tails already read while ranking the dead
 
 
 class _Unresponsive(Exception):
@@ -205,7 +206,7 @@ class _Attempt:
                 nodes = failures.current_nodes()
                 lost = [Lost(i, None, n.ip, n.node_id, None, "its node died before the process started")
                         for i, (ref, n) in enumerate(zip(refs, self.nodes))
-                        if ref in pending and not any(m.alive and m.node_id == n.node_id for m in nodes)]
+                        if ref in pending and not node_alive(nodes, n.node_id)]
         for i, (ref, node) in enumerate(zip(refs, self.nodes)):
             if ref in pending:
                 continue
@@ -350,19 +351,21 @@ class _Attempt:
         # arrival (`errors` keeps the order the failures were seen in).
         unreachable = tuple(t for t in (getattr(ray.exceptions, "ActorUnavailableError", None), _Unresponsive) if t)
         arrival = list(errors)
-        collateral = self._aborted_by_jax(dead) if not any(isinstance(e, unreachable) for e in dead.values()) else set()
+        tails = self._read_tails(dead) if not any(isinstance(e, unreachable) for e in dead.values()) else {}
+        collateral = {i for i, lines in tails.items() if lines and any(m in line for line in lines for m in JAX_ABORT)}
         order = sorted(dead, key=lambda i: (not isinstance(dead[i], unreachable), i in collateral, arrival.index(i)))
         lost = [self.slots[i].lost(self.steps.get(i), failures.first_line(dead[i])) for i in order]
         failed = _Failed(lost, self.slots, first_failure, _now_iso())
+        failed.tails = tails
         failed.run_step = max((s for s in self.steps.values() if s is not None), default=None)
         return failed
 
 
-    def _aborted_by_jax(self, dead: Dict[int, BaseException]) -> Set[int]:
-        """Of several processes that died on live nodes, those whose log shows JAX's coordination service
-        aborting them because a peer died (read at once, bounded): they are not the one to name."""
+    def _read_tails(self, dead: Dict[int, BaseException]) -> Dict[int, Optional[List[str]]]:
+        """Several processes died on live nodes: their logs' tails, read at once (bounded), to tell the one to
+        name from those JAX's coordination service aborted because a peer died (JAX_ABORT); _report reuses them."""
         if len(dead) < 2:
-            return set()
+            return {}
         tails: Dict[int, Optional[List[str]]] = {}
 
         def read(i: int) -> None:
@@ -374,7 +377,7 @@ class _Attempt:
             t.start()
         for t in threads:
             t.join(failures.LOG_TIMEOUT_S + 1)
-        return {i for i, lines in list(tails.items()) if lines and any(m in line for line in lines for m in JAX_ABORT)}
+        return dict(tails)
 
 
 JAX_ABORT = ("CoordinationServiceAgent::SetError", "detected fatal errors", "Terminating process because",
@@ -411,7 +414,7 @@ class _Job:
         self.config, self.spec = config, spec
         self.max_restarts = int(getattr(config, "max_restarts", 0) or 0)
         self.restart_wait = float(getattr(config, "restart_wait", 0) or 0)
-        self.ckpt_dir = os.path.join(config.out, "checkpoints") if config.out else None
+        self.ckpt_dir = os.path.join(config.out, CHECKPOINTS) if config.out else None
         self.lost: List[Lost] = []  # every node lost so far (never scheduled onto again)
         self.healthy: Set[str] = set()  # lost processes whose node was found alive
         self.restarts: List[Dict[str, Any]] = []
@@ -425,8 +428,7 @@ class _Job:
         count = want or len(nodes)
         if not nodes:
             raise LostProcessError("no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
-                           "add nodes, then rerun with --resume" % (", ".join(x.where() for x in self.lost) or "-"),
-                           EXIT_PROCESS_LOST)
+                           "add nodes, then rerun with --resume" % (", ".join(x.where() for x in self.lost) or "-"))
         if count > len(nodes):
             raise KitError(f"--processes {count} but only {len(nodes)} alive Ray nodes have a free CPU; "
                            f"use --processes {len(nodes)} or add nodes")
@@ -463,8 +465,7 @@ class _Job:
                 if len(self.restarts) >= self.max_restarts:
                     raise LostProcessError(failures.failure_message(failed.lost[0], failed.slots.get(failed.lost[0].index),
                                                             self.latest(), self._log_shown,
-                                                            also=[y.index for y in failed.lost[1:]]),
-                                   EXIT_PROCESS_LOST) from None
+                                                            also=[y.index for y in failed.lost[1:]])) from None
                 self._prepare_restart(failed, attempt)
                 want = len(attempt)
                 attempt_no += 1
@@ -499,7 +500,7 @@ class _Job:
                     raise
             return attempt
         raise LostProcessError(f"could not place the JAX processes in {PLACEMENT_RETRIES} tries: nodes kept dying "
-                       f"({', '.join(x.where() for x in self.lost)}); check `ray status`", EXIT_PROCESS_LOST)
+                       f"({', '.join(x.where() for x in self.lost)}); check `ray status`")
 
     def _settle(self, lost: List[Lost]) -> None:
         """Wait for Ray's settled view of `lost`; remember them (never used again unless found healthy)."""
@@ -524,7 +525,9 @@ class _Job:
         x = failed.lost[0]
         slot = failed.slots.get(x.index)
         if slot is not None:
-            self._log_shown = failures.print_log_tail(slot, failures.log_tail(slot))
+            read = failed.tails.get(x.index)  # read while ranking: not over the network a second time
+            lines = read[-failures.LOG_TAIL_LINES:] if read is not None else failures.log_tail(slot)
+            self._log_shown = failures.print_log_tail(slot, lines)
         progress.note(f"[alpa_job] lost JAX {x.where()} at step {x.step if x.step is not None else '-'}: {x.reason}")
         for y in failed.lost[1:]:
             progress.note(f"[alpa_job] ended with it: JAX {y.where()} ({y.reason})")
