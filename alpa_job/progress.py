@@ -152,14 +152,14 @@ class Display:
         self.last = event
         loss = event.get("loss")
         rate = event.get("rate")
-        text = format_step(event)
         if self._rich is not None:
             self._rich.update(self._task, completed=event.get("done", 0),
                               loss="-" if loss is None else f"{loss:.4g}",
                               rate="-" if rate is None else f"{rate:,.0f}")
         every = self.every or max(1, (self.total or 10) // 10)
         due = event.get("done", 0) % every == 0 or event.get("last")
-        if due:
+        if due:  # formatted only when shown: in-process runs call this every training step
+            text = format_step(event)
             self._log_line(text)
             if self._rich is None and self.verbosity > QUIET:
                 print(text, file=self.stream, flush=True)
@@ -280,22 +280,6 @@ def open_channel():
             return out
 
     return ProgressChannel.remote()
-
-
-def wait_for(futures: List[Any], channel: Any, poll_s: float = 0.5) -> List[Any]:
-    """`ray.get(futures)` that shows process 0's progress while it waits."""
-    import ray
-
-    pending = list(futures)
-    try:
-        while pending:
-            _ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
-            _drain(channel)
-        _drain(channel)
-    finally:
-        display()._stop_status()
-        display()._stop_bar()
-    return ray.get(futures)
 
 
 def _drain(channel: Any) -> None:
