@@ -153,7 +153,7 @@ def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     # Ray's auth variables too: an in-process ray.init() (a test, a notebook) leaves RAY_AUTH_MODE=token
     # in the caller's environment, and drivers that inherit it against an auth-off bed get actors that
     # die on start. The bed alone decides the mode (below, and exec_argv for an auth-on bed).
-    for k in ("HOSTNAME", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
+    for k in ("HOSTNAME", "RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
         env.pop(k, None)
     venv = env.get("VIRTUAL_ENV")
     if not venv and sys.prefix != sys.base_prefix:
