@@ -73,7 +73,7 @@ class NodePreflight:
         self.clock_error: Optional[float] = None
         self.done = threading.Event()
 
-    def left(self, cap: float) -> float:
+    def left(self, cap: float = float("inf")) -> float:
         return max(0.5, min(cap, self.deadline - time.monotonic()))
 
     def add(self, name: str, ok: bool, detail: str, fix: str = "", warn: bool = False) -> None:
@@ -120,7 +120,7 @@ class NodePreflight:
         for _ in range(2):
             t0 = time.time()
             try:  # a slow answer (a loaded node) widens the error bound; only no answer leaves it unmeasured
-                r = remote.run("date +%s.%N", timeout_s=self.left(self.deadline - time.monotonic()))
+                r = remote.run("date +%s.%N", timeout_s=self.left())
                 value = float(r.stdout.strip())
             except (RemoteError, ValueError):
                 break
