@@ -52,7 +52,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
         table.append(row)
         try:
             engine = JaxEngine(config, model, example_batch, strategy, mesh_shape, schedule_steps=schedule_steps)
-            stats = engine.compile(prepare_init=False)
+            stats = engine.compile_step()
         except KitError as err:
             row["note"] = str(err)
             bar.update(1, candidate=f"{strategy}{mesh_shape}", result="skipped")

@@ -127,18 +127,25 @@ class JaxEngine(EngineHooks):
             state = state.replace(batch_stats=new_stats)
         return state, loss
 
-    def compile(self, prepare_init: bool = True) -> CompileStats:
-        """Lower and compile the step once for the pipeline's fixed batch shape; with `prepare_init` the
-        initialiser compiles beside it (auto search passes False: a candidate that does not fit never
-        initialises, and one that does starts it in init_state)."""
+    def compile(self) -> CompileStats:
+        """Lower and compile the step once for the pipeline's fixed batch shape, the initialiser beside it."""
+        self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0  # the initialiser's too
+        if self._init_compiled is None:
+            self._start_init_compile()
+        return self._compile_step()
+
+    def compile_step(self) -> CompileStats:
+        """The step alone: auto search's candidates, most of which never initialise (a fitting one's
+        init_state compiles the initialiser then)."""
+        self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0
+        return self._compile_step()
+
+    def _compile_step(self) -> CompileStats:
         abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
                           for k, v in self._example.items()}
         jitted = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
                          out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
                          donate_argnums=(0,))
-        self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0
-        if prepare_init and self._init_compiled is None:
-            self._start_init_compile()
         start = time.perf_counter()
         lowered = jitted.lower(self.abstract_state, abstract_batch)
         self._compiled = lowered.compile()
