@@ -260,12 +260,11 @@ def _train(args) -> int:
     progress.configure(verbosity, every=args.progress_every)
     if args.progress_every < 0:
         raise KitError(f"--progress-every must be >= 0, got {args.progress_every}")
-    file_values = config_lib.load_settings(args.preset, args.config)
+    preset_values, config_file_values = config_lib.load_layers(args.preset, args.config)
     cli_values = {k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}
-    config = config_lib.build_config(file_values, cli_values)
+    config = config_lib.build_config({**preset_values, **config_file_values}, cli_values)
     explicit = [k for k, v in cli_values.items() if v is not None]
-    if args.config:
-        explicit += list(config_lib.load_yaml_overrides(args.config))  # the user's file (not a preset's base)
+    explicit += list(config_file_values)  # what the user's --config chain sets (a --preset's defaults are not)
     record, paths = run_job(config, explicit=explicit, capture_native=True)
     s = record.summary
     print(f"trained {config.model} with {record.engine}/{record.strategy} on {s.devices} devices "

@@ -170,15 +170,18 @@ def load_yaml_overrides(path: str, presets_dir: str = PRESETS_DIR) -> Dict[str, 
     return _load_chain(path, f"--config {path}", presets_dir, ())
 
 
+def load_layers(preset: Optional[str], config_path: Optional[str],
+                presets_dir: str = PRESETS_DIR) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The two file layers, each read once: the preset's (and its bases'), the --config file's (and its bases')."""
+    return (load_preset(preset, presets_dir) if preset else {},
+            load_yaml_overrides(config_path, presets_dir) if config_path else {})
+
+
 def load_settings(preset: Optional[str], config_path: Optional[str],
                   presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
     """The file layers in override order: the preset (and its bases), then the --config file."""
-    merged: Dict[str, Any] = {}
-    if preset:
-        merged.update(load_preset(preset, presets_dir))
-    if config_path:
-        merged.update(load_yaml_overrides(config_path, presets_dir))
-    return merged
+    preset_values, file_values = load_layers(preset, config_path, presets_dir)
+    return {**preset_values, **file_values}
 
 
 def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...]) -> Dict[str, Any]:
