@@ -1,0 +1,202 @@
+"""Where a cold and a warm run's time to first step goes on one GPU, variant by variant (issue 16).
+
+Each variant runs in a fresh process with no persistent compile cache (unless it is the cache's own
+variant), builds the kit's JaxEngine for one GPT case as the CLI does, and times the phases it is
+about: lowering and compiling the state initialiser, compiling the step, running both, and loading
+executables a previous process stored. The parent prints a table and saves the raw rows.
+
+    python3 bench/gpu_init_compile.py --case gpt24 --variants base,parallel,rbg,blocks,eager,serialized
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PARALLEL_FLAGS = "--xla_gpu_enable_llvm_module_compilation_parallelism=true --xla_gpu_force_compilation_parallelism=16"
+
+
+def _engine(case: str, compile_cache: str = "none"):
+    from gpu_common import GPT_CASES
+    from alpa_job.config import JobConfig
+    from alpa_job.data import epoch_batches, synthetic
+    from alpa_job.engines.jax_engine import JaxEngine
+    from alpa_job.models import get_model
+
+    config = JobConfig(model="gpt", num_samples=GPT_CASES[case]["batch_size"], dtype="bfloat16", address="none",
+                       learning_rate=1e-4, compile_cache=compile_cache, **GPT_CASES[case]).validated()
+    model = get_model(config)
+    batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
+    return JaxEngine(config, model, batch, "data", (1, 1)), batch
+
+
+def _timed(row: dict, key: str, fn):
+    start = time.perf_counter()
+    out = fn()
+    row[key] = round(time.perf_counter() - start, 3)
+    return out
+
+
+def _block_until_ready(tree):
+    import jax
+
+    jax.block_until_ready(tree)
+    return tree
+
+
+def _steps(row: dict, engine, state, batch, n: int = 10):
+    import jax
+
+    device_batch = engine.put_batch(batch)
+    state, loss = _timed(row, "first_step_s", lambda: _block_until_ready(engine.step(state, device_batch)))
+    for _ in range(3):
+        state, loss = engine.step(state, device_batch)
+    jax.block_until_ready(loss)
+    start = time.perf_counter()
+    for _ in range(n):
+        state, loss = engine.step(state, device_batch)
+    jax.block_until_ready(loss)
+    row["step_ms"] = round((time.perf_counter() - start) / n * 1e3, 2)
+    return state
+
+
+def child(variant: str, case: str, scratch: str) -> dict:
+    import jax
+
+    row: dict = {"variant": variant}
+    if variant == "rbg":
+        jax.config.update("jax_default_prng_impl", "rbg")
+    cache = os.path.join(scratch, "jaxcache") if variant in ("store", "jaxcache_warm") else "none"
+    engine, batch = _timed(row, "engine_s", lambda: _engine(case, cache))
+    init_fn = engine._init_unboxed
+    if variant == "eager":
+        state = _timed(row, "init_run_s", lambda: _block_until_ready(init_fn(jax.random.PRNGKey(0))))
+        return row
+    if variant == "blocks":
+        return _blocks(row, engine)
+    if variant == "serialized_load":
+        return _serialized_load(row, engine, batch, scratch)
+    lowered = _timed(row, "init_lower_s", lambda: jax.jit(init_fn, out_shardings=engine.state_sharding).lower(
+        jax.random.PRNGKey(0)))
+    init = _timed(row, "init_compile_s", lowered.compile)
+    state = _timed(row, "init_run_s", lambda: _block_until_ready(init(jax.random.PRNGKey(0))))
+    if variant == "rbg":
+        return row
+    stats = _timed(row, "step_lower_compile_s", engine.compile)
+    row["step_compile_s"] = round(stats.compile_seconds, 3)
+    if variant == "store":
+        from jax.experimental import serialize_executable
+
+        payload, _, _ = _timed(row, "serialize_s", lambda: serialize_executable.serialize(engine._compiled))
+        with open(os.path.join(scratch, "step.bin"), "wb") as f:
+            f.write(payload)
+        row["serialized_mb"] = round(len(payload) / 1e6, 1)
+    _steps(row, engine, state, batch)
+    return row
+
+
+def _serialized_load(row: dict, engine, batch, scratch: str) -> dict:
+    """Load the step a previous process serialised: no tracing, no lowering, no cache lookup."""
+    import jax
+    from jax.experimental import serialize_executable
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    with open(os.path.join(scratch, "step.bin"), "rb") as f:
+        payload = f.read()
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    in_tree = jax.tree_util.tree_structure(((engine.abstract_state, abstract_batch), {}))
+    out_tree = jax.tree_util.tree_structure((engine.abstract_state, 0.0))
+    compiled = _timed(row, "deserialize_s", lambda: serialize_executable.deserialize_and_load(payload, in_tree, out_tree))
+    del NamedSharding, PartitionSpec
+    init = jax.jit(engine._init_unboxed, out_shardings=engine.state_sharding)
+    state = _timed(row, "init_lower_compile_run_s", lambda: _block_until_ready(init(jax.random.PRNGKey(0))))
+    device_batch = engine.put_batch(batch)
+    state, loss = _timed(row, "first_step_s", lambda: _block_until_ready(compiled(state, device_batch)))
+    return row
+
+
+def _blocks(row: dict, engine) -> dict:
+    """Prototype: initialise one decoder block's parameters in a jit compiled once, call it per layer."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from alpa_job.models.gpt import GPT, DecoderBlock
+
+    module = engine.model.module.module
+    x = jnp.zeros((engine.config.batch_size, module.seq_len, module.d_model), module.dtype)
+    block = DecoderBlock(module.num_heads, module.dtype, module.attention)
+    init_block = jax.jit(lambda k: nn.meta.unbox(block.init(k, x))["params"])
+    lowered = _timed(row, "block_lower_s", lambda: init_block.lower(jax.random.PRNGKey(0)))
+    _timed(row, "block_compile_s", lowered.compile)
+    keys = jax.random.split(jax.random.PRNGKey(0), module.num_layers)
+    blocks = _timed(row, "blocks_run_s", lambda: _block_until_ready([init_block(k) for k in keys]))
+    shell = GPT(0, module.d_model, module.num_heads, module.seq_len, module.vocab_size, module.dtype, module.attention)
+    tokens = jnp.zeros((engine.config.batch_size, module.seq_len), jnp.int32)
+    init_shell = jax.jit(lambda k: nn.meta.unbox(shell.init(k, tokens))["params"])
+    params = _timed(row, "shell_compile_run_s", lambda: _block_until_ready(init_shell(jax.random.PRNGKey(1))))
+    params.update({f"DecoderBlock_{i}": b for i, b in enumerate(blocks)})
+    opt_init = jax.jit(engine.tx.init)
+    lowered = _timed(row, "opt_lower_s", lambda: opt_init.lower(params))
+    compiled = _timed(row, "opt_compile_s", lowered.compile)
+    _timed(row, "opt_run_s", lambda: _block_until_ready(compiled(params)))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="gpt24")
+    parser.add_argument("--variants", default="base,parallel,blocks,stored,rbg,eager")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for all variants together")
+    parser.add_argument("--child", default=None)
+    parser.add_argument("--scratch", default=None)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = parser.parse_args()
+    if args.child:
+        print("ROW " + json.dumps(child(args.child, args.case, args.scratch)), flush=True)
+        return
+    scratch = tempfile.mkdtemp(prefix="initbench-")
+    plan = []
+    for v in args.variants.split(","):
+        plan += {"stored": ["store", "jaxcache_warm", "serialized_load"]}.get(v, [v])
+    rows = []
+    started = time.perf_counter()
+    for variant in plan:
+        left = args.budget - (time.perf_counter() - started)
+        if left < 30:
+            rows.append({"variant": variant, "error": "skipped: out of the call's time"})
+            continue
+        env = dict(os.environ)
+        if variant == "parallel":
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + PARALLEL_FLAGS).strip()
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", variant, "--case", args.case,
+                                   "--scratch", scratch], env=env, capture_output=True, text=True, timeout=left)
+            found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+            row = json.loads(found[0]) if found else {"variant": variant, "error": proc.stderr[-1500:]}
+        except subprocess.TimeoutExpired:
+            row = {"variant": variant, "error": f"did not finish in {left:.0f} s"}
+        wall = round(time.perf_counter() - start, 1)
+        row["process_wall_s"] = wall
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    import jax
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "case": args.case, "rows": rows,
+              "command": "python3 bench/gpu_init_compile.py " + " ".join(sys.argv[1:])}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"gpu_init_compile-{stamp}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
