@@ -21,6 +21,7 @@ from alpa_job.engines import compile_cache
 from alpa_job.engines.base import CompileStats, EngineHooks
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES
+from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.inspect import plan as plan_model
 from alpa_job.models import ModelSpec
@@ -58,7 +59,8 @@ class JaxEngine(EngineHooks):
         self._check_batch_divisible(example_batch)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self.tx = default_optimizer(config.learning_rate, schedule_steps if schedule_steps is not None else config.steps)
-        boxed = jax.eval_shape(self._init_boxed, jax.random.PRNGKey(0))
+        self._initializer = StateInitializer(model, self._example, self._make_state)
+        boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
         self.state_sharding = jax.tree_util.tree_map(
@@ -72,26 +74,19 @@ class JaxEngine(EngineHooks):
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
-    def _init_boxed(self, rng):
-        sample = {k: jnp.zeros(v.shape, v.dtype) for k, v in self._example.items()}
-        init_kwargs = {"train": False} if self.model.has_batch_stats else {}
-        variables = self.model.module.init(rng, sample[self.model.input_key], **init_kwargs)
-        state = TrainState.create(apply_fn=None, params=variables["params"], tx=self.tx,
-                                  batch_stats=variables.get("batch_stats"))
+    def _make_state(self, params, batch_stats):
+        state = TrainState.create(apply_fn=None, params=params, tx=self.tx, batch_stats=batch_stats)
         # A strongly typed step counter: TrainState.create's python 0 is weak-typed, and a
         # weak/strong mismatch between the AOT signature and real calls costs a second compile.
         return state.replace(step=jnp.zeros((), jnp.int32))
-
-    def _init_unboxed(self, rng):
-        return nn.meta.unbox(self._init_boxed(rng))
 
     def init_state(self, seed: int) -> TrainState:
         """The state, created on the devices already sharded (the initialiser compiled by compile())."""
         if self._init_compiled is None:
             self._start_init_compile()
-        init = self._init_compiled.result()
+        self._init_compiled.result()
         self._count_cache_hits()
-        return init(jax.random.PRNGKey(seed))
+        return self._initializer(seed)
 
     def _count_cache_hits(self) -> None:
         if self.stats.compile_cache_dir:
@@ -100,15 +95,12 @@ class JaxEngine(EngineHooks):
     def _start_init_compile(self) -> None:
         """Lower the initialiser here and compile it on a worker thread (XLA compiles outside the
         GIL), so it overlaps the step's compile; its time is reported as init_compile_seconds."""
-        start = time.perf_counter()
-        lowered = jax.jit(self._init_unboxed, out_shardings=self.state_sharding).lower(jax.random.PRNGKey(0))
-        lower_seconds = time.perf_counter() - start
+        lower_seconds = self._initializer.lower(self.state_sharding)
 
         def compile_init():
             start = time.perf_counter()
-            compiled = lowered.compile()
+            self._initializer.compile()
             self.stats.init_compile_seconds = round(lower_seconds + time.perf_counter() - start, 3)
-            return compiled
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="init-compile")
         self._init_compiled = pool.submit(compile_init)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job.choices import not_known
 from alpa_job.errors import KitError
@@ -27,12 +27,31 @@ MODEL_MODULES = ("mlp", "wide_resnet", "gpt")
 
 
 @dataclasses.dataclass(frozen=True)
+class RepeatedBlocks:
+    """A model's parameters as a shell plus identically shaped blocks, so the state's initialiser
+    compiles one block once instead of every layer (engines/state_init.py says why).
+
+    `shell.init(rng, <the batch field>)["params"]` gives every parameter outside the blocks, named
+    as in the whole model; `block.init(rng, <block_input>)["params"]` gives one block's; the whole
+    model's parameters are the shell's plus one block under each of `names`.
+    """
+
+    shell: Any  # a flax module (or wrapper with .init) over the model's batch field
+    block: Any  # the repeated flax module
+    block_input: Any  # jax.ShapeDtypeStruct: what one block is called on
+    names: Tuple[str, ...]  # the blocks' names in the whole model's params, in order
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str
     module: Any  # a flax.linen.Module
     input_key: str  # the batch field the module reads
     has_batch_stats: bool  # BatchNorm running statistics live beside params
     loss: Callable  # loss(outputs, batch) -> per-example loss, shape [batch]
+    # repeated_blocks(module, batch_field: ShapeDtypeStruct) -> RepeatedBlocks, for models made of
+    # identical layers; None: the state is initialised whole.
+    repeated_blocks: Optional[Callable] = None
 
     def apply_train(self, variables: Dict[str, Any], batch: Dict[str, Any]):
         """Forward pass in training mode; returns (outputs, new batch_stats or None)."""
@@ -88,6 +107,7 @@ class ModelEntry:
     layer_class: Callable  # layer_class() -> the flax class whose calls are those layers
     synthetic: Callable  # synthetic(config, rng, n) -> {field: array of n rows}, learnable (data.synthetic)
     has_batch_stats: bool = False  # BatchNorm running statistics live beside params
+    repeated_blocks: Optional[Callable] = None  # see ModelSpec.repeated_blocks
 
     def defaults(self) -> Dict[str, Any]:
         """The model's hyperparameters with their default values (JobConfig's defaults: one place)."""
@@ -102,14 +122,14 @@ _REGISTRY: Dict[str, ModelEntry] = {}
 
 def register_model(name: str, *, input_key: str, loss: Callable, hyperparameters: Tuple[str, ...],
                    layer_count: Callable, layer_class: Callable, synthetic: Callable,
-                   has_batch_stats: bool = False) -> Callable:
+                   has_batch_stats: bool = False, repeated_blocks: Optional[Callable] = None) -> Callable:
     """Decorator for a model module's builder: `@register_model("gpt", ...) def build(config, dtype)`."""
 
     def decorate(build: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name].build is not build:
             raise ValueError(f"model {name!r} is registered twice")  # a programming error, not a user's
         _REGISTRY[name] = ModelEntry(name, build, input_key, loss, tuple(hyperparameters), layer_count,
-                                     layer_class, synthetic, has_batch_stats)
+                                     layer_class, synthetic, has_batch_stats, repeated_blocks)
         return build
 
     return decorate
@@ -144,4 +164,5 @@ def get_model(config) -> ModelSpec:
 
     entry = get_entry(config.model)
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-    return ModelSpec(entry.name, entry.build(config, dtype), entry.input_key, entry.has_batch_stats, entry.loss)
+    return ModelSpec(entry.name, entry.build(config, dtype), entry.input_key, entry.has_batch_stats, entry.loss,
+                     entry.repeated_blocks)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_job.models import cross_entropy, register_model
+from alpa_job.models import RepeatedBlocks, cross_entropy, register_model
 from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical
 
 _normal = nn.initializers.normal(stddev=0.02)
@@ -134,6 +134,17 @@ class _InputsOnly:
         return self.module.apply(variables, tokens[:, :-1], **kwargs)
 
 
+def repeated_blocks(model: _InputsOnly, tokens) -> RepeatedBlocks:
+    """The shell (embeddings, final LayerNorm: a GPT of 0 layers names them alike) plus num_layers
+    DecoderBlocks, each called on the [batch, seq_len, d_model] activations."""
+    gpt = model.module
+    return RepeatedBlocks(
+        shell=_InputsOnly(gpt.clone(num_layers=0)),
+        block=DecoderBlock(gpt.num_heads, gpt.dtype, gpt.attention),
+        block_input=jax.ShapeDtypeStruct((tokens.shape[0], tokens.shape[1] - 1, gpt.d_model), gpt.dtype),
+        names=tuple(f"DecoderBlock_{i}" for i in range(gpt.num_layers)))
+
+
 def synthetic(config, rng, n):
     """Each sequence is an arithmetic progression modulo the vocabulary (learnable); seq_len + 1 tokens."""
     vocab, seq = config.vocab_size, config.seq_len + 1
@@ -146,7 +157,7 @@ def synthetic(config, rng, n):
 @register_model("gpt", input_key="tokens", loss=_next_token_loss,
                 hyperparameters=("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"),
                 layer_count=lambda config: config.num_layers,
-                layer_class=lambda: DecoderBlock, synthetic=synthetic)
+                layer_class=lambda: DecoderBlock, synthetic=synthetic, repeated_blocks=repeated_blocks)
 def build(config, dtype):
     module = GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len, config.vocab_size, dtype)
     return _InputsOnly(module)
