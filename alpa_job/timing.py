@@ -8,6 +8,7 @@ on its own: it carries whatever the runtime does lazily on first use, so averagi
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional
 
 # Dense bf16 matmul rates measured on the lent machines (an 8192^3 product on random data,
@@ -16,6 +17,18 @@ PEAK_BF16_FLOPS = {
     "NVIDIA H100 80GB HBM3": 798e12,
     "NVIDIA H200": 788e12,
 }
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Python's own start and imports included); None off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def window_size(steps: int) -> int:

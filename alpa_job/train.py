@@ -175,11 +175,14 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     first_done = stats.pop("first_step_done_at")
     phases["first_step"] = stats.pop("first_step_s")
     phases["to_first_step"] = first_done - started if first_done is not None else None
+    # The same from the process's start: Python, imports and (in a Ray actor) the worker's start too.
+    phases["process_to_first_step"] = stats.pop("process_age_at_first_step")
     result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
     result.timing = timing.summary(
         phases, stats["window_step_s"], engine.stats.flops_per_step, result.devices.kind, config.dtype,
         result.devices.count or 1, engine.peak_memory_bytes(),
         (engine.stats.memory or {}).get("peak_estimate_bytes"))
+    result.timing["compile_cache"] = engine.stats.cache_report()
     if config.out:
         engine.finish(config.out)
     if return_state:
@@ -199,7 +202,7 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
     bar = progress.Progress("train", total_steps - start_step, first=start_step)
     # Timing without a per-step sync: the first step alone, then one sync per window (timing.py).
     window, in_window, window_step_s = timing.window_size(total_steps - start_step), 0, []
-    first_step_s = first_done = None
+    first_step_s = first_done = process_age = None
     loop_start = mark = time.perf_counter()
     while global_step < total_steps:
         epoch_index, skip = divmod(global_step, data.epoch.steps)
@@ -223,7 +226,7 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
                 engine.to_floats([loss])  # sync: this step (and all before it) is done
                 now = time.perf_counter()
                 if first_done is None:
-                    first_step_s, first_done = now - loop_start, now
+                    first_step_s, first_done, process_age = now - loop_start, now, timing.process_age_s()
                 else:
                     window_step_s.append((now - mark) / in_window)
                 mark, in_window = now, 0
@@ -235,7 +238,8 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
     loop_seconds = time.perf_counter() - loop_start
     bar.close()
     stats = loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
-    stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s)
+    stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s,
+                 process_age_at_first_step=process_age)
     return state, stats
 
 

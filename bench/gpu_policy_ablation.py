@@ -14,6 +14,8 @@ Variants (cumulative unless said):
   fusedce     + alpa_job.models.losses.cross_entropy (custom VJP, no fp32 vocab-size residual)
   splitqkv    + q, k, v from three matmuls (no strided slices of one qkv output)
   opt:NAME    fusedce + one XLA compiler option (see OPTIONS)
+  product     the kit's GPT as it is
+  mubf16      product with Adam's first moment in bf16 (a numerics change: an option, not a default)
 """
 from __future__ import annotations
 
@@ -146,12 +148,30 @@ class OptionsEngine(JaxEngine):
         return self.stats
 
 
+def build_engine(name: str, config, spec: ModelSpec, batch):
+    """The variant's engine; `mubf16` swaps the kit's Adam for one keeping its first moment in bf16
+    (optax's mu_dtype: half the bytes of one of Adam's three fp32 reads and writes per parameter)."""
+    if name != "mubf16":
+        return OptionsEngine(config, spec, batch, "data", (1, 1))
+    import optax
+
+    from alpa_job.engines import jax_engine, optimizer
+
+    original = jax_engine.default_optimizer
+    jax_engine.default_optimizer = lambda lr, steps: optax.adam(optimizer.learning_rate_schedule(lr, steps),
+                                                                mu_dtype=jnp.bfloat16)
+    try:
+        return OptionsEngine(config, spec, batch, "data", (1, 1))
+    finally:
+        jax_engine.default_optimizer = original
+
+
 def variant_spec(name: str, config, base: ModelSpec):
     """(ModelSpec, compiler options) for a variant name."""
     kw = dict(num_layers=config.num_layers, d_model=config.d_model, num_heads=config.num_heads,
               seq_len=config.seq_len, vocab_size=config.vocab_size)
     options = {}
-    if name == "product":  # whatever alpa_job/models/gpt.py and the shared loss do now
+    if name in ("product", "mubf16"):  # whatever alpa_job/models/gpt.py and the shared loss do now
         return base, options
     if name == "legacy":
         module, loss = AblationGPT(**kw, logits_fp32=True), base.loss
@@ -168,7 +188,8 @@ def variant_spec(name: str, config, base: ModelSpec):
             options.update(OPTIONS.get(p, {}))
     else:
         raise SystemExit(f"unknown variant {name}")
-    return dataclasses.replace(base, module=type(base.module)(module), loss=loss), options
+    # repeated_blocks=None: the ablation's blocks are not the kit's DecoderBlock; initialise whole.
+    return dataclasses.replace(base, module=type(base.module)(module), loss=loss, repeated_blocks=None), options
 
 
 def main() -> None:
@@ -202,7 +223,7 @@ def main() -> None:
         row = {"model": args.model, "variant": name, "options": options}
         try:
             t0 = time.perf_counter()
-            engine = OptionsEngine(config, spec, batch, "data", (1, 1))
+            engine = build_engine(name, config, spec, batch)
             engine.compiler_options = options
             engine.compile()
             layout = str(jax.tree_util.tree_structure(engine.abstract_state))

@@ -1,5 +1,6 @@
-"""The persistent compile cache is on by default, and a second identical run loads the step and the
-state initialiser from it instead of compiling them (issue 16, item 3)."""
+"""The persistent compile cache is on by default, and a second identical run loads the step (from the
+kit's store, without tracing) and the state initialiser (from JAX's cache) instead of compiling them
+(issue 16, item 3)."""
 from __future__ import annotations
 
 import json
@@ -8,13 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-from alpa_job.engines import compile_cache
+from alpa_job.engines import compile_cache, executable_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One fresh process = one "run": build the JAX engine for a small GPT, compile, init, one step.
 RUN = textwrap.dedent("""
-    import json, time
+    import json, sys, time
     t0 = time.perf_counter()
     import jax
     from alpa_job.config import JobConfig
@@ -22,38 +23,89 @@ RUN = textwrap.dedent("""
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.models import get_model
     config = JobConfig(model="gpt", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
-                       num_samples=8, batch_size=8, steps=1, address="none").validated()
+                       num_samples=8, batch_size=8, steps=1, address="none", **json.loads(sys.argv[1])).validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     engine = JaxEngine(config, get_model(config), batch, "data", (len(jax.devices()), 1))
     engine.compile()
-    state = engine.init_state(0)
+    state = engine.init_state(config.seed)
     state, loss = engine.step(state, engine.put_batch(batch))
+    engine.finish("")
     s = engine.stats
-    print(json.dumps({"dir": s.compile_cache_dir, "hits": s.compile_cache_hits, "loss": float(loss),
+    print(json.dumps({"dir": s.compile_cache_dir, "hits": s.compile_cache_hits, "loss": float(loss), "step": s.step_source,
                       "compile_s": s.compile_seconds, "init_compile_s": s.init_compile_seconds,
                       "first_step_s": time.perf_counter() - t0}))
 """)
 
 
-def _run(cache_home: str) -> dict:
+def _run(cache_home: str, **settings) -> dict:
     env = dict(os.environ, XDG_CACHE_HOME=cache_home, PYTHONPATH=REPO,
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(settings)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["stderr"] = proc.stderr
+    return out
 
 
-def test_second_identical_run_loads_step_and_init_from_the_default_cache(tmp_path):
+def _stored(cache_home: str) -> list:
+    folder = os.path.join(cache_home, "alpa_job", "jax", executable_store.FOLDER)
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def test_second_identical_run_loads_the_stored_step_and_the_initialiser_from_the_default_cache(tmp_path):
     cold = _run(str(tmp_path))
     expected = os.path.join(str(tmp_path), "alpa_job", "jax")
     assert cold["dir"] == expected  # on by default, under the user's cache folder
-    assert cold["hits"] == 0 and os.listdir(expected), "the cold run must write the cache"
+    assert cold["hits"] == 0 and cold["step"] == "compiled"
     assert cold["init_compile_s"] is not None and cold["init_compile_s"] > 0  # init is compiled and counted
+    assert [name.rsplit(".", 1)[1] for name in _stored(str(tmp_path))] == ["json", "xla"]
 
     warm = _run(str(tmp_path))
-    assert warm["hits"] >= 2, warm  # the train step and the state initialiser both came from the cache
+    assert warm["step"] == "stored", warm  # the step: loaded without tracing (engines/executable_store.py)
+    assert warm["hits"] >= 3, warm  # shell, block and optimizer-state initialisers: JAX's cache
     assert warm["loss"] == cold["loss"]  # the same executable computes the same thing
     assert warm["compile_s"] < cold["compile_s"], (cold, warm)
+
+
+def test_a_setting_that_reaches_the_step_compiles_anew_and_one_that_does_not_reuses_it(tmp_path):
+    home = str(tmp_path)
+    first = _run(home)
+    other_rate = _run(home, learning_rate=2e-3)
+    assert other_rate["step"] == "compiled" and len(_stored(home)) == 4  # a second entry beside the first
+    other_seed = _run(home, seed=7)
+    assert other_seed["step"] == "stored" and len(_stored(home)) == 4  # the seed only changes the state
+    assert other_seed["loss"] != first["loss"]
+
+
+def test_an_unreadable_entry_is_deleted_and_the_step_compiled(tmp_path):
+    home = str(tmp_path)
+    _run(home)
+    folder = os.path.join(home, "alpa_job", "jax", executable_store.FOLDER)
+    entry = [n for n in _stored(home) if n.endswith(".xla")][0]
+    with open(os.path.join(folder, entry), "wb") as f:
+        f.write(b"not an executable")
+    broken = _run(home)
+    assert broken["step"] == "compiled" and "could not be loaded" in broken["stderr"]
+    assert _run(home)["step"] == "stored"  # rewritten by the run that compiled
+
+
+def test_cli_second_identical_run_trains_the_same_from_the_stored_step(tmp_path):
+    def train(out: str) -> dict:
+        cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--model", "gpt", "--num-layers", "2",
+               "--d-model", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "128", "--num-samples", "64",
+               "--batch-size", "8", "--steps", "6", "--compile-cache", str(tmp_path / "cache"), "--out", out]
+        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        with open(os.path.join(out, "report.json")) as f:
+            return json.load(f)
+
+    cold, warm = train(str(tmp_path / "cold")), train(str(tmp_path / "warm"))
+    cold_cache, warm_cache = (r["timing"]["compile_cache"] for r in (cold, warm))
+    assert cold_cache["step"] == "compiled" and warm_cache["step"] == "stored", (cold_cache, warm_cache)
+    assert warm["losses"] == cold["losses"] and len(warm["losses"]) == 6  # every step, bit for bit
+    assert cold["backend_compiles_during_loop"] == warm["backend_compiles_during_loop"] == 0
 
 
 def test_compile_cache_setting_resolves(tmp_path, monkeypatch):

@@ -29,6 +29,14 @@ class CompileStats:
     compile_cache_dir: Optional[str] = None  # the persistent compile cache in use (None: off)
     compile_cache_hits: int = 0  # executables (step, init) loaded from that cache instead of compiled
     flops_per_step: Optional[float] = None  # XLA's cost analysis of the whole (unpartitioned) step
+    step_source: Optional[str] = None  # JAX: "compiled", or "stored" (engines/executable_store.py)
+
+    def cache_report(self) -> Optional[Dict[str, Any]]:
+        """The report's timing.compile_cache: where, how many executables came from it, and whether
+        the step itself was loaded; None when the cache is off."""
+        if not self.compile_cache_dir:
+            return None
+        return {"dir": self.compile_cache_dir, "hits": self.compile_cache_hits, "step": self.step_source}
 
     @property
     def hlo_text(self) -> str:

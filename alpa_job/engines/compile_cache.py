@@ -13,8 +13,9 @@ Measured before this existed (../shared/notes/gpu.md, H100, GPT 24L): first step
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 OFF = ("none", "off")
 _UNSUPPORTED = object()
@@ -80,3 +81,29 @@ def hits() -> int:
         jax.monitoring.register_event_listener(listener)
         _listening[0] = True
     return _hits[0]
+
+
+def _min_compile_time_state():
+    """jax's thread-local setter for the cache's write threshold; None where this jax has none."""
+    try:
+        from jax._src import config as jax_config
+    except ImportError:
+        return None
+    state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
+    return state if callable(state) else None
+
+
+def can_skip_writes() -> bool:
+    return _min_compile_time_state() is not None
+
+
+@contextlib.contextmanager
+def writes_skipped() -> Iterator[None]:
+    """Compiles in this thread (only) are not written to JAX's cache: for the train step, which the
+    kit's own store keeps (engines/executable_store.py says why)."""
+    state = _min_compile_time_state()
+    if state is None:
+        yield
+        return
+    with state(float("inf")):
+        yield

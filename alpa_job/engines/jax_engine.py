@@ -7,6 +7,7 @@ of silently recompiling (the failure mode behind Alpa's issue #776).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_job.engines import compile_cache
 from alpa_job.engines.base import CompileStats, EngineHooks
+from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES
 from alpa_job.engines.state_init import StateInitializer
@@ -58,7 +60,8 @@ class JaxEngine(EngineHooks):
         self._example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
         self._check_batch_divisible(example_batch)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
-        self.tx = default_optimizer(config.learning_rate, schedule_steps if schedule_steps is not None else config.steps)
+        self._horizon = schedule_steps if schedule_steps is not None else config.steps
+        self.tx = default_optimizer(config.learning_rate, self._horizon)
         self._initializer = StateInitializer(model, self._example, self._make_state)
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
@@ -71,6 +74,7 @@ class JaxEngine(EngineHooks):
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
         self._hits_before = 0
+        self._store: Optional[StepStore] = None  # set while a freshly compiled step waits to be stored
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
@@ -86,6 +90,7 @@ class JaxEngine(EngineHooks):
             self._start_init_compile()
         self._init_compiled.result()
         self._count_cache_hits()
+        self._store_step()  # auto search's winner: the step it compiled is the one this run uses
         return self._initializer(seed)
 
     def _count_cache_hits(self) -> None:
@@ -124,7 +129,9 @@ class JaxEngine(EngineHooks):
         self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0  # the initialiser's too
         if self._init_compiled is None:
             self._start_init_compile()
-        return self._compile_step()
+        stats = self._compile_step()
+        self._store_step()
+        return stats
 
     def compile_step(self) -> CompileStats:
         """The step alone: auto search's candidates, most of which never initialise (a fitting one's
@@ -135,24 +142,51 @@ class JaxEngine(EngineHooks):
     def _compile_step(self) -> CompileStats:
         abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
                           for k, v in self._example.items()}
-        jitted = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
+        start = time.perf_counter()
+        store = self._step_store()
+        jitted = jax.jit(_named(self._train_step, store.step_name if store else "train_step"),
+                         in_shardings=(self.state_sharding, self.batch_sharding),
                          out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
                          donate_argnums=(0,))
-        start = time.perf_counter()
-        lowered = jitted.lower(self.abstract_state, abstract_batch)
-        self._compiled = lowered.compile()
-        # Steps go through `jitted`: its C++ dispatch path is faster than calling the Compiled
-        # object (measured ~100 vs ~145 us per call on CPU), and its cache already holds this
-        # executable, so the first call does not compile again (the report's
-        # backend_compiles_during_loop proves it). put_batch() refuses any other batch shape.
-        self._jitted = jitted
+        loaded = store.load(jax.tree_util.tree_structure(((self.abstract_state, abstract_batch), {})),
+                            jax.tree_util.tree_structure((self.abstract_state, 0.0))) if store else None
+        if loaded is not None:  # a previous identical run's step: no tracing, lowering or compiling
+            self._compiled, saved = loaded
+            self._jitted = self._compiled
+            self.stats.flops_per_step = saved.get("flops_per_step")
+            self.stats.step_source = "stored"
+        else:
+            lowered = jitted.lower(self.abstract_state, abstract_batch)
+            with compile_cache.writes_skipped() if store else contextlib.nullcontext():
+                self._compiled = lowered.compile()
+            # Steps go through `jitted`: its C++ dispatch path is faster than calling the Compiled
+            # object (measured ~100 vs ~145 us per call on CPU), and its cache already holds this
+            # executable, so the first call does not compile again (the report's
+            # backend_compiles_during_loop proves it). put_batch() refuses any other batch shape.
+            self._jitted = jitted
+            self.stats.flops_per_step = cost_flops(lowered)
+            self.stats.step_source = "compiled"
+            self._store = store
         self.stats.compile_seconds += time.perf_counter() - start
         self.stats.compiles += 1
         self._count_cache_hits()  # the step's; init_state() adds the initialiser's
         self.stats.hlo_texts = [self._compiled.as_text() or ""]
         self.stats.memory = memory_analysis(self._compiled)
-        self.stats.flops_per_step = cost_flops(lowered)
         return self.stats
+
+    def _step_store(self) -> Optional[StepStore]:
+        if not self.stats.compile_cache_dir or not StepStore.supported():
+            return None
+        return StepStore(self.stats.compile_cache_dir,
+                         step_key(self.config, self._horizon, self.strategy, self.mesh, self._example))
+
+    def _store_step(self) -> None:
+        if self._store is not None:
+            self._store.save_in_background(self._compiled, {"flops_per_step": self.stats.flops_per_step})
+
+    def finish(self, out_dir: str) -> None:
+        if self._store is not None:
+            self._store.wait()
 
     def peak_memory_bytes(self) -> Optional[int]:
         peaks = []
@@ -232,6 +266,15 @@ class JaxEngine(EngineHooks):
         if size % data:
             raise KitError(f"batch size {size} is not divisible by the data-parallel size {data}; "
                            f"use a multiple of {data}")
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    """`fn` under another name (jit names the XLA module, hence JAX's cache entry, after it)."""
+    def step(state, batch):
+        return fn(state, batch)
+
+    step.__name__ = step.__qualname__ = name
+    return step
 
 
 def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Mesh) -> PartitionSpec:
