@@ -140,6 +140,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     model = get_model(config)
     data = prepare_data(config)
     total_steps = config.steps if config.steps is not None else config.epochs * data.epoch.steps
+    startup = time.perf_counter() - started  # imports, the model, the data
     engine = (build_engine or build_jax_engine)(config, model, data)
     missing = missing_members(engine)
     if missing:
@@ -161,7 +162,8 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     else:
         state = engine.init_state(config.seed)
         engine.wait(state)
-    phases = {"setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
+    phases = {"startup": startup, **engine.stats.setup_phases,
+              "setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
               "init_compile": getattr(engine.stats, "init_compile_seconds", None),
               "init_or_restore": time.perf_counter() - built}
 

@@ -5,11 +5,15 @@ variant), builds the kit's JaxEngine for one GPT case as the CLI does, and times
 about: lowering and compiling the state initialiser, compiling the step, running both, and loading
 executables a previous process stored. The parent prints a table and saves the raw rows.
 
-    python3 bench/gpu_init_compile.py --case gpt24 --variants base,parallel,rbg,blocks,eager,serialized
+    python3 bench/gpu_init_compile.py --case gpt24 --variants base,parts,stored,rbg,eager
+
+The first campaign (bench/RESULTS.md) ran this script at commit 21577b1, when `blocks` was a prototype
+of what `parts` is now and `parallel` tried XLA flags that jax 0.11.2 no longer knows.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -21,10 +25,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-PARALLEL_FLAGS = "--xla_gpu_enable_llvm_module_compilation_parallelism=true --xla_gpu_force_compilation_parallelism=16"
 
 
-def _engine(case: str, compile_cache: str = "none"):
+def _engine(case: str, compile_cache: str = "none", whole: bool = False):
     from gpu_common import GPT_CASES
     from alpa_job.config import JobConfig
     from alpa_job.data import epoch_batches, synthetic
@@ -34,6 +37,8 @@ def _engine(case: str, compile_cache: str = "none"):
     config = JobConfig(model="gpt", num_samples=GPT_CASES[case]["batch_size"], dtype="bfloat16", address="none",
                        learning_rate=1e-4, compile_cache=compile_cache, **GPT_CASES[case]).validated()
     model = get_model(config)
+    if whole:
+        model = dataclasses.replace(model, repeated_blocks=None)
     batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     return JaxEngine(config, model, batch, "data", (1, 1)), batch
 
@@ -69,28 +74,33 @@ def _steps(row: dict, engine, state, batch, n: int = 10):
 
 
 def child(variant: str, case: str, scratch: str) -> dict:
+    """base: the whole-model initialiser (the engine before initialising by parts); parts: the engine's
+    initialiser now (engines/state_init.py); rbg / eager: the whole initialiser with rbg keys / op by op;
+    store, jaxcache_warm, serialized_load: the step through JAX's cache vs a serialised executable."""
+    import flax.linen as nn
     import jax
 
     row: dict = {"variant": variant}
     if variant == "rbg":
         jax.config.update("jax_default_prng_impl", "rbg")
     cache = os.path.join(scratch, "jaxcache") if variant in ("store", "jaxcache_warm") else "none"
-    engine, batch = _timed(row, "engine_s", lambda: _engine(case, cache))
-    init_fn = engine._init_unboxed
+    if cache != "none":  # JAX's own cache for the step, as before the kit's store existed
+        from alpa_job.engines.executable_store import StepStore
+
+        StepStore.supported = staticmethod(lambda: False)
+    engine, batch = _timed(row, "engine_s", lambda: _engine(case, cache, whole=variant != "parts"))
+    initializer = engine._initializer
     if variant == "eager":
-        state = _timed(row, "init_run_s", lambda: _block_until_ready(init_fn(jax.random.PRNGKey(0))))
+        _timed(row, "init_run_s", lambda: _block_until_ready(nn.meta.unbox(initializer._whole_boxed(jax.random.PRNGKey(0)))))
         return row
-    if variant == "blocks":
-        return _blocks(row, engine)
     if variant == "serialized_load":
         return _serialized_load(row, engine, batch, scratch)
-    lowered = _timed(row, "init_lower_s", lambda: jax.jit(init_fn, out_shardings=engine.state_sharding).lower(
-        jax.random.PRNGKey(0)))
-    init = _timed(row, "init_compile_s", lowered.compile)
-    state = _timed(row, "init_run_s", lambda: _block_until_ready(init(jax.random.PRNGKey(0))))
-    if variant == "rbg":
+    _timed(row, "init_lower_s", lambda: initializer.lower(engine.state_sharding))
+    _timed(row, "init_compile_s", initializer.compile)
+    state = _timed(row, "init_run_s", lambda: _block_until_ready(initializer(0)))
+    if variant in ("rbg", "parts"):
         return row
-    stats = _timed(row, "step_lower_compile_s", engine.compile)
+    stats = _timed(row, "step_lower_compile_s", engine._compile_step)
     row["step_compile_s"] = round(stats.compile_seconds, 3)
     if variant == "store":
         from jax.experimental import serialize_executable
@@ -116,44 +126,23 @@ def _serialized_load(row: dict, engine, batch, scratch: str) -> dict:
     out_tree = jax.tree_util.tree_structure((engine.abstract_state, 0.0))
     compiled = _timed(row, "deserialize_s", lambda: serialize_executable.deserialize_and_load(payload, in_tree, out_tree))
     del NamedSharding, PartitionSpec
-    init = jax.jit(engine._init_unboxed, out_shardings=engine.state_sharding)
-    state = _timed(row, "init_lower_compile_run_s", lambda: _block_until_ready(init(jax.random.PRNGKey(0))))
+    initializer = engine._initializer
+
+    def init():
+        initializer.lower(engine.state_sharding)
+        initializer.compile()
+        return _block_until_ready(initializer(0))
+
+    state = _timed(row, "init_lower_compile_run_s", init)
     device_batch = engine.put_batch(batch)
     state, loss = _timed(row, "first_step_s", lambda: _block_until_ready(compiled(state, device_batch)))
-    return row
-
-
-def _blocks(row: dict, engine) -> dict:
-    """Prototype: initialise one decoder block's parameters in a jit compiled once, call it per layer."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    from alpa_job.models.gpt import GPT, DecoderBlock
-
-    module = engine.model.module.module
-    x = jnp.zeros((engine.config.batch_size, module.seq_len, module.d_model), module.dtype)
-    block = DecoderBlock(module.num_heads, module.dtype, module.attention)
-    init_block = jax.jit(lambda k: nn.meta.unbox(block.init(k, x))["params"])
-    lowered = _timed(row, "block_lower_s", lambda: init_block.lower(jax.random.PRNGKey(0)))
-    _timed(row, "block_compile_s", lowered.compile)
-    keys = jax.random.split(jax.random.PRNGKey(0), module.num_layers)
-    blocks = _timed(row, "blocks_run_s", lambda: _block_until_ready([init_block(k) for k in keys]))
-    shell = GPT(0, module.d_model, module.num_heads, module.seq_len, module.vocab_size, module.dtype, module.attention)
-    tokens = jnp.zeros((engine.config.batch_size, module.seq_len), jnp.int32)
-    init_shell = jax.jit(lambda k: nn.meta.unbox(shell.init(k, tokens))["params"])
-    params = _timed(row, "shell_compile_run_s", lambda: _block_until_ready(init_shell(jax.random.PRNGKey(1))))
-    params.update({f"DecoderBlock_{i}": b for i, b in enumerate(blocks)})
-    opt_init = jax.jit(engine.tx.init)
-    lowered = _timed(row, "opt_lower_s", lambda: opt_init.lower(params))
-    compiled = _timed(row, "opt_compile_s", lowered.compile)
-    _timed(row, "opt_run_s", lambda: _block_until_ready(compiled(params)))
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="gpt24")
-    parser.add_argument("--variants", default="base,parallel,blocks,stored,rbg,eager")
+    parser.add_argument("--variants", default="base,parts,stored,rbg,eager")
     parser.add_argument("--budget", type=float, default=540, help="seconds for all variants together")
     parser.add_argument("--child", default=None)
     parser.add_argument("--scratch", default=None)
@@ -174,8 +163,6 @@ def main() -> None:
             rows.append({"variant": variant, "error": "skipped: out of the call's time"})
             continue
         env = dict(os.environ)
-        if variant == "parallel":
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + PARALLEL_FLAGS).strip()
         start = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, __file__, "--child", variant, "--case", args.case,

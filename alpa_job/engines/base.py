@@ -30,6 +30,9 @@ class CompileStats:
     compile_cache_hits: int = 0  # executables (step, init) loaded from that cache instead of compiled
     flops_per_step: Optional[float] = None  # XLA's cost analysis of the whole (unpartitioned) step
     step_source: Optional[str] = None  # JAX: "compiled", or "stored" (engines/executable_store.py)
+    # Seconds of the engine's own setup phases, for the report's timing.phases_s (JAX: open_devices,
+    # abstract_state); empty where the engine does not break its setup down.
+    setup_phases: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     def cache_report(self) -> Optional[Dict[str, Any]]:
         """The report's timing.compile_cache: where, how many executables came from it, and whether

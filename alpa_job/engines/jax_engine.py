@@ -18,7 +18,7 @@ import numpy as np
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpa_job.engines import compile_cache
+from alpa_job.engines import compile_cache, flops
 from alpa_job.engines.base import CompileStats, EngineHooks
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
@@ -51,9 +51,11 @@ class JaxEngine(EngineHooks):
                  mesh_shape: Tuple[int, int], schedule_steps: Optional[int] = None):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         self.config, self.model, self.strategy = config, model, strategy
-        self.mesh = make_mesh(mesh_shape)
-        self.rules = STRATEGY_RULES[strategy]
         self.stats = CompileStats()
+        start = time.perf_counter()
+        self.mesh = make_mesh(mesh_shape)  # the first jax.devices() starts the backend (GPU: seconds)
+        self.stats.setup_phases["open_devices"] = time.perf_counter() - start
+        self.rules = STRATEGY_RULES[strategy]
         # Before anything compiles: a second identical run loads the executables (compile_cache.py).
         self.stats.compile_cache_dir = compile_cache.enable(
             compile_cache.resolve(getattr(config, "compile_cache", None)))
@@ -62,6 +64,7 @@ class JaxEngine(EngineHooks):
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self._horizon = schedule_steps if schedule_steps is not None else config.steps
         self.tx = default_optimizer(config.learning_rate, self._horizon)
+        start = time.perf_counter()
         self._initializer = StateInitializer(model, self._example, self._make_state)
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
@@ -71,6 +74,7 @@ class JaxEngine(EngineHooks):
             self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
+        self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
         self._hits_before = 0
@@ -98,14 +102,14 @@ class JaxEngine(EngineHooks):
             self.stats.compile_cache_hits = compile_cache.hits() - self._hits_before
 
     def _start_init_compile(self) -> None:
-        """Lower the initialiser here and compile it on a worker thread (XLA compiles outside the
-        GIL), so it overlaps the step's compile; its time is reported as init_compile_seconds."""
-        lower_seconds = self._initializer.lower(self.state_sharding)
+        """Lower and compile the initialiser on a worker thread, beside the step's compile (JAX traces
+        per thread; XLA compiles outside the GIL); its time is reported as init_compile_seconds."""
 
         def compile_init():
             start = time.perf_counter()
+            self._initializer.lower(self.state_sharding)
             self._initializer.compile()
-            self.stats.init_compile_seconds = round(lower_seconds + time.perf_counter() - start, 3)
+            self.stats.init_compile_seconds = round(time.perf_counter() - start, 3)
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="init-compile")
         self._init_compiled = pool.submit(compile_init)
@@ -156,7 +160,7 @@ class JaxEngine(EngineHooks):
             self.stats.flops_per_step = saved.get("flops_per_step")
             self.stats.step_source = "stored"
         else:
-            lowered = jitted.lower(self.abstract_state, abstract_batch)
+            lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
             with compile_cache.writes_skipped() if store else contextlib.nullcontext():
                 self._compiled = lowered.compile()
             # Steps go through `jitted`: its C++ dispatch path is faster than calling the Compiled
@@ -164,7 +168,6 @@ class JaxEngine(EngineHooks):
             # executable, so the first call does not compile again (the report's
             # backend_compiles_during_loop proves it). put_batch() refuses any other batch shape.
             self._jitted = jitted
-            self.stats.flops_per_step = cost_flops(lowered)
             self.stats.step_source = "compiled"
             self._store = store
         self.stats.compile_seconds += time.perf_counter() - start
@@ -295,20 +298,21 @@ def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Me
     return PartitionSpec(*assigned)
 
 
-def cost_flops(lowered) -> Optional[float]:
-    """XLA's FLOP count of the whole step before optimisation and partitioning; None when it does
-    not say. Counted on the lowered module because the optimised one hides the matmuls in cuBLAS
-    custom calls: on one H100, GPT 24L's optimised executable claimed 1.75e12 FLOPs a step against
-    6.8e13 by the 6*params*tokens formula. Custom calls in the lowered module (cuDNN attention) are
-    still not counted, so MFU from this count is a lower bound (GPT 24L S1024: ~7% of the FLOPs)."""
+def _lower_and_count(jitted, *args) -> Tuple[Any, Optional[float]]:
+    """(the lowered step, its model FLOPs): counted on the jaxpr (engines/flops.py says why); jax
+    without `.trace` (0.4.13 on Python 3.9) falls back to the lowered module's cost analysis."""
+    if hasattr(jitted, "trace"):
+        traced = jitted.trace(*args)
+        return traced.lower(), flops.step_flops(traced)
+    lowered = jitted.lower(*args)
     try:
         cost = lowered.cost_analysis()
     except Exception:  # noqa: BLE001 - not every backend implements it
-        return None
+        return lowered, None
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops and flops > 0 else None
+    count = (cost or {}).get("flops")
+    return lowered, float(count) if count and count > 0 else None
 
 
 def memory_analysis(compiled) -> Optional[Dict[str, int]]:

@@ -17,7 +17,6 @@ initialised whole, as before.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Dict
 
 import flax.linen as nn
@@ -45,7 +44,7 @@ def _freeze_like(params: Dict[str, Any], like: Any) -> Any:
 
 class StateInitializer:
     """Builds the train state: `abstract_boxed()` (shapes + logical axes, no FLOPs), then
-    `lower(state_sharding)` (main thread), `compile()` (any thread: XLA compiles outside the GIL)
+    `lower(state_sharding)` and `compile()` (on any one thread), then
     and `__call__(seed)`."""
 
     def __init__(self, model: ModelSpec, example: Dict[str, Any], make_state: MakeState):
@@ -89,14 +88,13 @@ class StateInitializer:
         return jax.eval_shape(lambda p: self.make_state(p, None), params)
 
     # ----- compiled ------------------------------------------------------------------------------
-    def lower(self, state_sharding) -> float:
-        """Trace and lower every piece for `state_sharding`; returns the seconds it took."""
-        start = time.perf_counter()
+    def lower(self, state_sharding) -> None:
+        """Trace and lower every piece for `state_sharding`."""
         key = jax.random.PRNGKey(0)
         if self.parts is None:
             whole = lambda rng: nn.meta.unbox(self._whole_boxed(rng))  # noqa: E731
             self._lowered["whole"] = jax.jit(whole, out_shardings=state_sharding).lower(key)
-            return time.perf_counter() - start
+            return
         params_sharding = state_sharding.params
         shell_names = [k for k in params_sharding if k not in self.parts.names]
         shell_sharding = _freeze_like({k: params_sharding[k] for k in shell_names}, params_sharding)
@@ -113,7 +111,6 @@ class StateInitializer:
                                                  shapes, params_sharding)
         make = jax.jit(lambda p: self.make_state(p, None), out_shardings=state_sharding, donate_argnums=(0,))
         self._lowered["state"] = make.lower(abstract_params)
-        return time.perf_counter() - start
 
     def compile(self) -> None:
         for name, lowered in self._lowered.items():
