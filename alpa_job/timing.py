@@ -1,7 +1,8 @@
 """Honest timing for the report: phases, and the steady-state step time as a distribution.
 
 The loop never syncs with the device per step (that would stall the pipeline); it syncs once per
-window of steps (`window_size`) and records the window's time per step. The first step is timed
+window of steps (`window_size`), on the step before the newest (so the device always has a step
+queued), and records the window's time per step. The first step is timed
 on its own: it carries whatever the runtime does lazily on first use, so averaging it in (what
 `step_time_s` = loop seconds / steps does) overstates the step on short runs (GPT 24L on an H100:
 174-178 ms reported against 137-142 ms in steady state, issue 16). Plain Python (Python 3.9).

@@ -30,7 +30,7 @@ class CompileStats:
     compile_cache_hits: int = 0  # executables (step, init) loaded from that cache instead of compiled
     flops_per_step: Optional[float] = None  # XLA's cost analysis of the whole (unpartitioned) step
     step_source: Optional[str] = None  # JAX: "compiled", or "stored" (engines/executable_store.py)
-    # Seconds of the engine's own setup phases, for the report's timing.phases_s (JAX: open_devices,
+    # Seconds of the engine's setup phases, for the report's timing.phases_s (JAX: open_devices,
     # abstract_state); empty where the engine does not break its setup down.
     setup_phases: Dict[str, float] = dataclasses.field(default_factory=dict)
 

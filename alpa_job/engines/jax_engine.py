@@ -52,9 +52,7 @@ class JaxEngine(EngineHooks):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         self.config, self.model, self.strategy = config, model, strategy
         self.stats = CompileStats()
-        start = time.perf_counter()
-        self.mesh = make_mesh(mesh_shape)  # the first jax.devices() starts the backend (GPU: seconds)
-        self.stats.setup_phases["open_devices"] = time.perf_counter() - start
+        self.mesh = make_mesh(mesh_shape)
         self.rules = STRATEGY_RULES[strategy]
         # Before anything compiles: a second identical run loads the executables (compile_cache.py).
         self.stats.compile_cache_dir = compile_cache.enable(

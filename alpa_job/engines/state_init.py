@@ -11,7 +11,7 @@ calls it once per block, plus the shell (everything outside the blocks) and the 
 
 The result has the whole model's tree, names, shapes, logical axes and shardings
 (tests/test_state_init.py checks them against the whole model's init); only the random streams differ:
-block i draws from fold_in(key, i + 1) and the shell from fold_in(key, 0), instead of flax's
+block i draws from fold_in(PRNGKey(seed), i + 1) and the shell from fold_in(.., 0), instead of flax's
 path-derived keys. Models without `repeated_blocks` (and any with BatchNorm statistics) are
 initialised whole, as before.
 """
@@ -22,11 +22,13 @@ from typing import Any, Callable, Dict
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from alpa_job.models import ModelSpec
 
 # make_state(params, batch_stats) -> the train state (optimizer state created, step 0)
 MakeState = Callable[[Any, Any], Any]
+_SCALAR = jax.ShapeDtypeStruct((), np.int32)  # a seed or a block's index, abstract
 
 
 def _zeros(abstract: Dict[str, Any]) -> Dict[str, Any]:
@@ -55,20 +57,22 @@ class StateInitializer:
         self._lowered: Dict[str, Any] = {}
         self._compiled: Dict[str, Any] = {}
 
-    # ----- the pieces, as functions of a key -----------------------------------------------------
-    def _whole_boxed(self, rng):
+    # ----- the pieces, as functions of the seed -------------------------------------------------
+    # The key is made inside each compiled piece from an int32 seed: a key made outside would be an
+    # eager computation, compiled on its own before anything else can run (~1 s on a cold GPU).
+    def _whole_boxed(self, seed):
         sample = _zeros(self._example)
         kwargs = {"train": False} if self.model.has_batch_stats else {}
-        variables = self.model.module.init(rng, sample[self.model.input_key], **kwargs)
+        variables = self.model.module.init(jax.random.PRNGKey(seed), sample[self.model.input_key], **kwargs)
         return self.make_state(variables["params"], variables.get("batch_stats"))
 
-    def _shell_params(self, rng):
+    def _shell_params(self, seed):
         tokens = _zeros({"x": self._example[self.model.input_key]})["x"]
-        return self.parts.shell.init(jax.random.fold_in(rng, 0), tokens)["params"]
+        return self.parts.shell.init(jax.random.fold_in(jax.random.PRNGKey(seed), 0), tokens)["params"]
 
-    def _block_params(self, rng, index):
+    def _block_params(self, seed, index):
         x = jnp.zeros(self.parts.block_input.shape, self.parts.block_input.dtype)
-        return self.parts.block.init(jax.random.fold_in(rng, index + 1), x)["params"]
+        return self.parts.block.init(jax.random.fold_in(jax.random.PRNGKey(seed), index + 1), x)["params"]
 
     def _assemble(self, shell, blocks):
         params = dict(shell)
@@ -79,18 +83,18 @@ class StateInitializer:
     def abstract_boxed(self):
         """The state's shapes and dtypes with the models' logical-axis boxes, computed without FLOPs
         (tracing one block, not every layer, where the model has parts)."""
-        key = jax.random.PRNGKey(0)
+        key = _SCALAR
         if self.parts is None:
             return jax.eval_shape(self._whole_boxed, key)
         shell = jax.eval_shape(self._shell_params, key)
-        block = jax.eval_shape(self._block_params, key, jnp.int32(0))
+        block = jax.eval_shape(self._block_params, key, _SCALAR)
         params = self._assemble(shell, [block] * len(self.parts.names))
         return jax.eval_shape(lambda p: self.make_state(p, None), params)
 
     # ----- compiled ------------------------------------------------------------------------------
     def lower(self, state_sharding) -> None:
         """Trace and lower every piece for `state_sharding`."""
-        key = jax.random.PRNGKey(0)
+        key = _SCALAR
         if self.parts is None:
             whole = lambda rng: nn.meta.unbox(self._whole_boxed(rng))  # noqa: E731
             self._lowered["whole"] = jax.jit(whole, out_shardings=state_sharding).lower(key)
@@ -103,9 +107,9 @@ class StateInitializer:
         self._lowered["shell"] = jax.jit(shell, out_shardings=shell_sharding).lower(key)
         # Every block has the same logical axes and shapes, hence the same shardings as the first.
         self._lowered["block"] = jax.jit(block, out_shardings=params_sharding[self.parts.names[0]]).lower(
-            key, jnp.int32(0))
+            key, _SCALAR)
         shapes = self._assemble(jax.eval_shape(shell, key),
-                                [jax.eval_shape(block, key, jnp.int32(0))] * len(self.parts.names))
+                                [jax.eval_shape(block, key, _SCALAR)] * len(self.parts.names))
         # The pieces' output shardings: the state then reuses (donation) the parameters' buffers.
         abstract_params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                                  shapes, params_sharding)
@@ -117,9 +121,9 @@ class StateInitializer:
             self._compiled[name] = lowered.compile()
 
     def __call__(self, seed: int):
-        key = jax.random.PRNGKey(seed)
+        seed = np.int32(seed)
         if self.parts is None:
-            return self._compiled["whole"](key)
-        shell = self._compiled["shell"](key)
-        blocks = [self._compiled["block"](key, jnp.int32(i)) for i in range(len(self.parts.names))]
+            return self._compiled["whole"](seed)
+        shell = self._compiled["shell"](seed)
+        blocks = [self._compiled["block"](seed, np.int32(i)) for i in range(len(self.parts.names))]
         return self._compiled["state"](self._assemble(shell, blocks))
