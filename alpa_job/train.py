@@ -227,12 +227,12 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
     bar = progress.Progress("train", total_steps - start_step, first=start_step)
     # Timing without a per-step sync: the first step alone, then one sync per window (timing.py).
     window, window_step_s = timing.window_size(total_steps - start_step), []
-    first_step_s = first_done = process_age = previous_loss = None
+    first_step_s = first_done = process_age = None
     mark_step = 0  # the step (counted in this run) whose completion `mark` timed
     loop_start = mark = time.perf_counter()
+    pending: List[Any] = []  # losses still on the device, oldest first
     while global_step < total_steps:
         epoch_index, skip = divmod(global_step, data.epoch.steps)
-        pending = []
         for i, (batch, real) in enumerate(data.batches(epoch_index)):
             if i < skip:
                 continue
@@ -255,16 +255,17 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
             elif steps - 1 - mark_step == window:
                 # Sync on the step before this one: this one is already queued, so the device does not
                 # idle while the host reads the clock and dispatches again (a sync on the newest step
-                # drains the queue every window: ~3 ms a step on GPT 24L, one H100).
-                engine.to_floats([previous_loss])
+                # drains the queue every window: ~3 ms a step on GPT 24L, one H100). The losses up to
+                # that step come back in the same sync.
+                losses.extend(engine.to_floats(pending[:-1]))
+                del pending[:-1]
                 now = time.perf_counter()
                 window_step_s.append((now - mark) / window)
                 mark, mark_step = now, steps - 1
-            previous_loss = loss
             bar.update(1, epoch=epoch_index + 1, loss=loss, samples=real)  # loss: read back throttled
         else:
             samples_dropped += data.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
-        losses.extend(engine.to_floats(pending))  # one host sync per epoch
+    losses.extend(engine.to_floats(pending))
     engine.wait(state)
     loop_seconds = time.perf_counter() - loop_start
     bar.close()
