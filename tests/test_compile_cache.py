@@ -114,3 +114,30 @@ def test_compile_cache_setting_resolves(tmp_path, monkeypatch):
     assert compile_cache.resolve("") == compile_cache.resolve(None)
     assert compile_cache.resolve("none") is None and compile_cache.resolve("OFF") is None
     assert compile_cache.resolve("relative/dir") == os.path.abspath("relative/dir")
+
+
+def test_auto_search_candidates_come_back_from_jax_cache_on_a_second_run(tmp_path):
+    """Auto search compiles every candidate through JAX's cache (not the step store, which keeps one
+    step per key): a second identical search finds them all there."""
+    def search(out: str) -> dict:
+        cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--model", "mlp", "--hidden-dim", "32",
+               "--num-samples", "64", "--batch-size", "16", "--steps", "2", "--strategy", "auto",
+               "--auto-trial-steps", "1", "--compile-cache", str(tmp_path / "cache"), "--out", out]
+        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        with open(os.path.join(out, "report.json")) as f:
+            return json.load(f)
+
+    def step_entries() -> set:
+        return {n for n in os.listdir(str(tmp_path / "cache")) if n.startswith("jit_train_step-")}
+
+    first = search(str(tmp_path / "a"))
+    after_first = step_entries()
+    second = search(str(tmp_path / "b"))
+    candidates = [row for row in second["search"] if row.get("compile_s") is not None]
+    assert len(candidates) >= 2 and len(after_first) >= len(candidates), (after_first, second["search"])
+    assert step_entries() == after_first  # every candidate's step was a JAX cache hit: nothing new written
+    assert first["timing"]["compile_cache"]["step"] == second["timing"]["compile_cache"]["step"] == "compiled"
+    assert second["timing"]["compile_cache"]["hits"] >= 1
+    assert not os.path.isdir(os.path.join(str(tmp_path / "cache"), executable_store.FOLDER))

@@ -92,7 +92,6 @@ class JaxEngine(EngineHooks):
             self._start_init_compile()
         self._init_compiled.result()
         self._count_cache_hits()
-        self._store_step()  # auto search's winner: the step it compiled is the one this run uses
         return self._initializer(seed)
 
     def _count_cache_hits(self) -> None:
@@ -137,15 +136,16 @@ class JaxEngine(EngineHooks):
 
     def compile_step(self) -> CompileStats:
         """The step alone: auto search's candidates, most of which never initialise (a fitting one's
-        init_state compiles the initialiser then)."""
+        init_state compiles the initialiser then). Through JAX's cache, not the step store: a second
+        auto search then finds every candidate there, not only the one that won."""
         self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0
-        return self._compile_step()
+        return self._compile_step(use_store=False)
 
-    def _compile_step(self) -> CompileStats:
+    def _compile_step(self, use_store: bool = True) -> CompileStats:
         abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
                           for k, v in self._example.items()}
         start = time.perf_counter()
-        store = self._step_store()
+        store = self._step_store() if use_store else None
         jitted = jax.jit(_named(self._train_step, store.step_name if store else "train_step"),
                          in_shardings=(self.state_sharding, self.batch_sharding),
                          out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
