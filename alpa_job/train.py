@@ -266,6 +266,8 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
         else:
             samples_dropped += data.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
     losses.extend(engine.to_floats(pending))
+    if first_done is not None and steps - mark_step == window:  # the last window ends with the run
+        window_step_s.append((time.perf_counter() - mark) / window)
     engine.wait(state)
     loop_seconds = time.perf_counter() - loop_start
     bar.close()
