@@ -95,7 +95,7 @@ def child(variant: str, case: str, scratch: str) -> dict:
         return row
     if variant == "serialized_load":
         return _serialized_load(row, engine, batch, scratch)
-    _timed(row, "init_lower_s", lambda: initializer.lower(engine.state_sharding))
+    _timed(row, "init_lower_s", lambda: initializer.lower(engine.abstract_state))
     _timed(row, "init_compile_s", initializer.compile)
     state = _timed(row, "init_run_s", lambda: _block_until_ready(initializer(0)))
     if variant in ("rbg", "parts"):
@@ -129,7 +129,7 @@ def _serialized_load(row: dict, engine, batch, scratch: str) -> dict:
     initializer = engine._initializer
 
     def init():
-        initializer.lower(engine.state_sharding)
+        initializer.lower(engine.abstract_state)
         initializer.compile()
         return _block_until_ready(initializer(0))
 

@@ -83,7 +83,7 @@ def test_initialiser_compiles_the_same_three_executables_for_any_layer_count():
         engine = _engine(num_layers)
         count = engine.watch_compiles()
         before = count()
-        engine._initializer.lower(engine.state_sharding)
+        engine._initializer.lower(engine.abstract_state)
         engine._initializer.compile()
         return count() - before
 

@@ -104,7 +104,7 @@ class JaxEngine(EngineHooks):
 
         def compile_init():
             start = time.perf_counter()
-            self._initializer.lower(self.state_sharding)
+            self._initializer.lower(self.abstract_state)
             self._initializer.compile()
             self.stats.init_compile_seconds = round(time.perf_counter() - start, 3)
 
@@ -146,10 +146,6 @@ class JaxEngine(EngineHooks):
                           for k, v in self._example.items()}
         start = time.perf_counter()
         store = self._step_store() if use_store else None
-        jitted = jax.jit(_named(self._train_step, store.step_name if store else "train_step"),
-                         in_shardings=(self.state_sharding, self.batch_sharding),
-                         out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
-                         donate_argnums=(0,))
         loaded = store.load(jax.tree_util.tree_structure(((self.abstract_state, abstract_batch), {})),
                             jax.tree_util.tree_structure((self.abstract_state, 0.0))) if store else None
         if loaded is not None:  # a previous identical run's step: no tracing, lowering or compiling
@@ -158,6 +154,10 @@ class JaxEngine(EngineHooks):
             self.stats.flops_per_step = saved.get("flops_per_step")
             self.stats.step_source = "stored"
         else:
+            jitted = jax.jit(_named(self._train_step, store.step_name if store else "train_step"),
+                             in_shardings=(self.state_sharding, self.batch_sharding),
+                             out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
+                             donate_argnums=(0,))
             lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
             with compile_cache.writes_skipped() if store else contextlib.nullcontext():
                 self._compiled = lowered.compile()

@@ -31,8 +31,8 @@ MakeState = Callable[[Any, Any], Any]
 _SCALAR = jax.ShapeDtypeStruct((), np.int32)  # a seed or a block's index, abstract
 
 
-def _zeros(abstract: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: jnp.zeros(v.shape, v.dtype) for k, v in abstract.items()}
+def _zeros(abstract) -> Any:
+    return jnp.zeros(abstract.shape, abstract.dtype)
 
 
 def _freeze_like(params: Dict[str, Any], like: Any) -> Any:
@@ -46,8 +46,7 @@ def _freeze_like(params: Dict[str, Any], like: Any) -> Any:
 
 class StateInitializer:
     """Builds the train state: `abstract_boxed()` (shapes + logical axes, no FLOPs), then
-    `lower(state_sharding)` and `compile()` (on any one thread), then
-    and `__call__(seed)`."""
+    `lower(abstract_state)` and `compile()` (on any one thread), then `__call__(seed)`."""
 
     def __init__(self, model: ModelSpec, example: Dict[str, Any], make_state: MakeState):
         self.model, self.make_state = model, make_state
@@ -61,17 +60,17 @@ class StateInitializer:
     # The key is made inside each compiled piece from an int32 seed: a key made outside would be an
     # eager computation, compiled on its own before anything else can run (~1 s on a cold GPU).
     def _whole_boxed(self, seed):
-        sample = _zeros(self._example)
+        inputs = _zeros(self._example[self.model.input_key])
         kwargs = {"train": False} if self.model.has_batch_stats else {}
-        variables = self.model.module.init(jax.random.PRNGKey(seed), sample[self.model.input_key], **kwargs)
+        variables = self.model.module.init(jax.random.PRNGKey(seed), inputs, **kwargs)
         return self.make_state(variables["params"], variables.get("batch_stats"))
 
     def _shell_params(self, seed):
-        tokens = _zeros({"x": self._example[self.model.input_key]})["x"]
-        return self.parts.shell.init(jax.random.fold_in(jax.random.PRNGKey(seed), 0), tokens)["params"]
+        inputs = _zeros(self._example[self.model.input_key])
+        return self.parts.shell.init(jax.random.fold_in(jax.random.PRNGKey(seed), 0), inputs)["params"]
 
     def _block_params(self, seed, index):
-        x = jnp.zeros(self.parts.block_input.shape, self.parts.block_input.dtype)
+        x = _zeros(self.parts.block_input)
         return self.parts.block.init(jax.random.fold_in(jax.random.PRNGKey(seed), index + 1), x)["params"]
 
     def _assemble(self, shell, blocks):
@@ -83,38 +82,35 @@ class StateInitializer:
     def abstract_boxed(self):
         """The state's shapes and dtypes with the models' logical-axis boxes, computed without FLOPs
         (tracing one block, not every layer, where the model has parts)."""
-        key = _SCALAR
         if self.parts is None:
-            return jax.eval_shape(self._whole_boxed, key)
-        shell = jax.eval_shape(self._shell_params, key)
-        block = jax.eval_shape(self._block_params, key, _SCALAR)
+            return jax.eval_shape(self._whole_boxed, _SCALAR)
+        shell = jax.eval_shape(self._shell_params, _SCALAR)
+        block = jax.eval_shape(self._block_params, _SCALAR, _SCALAR)
         params = self._assemble(shell, [block] * len(self.parts.names))
         return jax.eval_shape(lambda p: self.make_state(p, None), params)
 
     # ----- compiled ------------------------------------------------------------------------------
-    def lower(self, state_sharding) -> None:
-        """Trace and lower every piece for `state_sharding`."""
-        key = _SCALAR
+    def lower(self, abstract_state) -> None:
+        """Trace and lower every piece for `abstract_state` (the state's ShapeDtypeStructs, with the
+        shardings it must be created in)."""
+        state_sharding = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
         if self.parts is None:
-            whole = lambda rng: nn.meta.unbox(self._whole_boxed(rng))  # noqa: E731
-            self._lowered["whole"] = jax.jit(whole, out_shardings=state_sharding).lower(key)
+            whole = lambda seed: nn.meta.unbox(self._whole_boxed(seed))  # noqa: E731
+            self._lowered["whole"] = jax.jit(whole, out_shardings=state_sharding).lower(_SCALAR)
             return
         params_sharding = state_sharding.params
-        shell_names = [k for k in params_sharding if k not in self.parts.names]
-        shell_sharding = _freeze_like({k: params_sharding[k] for k in shell_names}, params_sharding)
-        shell = lambda rng: nn.meta.unbox(self._shell_params(rng))  # noqa: E731
-        block = lambda rng, i: nn.meta.unbox(self._block_params(rng, i))  # noqa: E731
-        self._lowered["shell"] = jax.jit(shell, out_shardings=shell_sharding).lower(key)
+        shell_sharding = _freeze_like({k: v for k, v in params_sharding.items() if k not in self.parts.names},
+                                      params_sharding)
+        shell = lambda seed: nn.meta.unbox(self._shell_params(seed))  # noqa: E731
+        block = lambda seed, i: nn.meta.unbox(self._block_params(seed, i))  # noqa: E731
+        self._lowered["shell"] = jax.jit(shell, out_shardings=shell_sharding).lower(_SCALAR)
         # Every block has the same logical axes and shapes, hence the same shardings as the first.
         self._lowered["block"] = jax.jit(block, out_shardings=params_sharding[self.parts.names[0]]).lower(
-            key, _SCALAR)
-        shapes = self._assemble(jax.eval_shape(shell, key),
-                                [jax.eval_shape(block, key, _SCALAR)] * len(self.parts.names))
-        # The pieces' output shardings: the state then reuses (donation) the parameters' buffers.
-        abstract_params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                                 shapes, params_sharding)
+            _SCALAR, _SCALAR)
+        # The parameters arrive in the shardings the pieces made them in: the state then reuses
+        # (donation) their buffers.
         make = jax.jit(lambda p: self.make_state(p, None), out_shardings=state_sharding, donate_argnums=(0,))
-        self._lowered["state"] = make.lower(abstract_params)
+        self._lowered["state"] = make.lower(abstract_state.params)
 
     def compile(self) -> None:
         for name, lowered in self._lowered.items():
