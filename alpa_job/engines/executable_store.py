@@ -21,10 +21,10 @@ use JAX's cache). Entries live in `<compile cache>/alpa_job-steps/<key>.{xla,jso
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import platform
 import threading
 from typing import Any, Dict, Optional, Tuple
 
@@ -42,7 +42,9 @@ JAX_OPTIONS = ("jax_enable_x64", "jax_default_prng_impl", "jax_default_matmul_pr
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@functools.lru_cache(maxsize=1)
 def _source_digest() -> str:
+    """The kit's source files, hashed once a process (they do not change under a running job)."""
     digest = hashlib.sha256()
     for root, dirs, files in os.walk(_PACKAGE):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
@@ -70,8 +72,7 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
         "batch": {k: [list(v.shape), str(v.dtype)] for k, v in sorted(example.items())},
         "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind,
                     "platform_version": getattr(backend, "platform_version", None), "count": jax.device_count()},
-        "versions": {"python": platform.python_version(),
-                     **{name: versions.package_version(name) for name in ("jax", "jaxlib", "flax", "optax", "numpy")}},
+        "versions": versions.collect(),  # python, jax, jaxlib, flax, optax, numpy, CUDA, NCCL, ...
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_"))},
         "jax_options": {name: str(getattr(jax.config, name, None)) for name in JAX_OPTIONS},
     }
@@ -119,8 +120,6 @@ class StepStore:
         try:
             with open(self.path + ".json") as f:
                 extra = json.load(f)
-            if extra.get("key") != json.loads(json.dumps(self.key, default=str)):
-                raise ValueError("the entry was written for another step")
             with open(self.path + ".xla", "rb") as f:
                 payload = f.read()
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), extra
