@@ -37,11 +37,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import gpu_peer  # noqa: E402
-from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, gpt_flops, park  # noqa: E402
-from alpa_job.config import JobConfig  # noqa: E402
-from alpa_job.data import epoch_batches, synthetic  # noqa: E402
+from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, gpt_case, gpt_flops, park  # noqa: E402
 from alpa_job.engines.jax_engine import JaxEngine  # noqa: E402
-from alpa_job.models import ModelSpec, get_model  # noqa: E402
+from alpa_job.models import ModelSpec  # noqa: E402
 from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical  # noqa: E402
 from alpa_job.models.gpt import _layer_norm, _normal, causal_attention  # noqa: E402
 from alpa_job.models.losses import cross_entropy  # noqa: E402
@@ -148,22 +146,21 @@ class OptionsEngine(JaxEngine):
         return self.stats
 
 
+class MuBf16Engine(OptionsEngine):
+    """`mubf16`: the kit's Adam with its first moment kept in bf16 (optax's mu_dtype: half the bytes of
+    one of Adam's three fp32 reads and writes per parameter)."""
+
+    def make_optimizer(self, peak_learning_rate, horizon):
+        import optax
+
+        from alpa_job.engines.optimizer import learning_rate_schedule
+
+        return optax.adam(learning_rate_schedule(peak_learning_rate, horizon), mu_dtype=jnp.bfloat16)
+
+
 def build_engine(name: str, config, spec: ModelSpec, batch):
-    """The variant's engine; `mubf16` swaps the kit's Adam for one keeping its first moment in bf16
-    (optax's mu_dtype: half the bytes of one of Adam's three fp32 reads and writes per parameter)."""
-    if name != "mubf16":
-        return OptionsEngine(config, spec, batch, "data", (1, 1))
-    import optax
-
-    from alpa_job.engines import jax_engine, optimizer
-
-    original = jax_engine.default_optimizer
-    jax_engine.default_optimizer = lambda lr, steps: optax.adam(optimizer.learning_rate_schedule(lr, steps),
-                                                                mu_dtype=jnp.bfloat16)
-    try:
-        return OptionsEngine(config, spec, batch, "data", (1, 1))
-    finally:
-        jax_engine.default_optimizer = original
+    """The variant's engine."""
+    return (MuBf16Engine if name == "mubf16" else OptionsEngine)(config, spec, batch, "data", (1, 1))
 
 
 def variant_spec(name: str, config, base: ModelSpec):
@@ -201,10 +198,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_H100)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args()
-    shape = MODELS[args.model]
-    config = JobConfig(model="gpt", num_samples=shape["batch_size"],
-                       dtype="bfloat16", address="none", learning_rate=1e-4, **shape).validated()
-    batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
+    config, base, batch = gpt_case(args.model)
     t0 = time.perf_counter()
     peer_run, peer_holder, n_params, peer_compiled = gpu_peer.make_loop(
         config.num_layers, config.d_model, config.num_heads, config.vocab_size, config.seq_len, 1e-4, batch["tokens"])
@@ -212,7 +206,6 @@ def main() -> None:
     print(f"# peer compiled in {time.perf_counter() - t0:.1f}s, temp {peer_mem.temp_size_in_bytes / 1e9:.2f} GB",
           flush=True)
     flops = gpt_flops(n_params, config.batch_size, config.seq_len, config.num_layers, config.d_model)
-    base = get_model(config)
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, f"gpu_ablation_{args.model}.jsonl")
     park(peer_holder)

@@ -61,7 +61,7 @@ class JaxEngine(EngineHooks):
         self._check_batch_divisible(example_batch)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self._horizon = schedule_steps if schedule_steps is not None else config.steps
-        self.tx = default_optimizer(config.learning_rate, self._horizon)
+        self.tx = self.make_optimizer(config.learning_rate, self._horizon)
         start = time.perf_counter()
         self._initializer = StateInitializer(model, self._example, self._make_state)
         boxed = self._initializer.abstract_boxed()
@@ -80,6 +80,11 @@ class JaxEngine(EngineHooks):
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
+    def make_optimizer(self, peak_learning_rate: float, horizon: Optional[int]):
+        """The optimizer: engines/optimizer.py's default. A subclass that returns another must not use
+        the step store (its key does not name the optimizer): the benches' engines compile their own."""
+        return default_optimizer(peak_learning_rate, horizon)
+
     def _make_state(self, params, batch_stats):
         state = TrainState.create(apply_fn=None, params=params, tx=self.tx, batch_stats=batch_stats)
         # A strongly typed step counter: TrainState.create's python 0 is weak-typed, and a
