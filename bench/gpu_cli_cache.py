@@ -11,7 +11,6 @@ the GPU (`jax.devices()`).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -50,9 +49,10 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt-24l")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warm", type=int, default=2, help="warm runs after the cold one")
-    parser.add_argument("--scratch", default=tempfile.mkdtemp(prefix="clicache-"))
+    parser.add_argument("--scratch", default=None, help="folder for the runs and the cache (default: a new temp folder)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args()
+    args.scratch = args.scratch or tempfile.mkdtemp(prefix="clicache-")
     env = dict(os.environ, PYTHONPATH=REPO)
     cache = os.path.join(args.scratch, "cache")
     shutil.rmtree(cache, ignore_errors=True)
@@ -64,14 +64,10 @@ def main() -> None:
     for name in ["cold"] + [f"warm{i + 1}" for i in range(args.warm)]:
         rows.append(train(args, cache, name, env))
         print(json.dumps(rows[-1]), flush=True)
-    import jax
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_common import save_result
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows,
-              "command": "python3 bench/gpu_cli_cache.py " + " ".join(sys.argv[1:])}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"gpu_cli_cache-{stamp}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    save_result("gpu_cli_cache", args.out, {"rows": rows})
     print("| run | wall s | to first step (train start / process start) | step compile | init compile | "
           "first step | steady ms (p10-p90) | MFU | step from |")
     print("|---|---|---|---|---|---|---|---|---|")

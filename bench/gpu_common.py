@@ -7,7 +7,11 @@ before its own turn, and one untimed step runs after the move, so no timed step 
 """
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import statistics
+import sys
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -20,6 +24,31 @@ GPT_CASES = {
     "gpt24": dict(num_layers=24, d_model=2048, num_heads=16, batch_size=8, seq_len=1024, vocab_size=32768),
     "tiny": dict(num_layers=2, d_model=64, num_heads=4, batch_size=2, seq_len=64, vocab_size=256),  # CPU smoke
 }
+
+def gpt_case(name: str, **overrides):
+    """(config, model, example batch) for GPT_CASES[name], as the CLI builds them (bf16, lr 1e-4)."""
+    from alpa_job.config import JobConfig
+    from alpa_job.data import epoch_batches, synthetic
+    from alpa_job.models import get_model
+
+    fields = {"num_samples": GPT_CASES[name]["batch_size"], "learning_rate": 1e-4, **GPT_CASES[name], **overrides}
+    config = JobConfig(model="gpt", dtype="bfloat16", address="none", **fields).validated()
+    batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
+    return config, get_model(config), batch
+
+
+def save_result(name: str, out: str, result: dict) -> str:
+    """result + device, jax version and the command line, to OUT/NAME-<UTC time>.json; returns the path."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    script = os.path.relpath(os.path.abspath(sys.argv[0]))
+    payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **result,
+               "command": " ".join(["python3", script] + sys.argv[1:])}
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{name}-{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path
+
 
 PEAK_TFLOPS_H100 = 798.0  # bf16 dense, measured with an 8192^3 matmul on the lent H100 (KINDS.md)
 

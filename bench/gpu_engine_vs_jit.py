@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -31,10 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import gpu_peer  # noqa: E402
-from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_flops, kit_loop  # noqa: E402
-from alpa_job.config import JobConfig  # noqa: E402
-from alpa_job.data import epoch_batches, synthetic  # noqa: E402
-from alpa_job.models import get_model  # noqa: E402
+from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_case, gpt_flops, kit_loop, save_result  # noqa: E402
 
 CASES = GPT_CASES
 LABELS = {"gpt12": "GPT 12L d1024 h16 B16 S1024 V32768 bf16", "gpt24": "GPT 24L d2048 h16 B8 S1024 V32768 bf16",
@@ -84,10 +80,7 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     rows = []
     for name in args.cases.split(","):
-        config = JobConfig(model="gpt", num_samples=CASES[name]["batch_size"], dtype="bfloat16", address="none",
-                           learning_rate=1e-4, **CASES[name]).validated()
-        model = get_model(config)
-        batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
+        config, model, batch = gpt_case(name)
         t0 = time.perf_counter()
         peer_run, peer_holder, n_params, peer_compiled = gpu_peer.make_loop(
             config.num_layers, config.d_model, config.num_heads, config.vocab_size, config.seq_len,
@@ -121,13 +114,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del loops, peer, kit, engine, peer_run, peer_holder, peer_compiled
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    result = {"device": device, "jax": jax.__version__, "steps": args.steps, "repeats": args.repeats,
-              "parked": not args.no_park, "peak_tflops": args.peak_tflops, "rows": rows,
-              "command": "python3 bench/gpu_engine_vs_jit.py " + " ".join(sys.argv[1:])}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"gpu_engine_vs_jit-{stamp}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    save_result("gpu_engine_vs_jit", args.out, {"steps": args.steps, "repeats": args.repeats,
+                                                "parked": not args.no_park, "peak_tflops": args.peak_tflops,
+                                                "rows": rows})
     print(f"\n{device}, jax {jax.__version__}; median of {args.repeats} alternating rounds x {args.steps} steps")
     print(f"| case | competent loop ms (MFU) | kit ms (MFU) | kit / loop | kit temp GB | loop temp GB |")
     print("|---|---|---|---|---|---|")

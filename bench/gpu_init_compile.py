@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import subprocess
@@ -26,20 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-
 def _engine(case: str, compile_cache: str = "none", whole: bool = False):
-    from gpu_common import GPT_CASES
-    from alpa_job.config import JobConfig
-    from alpa_job.data import epoch_batches, synthetic
+    from gpu_common import gpt_case
     from alpa_job.engines.jax_engine import JaxEngine
-    from alpa_job.models import get_model
 
-    config = JobConfig(model="gpt", num_samples=GPT_CASES[case]["batch_size"], dtype="bfloat16", address="none",
-                       learning_rate=1e-4, compile_cache=compile_cache, **GPT_CASES[case]).validated()
-    model = get_model(config)
+    config, model, batch = gpt_case(case, compile_cache=compile_cache)
     if whole:
         model = dataclasses.replace(model, repeated_blocks=None)
-    batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     return JaxEngine(config, model, batch, "data", (1, 1)), batch
 
 
@@ -61,7 +53,7 @@ def _steps(row: dict, engine, state, batch, n: int = 10):
     import jax
 
     device_batch = engine.put_batch(batch)
-    state, loss = _timed(row, "first_step_s", lambda: _block_until_ready(engine.step(state, device_batch)))
+    state, _ = _timed(row, "first_step_s", lambda: _block_until_ready(engine.step(state, device_batch)))
     for _ in range(3):
         state, loss = engine.step(state, device_batch)
     jax.block_until_ready(loss)
@@ -70,7 +62,6 @@ def _steps(row: dict, engine, state, batch, n: int = 10):
         state, loss = engine.step(state, device_batch)
     jax.block_until_ready(loss)
     row["step_ms"] = round((time.perf_counter() - start) / n * 1e3, 2)
-    return state
 
 
 def child(variant: str, case: str, scratch: str) -> dict:
@@ -83,11 +74,8 @@ def child(variant: str, case: str, scratch: str) -> dict:
     row: dict = {"variant": variant}
     if variant == "rbg":
         jax.config.update("jax_default_prng_impl", "rbg")
+    # JAX's own cache for the step (compile_step: no step store), as before the kit's store existed.
     cache = os.path.join(scratch, "jaxcache") if variant in ("store", "jaxcache_warm") else "none"
-    if cache != "none":  # JAX's own cache for the step, as before the kit's store existed
-        from alpa_job.engines.executable_store import StepStore
-
-        StepStore.supported = staticmethod(lambda: False)
     engine, batch = _timed(row, "engine_s", lambda: _engine(case, cache, whole=variant != "parts"))
     initializer = engine._initializer
     if variant == "eager":
@@ -100,7 +88,7 @@ def child(variant: str, case: str, scratch: str) -> dict:
     state = _timed(row, "init_run_s", lambda: _block_until_ready(initializer(0)))
     if variant in ("rbg", "parts"):
         return row
-    stats = _timed(row, "step_lower_compile_s", engine._compile_step)
+    stats = _timed(row, "step_lower_compile_s", engine.compile_step)
     row["step_compile_s"] = round(stats.compile_seconds, 3)
     if variant == "store":
         from jax.experimental import serialize_executable
@@ -117,7 +105,6 @@ def _serialized_load(row: dict, engine, batch, scratch: str) -> dict:
     """Load the step a previous process serialised: no tracing, no lowering, no cache lookup."""
     import jax
     from jax.experimental import serialize_executable
-    from jax.sharding import NamedSharding, PartitionSpec
 
     with open(os.path.join(scratch, "step.bin"), "rb") as f:
         payload = f.read()
@@ -125,7 +112,6 @@ def _serialized_load(row: dict, engine, batch, scratch: str) -> dict:
     in_tree = jax.tree_util.tree_structure(((engine.abstract_state, abstract_batch), {}))
     out_tree = jax.tree_util.tree_structure((engine.abstract_state, 0.0))
     compiled = _timed(row, "deserialize_s", lambda: serialize_executable.deserialize_and_load(payload, in_tree, out_tree))
-    del NamedSharding, PartitionSpec
     initializer = engine._initializer
 
     def init():
@@ -135,7 +121,7 @@ def _serialized_load(row: dict, engine, batch, scratch: str) -> dict:
 
     state = _timed(row, "init_lower_compile_run_s", init)
     device_batch = engine.put_batch(batch)
-    state, loss = _timed(row, "first_step_s", lambda: _block_until_ready(compiled(state, device_batch)))
+    _timed(row, "first_step_s", lambda: _block_until_ready(compiled(state, device_batch)))
     return row
 
 
@@ -162,11 +148,10 @@ def main() -> None:
         if left < 30:
             rows.append({"variant": variant, "error": "skipped: out of the call's time"})
             continue
-        env = dict(os.environ)
         start = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, __file__, "--child", variant, "--case", args.case,
-                                   "--scratch", scratch], env=env, capture_output=True, text=True, timeout=left)
+                                   "--scratch", scratch], capture_output=True, text=True, timeout=left)
             found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
             row = json.loads(found[0]) if found else {"variant": variant, "error": proc.stderr[-1500:]}
         except subprocess.TimeoutExpired:
@@ -175,14 +160,9 @@ def main() -> None:
         row["process_wall_s"] = wall
         rows.append(row)
         print(json.dumps(row), flush=True)
-    import jax
+    from gpu_common import save_result
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "case": args.case, "rows": rows,
-              "command": "python3 bench/gpu_init_compile.py " + " ".join(sys.argv[1:])}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"gpu_init_compile-{stamp}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    save_result("gpu_init_compile", args.out, {"case": args.case, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -77,6 +77,16 @@ def loss_fn(params, tokens, num_heads: int):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
+def train_step(tx, num_heads: int):
+    """(params, opt_state, tokens) -> (params, opt_state, loss): the peer's step, before jit."""
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, num_heads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def make_loop(num_layers: int, d_model: int, num_heads: int, vocab_size: int, seq_len: int,
               learning_rate: float, tokens):
     """(run(n) -> last loss, [state] (a one-item list the caller may park on the host), n_params,
@@ -85,12 +95,7 @@ def make_loop(num_layers: int, d_model: int, num_heads: int, vocab_size: int, se
     tx = optax.adam(learning_rate)
     opt_state = tx.init(params)
 
-    @jax.jit
-    def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, num_heads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = jax.jit(train_step(tx, num_heads))
     tokens = jax.device_put(tokens)
     compiled = step.lower(params, opt_state, tokens).compile()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
