@@ -525,8 +525,11 @@ class _Job:
         x = failed.lost[0]
         slot = failed.slots.get(x.index)
         if slot is not None:
-            read = failed.tails.get(x.index)  # read while ranking: not over the network a second time
-            lines = read[-failures.LOG_TAIL_LINES:] if read is not None else failures.log_tail(slot)
+            if x.index in failed.tails:  # read while ranking (even if Ray could not serve it): not a second time
+                read = failed.tails[x.index]
+                lines = read[-failures.LOG_TAIL_LINES:] if read is not None else None
+            else:
+                lines = failures.log_tail(slot)
             self._log_shown = failures.print_log_tail(slot, lines)
         progress.note(f"[alpa_job] lost JAX {x.where()} at step {x.step if x.step is not None else '-'}: {x.reason}")
         for y in failed.lost[1:]:
