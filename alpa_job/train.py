@@ -125,14 +125,14 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
     if config.strategy == "auto":
         engine, table = auto_search.search(config, model, data.example, data.first(2), schedule_steps=horizon)
         engine.search_table = table
-        engine.stats.setup_phases["open_devices"] = opened
-        return engine
-    engine = JaxEngine(config, model, data.example, config.strategy,
-                       mesh_shape_for(config.strategy, len(devices), config.model_parallel),
-                       schedule_steps=horizon)
+    else:
+        engine = JaxEngine(config, model, data.example, config.strategy,
+                           mesh_shape_for(config.strategy, len(devices), config.model_parallel),
+                           schedule_steps=horizon)
+        with progress.timed(f"compiling train step ({config.model}, {config.strategy}, "
+                            f"mesh {engine.mesh.devices.shape})"):
+            engine.compile()
     engine.stats.setup_phases["open_devices"] = opened
-    with progress.timed(f"compiling train step ({config.model}, {config.strategy}, mesh {engine.mesh.devices.shape})"):
-        engine.compile()
     return engine
 
 
