@@ -260,11 +260,11 @@ def _train(args) -> int:
     progress.configure(verbosity, every=args.progress_every)
     if args.progress_every < 0:
         raise KitError(f"--progress-every must be >= 0, got {args.progress_every}")
-    preset_values, config_file_values = config_lib.load_layers(args.preset, args.config)
+    layers = config_lib.load_layers(args.preset, args.config)
     cli_values = {k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}
-    config = config_lib.build_config({**preset_values, **config_file_values}, cli_values)
+    config = config_lib.build_config(config_lib.merge_layers(layers), cli_values)
     explicit = [k for k, v in cli_values.items() if v is not None]
-    explicit += list(config_file_values)  # what the user's --config chain sets (a --preset's defaults are not)
+    explicit += list(layers[1])  # what the user's --config chain sets (a --preset's defaults are not)
     record, paths = run_job(config, explicit=explicit, capture_native=True)
     s = record.summary
     print(f"trained {config.model} with {record.engine}/{record.strategy} on {s.devices} devices "

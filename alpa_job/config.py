@@ -177,11 +177,15 @@ def load_layers(preset: Optional[str], config_path: Optional[str],
             load_yaml_overrides(config_path, presets_dir) if config_path else {})
 
 
+def merge_layers(layers: Tuple[Dict[str, Any], Dict[str, Any]]) -> Dict[str, Any]:
+    """The file layers (`load_layers`) in override order: the preset (and its bases), then the --config file."""
+    preset_values, file_values = layers
+    return {**preset_values, **file_values}
+
+
 def load_settings(preset: Optional[str], config_path: Optional[str],
                   presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
-    """The file layers in override order: the preset (and its bases), then the --config file."""
-    preset_values, file_values = load_layers(preset, config_path, presets_dir)
-    return {**preset_values, **file_values}
+    return merge_layers(load_layers(preset, config_path, presets_dir))
 
 
 def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...]) -> Dict[str, Any]:
@@ -240,7 +244,7 @@ def _settings(data: Dict[Any, Any], label: str) -> Dict[str, Any]:
 
 
 def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> JobConfig:
-    """Defaults <- files (`load_settings`) <- CLI (only flags the user actually gave), then validate once."""
+    """Defaults <- files (`merge_layers`) <- CLI (only flags the user actually gave), then validate once."""
     merged: Dict[str, Any] = {}
     merged.update(file_values)
     merged.update({k: v for k, v in cli_values.items() if v is not None})
