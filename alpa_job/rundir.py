@@ -21,6 +21,11 @@ RUNS_ROOT = "runs"
 LATEST = "latest"
 RUN_META = "run.json"
 CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_dir(out: str) -> str:
+    """Where a run directory keeps its orbax checkpoints."""
+    return os.path.join(out, CHECKPOINTS)
 REPORT_FILES = ("report.json", "report.md", "report.html", "train.log", "ray.log")
 
 
@@ -62,10 +67,10 @@ def check_out(config, explicit_out: bool) -> None:
     from alpa_job.validate import MODEL_FIELDS
 
     out = config.out
-    latest = latest_complete_step(os.path.join(out, CHECKPOINTS)) if out else None
+    latest = latest_complete_step(checkpoint_dir(out)) if out else None
     if config.resume:
         if latest is None:
-            raise KitError(f"--resume: no checkpoint in {os.path.join(out, CHECKPOINTS)}; run once with "
+            raise KitError(f"--resume: no checkpoint in {checkpoint_dir(out)}; run once with "
                            "--checkpoint-every N into this --out first, or drop --resume")
         old = saved_config(out)
         if old is not None:
@@ -98,7 +103,7 @@ def prepare(config, explicit_out: bool, root: str = RUNS_ROOT):
     except OSError as err:
         raise KitError(f"--out {out}: cannot write there ({err.strerror}); pass a writable folder") from None
     if config.overwrite and not config.resume:
-        shutil.rmtree(os.path.join(out, CHECKPOINTS), ignore_errors=True)
+        shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
         for name in REPORT_FILES + (RUN_META,):
             if os.path.isfile(os.path.join(out, name)):
                 os.remove(os.path.join(out, name))

@@ -22,7 +22,7 @@ from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_
 from alpa_job.engines.base import Engine, missing_members
 from alpa_job.errors import KitError
 from alpa_job.inspect.record import ProcessResult
-from alpa_job.rundir import CHECKPOINTS
+from alpa_job.rundir import checkpoint_dir
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -175,7 +175,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
     if config.checkpoint_every:
         from alpa_job.checkpoint import Checkpointer
 
-        checkpointer = Checkpointer(os.path.join(config.out, CHECKPOINTS), config.checkpoint_every)
+        checkpointer = Checkpointer(checkpoint_dir(config.out), config.checkpoint_every)
     start_step = 0
     built = time.perf_counter()
     if config.resume:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import socket
 import threading
 import time
@@ -33,7 +32,7 @@ from alpa_job.cluster import failures, ray_api, shared_out
 from alpa_job.cluster.worker_path import worker_pythonpath
 from alpa_job.errors import EXIT_PROCESS_LOST, EXIT_TIMEOUT, KitError, LostProcessError
 from alpa_job.restarts import Lost, check_batch_divides, eligible_nodes, node_alive
-from alpa_job.rundir import CHECKPOINTS
+from alpa_job.rundir import checkpoint_dir
 
 ACTOR_START_TIMEOUT_S = 120
 POLL_S = 0.5  # how often the driver looks at the processes' futures and steps
@@ -414,7 +413,7 @@ class _Job:
         self.config, self.spec = config, spec
         self.max_restarts = int(getattr(config, "max_restarts", 0) or 0)
         self.restart_wait = float(getattr(config, "restart_wait", 0) or 0)
-        self.ckpt_dir = os.path.join(config.out, CHECKPOINTS) if config.out else None
+        self.ckpt_dir = checkpoint_dir(config.out) if config.out else None
         self.lost: List[Lost] = []  # every node lost so far (never scheduled onto again)
         self.healthy: Set[str] = set()  # lost processes whose node was found alive
         self.restarts: List[Dict[str, Any]] = []
