@@ -36,7 +36,7 @@ train.log, checkpoints/. Compare runs: python -m alpa_job inspect --compare runs
 
 def _default(name: str) -> str:
     """' (default: X)' from JobConfig's default, so --help never disagrees with the code."""
-    from alpa_job.config import JobConfig
+    from alpa_job.settings.config import JobConfig
 
     value = getattr(JobConfig, name)
     return "" if value is None else f" (default: {value})"
@@ -48,7 +48,7 @@ def _choices(names) -> str:
 
 
 def _train_parser(sub) -> None:
-    from alpa_job.config import ALPA_STRATEGIES, DATASETS, DTYPES, ENGINES, STRATEGIES
+    from alpa_job.settings.config import ALPA_STRATEGIES, DATASETS, DTYPES, ENGINES, STRATEGIES
     from alpa_job.models import model_names
 
     p = sub.add_parser("train", help="train a model and write a report (the default command)",
@@ -56,7 +56,7 @@ def _train_parser(sub) -> None:
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = _default
     g = p.add_argument_group("settings files")
-    g.add_argument("--preset", metavar="NAME", help="named settings from alpa_job/presets (gpt-24l, mlp-tutorial, "
+    g.add_argument("--preset", metavar="NAME", help="named settings from alpa_job/settings/presets (gpt-24l, mlp-tutorial, "
                                                     "...); --config and flags override it")
     g.add_argument("--config", metavar="FILE", help="YAML file of job settings (keys as the flags, - or _); "
                                                     "flags override it")
@@ -171,7 +171,7 @@ def _doctor_parser(sub) -> None:
 
 
 def _cluster_parser(sub) -> None:
-    from alpa_job.ops.cli import add_parser  # up|down|status|logs|preflight: alpa_job/ops
+    from alpa_job.cluster.control.cli import add_parser  # up|down|status|logs|preflight: alpa_job/cluster/control
 
     add_parser(sub)
 
@@ -232,13 +232,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "doctor":
-            from alpa_job.cluster import doctor
+            from alpa_job.cluster.doctor import cli as doctor_cli
 
-            return doctor.main(args)
+            return doctor_cli.main(args)
         if args.command == "cluster":
-            from alpa_job.ops import cli as ops_cli
+            from alpa_job.cluster.control import cli as control_cli
 
-            return ops_cli.main(args)
+            return control_cli.main(args)
         return _train(args)
     except KitError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -253,8 +253,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _train(args) -> int:
-    from alpa_job import config as config_lib, progress
-    from alpa_job.runner import run_job
+    from alpa_job import progress
+    from alpa_job.settings import config as config_lib
+    from alpa_job.launch.runner import run_job
 
     verbosity = progress.VERBOSE if args.verbose else progress.QUIET if args.quiet else progress.DEFAULT
     progress.configure(verbosity, every=args.progress_every)
@@ -278,7 +279,7 @@ def _train(args) -> int:
 def _inspect(args) -> int:
     from alpa_job.inspect import render
     from alpa_job.inspect.load import load_any
-    from alpa_job.report import report_json
+    from alpa_job.record.report_file import report_json
 
     if args.compare:
         return _compare(([args.path] if args.path else []) + args.compare, args)

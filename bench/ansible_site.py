@@ -9,7 +9,7 @@ docker (default, issue 11): the example inventory's defaults from a controller O
 (tests/test_ansible_docker.py's setup: a site bed with a dockerd per node and a registry on the
 controller); every cold run starts with the image absent on the nodes, so it includes the pull.
 process: the controller inside the head, ray_runtime: process (tests/test_ansible.py's setup).
-Each run's counts, duration and slowest tasks come from its summary.json (alpa_job/ops/playbook.py).
+Each run's counts, duration and slowest tasks come from its summary.json (alpa_job/cluster/control/playbook.py).
 Targets (issue 11): docker cold <= 120 s, re-run <= 40 s.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ GPT_CASES = {
 
 def gpt_case(name: str, **overrides):
     """(config, model, example batch) for GPT_CASES[name], as the CLI builds them (bf16, lr 1e-4)."""
-    from alpa_job.config import JobConfig
+    from alpa_job.settings.config import JobConfig
     from alpa_job.data import epoch_batches, synthetic
     from alpa_job.models import get_model
 

@@ -5,7 +5,7 @@ import functools
 
 import jsonschema
 
-from alpa_job.inspect.record import load_schema
+from alpa_job.record.run_record import load_schema
 
 
 @functools.lru_cache(maxsize=1)
@@ -23,4 +23,4 @@ def schema_errors(report) -> list:
 
 def assert_valid_report(report) -> None:
     errors = schema_errors(report)
-    assert not errors, "report.json does not match alpa_job/inspect/report.schema.json:\n" + "\n".join(errors[:20])
+    assert not errors, "report.json does not match alpa_job/record/report.schema.json:\n" + "\n".join(errors[:20])

@@ -1,7 +1,7 @@
 """Small helpers for the core training tests (tiny, fast configs on emulated CPU devices)."""
 from __future__ import annotations
 
-from alpa_job.config import JobConfig
+from alpa_job.settings.config import JobConfig
 
 TINY = {
     "mlp": dict(hidden_dim=32),

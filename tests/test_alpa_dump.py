@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from alpa_job.errors import KitError
-from alpa_job.inspect.alpa_dump import (
+from alpa_job.record.alpa_dump import (
     AlpaDump, collect_leaves, dim_axes_of, load_alpa_dump, parse_tree, _sharding_spec)
-from alpa_job.inspect.plan import STRATEGY_LABELS
+from alpa_job.record.plan import STRATEGY_LABELS
 
 FIXTURES = Path(__file__).resolve().parent / "alpa_fixtures"
 NAMES = ["wide_resnet_dp", "pipeshard_zero", "mesh2d_mp"]

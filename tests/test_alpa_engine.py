@@ -6,7 +6,7 @@
 * Engine/strategy validation: jax strategies refused on alpa and alpa methods on jax.
 * In-process inspection from REAL alpa 0.2.3 PlacementSpec objects (alpa/parallel_plan.py loaded
   standalone in .venv39, with jax 0.4.13's ShardingSpec and a real flax TrainState), converted
-  by alpa_job.inspect.alpa_live -- labels checked against the intent computed by make_dumps.py.
+  by alpa_job.record.alpa_live -- labels checked against the intent computed by make_dumps.py.
 """
 import ast
 import json
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from alpa_job.config import JobConfig, build_config
+from alpa_job.settings.config import JobConfig, build_config
 from alpa_job.engines import alpa_engine
 from alpa_job.errors import KitError
 
@@ -27,7 +27,7 @@ VENV39_PY = REPO / ".venv39" / "bin" / "python"
 ENGINE = REPO / "alpa_job" / "engines" / "alpa_engine.py"
 # What the Alpa driver imports: the engine, its guards and plan cache, the interface and the one loop.
 ALPA_FILES = [ENGINE, REPO / "alpa_job/engines/alpa_guards.py", REPO / "alpa_job/engines/plan_cache.py",
-              REPO / "alpa_job/inspect/alpa_live.py", REPO / "alpa_job/engines/base.py", REPO / "alpa_job/train.py"]
+              REPO / "alpa_job/record/alpa_live.py", REPO / "alpa_job/engines/base.py", REPO / "alpa_job/train/loop.py"]
 NEEDS_VENV39 = pytest.mark.skipif(
     not VENV39_PY.exists(),
     reason=f"{VENV39_PY} not found: create it (python3.9 -m venv .venv39; .venv39/bin/pip install --no-deps "
@@ -64,7 +64,7 @@ def test_compiles_and_imports_on_python39_without_alpa():
         import py_compile, sys
         for f in [{files.replace(' ', ', ')}]:
             py_compile.compile(f, doraise=True)
-        import alpa_job.engines.alpa_engine, alpa_job.engines.plan_cache, alpa_job.inspect.alpa_live, alpa_job.train
+        import alpa_job.engines.alpa_engine, alpa_job.engines.plan_cache, alpa_job.record.alpa_live, alpa_job.train.loop
         assert 'alpa' not in sys.modules, 'importing the engine imported alpa'
         print(sys.version_info[:2])
     """)
@@ -137,7 +137,7 @@ LIVE_SCRIPT = """
     import jax, jax.numpy as jnp, optax
     from flax.training import train_state
     import make_dumps as md          # loads alpa 0.2.3's own parallel_plan.py (real PlacementSpec)
-    from alpa_job.inspect.alpa_live import dump_from_placement_specs
+    from alpa_job.record.alpa_live import dump_from_placement_specs
 
     model = md.MLPStack(hidden=16, num_layers=2, vocab=32)
     tokens = jnp.zeros((8, 12), jnp.int32)
@@ -192,7 +192,7 @@ def test_live_inspection_from_real_placement_specs():
 
 
 def test_stage_layout_from_seed_dp_result():
-    from alpa_job.inspect.alpa_live import stage_layout
+    from alpa_job.record.alpa_live import stage_layout
 
     dp = (None, [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], [(1, 2), (1, 2)], [(1, 2), (1, 2)],
           [{"force_batch_dim_to_mesh_dim": 0}, {"force_batch_dim_to_mesh_dim": 0}])

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from alpa_job.cluster.connect import connect
+from alpa_job.launch.connect import connect
 from alpa_job.cluster.spec import load_spec
 from alpa_job.data import Dataset, epoch_batches
 from alpa_job.engines import alpa_guards as g

@@ -117,7 +117,7 @@ class SiteAnsible:
                    "--timeout", limit, *extra]
         else:
             assert not extra, extra
-            cmd = ["-c", "import sys; from alpa_job.ops.playbook import run_playbook; "
+            cmd = ["-c", "import sys; from alpa_job.cluster.control.playbook import run_playbook; "
                          "s = run_playbook(sys.argv[1], sys.argv[2], run_dir=sys.argv[3], "
                          "timeout_s=float(sys.argv[4])); sys.exit(0 if s.ok else 3)",
                    playbook, str(inventory), str(run_dir), limit]

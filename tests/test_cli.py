@@ -183,7 +183,7 @@ def test_validate_mirrors_the_engines_rules():
     """validate.py repeats two facts to stay import-free (no flax/jax before Ray); they must agree."""
     from alpa_job.engines.sharding_rules import mesh_shape_for
     from alpa_job.models import registered
-    from alpa_job.validate import MODEL_FIELDS, tensor_model_size
+    from alpa_job.settings.validate import MODEL_FIELDS, tensor_model_size
 
     assert {name: tuple(e.hyperparameters) for name, e in registered().items()} == MODEL_FIELDS
     for devices in (1, 2, 3, 4, 6, 8, 12):
@@ -341,7 +341,7 @@ def test_cluster_size_is_checked_from_the_alive_nodes_before_any_actor():
     GPUs per node, else --devices; a batch the data axis does not divide is the same one-line error."""
     from alpa_job.cluster.ray_api import parse_nodes
     from alpa_job.errors import KitError
-    from alpa_job.validate import check_cluster_size
+    from alpa_job.settings.validate import check_cluster_size
     from helpers_train import tiny_config
 
     rows = [{"Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "NodeID": str(i),
@@ -365,7 +365,7 @@ def test_quiet_prints_only_the_result(tmp_path):
 
 
 def test_plan_title_and_units():
-    from alpa_job.inspect.record import MeshShape, RunRecord
+    from alpa_job.record.run_record import MeshShape, RunRecord
     from alpa_job.inspect.units import human_bytes, plan_title
 
     auto = RunRecord(engine="jax", strategy="tensor", requested_strategy="auto",
@@ -396,7 +396,7 @@ def test_overwrite_replaces_an_earlier_runs_checkpoints(tmp_path):
 def test_an_old_real_runs_latest_folder_is_kept_aside(tmp_path):
     """Older kits wrote runs/latest as a folder; the first new run keeps it (renamed by its time) and
     makes runs/latest a symlink."""
-    from alpa_job.rundir import point_latest
+    from alpa_job.train.rundir import point_latest
 
     old = tmp_path / "latest"
     old.mkdir()

@@ -1,4 +1,4 @@
-"""`python -m alpa_job cluster up|down|status|logs|preflight` (alpa_job/ops) on the test bed, for real:
+"""`python -m alpa_job cluster up|down|status|logs|preflight` (alpa_job/cluster/control) on the test bed, for real:
 sshd in 3 hosts (ssh_bed) for preflight and the fabric paths, a Ray cluster (ray_cluster) for status and
 Ray's log API, and an up/status/logs/down round trip of site.yml (process runtime) through ansible-runner.
 
@@ -269,7 +269,7 @@ ips = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
 print("IPS", ray.get([say.options(resources={"node:" + ip: 0.001}).remote() for ip in ips]))
 print("JOB", ray.get_runtime_context().get_job_id())
 if len(sys.argv) > 2:  # what a failed training job does: its logs, from every node, next to its report
-    from alpa_job.ops.logs import collect_job_logs
+    from alpa_job.cluster.control.logs import collect_job_logs
     print("COLLECTED", collect_job_logs(sys.argv[2]))
 """
 
@@ -280,7 +280,7 @@ def test_logs_through_rays_log_api(ray_cluster, tmp_path):
     job_dir = tmp_path / "job-run"
     run = ray_cluster.run_python(_JOB, marker, job_dir, timeout=180)
     job_id = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("JOB ")][0]
-    # the job's side (alpa_job.ops.logs.collect_job_logs): Ray's log API from inside the connected driver
+    # the job's side (alpa_job.cluster.control.logs.collect_job_logs): Ray's log API from inside the connected driver
     assert "COLLECTED %s" % (job_dir / "logs") in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     assert sorted(p.name for p in (job_dir / "logs").iterdir()) == sorted(ray_cluster.node_ips.values())
     assert (job_dir / "logs" / ray_cluster.head_ip / "raylet.out").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""alpa_job/ops without a test bed: a real ansible-runner run of a small playbook (local connection), the
+"""alpa_job/cluster/control without a test bed: a real ansible-runner run of a small playbook (local connection), the
 inventory as Ansible reads it, the status comparison and the log selection rules (plain data)."""
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def local_play(tmp_path):
 
 
 def test_run_playbook_summarises_counts_failures_and_timing(local_play, tmp_path):
-    from alpa_job.ops.playbook import run_playbook
-    from alpa_job.ops.playbook_view import Progress, render_summary
+    from alpa_job.cluster.control.playbook import run_playbook
+    from alpa_job.cluster.control.playbook_view import Progress, render_summary
 
     project, inventory = local_play
     seen = []
@@ -87,7 +87,7 @@ def test_run_playbook_summarises_counts_failures_and_timing(local_play, tmp_path
 
 
 def test_run_playbook_reports_a_broken_playbook_in_ansibles_words(local_play, tmp_path):
-    from alpa_job.ops.playbook import run_playbook
+    from alpa_job.cluster.control.playbook import run_playbook
 
     project, inventory = local_play
     (project / "broken.yml").write_text("- hosts: all\n  tasks:\n    - name: x\n      no.such.module: {}\n")
@@ -99,7 +99,7 @@ def test_run_playbook_reports_a_broken_playbook_in_ansibles_words(local_play, tm
 
 def test_the_example_inventory_as_the_cluster_commands_read_it():
     pytest.importorskip("ansible_runner", reason="pip install -r requirements/dev.txt")
-    from alpa_job.ops.inventory import load_inventory
+    from alpa_job.cluster.control.inventory import load_inventory
 
     inv = load_inventory(str(REPO / "ansible" / "inventory" / "example.yml"))
     assert (inv.head.name, inv.head.address, inv.head.user) == ("node1", "10.0.0.1", "root")
@@ -121,7 +121,7 @@ def _inventory(tmp_path, heads, workers, vars_=None):
 
 def test_inventory_mistakes_are_one_line_errors(tmp_path):
     pytest.importorskip("ansible_runner", reason="pip install -r requirements/dev.txt")
-    from alpa_job.ops.inventory import load_inventory
+    from alpa_job.cluster.control.inventory import load_inventory
 
     with pytest.raises(KitError, match=r"group ray_head must hold exactly one host .* it holds 2: a, b"):
         load_inventory(_inventory(tmp_path, [("a", "10.1.0.1"), ("b", "10.1.0.2")], []))
@@ -136,8 +136,8 @@ def test_inventory_mistakes_are_one_line_errors(tmp_path):
 
 def test_status_compare_names_each_difference(tmp_path):
     pytest.importorskip("ansible_runner", reason="pip install -r requirements/dev.txt")
-    from alpa_job.ops.inventory import load_inventory
-    from alpa_job.ops.status import compare
+    from alpa_job.cluster.control.inventory import load_inventory
+    from alpa_job.cluster.control.status import compare
 
     inv = load_inventory(_inventory(tmp_path, [("h", "10.1.0.1")], [("w1", "10.1.0.2"), ("w2", "10.1.0.3")],
                                     {"alpa_kit_cluster_cidr": "10.1.0.0/24"}))
@@ -156,7 +156,7 @@ def test_status_compare_names_each_difference(tmp_path):
 
 
 def test_job_log_selection():
-    from alpa_job.ops.logs import JobRef
+    from alpa_job.cluster.control.logs import JobRef
 
     job = JobRef("raysubmit_abc", job_id="03000000", submission_id="raysubmit_abc")
     keep = ["raylet.out", "gcs_server.err", "dashboard_agent.log", "events/event_RAYLET.log",

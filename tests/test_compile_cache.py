@@ -18,7 +18,7 @@ RUN = textwrap.dedent("""
     import json, sys, time
     t0 = time.perf_counter()
     import jax
-    from alpa_job.config import JobConfig
+    from alpa_job.settings.config import JobConfig
     from alpa_job.data import epoch_batches, synthetic
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.models import get_model

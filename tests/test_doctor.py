@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from alpa_job import versions
-from alpa_job.cluster import doctor
+from alpa_job.cluster.doctor import checks as doctor
 from alpa_job.cluster.doctor import matrix, render
 from alpa_job.cluster.ray_api import gcs_address
 from alpa_job.errors import EXIT_CHECK_FAILED

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from alpa_job import versions
-from alpa_job.cluster import doctor
+from alpa_job.cluster.doctor import checks as doctor
 from alpa_job.errors import EXIT_CHECK_FAILED
 from fixtures_multihost import run_doctor
 from fixtures_testbed import RAY_FORM_TIMEOUT, RayCluster

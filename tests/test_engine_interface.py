@@ -1,4 +1,4 @@
-"""Both engines behind one interface (alpa_job/engines/base.py), driven by one loop (train.py).
+"""Both engines behind one interface (alpa_job/engines/base.py), driven by one loop (train/loop.py).
 
 * The loop itself is proven with the real JAX engine (here and in test_train_core.py: ragged
   epochs, resume, checkpoints, compile once); its result is the typed ProcessResult.
@@ -66,19 +66,19 @@ def test_alpa_engine_class_has_the_whole_interface():
 
 def test_one_loop_drives_the_jax_engine_to_a_typed_result():
     from alpa_job.engines.jax_engine import JaxEngine
-    from alpa_job.inspect.record import ProcessResult
-    from alpa_job.runner import run_in_process
+    from alpa_job.record.run_record import ProcessResult
+    from alpa_job.launch.runner import run_in_process
 
     assert interface_gaps(JaxEngine) == []
     engines: List[Any] = []
 
     def build(config, model, data):  # the default factory, keeping the engine for the asserts below
-        from alpa_job.train import build_jax_engine
+        from alpa_job.train.loop import build_jax_engine
 
         engines.append(build_jax_engine(config, model, data))
         return engines[0]
 
-    from alpa_job.train import train_process
+    from alpa_job.train.loop import train_process
 
     config = tiny_config("mlp", num_samples=40, epochs=2, remainder="pad")
     result = train_process(config, build_engine=build)
@@ -93,7 +93,7 @@ def test_one_loop_drives_the_jax_engine_to_a_typed_result():
 
 
 def test_loop_refuses_a_factory_that_returns_no_engine():
-    from alpa_job.train import train_process
+    from alpa_job.train.loop import train_process
 
     with pytest.raises(TypeError, match=r"does not implement .*Engine: no abstract_state, checkpoints, compile"):
         train_process(tiny_config("mlp", steps=1), build_engine=lambda config, model, data: object())
@@ -146,7 +146,7 @@ class DumpExecutable:
 def _alpa_engine_on(executable):
     from alpa_job.engines.alpa_engine import AlpaCluster
     from alpa_job.models import get_model
-    from alpa_job.train import prepare_data
+    from alpa_job.train.loop import prepare_data
 
     config = tiny_config("mlp", engine="alpa", strategy="pipeshard-auto", micro_batches=2)
     data = prepare_data(config)
@@ -159,7 +159,7 @@ def _alpa_engine_on(executable):
 def test_alpa_engine_inspection_feeds_the_loop_result(tmp_path):
     """AlpaEngine's own inspection code (read_executable, plan, topology, extra_report, finish) on
     a real pipeshard dump, through the loop's result builder: the typed ProcessResult."""
-    from alpa_job.train import _result, loop_statistics
+    from alpa_job.train.loop import _result, loop_statistics
 
     executable = DumpExecutable(FIXTURE)
     config, engine = _alpa_engine_on(executable)
@@ -193,11 +193,11 @@ def test_alpa_engine_unreadable_workers_are_a_note_naming_the_log(capsys):
 
 ALPA_ON_PY39 = """
     import json, sys
-    from alpa_job.config import JobConfig
+    from alpa_job.settings.config import JobConfig
     from alpa_job.engines.alpa_engine import AlpaCluster, AlpaEngine
     from alpa_job.engines.base import Engine, interface_gaps, missing_members
     from alpa_job.models import get_model
-    from alpa_job.train import prepare_data
+    from alpa_job.train.loop import prepare_data
     import jax
 
     config = JobConfig(model="mlp", hidden_dim=16, num_samples=40, batch_size=8, engine="alpa",

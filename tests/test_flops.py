@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from alpa_job.config import JobConfig
+from alpa_job.settings.config import JobConfig
 from alpa_job.data import epoch_batches, synthetic
 from alpa_job.engines.flops import step_flops
 from alpa_job.engines.jax_engine import JaxEngine
@@ -60,7 +60,7 @@ def test_a_scan_counts_its_body_per_iteration_and_a_cond_its_costliest_branch():
 
 
 def test_report_has_flops_and_tflops_on_cpu(tmp_path):
-    from alpa_job.train import train_process
+    from alpa_job.train.loop import train_process
 
     config = JobConfig(model="gpt", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
                        num_samples=32, batch_size=8, steps=4, address="none", compile_cache="none",

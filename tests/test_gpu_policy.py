@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from alpa_job.config import JobConfig
+from alpa_job.settings.config import JobConfig
 from alpa_job.data import epoch_batches, synthetic
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.engines.optimizer import learning_rate_schedule, warmup_steps
@@ -97,7 +97,7 @@ def test_small_gpt_loss_falls_at_defaults():
 def test_report_times_phases_and_the_steady_state_apart():
     """The record's `timing`: phases (compile, init, first step, time to first step), the steady
     state as median/p10/p90 of windowed step times (the first step not among them), XLA's FLOPs."""
-    from alpa_job.runner import run_in_process
+    from alpa_job.launch.runner import run_in_process
     from helpers_train import tiny_config
 
     result = run_in_process(tiny_config("gpt", steps=41, epochs=100))

@@ -1,5 +1,5 @@
 """Collective counting over both HLO text styles (Alpa 0.2.3 era and modern jax)."""
-from alpa_job.inspect.hlo import COLLECTIVE_KINDS, count_collectives, merge_counts, shape_bytes
+from alpa_job.record.hlo import COLLECTIVE_KINDS, count_collectives, merge_counts, shape_bytes
 
 OLD_STYLE = """\
 HloModule train_step_shard_parallel, input_output_alias={ {0}: (0, {}, may-alias) }

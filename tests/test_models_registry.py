@@ -11,8 +11,8 @@ import tomllib
 
 import pytest
 
-from alpa_job import config as config_lib
-from alpa_job.config import JobConfig, build_config, load_preset, load_settings, preset_names
+from alpa_job.settings import config as config_lib
+from alpa_job.settings.config import JobConfig, build_config, load_preset, load_settings, preset_names
 from alpa_job.errors import KitError
 from alpa_job.models import MODEL_MODULES, get_entry, get_model, model_names, registered
 from helpers_train import tiny_config
@@ -126,7 +126,7 @@ def test_unknown_model_is_one_line_listing_the_registered_names():
 def test_checking_a_model_name_does_not_import_jax():
     """The config validates --model before the runner decides whether to emulate CPU devices, which it
     does only while jax is not imported yet."""
-    code = ("import sys; from alpa_job.config import build_config; build_config({'model': 'gpt'}, {}); "
+    code = ("import sys; from alpa_job.settings.config import build_config; build_config({'model': 'gpt'}, {}); "
             "print('jax' in sys.modules, 'flax' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -228,7 +228,7 @@ def test_preset_with_an_unknown_key_names_the_key(tmp_path):
 def test_presets_ship_as_package_data():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["alpa_job"]
-    assert "presets/*.yaml" in globs
+    assert "settings/presets/*.yaml" in globs
     assert set(os.listdir(config_lib.PRESETS_DIR)) == {f"{n}.yaml" for n in preset_names()}
 
 

@@ -75,7 +75,7 @@ def test_rendered_ruleset_accepts_exactly_the_policy_ports_from_members(spec):
 
 
 def test_doctor_skip_ports_refuses_unknown_names(spec):
-    from alpa_job.cluster.doctor import run_doctor
+    from alpa_job.cluster.doctor.run import run_doctor
 
     with pytest.raises(KitError, match="--skip-ports names sshd"):
         run_doctor("127.0.0.1:1", spec, skip_ports=["sshd"])

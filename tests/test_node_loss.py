@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from alpa_job.checkpoint import latest_complete_step
-from alpa_job.cluster import ray_api, shared_out
+from alpa_job.train.checkpoint import latest_complete_step
+from alpa_job.cluster import ray_api
+from alpa_job.launch import shared_out
 from alpa_job.errors import KitError
-from alpa_job.restarts import Lost, check_batch_divides, eligible_nodes, samples_in_steps, trajectory_counts, \
+from alpa_job.launch.restarts import Lost, check_batch_divides, eligible_nodes, samples_in_steps, trajectory_counts, \
     view_settled
 from alpa_job.data import plan_epoch
 
@@ -130,7 +131,7 @@ def test_a_save_killed_midway_never_counts_as_the_latest_checkpoint(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     import numpy as np
 
-    from alpa_job.checkpoint import Checkpointer
+    from alpa_job.train.checkpoint import Checkpointer
 
     ck = Checkpointer(str(tmp_path / "checkpoints"), every=10)
     state = {"w": np.arange(4.0)}
@@ -147,7 +148,7 @@ def test_a_save_killed_midway_never_counts_as_the_latest_checkpoint(tmp_path):
 
 
 def test_cli_takes_max_restarts_and_restart_wait():
-    from alpa_job.config import JobConfig
+    from alpa_job.settings.config import JobConfig
 
     assert JobConfig().max_restarts == 0  # today's fail-fast stays the default
     with pytest.raises(KitError, match="--max-restarts must be >= 0"):
@@ -356,7 +357,7 @@ def test_alpa_side_actor_death_is_named_with_host_ip_and_node(tmp_path):
     turned into a line naming its host, node IP, Ray node id and pid (real local Ray, a real actor death)."""
     code = r"""
 import os, socket, ray
-from alpa_job.cluster.failures import actor_error_message
+from alpa_job.launch.failures import actor_error_message
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 
 @ray.remote(num_cpus=0)

@@ -119,7 +119,8 @@ RAY_SCRIPT = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, os.environ["REPO"])
     import ray
-    from alpa_job.cluster import doctor, ray_api
+    from alpa_job.cluster import ray_api
+    from alpa_job.cluster.doctor import checks as doctor_checks, probe
     from alpa_job import versions
 
     assert ray.__version__ == "2.1.0", ray.__version__
@@ -137,13 +138,13 @@ RAY_SCRIPT = textwrap.dedent("""
         node_id, _ = ray.get(where.options(**ray_api.pin_to_node(node.ip)).remote(), timeout=120)
         assert node_id == node.node_id, (node_id, node.node_id)
         # The doctor's pure checks, on this node's real facts.
-        facts = ray.get(ray.remote(doctor.node_facts).options(**ray_api.pin_to_node(node.ip)).remote(), timeout=120)
+        facts = ray.get(ray.remote(probe.node_facts).options(**ray_api.pin_to_node(node.ip)).remote(), timeout=120)
         ip = node.ip
-        checks = doctor.check_node_ip("n1", ip, {"lo": [ip]}, "%s/32" % ip)
+        checks = doctor_checks.check_node_ip("n1", ip, {"lo": [ip]}, "%s/32" % ip)
         other = "127.0.0.0/8" if not ip.startswith("127.") else "10.0.0.0/8"  # a CIDR the node is NOT in
-        bad = doctor.check_node_ip("n1", ip, {"lo": [ip]}, other)
-        skew = doctor.compare_versions({"a": {"ray": "2.1.0"}, "b": {"ray": "2.2.0"}})
-        same = doctor.compare_versions({"a": versions.collect(), "b": versions.collect()})
+        bad = doctor_checks.check_node_ip("n1", ip, {"lo": [ip]}, other)
+        skew = doctor_checks.compare_versions({"a": {"ray": "2.1.0"}, "b": {"ray": "2.2.0"}})
+        same = doctor_checks.compare_versions({"a": versions.collect(), "b": versions.collect()})
         print(json.dumps({"facts": sorted(facts), "ok": [c["ok"] for c in checks], "bad": [c["ok"] for c in bad],
                           "skew": [c["ok"] for c in skew], "same": [c["ok"] for c in same],
                           "ray": versions.collect()["ray"]}))
@@ -193,7 +194,7 @@ def test_models_train_on_py39(py39_models, model, tmp_path):
 _JOIN = r"""
 import sys
 from alpa_job.errors import KitError
-from alpa_job.train import init_distributed
+from alpa_job.train.loop import init_distributed
 try:
     init_distributed(sys.argv[1], 2, int(sys.argv[2]), timeout_s=30)
     print("JOINED")

@@ -1,5 +1,5 @@
 """The typed run record: every report any path writes validates against the shipped JSON Schema
-(alpa_job/inspect/report.schema.json), report.json round-trips through RunRecord, old reports
+(alpa_job/record/report.schema.json), report.json round-trips through RunRecord, old reports
 still load, and `inspect DUMP_DIR` carries memory and stages."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import re
 import pytest
 
 from alpa_job.errors import KitError
-from alpa_job.inspect import record as rec
-from alpa_job.inspect.record import GIB, SCHEMA_VERSION, MemoryRecord, ProcessResult, RunRecord
+from alpa_job.record import run_record as rec
+from alpa_job.record.run_record import GIB, SCHEMA_VERSION, MemoryRecord, ProcessResult, RunRecord
 from helpers_report import assert_valid_report, schema_errors
 from helpers_train import tiny_config
 from test_cli import run_cli
@@ -28,7 +28,7 @@ DUMPS = sorted(d for d in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FI
 def train_runs(tmp_path_factory):
     """One real in-process run per JAX strategy (auto included) and a resumed run, via run_job
     (the path `python -m alpa_job train` takes): {name: run dir}."""
-    from alpa_job.runner import run_job
+    from alpa_job.launch.runner import run_job
 
     runs = {}
     for name, overrides in (("data", {}), ("fsdp", {}), ("tensor", {"model_parallel": 2}), ("auto", {}),
@@ -177,7 +177,7 @@ class _LiveAlpaEngine:
             self.stats.hlo_texts = executable.get_hlo_text()
 
     def plan(self):
-        from alpa_job.inspect.alpa_live import dump_from_placement_specs
+        from alpa_job.record.alpa_live import dump_from_placement_specs
 
         return dump_from_placement_specs(self.executable.get_input_placement_specs(),
                                          self.executable.get_output_placement_specs()).plan
@@ -188,7 +188,7 @@ class _LiveAlpaEngine:
                 "devices": {"count": 4, "platform": "gpu", "kind": "A100"}}
 
     def extra_report(self):
-        from alpa_job.inspect.alpa_live import stage_layout
+        from alpa_job.record.alpa_live import stage_layout
 
         dp_result = (None, [[0, 1], [2, 3]], [(1, 2), (1, 2)], [(2,), (2,)],
                      [{"force_batch_dim_to_mesh_dim": 0}] * 2)
@@ -199,8 +199,9 @@ class _LiveAlpaEngine:
 
 @pytest.mark.parametrize("readable", [True, False], ids=["measured", "workers-unreadable"])
 def test_live_alpa_plan_report_validates(readable, tmp_path):
-    from alpa_job.report import build_report, write_report
-    from alpa_job.train import _result
+    from alpa_job.inspect.write import write_report
+    from alpa_job.record.report_file import build_report
+    from alpa_job.train.loop import _result
 
     config = tiny_config("mlp", engine="alpa", strategy="pipeshard-auto", out=str(tmp_path))
     engine = _LiveAlpaEngine(_FixtureExecutable(os.path.join(FIXTURES, "pipeshard_zero")), readable)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from alpa_job.config import JobConfig
+from alpa_job.settings.config import JobConfig
 from alpa_job.data import epoch_batches, synthetic
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.engines.state_init import StateInitializer

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from alpa_job.runner import run_in_process
+from alpa_job.launch.runner import run_in_process
 from helpers_train import tiny_config
 
 
@@ -114,7 +114,7 @@ def test_auto_skips_candidates_over_the_memory_budget():
 
 
 def test_checkpoint_round_trips_exactly(tmp_path):
-    from alpa_job.checkpoint import Checkpointer
+    from alpa_job.train.checkpoint import Checkpointer
 
     config = tiny_config("mlp", steps=4, checkpoint_every=2, out=str(tmp_path))
     result = run_in_process(config, return_state=True)

@@ -11,7 +11,7 @@ Methods (`--strategy` with --engine alpa):
   pipeshard-auto    alpa.PipeshardParallel(layer_option=AutoLayerOption(layer_num),
                     stage_option=AutoStageOption) -- or, on a --plan-cache hit, ManualStageOption
 The train step uses `alpa.grad`; evaluation uses `alpa.FollowParallel` on the train step's
-placement. `AlpaEngine` implements engines.base.Engine, so train.py's one loop drives it (data,
+placement. `AlpaEngine` implements engines.base.Engine, so the one loop (train/loop.py) drives it (data,
 ragged policy, progress, timing, statistics) exactly as it drives the JAX engine; this module keeps
 what only Alpa has: the session (guards, alpa.init), pipeline boundaries, the plan cache, the dump.
 """
@@ -30,8 +30,8 @@ from alpa_job.engines import alpa_guards as guards
 from alpa_job.engines import plan_cache as cache_lib
 from alpa_job.engines.base import CompileStats, EngineHooks
 from alpa_job.errors import KitError
-from alpa_job.inspect.record import MemoryRecord
-from alpa_job.train import check_supported
+from alpa_job.record.run_record import MemoryRecord
+from alpa_job.train.loop import check_supported
 
 ALPA_METHODS = ("data", "shard", "pipeshard-manual", "pipeshard-auto")
 
@@ -250,7 +250,7 @@ def alpa_session(config, address: Optional[str], spec) -> Iterator[AlpaCluster]:
 # ----------------------------------------------------------------------------- the engine
 class AlpaEngine(EngineHooks):
     """The `Engine` (engines/base.py) for alpa 0.2.3: alpa.parallelize drives every GPU node from
-    the driver, so the one loop in train.py runs once, on the driver.
+    the driver, so the one loop (train/loop.py) runs once, on the driver.
 
     The constructor is pure (no `import alpa`): the interface test builds one on Python 3.9."""
 
@@ -440,7 +440,7 @@ class AlpaEngine(EngineHooks):
     # ----- inspection ----------------------------------------------------------------------------
     def plan(self):
         """The plan from the last executable's placement specs (same labels as `inspect DUMP_DIR`)."""
-        from alpa_job.inspect.alpa_live import dump_from_placement_specs
+        from alpa_job.record.alpa_live import dump_from_placement_specs
 
         executable = self.executable
         return dump_from_placement_specs(executable.get_input_placement_specs(),
@@ -480,7 +480,7 @@ class AlpaEngine(EngineHooks):
             progress.note(str(err))
 
     def extra_report(self) -> Dict[str, Any]:
-        from alpa_job.inspect.alpa_live import stage_layout
+        from alpa_job.record.alpa_live import stage_layout
 
         return {"alpa_method": self.settings, "stages": stage_layout(self._dp_result, self._stage_memory),
                 "plan_cache": self.cache_info}

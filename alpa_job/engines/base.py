@@ -1,4 +1,4 @@
-"""The one interface every engine implements, so one loop (alpa_job/train.py) drives them all.
+"""The one interface every engine implements, so one loop (alpa_job/train/loop.py) drives them all.
 
 An engine owns what differs between JAX and Alpa: how the step is built and compiled for a
 model, strategy and device set, where state and batches live, how a loss comes back to the
@@ -13,8 +13,8 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
-from alpa_job.inspect.hlo import count_collectives, merge_counts
-from alpa_job.inspect.plan import ParallelPlan
+from alpa_job.record.hlo import count_collectives, merge_counts
+from alpa_job.record.plan import ParallelPlan
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ from alpa_job.engines.optimizer import default_optimizer
 from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
-from alpa_job.inspect import plan as plan_model
+from alpa_job.record import plan as plan_model
 from alpa_job.models import ModelSpec
 
 

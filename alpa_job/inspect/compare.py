@@ -13,7 +13,7 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from alpa_job.errors import KitError
-from alpa_job.inspect.record import RunRecord
+from alpa_job.record.run_record import RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
 
 COLUMNS = ("run", "plan", "status", "steps", "step ms", "samples/s", "state / device", "peak / device",

@@ -6,10 +6,10 @@ import glob
 import os
 from typing import Dict, List, Optional
 
-from alpa_job.inspect.hlo import merge_counts
-from alpa_job.inspect.record import (GIB, Collective, DeviceInfo, MemoryRecord, MeshShape, RunRecord,
+from alpa_job.record.hlo import merge_counts
+from alpa_job.record.run_record import (GIB, Collective, DeviceInfo, MemoryRecord, MeshShape, RunRecord,
                                      StageRecord)
-from alpa_job.report import load_report
+from alpa_job.record.report_file import load_report
 
 
 def load_any(path: str) -> RunRecord:
@@ -21,7 +21,7 @@ def load_any(path: str) -> RunRecord:
 
 def alpa_dump_report(path: str) -> RunRecord:
     """The run record of an Alpa dump_debug_info folder: plan, collectives, memory, stages."""
-    from alpa_job.inspect.alpa_dump import load_alpa_dump
+    from alpa_job.record.alpa_dump import load_alpa_dump
 
     return record_from_dump(load_alpa_dump(path), source=os.path.abspath(path))
 

@@ -10,7 +10,7 @@ import html
 import json
 from typing import Any, Dict, List, Optional, Sequence
 
-from alpa_job.inspect.record import Leaf, RunRecord
+from alpa_job.record.run_record import Leaf, RunRecord
 
 CELL_W, CELL_H, GAP = 150, 64, 8
 

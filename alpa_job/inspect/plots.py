@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 from typing import List, Optional, Tuple
 
-from alpa_job.inspect.record import RunRecord
+from alpa_job.record.run_record import RunRecord
 
 STRATEGY_COLORS = {"DP": "#4c78a8", "ZeRO": "#f58518", "MP": "#54a24b", "MP+ZeRO": "#e45756",
                    "replicated": "#9d9d9d"}

@@ -1,6 +1,6 @@
 """Render a RunRecord as a terminal table, Markdown or a self-contained HTML page.
 
-Reads the typed record (alpa_job.inspect.record); nothing here imports an engine.
+Reads the typed record (alpa_job.record.run_record); nothing here imports an engine.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 from typing import List, Optional, Sequence
 
 from alpa_job.inspect import plots
-from alpa_job.inspect.record import MemoryRecord, RunRecord
+from alpa_job.record.run_record import MemoryRecord, RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
 
 PARAM_COLUMNS = ("path", "shape", "dtype", "bytes", "bytes_per_device", "spec", "mesh_ids", "strategy")

@@ -111,7 +111,7 @@ class ModelEntry:
 
     def defaults(self) -> Dict[str, Any]:
         """The model's hyperparameters with their default values (JobConfig's defaults: one place)."""
-        from alpa_job.config import JobConfig
+        from alpa_job.settings.config import JobConfig
 
         fields = {f.name: f.default for f in dataclasses.fields(JobConfig)}
         return {name: fields[name] for name in self.hyperparameters}

@@ -55,19 +55,19 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from alpa_job.ops.inventory import load_inventory
+    from alpa_job.cluster.control.inventory import load_inventory
 
     if args.action in ("up", "down"):
         return _playbook(args)
     inv = load_inventory(args.inventory)
     if args.action == "status":
-        from alpa_job.ops import status
+        from alpa_job.cluster.control import status
 
         return _verdict(status, status.cluster_status(inv, address=args.address, timeout_s=args.timeout), args)
     if args.action == "logs":
         import time
 
-        from alpa_job.ops import logs
+        from alpa_job.cluster.control import logs
 
         out = args.out or os.path.join("runs", "cluster-logs-%s" % time.strftime("%Y%m%d-%H%M%S"))
         summary = logs.collect_logs(inv, out, job=args.job, address=args.address, deadline_s=args.deadline,
@@ -80,7 +80,7 @@ def main(args) -> int:
                   file=sys.stderr)
             return EXIT_CHECK_FAILED
         return EXIT_OK
-    from alpa_job.ops import preflight
+    from alpa_job.cluster.control import preflight
 
     return _verdict(preflight, preflight.run_preflight(inv, deadline_s=args.deadline,
                                                        connect_timeout_s=args.connect_timeout), args)
@@ -97,9 +97,9 @@ def _verdict(check, result, args) -> int:
 
 def _playbook(args) -> int:
     from alpa_job.errors import KitError
-    from alpa_job.ops.inventory import DEFAULT_INVENTORY
-    from alpa_job.ops.playbook import PLAYBOOKS, run_playbook
-    from alpa_job.ops.playbook_view import Progress, render_summary
+    from alpa_job.cluster.control.inventory import DEFAULT_INVENTORY
+    from alpa_job.cluster.control.playbook import PLAYBOOKS, run_playbook
+    from alpa_job.cluster.control.playbook_view import Progress, render_summary
 
     inventory = os.path.abspath(args.inventory or DEFAULT_INVENTORY)
     if not os.path.exists(inventory):

@@ -1,6 +1,6 @@
 """Naming a dead JAX process (or its node) and waiting until Ray's view of the cluster is settled.
 
-Ray-side helpers for cluster/processes.py; the decisions are pure functions in alpa_job/restarts.py.
+Ray-side helpers for cluster/processes.py; the decisions are pure functions in alpa_job/launch/restarts.py.
 
 - `Slot`: who one process is (index, host name, node IP, Ray node id, actor/worker id, pid): asked from
   the actor itself when it starts, so a failure can be named after the process is gone.
@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 from alpa_job.cluster import ray_api
 from alpa_job.errors import EXIT_TIMEOUT, KitError
-from alpa_job.restarts import Lost, node_alive
+from alpa_job.launch.restarts import Lost, node_alive
 
 LOG_TAIL_LINES = 20
 LOG_TIMEOUT_S = 5.0

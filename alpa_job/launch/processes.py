@@ -27,12 +27,13 @@ import uuid
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from alpa_job import progress
-from alpa_job.checkpoint import latest_complete_step
-from alpa_job.cluster import failures, ray_api, shared_out
+from alpa_job.train.checkpoint import latest_complete_step
+from alpa_job.cluster import ray_api
+from alpa_job.launch import failures, shared_out
 from alpa_job.cluster.worker_path import worker_pythonpath
 from alpa_job.errors import EXIT_PROCESS_LOST, EXIT_TIMEOUT, KitError, LostProcessError
-from alpa_job.restarts import Lost, check_batch_divides, eligible_nodes, node_alive
-from alpa_job.rundir import checkpoint_dir
+from alpa_job.launch.restarts import Lost, check_batch_divides, eligible_nodes, node_alive
+from alpa_job.train.rundir import checkpoint_dir
 
 ACTOR_START_TIMEOUT_S = 120
 POLL_S = 0.5  # how often the driver looks at the processes' futures and steps
@@ -112,7 +113,7 @@ def _actor_class():
 
         def trajectory(self, cfg, run_start: int, resumed_from: int) -> Tuple[int, int]:
             from alpa_job.data import load_dataset, plan_epoch
-            from alpa_job.restarts import samples_in_steps
+            from alpa_job.launch.restarts import samples_in_steps
 
             epoch = plan_epoch(load_dataset(cfg).num_samples, cfg.batch_size, cfg.remainder)
             return samples_in_steps(epoch.steps, epoch.full_batches, epoch.remainder, epoch.policy,
@@ -121,7 +122,7 @@ def _actor_class():
         def train(self, cfg, process_id: int, num_processes: int, coordinator: Optional[str],
                   channel=None) -> Any:
             from alpa_job import progress
-            from alpa_job.train import train_process
+            from alpa_job.train.loop import train_process
 
             def on_step(step: int) -> None:
                 self.step = step
@@ -554,7 +555,7 @@ class _Job:
             self.restarts[-1]["recover_seconds"] = round(attempt.first_step_at - self.restarts[-1]["_detected"], 3)
 
     def _finish(self, results: List[Any], attempt: "_Attempt", resumed: int) -> List[Any]:
-        from alpa_job.inspect.record import ProcessResult, RestartRecord
+        from alpa_job.record.run_record import ProcessResult, RestartRecord
 
         typed = [ProcessResult.coerce(r) for r in results]
         if not self.restarts:

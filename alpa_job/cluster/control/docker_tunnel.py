@@ -23,7 +23,7 @@ import tempfile
 import threading
 from typing import List, Optional
 
-from alpa_job.ops.remote import Remote
+from alpa_job.cluster.control.remote import Remote
 
 REQUEST_TIMEOUT_S = 15.0
 

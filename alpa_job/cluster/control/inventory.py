@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from alpa_job.errors import KitError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ANSIBLE_DIR = os.path.join(REPO, "ansible")
 DEFAULT_INVENTORY = os.path.join(ANSIBLE_DIR, "inventory", "hosts.yml")  # what ansible.cfg names
 HEAD_GROUP, WORKER_GROUP = "ray_head", "ray_workers"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from alpa_job.inspect import record
+from alpa_job.record import run_record as record
 
 STRATEGY_LABELS = ("DP", "ZeRO", "MP", "MP+ZeRO", "replicated")
 

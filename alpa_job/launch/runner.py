@@ -14,21 +14,24 @@ import sys
 import traceback
 from typing import Any, Iterable, List, Tuple
 
-from alpa_job import progress, rundir, validate
-from alpa_job.cluster.connect import NO_RAY, connect, resolve_address
+from alpa_job import progress
+from alpa_job.settings import validate
+from alpa_job.train import rundir
+from alpa_job.launch.connect import NO_RAY, connect, resolve_address
 from alpa_job.cluster.spec import load_spec
-from alpa_job.config import check_engine_strategy
+from alpa_job.settings.config import check_engine_strategy
 from alpa_job.engines import resolve_engine
 from alpa_job.errors import KitError, LostProcessError
-from alpa_job.inspect.record import ProcessResult
-from alpa_job.report import build_report, failed_report, write_report
+from alpa_job.record.run_record import ProcessResult
+from alpa_job.inspect.write import write_report
+from alpa_job.record.report_file import build_report, failed_report
 
 JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this (plus the TCP check's share): issue 13's 20 s
 
 
 def run_in_process(config, return_state: bool = False) -> ProcessResult:
     """Train with the JAX engine in this process without Ray (benchmarks, tests, machines without Ray)."""
-    from alpa_job.train import ensure_cpu_devices, train_process
+    from alpa_job.train.loop import ensure_cpu_devices, train_process
 
     if "jax" not in sys.modules:
         ensure_cpu_devices(config.devices)
@@ -81,7 +84,7 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown) 
 
 def _collect_logs(out_dir: str, shown) -> None:
     """A failed cluster run keeps every node's Ray logs beside its report (issue 14), while Ray still serves them."""
-    from alpa_job.ops.logs import collect_job_logs  # never raises; bounded by its own deadline
+    from alpa_job.cluster.control.logs import collect_job_logs  # never raises; bounded by its own deadline
 
     where = collect_job_logs(out_dir, deadline_s=30.0)
     if where:
@@ -94,7 +97,7 @@ def _collect_logs(out_dir: str, shown) -> None:
 def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult]:
     if engine == "alpa":
         from alpa_job.engines.alpa_engine import AlpaEngine, alpa_session
-        from alpa_job.train import train_process
+        from alpa_job.train.loop import train_process
 
         try:
             with alpa_session(config, address, spec) as cluster:
@@ -104,7 +107,7 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
 
             if not isinstance(err, ray.exceptions.RayActorError):
                 raise
-            from alpa_job.cluster.failures import actor_error_message  # issue 12: name the lost node
+            from alpa_job.launch.failures import actor_error_message  # issue 12: name the lost node
 
             raise LostProcessError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
                            "job once the node is back (or without it)") from None
@@ -116,7 +119,7 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
                     log_to_driver=shown.verbosity >= progress.VERBOSE)
     shown.line(f"[alpa_job] joined {where}")
     from alpa_job.cluster import ray_api
-    from alpa_job.cluster.processes import run_on_nodes
+    from alpa_job.launch.processes import run_on_nodes
 
     validate.check_cluster_size(config, ray_api.alive_nodes())  # the one check that needs the cluster
     return run_on_nodes(config, spec)

@@ -10,7 +10,7 @@ import subprocess
 import time
 from typing import NamedTuple, Optional
 
-from alpa_job.ops.inventory import Node
+from alpa_job.cluster.control.inventory import Node
 
 CONNECT_TIMEOUT_S = 5.0
 COMMAND_TIMEOUT_S = 20.0

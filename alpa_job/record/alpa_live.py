@@ -14,8 +14,8 @@ import os
 import tempfile
 from typing import Any, List, Optional, Sequence
 
-from alpa_job.inspect.alpa_dump import INPUT_SUFFIX, OUTPUT_SUFFIX, AlpaDump, load_alpa_dump
-from alpa_job.inspect.record import StageRecord
+from alpa_job.record.alpa_dump import INPUT_SUFFIX, OUTPUT_SUFFIX, AlpaDump, load_alpa_dump
+from alpa_job.record.run_record import StageRecord
 
 PREFIX = "train_step"
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from alpa_job.errors import KitError
-from alpa_job.ops.inventory import ANSIBLE_DIR, tool_env
+from alpa_job.cluster.control.inventory import ANSIBLE_DIR, tool_env
 
 PLAYBOOKS = {"up": "site.yml", "down": "teardown.yml"}
 COUNTS = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")

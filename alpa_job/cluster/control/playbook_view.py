@@ -12,7 +12,7 @@ import threading
 from typing import Any, Dict, List, Optional, TextIO
 
 from alpa_job.cluster.doctor.render import grid
-from alpa_job.ops.playbook import PlaybookSummary
+from alpa_job.cluster.control.playbook import PlaybookSummary
 
 MAX_FAILURES_SHOWN = 8
 
@@ -99,7 +99,7 @@ class Progress:
 
 
 def _msg(res: Dict[str, Any]) -> str:
-    from alpa_job.ops.playbook import failure_message
+    from alpa_job.cluster.control.playbook import failure_message
 
     return failure_message(res)[:200]
 

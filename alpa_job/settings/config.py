@@ -1,6 +1,6 @@
 """The job config: one frozen dataclass, validated once.
 
-Override order (later wins): the defaults below -> `--preset NAME` (alpa_job/presets/NAME.yaml) ->
+Override order (later wins): the defaults below -> `--preset NAME` (alpa_job/settings/presets/NAME.yaml) ->
 `--config FILE` -> command-line flags. A preset is an ordinary config file: a YAML mapping of field
 names, which may start from another preset or file with `base_config:` (MaxText's base config +
 overrides; resolved recursively, the base first). Every problem is a `KitError` that names the field
@@ -67,7 +67,7 @@ class JobConfig:
     plan_cache: Optional[str] = None  # pipeshard-auto: folder that keeps/reuses the auto search result
 
     # Output and checkpoints.
-    out: Optional[str] = None  # None: runs/<time>-<model>-<strategy> with runs/latest -> it (alpa_job/rundir.py)
+    out: Optional[str] = None  # None: runs/<time>-<model>-<strategy> with runs/latest -> it (alpa_job/train/rundir.py)
     checkpoint_every: int = 0  # 0: no checkpoints
     resume: bool = False
     max_restarts: int = 0  # JAX engine on Ray: restarts on the surviving nodes after a lost process (0: fail fast)

@@ -33,8 +33,8 @@ from alpa_job.cluster.doctor.checks import check, check_shm, gib
 from alpa_job.cluster.doctor.render import grid
 from alpa_job.cluster.node_ip import ips_in_cidr, select_node_ip
 from alpa_job.errors import KitError
-from alpa_job.ops.inventory import Inventory, Node
-from alpa_job.ops.remote import Remote, RemoteError
+from alpa_job.cluster.control.inventory import Inventory, Node
+from alpa_job.cluster.control.remote import Remote, RemoteError
 
 DEFAULT_DEADLINE_S = 25.0
 COLUMNS = ("ssh", "iface", "ports", "engine", "image", "gpu", "shm", "clock")
@@ -218,7 +218,7 @@ class NodePreflight:
                      "install the NVIDIA driver on %s, or set ray_gpus: false for CPU-only nodes" % self.node.name)
 
     def check_docker(self, remote: Remote) -> None:
-        from alpa_job.ops.docker_tunnel import DockerTunnel
+        from alpa_job.cluster.control.docker_tunnel import DockerTunnel
 
         docker_host = self.inv.docker_host(self.node)
         with DockerTunnel(remote, docker_host, timeout_s=self.left(15)) as tunnel:

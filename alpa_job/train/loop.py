@@ -17,12 +17,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from alpa_job import progress, timing, versions
+from alpa_job import progress, versions
+from alpa_job.train import timing
 from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_epoch
 from alpa_job.engines.base import Engine, missing_members
 from alpa_job.errors import KitError
-from alpa_job.inspect.record import ProcessResult
-from alpa_job.rundir import checkpoint_dir
+from alpa_job.record.run_record import ProcessResult
+from alpa_job.train.rundir import checkpoint_dir
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -173,7 +174,7 @@ def train_process(config, process_id: int = 0, num_processes: int = 1, coordinat
 
     checkpointer = None
     if config.checkpoint_every:
-        from alpa_job.checkpoint import Checkpointer
+        from alpa_job.train.checkpoint import Checkpointer
 
         checkpointer = Checkpointer(checkpoint_dir(config.out), config.checkpoint_every)
     start_step = 0

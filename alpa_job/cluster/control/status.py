@@ -20,8 +20,8 @@ from alpa_job.cluster import ray_api
 from alpa_job.cluster.doctor.render import grid
 from alpa_job.cluster.node_ip import ips_in_cidr
 from alpa_job.errors import KitError
-from alpa_job.ops.inventory import Inventory
-from alpa_job.ops.ray_http import RayHttp, RayHttpError, dashboard_url
+from alpa_job.cluster.control.inventory import Inventory
+from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError, dashboard_url
 
 RESOURCE_COLUMNS = ("CPU", "GPU", "memory", "object_store_memory")
 

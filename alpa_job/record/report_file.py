@@ -1,18 +1,18 @@
-"""Assemble the run record from the processes' results and write report.json / .md / .html.
+"""The run record as a file: assemble it from the processes' results, serialise it, read it back.
 
 Training returns `ProcessResult`s; this module merges them into the `RunRecord` the user reads
-(report.json is `RunRecord.to_dict()`). It never imports an engine, so `inspect` works anywhere.
+(report.json is `RunRecord.to_dict()`). Rendering it (report.md, report.html, plots) is the readers'
+job (`alpa_job.inspect.write`). Nothing here imports an engine, so `inspect` works anywhere.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import os
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from alpa_job.errors import KitError
-from alpa_job.inspect import plots, render
-from alpa_job.inspect.record import RunRecord
+from alpa_job.record.run_record import RunRecord
 
 REPORT_FILE = "report.json"
 
@@ -38,29 +38,6 @@ def failed_report(config, engine: str, status: str, error: str, steps_done: int,
 
 def report_json(record: RunRecord) -> str:
     return json.dumps(record.to_dict(), indent=2, sort_keys=False, default=str)
-
-
-def write_report(record: RunRecord, out_dir: str) -> Dict[str, str]:
-    """Write report.json, report.md, report.html and the plot PNGs; return their paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, REPORT_FILE), "md": os.path.join(out_dir, "report.md"),
-             "html": os.path.join(out_dir, "report.html")}
-    _write_text(paths["json"], report_json(record))
-    _write_text(paths["md"], render.to_markdown(record))
-    rendered = plots.all_plots(record)
-    for name, _caption, png in rendered:
-        with open(os.path.join(out_dir, name), "wb") as f:
-            f.write(png)
-    _write_text(paths["html"], render.to_html(record, rendered))
-    return paths
-
-
-def _write_text(path: str, text: str) -> None:
-    # Write beside, then rename: a crash mid-write never leaves a half report over a good one.
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def load_report(run_dir: str) -> RunRecord:

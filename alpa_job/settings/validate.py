@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
-from alpa_job.config import JobConfig
+from alpa_job.settings.config import JobConfig
 from alpa_job.data import cifar10_batch_files
 from alpa_job.errors import KitError
 

@@ -1,6 +1,6 @@
 """Read a folder written by Alpa's `executable.dump_debug_info(folder)` into a `ParallelPlan`.
 
-Offline and engine-free: stdlib + `alpa_job.inspect.plan` only, runs on Python 3.9 and 3.11.
+Offline and engine-free: stdlib + `alpa_job.record.plan` only, runs on Python 3.9 and 3.11.
 
 Files read (Alpa 0.2.3 names; `<prefix>` is the function name, e.g. `train_step_func`):
   <prefix>_input_placement_specs.txt / <prefix>_output_placement_specs.txt
@@ -33,8 +33,8 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from alpa_job.errors import KitError
-from alpa_job.inspect.hlo import count_collectives, merge_counts
-from alpa_job.inspect.plan import Leaf, Mesh, ParallelPlan, batch_axes_from_leaves
+from alpa_job.record.hlo import count_collectives, merge_counts
+from alpa_job.record.plan import Leaf, Mesh, ParallelPlan, batch_axes_from_leaves
 
 INPUT_SUFFIX = "_input_placement_specs.txt"
 OUTPUT_SUFFIX = "_output_placement_specs.txt"

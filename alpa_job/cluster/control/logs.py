@@ -31,7 +31,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from alpa_job.errors import KitError
-from alpa_job.ops.ray_http import RayHttp, RayHttpError
+from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError
 
 DEFAULT_DEADLINE_S = 300.0
 COLLECTION_FILE = "collection.json"
@@ -132,7 +132,7 @@ def _remote_tar_command(log_dir: str, names: Optional[List[str]] = None) -> str:
 
 def fetch_via_ssh(inv, node, dest: str, job: Optional[JobRef] = None, timeout_s: float = 120.0) -> Dict[str, Any]:
     """Tar the node's Ray logs over SSH, copy, unpack into `dest`; {"files", "bytes", "errors", "from"}."""
-    from alpa_job.ops.remote import Remote, RemoteError
+    from alpa_job.cluster.control.remote import Remote, RemoteError
 
     log_dir = inv.ray_log_dir(node)
     dest = os.path.abspath(dest)
@@ -178,7 +178,7 @@ def _extract(tar: tarfile.TarFile, members, dest: str) -> None:
 def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional[str] = None,
                  deadline_s: float = DEFAULT_DEADLINE_S, lines: int = -1, use_api: bool = True) -> Dict[str, Any]:
     """Every inventory node's logs into out_dir/<host>/ (plus any alive node the inventory lacks, by IP)."""
-    from alpa_job.ops.status import head_url
+    from alpa_job.cluster.control.status import head_url
 
     t0 = time.monotonic()
     deadline = t0 + deadline_s

@@ -1,0 +1,12 @@
+"""The run record: what a run was and did, as one typed record with a JSON Schema.
+
+Training (any engine) produces it; the readers in `alpa_job.inspect` render it. Modules, one job each:
+
+- run_record.py: the typed record (`RunRecord` and its parts) and its schema, report.schema.json;
+- plan.py: the engine-neutral parallel plan (per-leaf sharding, labels, meshes);
+- hlo.py: collectives counted in compiled HLO text;
+- alpa_dump.py: an Alpa `dump_debug_info` folder -> the plan; alpa_live.py: a live Alpa executable -> the plan;
+- report_file.py: the record assembled from the processes' results, written as and read from report.json.
+
+Nothing here imports an engine (jax, flax, alpa): it runs on the Alpa image's Python 3.9 as on 3.11.
+"""

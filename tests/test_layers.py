@@ -1,0 +1,158 @@
+"""The package's layers, read from the code's own imports (every import, function-local ones too).
+
+- no import circle anywhere in alpa_job/ or scripts/;
+- training (train/, engines/) never imports the readers (inspect/): it writes the record, never formats it;
+- the record and its readers (record/, inspect/) never import an engine, training or the launcher;
+- what runs on or about nodes (cluster/) never imports how a job is launched (launch/) or trained.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Dict, List, Set
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "scripts")
+
+
+def _package_modules() -> Dict[str, str]:
+    """alpa_job's module names -> file paths (a package is its __init__.py)."""
+    found = {}
+    for root, _dirs, files in os.walk(os.path.join(REPO, "alpa_job")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(root, name), REPO)[: -len(".py")]
+            parts = rel.split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = os.path.join(root, name)
+    return found
+
+
+def _script_modules() -> Dict[str, str]:
+    """scripts/: its Python files (modules by their stem; `testbed` has no suffix but is Python)."""
+    found = {}
+    for name in os.listdir(SCRIPTS):
+        path = os.path.join(SCRIPTS, name)
+        if name.endswith(".py"):
+            found[name[: -len(".py")]] = path
+        elif os.path.isfile(path) and open(path, errors="replace").readline().startswith("#!/usr/bin/env python"):
+            found[name] = path
+    return found
+
+
+MODULES = {**_package_modules(), **_script_modules()}
+
+
+def _imports_of(path: str) -> Set[str]:
+    """The known modules a file imports. `from P import N` imports P (its __init__ runs) and P.N when
+    that is a module; `import A.B` imports A.B."""
+    tree = ast.parse(open(path).read(), filename=path)
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in MODULES)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in MODULES:
+                out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names
+                       if f"{node.module}.{alias.name}" in MODULES)
+    return out
+
+
+GRAPH = {name: _imports_of(path) - {name} for name, path in MODULES.items()}
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # The check below must be able to fail: a known circle and a clean chain.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_graph_sees_function_local_and_package_imports():
+    assert "alpa_job.errors" in GRAPH["alpa_job.cli"]
+    assert any(name.startswith("alpa_job.engines") for name in GRAPH["alpa_job.train.loop"])
+    assert "testbed_lib" in GRAPH["testbed"]
+
+
+def test_no_import_circle_in_the_package_or_scripts():
+    circles = _cycles(GRAPH)
+    assert not circles, "import circles (each a group of modules that import each other): " + "; ".join(
+        " <-> ".join(c) for c in circles)
+
+
+def _under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+LAYER_RULES = [
+    # (who, must not import, why)
+    (("alpa_job.train", "alpa_job.engines"), ("alpa_job.inspect",),
+     "training writes the record; rendering it is the readers' job"),
+    (("alpa_job.record", "alpa_job.inspect"), ("alpa_job.engines", "alpa_job.train", "alpa_job.launch"),
+     "the record and its readers work anywhere, with no engine installed"),
+    (("alpa_job.cluster",), ("alpa_job.launch", "alpa_job.train", "alpa_job.engines.jax_engine",
+                             "alpa_job.engines.alpa_engine"),
+     "node-side tools run on bare nodes, before any job exists"),
+]
+
+
+@pytest.mark.parametrize("who,forbidden,why", LAYER_RULES, ids=[r[0][0] for r in LAYER_RULES])
+def test_layer_rule(who, forbidden, why):
+    broken = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if _under(m, *who)
+                    for t in targets if _under(t, *forbidden))
+    assert not broken, f"{why}: " + "; ".join(broken)
+
+
+def test_the_layer_rules_name_real_packages():
+    for who, forbidden, _why in LAYER_RULES:
+        for package in who + forbidden:
+            assert package in MODULES, f"{package} is not a module of the package any more"
