@@ -22,7 +22,7 @@ from alpa_job.engines import compile_cache, flops
 from alpa_job.engines.base import CompileStats, EngineHooks
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
-from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES
+from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES, batch_mesh_axis
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import plan as plan_model
@@ -58,8 +58,9 @@ class JaxEngine(EngineHooks):
         self.stats.compile_cache_dir = compile_cache.enable(
             compile_cache.resolve(getattr(config, "compile_cache", None)))
         self._example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
+        self.batch_axis = batch_mesh_axis(self.rules)
         self._check_batch_divisible(example_batch)
-        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(self.batch_axis))
         self._horizon = schedule_steps if schedule_steps is not None else config.steps
         self.tx = self.make_optimizer(config.learning_rate, self._horizon)
         start = time.perf_counter()
@@ -267,7 +268,7 @@ class JaxEngine(EngineHooks):
 
     # ----- checks that turn XLA errors into one-line fixes ---------------------------------------
     def _check_batch_divisible(self, batch: Dict[str, np.ndarray]) -> None:
-        data = self.mesh.shape["data"]
+        data = self.mesh.shape[self.batch_axis]
         size = len(batch["mask"])
         if size % data:
             raise KitError(f"batch size {size} is not divisible by the data-parallel size {data}; "

@@ -27,6 +27,15 @@ STRATEGY_RULES: Dict[str, LogicalRules] = {
 }
 
 
+def batch_mesh_axis(rules: LogicalRules) -> str:
+    """The mesh axis a strategy splits the batch's rows over: its rule for the logical `batch` axis."""
+    axis = next((mesh_axis for logical_name, mesh_axis in rules if logical_name == BATCH), None)
+    if axis is None:
+        raise KitError(f"a sharding rule list without a ({BATCH!r}, mesh axis) rule cannot split the batch; "
+                       f"add one, e.g. ({BATCH!r}, {MESH_AXES[0]!r})")
+    return axis
+
+
 def mesh_shape_for(strategy: str, num_devices: int, model_parallel: int = 0) -> Tuple[int, int]:
     """(data, model) sizes. `tensor` defaults to the largest model size <= 4 that divides."""
     if strategy != "tensor":

@@ -1,0 +1,38 @@
+"""Sharding as data: the batch's mesh axis comes from the strategy's rules, as the parameters' do."""
+from __future__ import annotations
+
+import pytest
+from jax.sharding import PartitionSpec
+
+from alpa_job.data import epoch_batches, synthetic
+from alpa_job.engines import sharding_rules
+from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.errors import KitError
+from alpa_job.models import get_model
+from alpa_job.models.axes import BATCH, EMBED, MLP
+from alpa_job.settings.config import JobConfig
+
+
+def _mlp_engine(strategy: str, mesh_shape):
+    config = JobConfig(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none",
+                       compile_cache="none").validated()
+    batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
+    return JaxEngine(config, get_model(config), batch, strategy, mesh_shape)
+
+
+@pytest.mark.parametrize("strategy", sorted(sharding_rules.STRATEGY_RULES))
+def test_every_strategy_splits_the_batch_over_data(strategy):
+    assert sharding_rules.batch_mesh_axis(sharding_rules.STRATEGY_RULES[strategy]) == "data"
+
+
+def test_rules_without_a_batch_rule_are_refused_naming_the_fix():
+    with pytest.raises(KitError, match=r"without a \('batch', mesh axis\) rule.*add one"):
+        sharding_rules.batch_mesh_axis([(EMBED, "data")])
+
+
+def test_the_engine_reads_the_batch_rule(monkeypatch):
+    # A strategy whose rules put the batch on "model": the engine's batch sharding must follow the data.
+    monkeypatch.setitem(sharding_rules.STRATEGY_RULES, "tensor", [(BATCH, "model"), (MLP, "data")])
+    engine = _mlp_engine("tensor", (2, 4))
+    assert engine.batch_sharding.spec == PartitionSpec("model")
+    assert _mlp_engine("data", (8, 1)).batch_sharding.spec == PartitionSpec("data")
