@@ -4,7 +4,8 @@ Every batch the step sees has exactly `batch_size` rows and a `mask` field (1 = 
 0 = padding), so the compiled step never meets a new shape: a ragged last batch is either
 dropped (`drop`, the default) or padded and masked out of the loss (`pad`). This is the fix for
 Alpa's "automatically slicing layers with existing physical meshes is not supported" crash
-(issue #776): a new shape means a new compile, and with Alpa's auto search a second search.
+(https://github.com/alpa-projects/alpa/issues/776): a new shape means a new compile, and with
+Alpa's auto search a second search.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ class KitError(Exception):
 class LostProcessError(KitError):
     """A JAX process or its node was lost. The message already names the host, the node and the
     process's log (its last lines, or where it is), so no slower, cluster-wide log collection runs
-    before the job exits (issue 12: the failure is named within seconds)."""
+    before the job exits: the failure is named within seconds."""
 
     def __init__(self, message: str, exit_code: int = EXIT_PROCESS_LOST):
         super().__init__(message, exit_code)

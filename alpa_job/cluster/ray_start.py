@@ -1,8 +1,8 @@
 """The exact `ray start` command for a node, with every port pinned from the cluster spec.
 
 Ray's defaults pick random ports for the node manager, object manager, dashboard agent and metrics;
-behind a firewall such a node joins and looks alive, yet tasks on it hang until the head declares it
-dead (~70 s). So every port Ray would otherwise choose is passed explicitly, and `--node-ip-address`
+behind a firewall such a node joins and looks alive, yet tasks on it hang until the head's health
+check declares it dead, more than a minute later. So every port Ray would otherwise choose is passed explicitly, and `--node-ip-address`
 is always given (Ray's default-route guess picks the wrong NIC on multi-NIC hosts).
 
 CLI (Ansible and the test bed call it):

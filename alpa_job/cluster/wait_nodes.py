@@ -1,7 +1,7 @@
 """Wait until N Ray nodes are alive, with a deadline.
 
 `ray start` returning proves nothing about the cluster: a worker may still be joining (or never
-join, Alpa #722). Bring-up (test bed, benches, Ansible users) waits with this instead of sleeping:
+join: https://github.com/alpa-projects/alpa/issues/722). Bring-up (test bed, benches, Ansible users) waits with this instead of sleeping:
 
     python -m alpa_job.cluster.wait_nodes --count 3 [--timeout 90] [--address HEAD:6379]
 

@@ -1,15 +1,19 @@
-"""Guards that turn the Alpa seed failures into one-line errors with the fix.
+"""Guards that turn Alpa's known failures into one-line errors with the fix.
 
 Pure functions, no `import alpa` (tested on any Python >= 3.9 without Alpa's CUDA jaxlib):
 
-* `check_alpa_version`      refuse alpa < 0.2.3 (#701: XLA server bound the head's IP -> errno 99)
+* `check_alpa_version`      refuse alpa < 0.2.3 (its XLA server bound the head's IP -> errno 99)
 * `apply_xla_port_env`      XLA_SERVER_PORT_START/END from the cluster spec, env + global_config
-* `refuse_ray_client`       Alpa does not work over Ray Client (#886)
+* `refuse_ray_client`       Alpa does not work over Ray Client
 * `cluster_shape`           num_nodes / num_devices_per_node from Ray's GPU nodes
 * `check_driver_on_cluster` the driver must run on a cluster node (ray job submit)
-* `SearchGuard`             stop before a second auto stage search (#776 NotImplementedError)
+* `SearchGuard`             stop before a second auto stage search (Alpa's NotImplementedError)
 * `explain_dump_failure` / `safe_dump_debug_info`
                             dump_debug_info's KeyError / "no attribute 'compiled'" -> the worker log
+
+Alpa's reports of these: https://github.com/alpa-projects/alpa/issues/701 (errno 99),
+https://github.com/alpa-projects/alpa/issues/886 (Ray Client),
+https://github.com/alpa-projects/alpa/issues/776 (second search).
 """
 from __future__ import annotations
 
@@ -114,7 +118,7 @@ def check_driver_on_cluster(driver_ip: str, nodes: Iterable[Mapping[str, Any]]) 
                        "python -m alpa_job train --engine alpa ...")
 
 
-# ----------------------------------------------------------------------------- second search (#776)
+# ----------------------------------------------------------------------------- second search
 def shape_signature(tree: Any) -> Tuple[Tuple[str, Tuple[int, ...], str], ...]:
     """A hashable signature of the shapes/dtypes of a dict/list/tuple tree of arrays (what Alpa's
     executable cache is keyed on, for the batch argument)."""
@@ -136,7 +140,7 @@ def shape_signature(tree: Any) -> Tuple[Tuple[str, Tuple[int, ...], str], ...]:
 
 
 class SearchGuard:
-    """Stops a second auto stage search before Alpa raises its NotImplementedError (#776).
+    """Stops a second auto stage search before Alpa raises its NotImplementedError.
 
     With stage_option auto, Alpa compiles (and searches) per input shape signature; any later
     compile after the first meshes exist raises `NotImplementedError: automatically slicing

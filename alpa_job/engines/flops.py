@@ -1,11 +1,11 @@
 """The train step's model FLOPs, counted on its jaxpr: every matmul, convolution and fused attention.
 
-Why not XLA's cost analysis: on one H100 (jax 0.11.2) the optimised executable's analysis hides the
-matmuls inside cuBLAS custom calls (GPT 24L claimed 1.75e12 FLOPs a step against 6.8e13), and the
-lowered module's analysis returned nothing at all. The jaxpr is what the program asks for before any
+Why not XLA's cost analysis: on a GPU the optimised executable's analysis hides the matmuls inside
+cuBLAS custom calls (a GPT's count came out more than an order of magnitude low), and the lowered
+module's analysis returned nothing at all. The jaxpr is what the program asks for before any
 backend rewrites it, so the count is the same on every device and matches the usual MFU convention
 (6 * params * tokens + 12 * layers * batch * seq^2 * d_model for a GPT: attention without a causal
-discount), which tests/test_flops.py checks.
+discount).
 
 Counted: dot_general (2 * batch * M * N * K), conv_general_dilated (2 * output elements * the
 kernel's per-output multiply-adds), and cuDNN's fused attention (forward 4 * B * H * Sq * Sk * D,

@@ -2,7 +2,7 @@
 
 The train step is lowered and compiled ahead of time for the one batch shape the data pipeline
 produces, and every step calls that compiled executable: a batch of another shape raises instead
-of silently recompiling (the failure mode behind Alpa's issue #776).
+of silently recompiling (the failure mode behind https://github.com/alpa-projects/alpa/issues/776).
 """
 from __future__ import annotations
 
@@ -167,8 +167,8 @@ class JaxEngine(EngineHooks):
             lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
             with compile_cache.writes_skipped() if store else contextlib.nullcontext():
                 self._compiled = lowered.compile()
-            # Steps go through `jitted`: its C++ dispatch path is faster than calling the Compiled
-            # object (measured ~100 vs ~145 us per call on CPU), and its cache already holds this
+            # Steps go through `jitted`: its C++ dispatch path costs less per call than calling the
+            # Compiled object from Python, and its cache already holds this
             # executable, so the first call does not compile again (the report's
             # backend_compiles_during_loop proves it). put_batch() refuses any other batch shape.
             self._jitted = jitted

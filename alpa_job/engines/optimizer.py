@@ -1,8 +1,8 @@
 """The default optimizer: Adam with a linear warmup then cosine decay, for every engine.
 
 Why a schedule: at a constant --learning-rate 1e-3 from the first step, Adam moves every weight of
-a freshly initialised wide model by ~lr per step in a consistent direction; GPT 24L d2048's loss
-rose over its first 30 steps (10.80 -> 11.4, issue 16). Warming up over the first fifth of the run
+a freshly initialised wide model by ~lr per step in a consistent direction, and a wide GPT's loss
+rose over its first steps instead of falling. Warming up over the first fifth of the run
 (at most 1000 steps) and decaying to a tenth of the peak by the last step is the standard remedy.
 
 `--learning-rate` is the peak; the horizon is `schedule_steps`. With no known run length (epochs over a dataset of unknown size),
@@ -23,7 +23,7 @@ def schedule_steps(config, steps_per_epoch: int) -> int:
     """The schedule's horizon: the run's planned length, --epochs over the dataset, or --steps when
     that is longer. --steps shorter than the epochs only stops the run early; it does not squeeze
     the schedule, so a run stopped at step N and resumed follows the same rates as one that never
-    stopped (tests/test_train_core.py's resume test relies on it)."""
+    stopped (resuming depends on it)."""
     return max(config.epochs * steps_per_epoch, config.steps or 0)
 
 

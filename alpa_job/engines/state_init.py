@@ -3,14 +3,13 @@ the state is created on the devices already split, and by parts where the model 
 
 Why by parts: XLA gives every parameter its own random-number kernels, and none is shared between
 leaves (each carries its own key derivation), so a whole-model initialiser's compile grows with the
-layer count. On one H100, GPT 24L d2048's whole initialiser took 38.4 s to compile - longer than its
-train step (22.4 s) and the long pole of a cold run's time to first step. A model made of identically
-shaped blocks (models/__init__.py, `RepeatedBlocks`) instead compiles one block's initialiser once and
-calls it once per block, plus the shell (everything outside the blocks) and the optimizer state:
-1.4 + 0.9 + 0.3 s on the same GPU (bench/gpu_init_compile.py, bench/RESULTS.md).
+layer count: for a deep GPT it took longer to compile than the train step itself and was the long
+pole of a cold run's time to first step. A model made of identically shaped blocks
+(alpa_job/models, `RepeatedBlocks`) instead compiles one block's initialiser once and calls it once
+per block, plus the shell (everything outside the blocks) and the optimizer state: a few seconds in all.
 
-The result has the whole model's tree, names, shapes, logical axes and shardings
-(tests/test_state_init.py checks them against the whole model's init); only the random streams differ:
+The result has the whole model's tree, names, shapes, logical axes and shardings (the same as
+the whole model's init); only the random streams differ:
 block i draws from fold_in(PRNGKey(seed), i + 1) and the shell from fold_in(.., 0), instead of flax's
 path-derived keys. Models without `repeated_blocks` (and any with BatchNorm statistics) are
 initialised whole, as before.
@@ -58,7 +57,7 @@ class StateInitializer:
 
     # ----- the pieces, as functions of the seed -------------------------------------------------
     # The key is made inside each compiled piece from an int32 seed: a key made outside would be an
-    # eager computation, compiled on its own before anything else can run (~1 s on a cold GPU).
+    # eager computation, compiled on its own: one more compile that everything else waits behind.
     def _whole_boxed(self, seed):
         inputs = _zeros(self._example[self.model.input_key])
         kwargs = {"train": False} if self.model.has_batch_stats else {}

@@ -1,5 +1,5 @@
 """`inspect --compare RUN RUN...`: one table and one set of plots across runs, the way a user decides
-between data, fsdp and tensor on their model (issue 13).
+between data, fsdp and tensor on their model.
 
 Each row is a run's record reduced to what differs between strategies: step time, throughput, state
 bytes per device and XLA's peak estimate, the parameters' strategy labels (DP/ZeRO/MP counts),

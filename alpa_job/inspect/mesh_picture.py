@@ -1,4 +1,4 @@
-"""The mesh picture of the HTML report (issue 13): the device grid, and for a chosen parameter which slice
+"""The mesh picture of the HTML report: the device grid, and for a chosen parameter which slice
 of it each device holds; for an Alpa pipeline, stage -> mesh -> devices.
 
 Computed here from the record's rows (mesh shape, each leaf's shape and `split_axes`), drawn as inline

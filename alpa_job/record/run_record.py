@@ -150,7 +150,7 @@ class DeviceInfo:
 
 @dataclasses.dataclass
 class RestartRecord:
-    """One restart after a lost JAX process or node (`--max-restarts`, issue 12)."""
+    """One restart after a lost JAX process or node (`--max-restarts`)."""
 
     time: str  # when the loss was detected (ISO 8601, UTC, milliseconds)
     host: Optional[str]  # the lost process's host name
@@ -270,7 +270,7 @@ class RunRecord(ProcessResult):
     created: Optional[str] = None
     address: Optional[str] = None
     source: Optional[str] = None  # the folder an Alpa dump was read from
-    status: str = "ok"  # ok | failed | interrupted (a failed run still writes its report: issue 13)
+    status: str = "ok"  # ok | failed | interrupted (a failed run still writes its report)
     error: Optional[str] = None  # why it stopped (one line), for failed/interrupted runs
     summary: Summary = dataclasses.field(default_factory=Summary)
 

@@ -7,7 +7,7 @@ A save is atomic: orbax writes `<dir>/<step>.orbax-checkpoint-tmp-<n>/` and rena
 only once every process's shards are written, so a kill during a save leaves the previous step the
 latest complete one (`latest_complete_step` reads that without importing orbax; the driver uses it to
 decide whether a restart resumes). Restoring to `engine.abstract_state` reshards onto the current mesh,
-so a run saved on 3 hosts resumes on 2 (issue 12).
+so a run saved on 3 hosts resumes on 2 (after a lost node).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where a run writes: one directory per run, never another run's files (issue 13: nothing lost).
+"""Where a run writes: one directory per run, never another run's files (nothing is lost).
 
 Without --out a run gets runs/<UTC time>-<model>-<strategy>/ and runs/latest becomes a symlink to it
 (replaced atomically; a real runs/latest folder from an older kit is moved aside under its own time).

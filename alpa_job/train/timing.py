@@ -4,16 +4,16 @@ The loop never syncs with the device per step (that would stall the pipeline); i
 window of steps (`window_size`), on the step before the newest (so the device always has a step
 queued), and records the window's time per step. The first step is timed
 on its own: it carries whatever the runtime does lazily on first use, so averaging it in (what
-`step_time_s` = loop seconds / steps does) overstates the step on short runs (GPT 24L on an H100:
-174-178 ms reported against 137-142 ms in steady state, issue 16). Plain Python (Python 3.9).
+`step_time_s` = loop seconds / steps does) overstates the step on short runs (by about a quarter for a
+large model). Plain Python (Python 3.9).
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Dict, List, Optional
 
-# Dense bf16 matmul rates measured on the lent machines (an 8192^3 product on random data,
-# /work/.library/device/KINDS.md), keyed by jax's device_kind; MFU is reported only for these.
+# Dense bf16 matmul rates measured on these devices (an 8192^3 product on random data, not the
+# datasheet's peak), keyed by jax's device_kind; MFU is reported only for these.
 PEAK_BF16_FLOPS = {
     "NVIDIA H100 80GB HBM3": 798e12,
     "NVIDIA H200": 788e12,
