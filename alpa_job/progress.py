@@ -3,10 +3,10 @@
 Producers (train.run_loop, the auto search, compile timers) call `Progress`, `phase`, `note` and
 `timed`; each makes an event (a small dict) and hands it to this process's sink:
   - on the driver (in-process training, the Alpa engine): the `Display` itself;
-  - in process 0's Ray actor: a `ChannelSink` that batches events to a tiny `ProgressChannel` actor
-    (a fire-and-forget call at most every 0.5 s, plus one per phase), which the driver drains while
-    it waits for the training futures (`wait_for`). No per-step host sync: the loss shown is the
-    previous step's, converted at most once per display interval (that step has long finished);
+  - in process 0's Ray actor: the driver's `ProgressChannel` (see its docstring: the one public way
+    across Ray), fed in batches (a fire-and-forget call at most every 0.5 s, plus one per phase). No
+    per-step host sync: the loss shown is the previous step's, converted at most once per display
+    interval (that step has long finished);
   - in the other processes: nothing (process 0 speaks for the run).
 
 The `Display` renders on the driver: on a TTY a rich progress bar (step, loss, samples/s, ETA) with
@@ -99,7 +99,7 @@ class Display:
             self._log_line(f"[{event.get('desc', 'train')}] {self.total} steps from step {self.last_step}")
             self._start_bar(event)
         elif kind == "end":
-            self._stop_bar()
+            self.stop_bar()
         elif kind in ("phase", "note"):
             self._phase(event["text"], important=event.get("important", False))
 
@@ -130,7 +130,7 @@ class Display:
                                        TimeRemainingColumn)
         except ImportError:
             return
-        self._stop_bar()
+        self.stop_bar()
         self._rich = RichProgress(
             TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
@@ -140,7 +140,8 @@ class Display:
         self._task = self._rich.add_task(event.get("desc", "train"), total=event.get("total"), loss="-", rate="-",
                                          completed=0)
 
-    def _stop_bar(self) -> None:
+    def stop_bar(self) -> None:
+        """End the progress bar (the lines after it print below it); nothing when there is none."""
         if self._rich is not None:
             self._rich.stop()
             self._rich = None
@@ -166,7 +167,7 @@ class Display:
 
     def close(self) -> None:
         self._stop_status()
-        self._stop_bar()
+        self.stop_bar()
         self.close_log()
 
 
@@ -232,10 +233,71 @@ def emit(kind: str, **fields: Any) -> None:
     sink(dict(kind=kind, **fields))
 
 
-class ChannelSink:
-    """Process 0's sink inside a Ray actor: batches events to the driver's ProgressChannel."""
+class ProgressChannel:
+    """Carries process 0's progress events from its Ray actor to the driver's display.
 
-    def __init__(self, channel: Any):
+    Driver:  `channel = ProgressChannel.open()`; hand it to process 0's actor in the training call;
+             call `channel.deliver()` while waiting for the training (it shows what arrived since).
+    Actor:   `send_to(channel)` once before training: this process's events go through it;
+             `send_to(None)` keeps them in the worker's own log (the processes other than 0).
+    The events travel through a tiny actor (num_cpus=0: it never takes a node's training CPU); this
+    object is its handle and is passed to the worker like any argument of a Ray call.
+    """
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    @classmethod
+    def open(cls) -> "ProgressChannel":
+        return cls(_channel_actor_class().remote())
+
+    def push(self, events: List[Event]) -> None:
+        """Actor side: hand `events` over without waiting for the driver."""
+        self._actor.push.remote(events)
+
+    def deliver(self, to: Optional[Display] = None, timeout_s: float = 10) -> None:
+        """Driver side: show the events that arrived on `to` (default: this process's display).
+        Best effort: the training's futures, not the progress, carry its errors."""
+        import ray
+
+        try:
+            events = ray.get(self._actor.drain.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a lost progress line is not a failure
+            return
+        shown = to or display()
+        for event in events:
+            shown.handle(event)
+
+
+_CHANNEL_ACTOR = None
+
+
+def _channel_actor_class():
+    """The channel's actor class (made once: Ray registers each class it is given)."""
+    global _CHANNEL_ACTOR
+    if _CHANNEL_ACTOR is None:
+        import ray
+
+        @ray.remote(num_cpus=0)
+        class ProgressChannelActor:
+            def __init__(self):
+                self.events: List[Event] = []
+
+            def push(self, events: List[Event]) -> None:
+                self.events.extend(events)
+
+            def drain(self) -> List[Event]:
+                out, self.events = self.events, []
+                return out
+
+        _CHANNEL_ACTOR = ProgressChannelActor
+    return _CHANNEL_ACTOR
+
+
+class _ChannelSink:
+    """Process 0's sink inside a Ray actor: batches events into its `ProgressChannel`."""
+
+    def __init__(self, channel: ProgressChannel):
         self.channel = channel
         self.pending: List[Event] = []
         self.last_flush = 0.0
@@ -248,7 +310,7 @@ class ChannelSink:
 
     def flush(self) -> None:
         if self.pending:
-            self.channel.push.remote(self.pending)  # fire and forget: never waits on the driver
+            self.channel.push(self.pending)  # fire and forget: never waits on the driver
             self.pending = []
         self.last_flush = time.monotonic()
 
@@ -258,39 +320,14 @@ def _null_sink(event: Event) -> None:
         print(event["text"], file=sys.stderr, flush=True)
 
 
-def use_channel(channel: Any) -> None:
-    """In a Ray actor: send this process's events to `channel` (None: keep them local to its log)."""
-    set_sink(ChannelSink(channel) if channel is not None else _null_sink)
+def send_to(channel: Optional[ProgressChannel]) -> None:
+    """In a Ray actor: send this process's events through `channel` (None: keep them in its own log)."""
+    set_sink(_ChannelSink(channel) if channel is not None else _null_sink)
 
 
-def open_channel():
-    """A ProgressChannel actor (num_cpus=0, so it never takes a node's training CPU)."""
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class ProgressChannel:
-        def __init__(self):
-            self.events: List[Event] = []
-
-        def push(self, events: List[Event]) -> None:
-            self.events.extend(events)
-
-        def drain(self) -> List[Event]:
-            out, self.events = self.events, []
-            return out
-
-    return ProgressChannel.remote()
-
-
-def _drain(channel: Any) -> None:
-    import ray
-
-    try:
-        events = ray.get(channel.drain.remote(), timeout=10)
-    except Exception:  # noqa: BLE001 - progress is best effort; the futures carry the real errors
-        return
-    for event in events:
-        display().handle(event)
+def _flush_channel() -> None:
+    if isinstance(_sink, _ChannelSink):
+        _sink.flush()
 
 
 # ============================================================================ producers
@@ -334,8 +371,7 @@ class Progress:
     def close(self) -> None:
         if self.unit == "step":
             emit("end", desc=self.desc)
-        if isinstance(_sink, ChannelSink):
-            _sink.flush()
+        _flush_channel()
 
 
 def _to_float(value: Any) -> Optional[float]:
@@ -348,8 +384,7 @@ def _to_float(value: Any) -> Optional[float]:
 def phase(text: str) -> None:
     """A phase line: compiling, an auto-search candidate starting, the winner and why."""
     emit("phase", text=text)
-    if isinstance(_sink, ChannelSink):
-        _sink.flush()
+    _flush_channel()
 
 
 def note(message: str) -> None:

@@ -127,9 +127,7 @@ def _actor_class():
             def on_step(step: int) -> None:
                 self.step = step
 
-            use_channel = getattr(progress, "use_channel", None)
-            if use_channel is not None:
-                use_channel(channel)  # process 0 feeds the driver's display; the others keep quiet
+            progress.send_to(channel)  # process 0 feeds the driver's display; the others keep quiet
             if process_id == 0 and coordinator:
                 wait_port_free(int(coordinator.rpartition(":")[2]))
             return train_process(cfg, process_id, num_processes, coordinator, on_step=on_step)
@@ -237,7 +235,7 @@ class _Attempt:
     def coordinator(self) -> Optional[str]:
         return f"{self.slots[0].ip}:{self.spec.jax_coordinator_port}" if len(self) > 1 else None
 
-    def train(self, cfg, channel) -> List[Any]:
+    def train(self, cfg, channel: progress.ProgressChannel) -> List[Any]:
         """Train on every process; the results, or _Failed naming the lost processes (actors killed)."""
         ray = self._ray
         n, coordinator = len(self), self.coordinator()
@@ -261,7 +259,7 @@ class _Attempt:
                             raise KitError(str(user), user.exit_code) from None
                         errors[index[ref]] = err
                 self._poll_steps(polls, errors)
-                _drain(channel)
+                channel.deliver()
                 if errors and first_failure is None:
                     first_failure = time.monotonic()
                     self._ping_all(errors, results)
@@ -270,7 +268,7 @@ class _Attempt:
         finally:
             if first_failure is not None:
                 self.kill()
-            _stop_bar()
+            progress.display().stop_bar()
         if first_failure is None:
             return [results[i] for i in range(n)]
         raise self._failed(errors, first_failure)
@@ -384,24 +382,6 @@ JAX_ABORT = ("CoordinationServiceAgent::SetError", "detected fatal errors", "Ter
              "SIGABRT received")
 
 
-def _drain(channel) -> None:
-    drain = getattr(progress, "_drain", None)
-    if channel is not None and drain is not None:
-        drain(channel)
-
-
-def _stop_bar() -> None:
-    try:
-        progress.display()._stop_bar()
-    except Exception:  # noqa: BLE001 - the display is best effort
-        pass
-
-
-def _open_channel():
-    opener = getattr(progress, "open_channel", None)
-    return opener() if opener is not None else None
-
-
 # ---------------------------------------------------------------------------------------- the job
 def run_on_nodes(config, spec) -> List[Any]:
     """Train with one JAX process per node (restarting up to --max-restarts times after a loss).
@@ -452,7 +432,7 @@ class _Job:
                 self.restarts[-1].update(resumed_from_step=resumed, processes_after=len(attempt))
                 failed_at = self.restarts[-1]["failed_at_step"]
                 self.restarts[-1]["steps_lost"] = max(0, (failed_at or resumed) - resumed)
-            channel = _open_channel()
+            channel = progress.ProgressChannel.open()
             progress.note(f"[alpa_job] {len(attempt)} JAX process(es) on "
                           f"{', '.join(attempt.slots[i].ip for i in range(len(attempt)))}; "
                           f"coordinator {attempt.coordinator() or '-'}"
