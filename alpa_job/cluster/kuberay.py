@@ -28,7 +28,7 @@ from decimal import Decimal
 from typing import Any, Dict, List, Mapping, Optional
 
 # KubeRay constants (ray-operator/controllers/ray/utils/constant.go).
-DEFAULT_GCS_PORT = "6379"  # KubeRay's own default, not the spec's: k8s/ sets `port` from the spec (test_k8s_manifests)
+DEFAULT_GCS_PORT = "6379"  # KubeRay's own default, not the spec's: k8s/ sets `port` from the spec
 DEFAULT_METRICS_PORT = "8080"
 DEFAULT_DASHBOARD_AGENT_LISTEN_PORT = "52365"
 DEFAULT_CLUSTER_DOMAIN = "cluster.local"
