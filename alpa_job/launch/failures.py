@@ -1,12 +1,15 @@
 """Naming a dead JAX process (or its node) and waiting until Ray's view of the cluster is settled.
 
-Ray-side helpers for cluster/processes.py; the decisions are pure functions in alpa_job/launch/restarts.py.
+Ray-side helpers for the worker group and the controller; the decisions are pure functions in
+alpa_job/launch/restarts.py.
 
 - `Slot`: who one process is (index, host name, node IP, Ray node id, actor/worker id, pid): asked from
   the actor itself when it starts, so a failure can be named after the process is gone.
 - `log_tail(slot)`: the last lines of its worker log through Ray's log API (bounded), or None when Ray
   cannot serve it any more (its node is gone); `log_location(slot)` says where the file is then.
 - `failure_message(lost, slot, ...)`: the one line the user reads.
+- `classify(errors, ...)`: which of a group's failed processes was LOST (its actor died), in the order
+  to name them, or the one error of a process that raised on a live node (a bug, no restart).
 - `wait_settled(lost, timeout_s)`: until every lost node is marked dead/gone by Ray, or answers a task
   pinned to it (then only the process died and the node may be used again). A node that is neither
   within the deadline is a one-line KitError naming it.
@@ -16,13 +19,14 @@ Imports on the Alpa image's stack (Python 3.9, ray 2.1.0): standard library at m
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Set
 
 from alpa_job.cluster import ray_api
-from alpa_job.errors import EXIT_TIMEOUT, KitError
+from alpa_job.errors import EXIT_PROCESS_LOST, EXIT_TIMEOUT, KitError
 from alpa_job.launch.restarts import Lost, node_alive
 
 LOG_TAIL_LINES = 20
@@ -155,6 +159,80 @@ def first_line(err: BaseException) -> str:
         if line:
             return line[:300]
     return type(err).__name__
+
+
+# ---- which processes were lost ---------------------------------------------------------------------
+JAX_ABORT = ("CoordinationServiceAgent::SetError", "detected fatal errors", "Terminating process because",
+             "SIGABRT received")  # what JAX writes when its coordination service ends a dead peer's survivors
+
+
+class Unresponsive(Exception):
+    """A process whose actor stopped answering (its node gone without a connection reset telling us)."""
+
+
+class GroupLost(Exception):
+    """A worker group lost processes (their actors died); `lost` names them, the one to blame first."""
+
+    def __init__(self, lost: List[Lost], slots: Dict[int, Slot], detected: float, wall: str):
+        super().__init__(", ".join(x.where() for x in lost))
+        self.lost, self.slots, self.detected, self.wall = lost, slots, detected, wall
+        self.run_step: Optional[int] = None  # the furthest step any process had reached
+        self.tails: Dict[int, Optional[List[str]]] = {}  # log tails already read while ranking the dead
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def classify(errors: Dict[int, BaseException], slots: Dict[int, Slot], steps: Dict[int, Optional[int]],
+             detected: float) -> BaseException:
+    """`errors` (process index -> error, in the order seen) as the exception to raise: a GroupLost naming
+    the processes whose actors died, or a KitError for a process that raised while every actor lived."""
+    import ray
+
+    dead = {i: e for i, e in errors.items() if isinstance(e, (ray.exceptions.RayActorError, Unresponsive))}
+    if not dead:
+        # Every process is alive and one raised: a bug or a bad input, not a lost node; no restart.
+        i, err = sorted(errors.items())[0]
+        slot = slots.get(i)
+        lines = log_tail(slot) if slot else None
+        if slot:
+            print_log_tail(slot, lines)
+        who = f"process {i} on host {slot.host} ({slot.ip})" if slot else f"process {i}"
+        return KitError(f"JAX {who} failed: {first_line(getattr(err, 'cause', None) or err)}", EXIT_PROCESS_LOST)
+    # The lost one first: a node that stopped answering (Ray: "unavailable") over a process that died on a
+    # live node (JAX's coordination service aborts the survivors of a dead peer: collateral), then by
+    # arrival (`errors` keeps the order the failures were seen in).
+    unreachable = tuple(t for t in (getattr(ray.exceptions, "ActorUnavailableError", None), Unresponsive) if t)
+    arrival = list(errors)
+    tails = _read_tails(dead, slots) if not any(isinstance(e, unreachable) for e in dead.values()) else {}
+    collateral = {i for i, lines in tails.items() if lines and any(m in line for line in lines for m in JAX_ABORT)}
+    order = sorted(dead, key=lambda i: (not isinstance(dead[i], unreachable), i in collateral, arrival.index(i)))
+    lost = [slots[i].lost(steps.get(i), first_line(dead[i])) for i in order]
+    failed = GroupLost(lost, slots, detected, _now_iso())
+    failed.tails = tails
+    failed.run_step = max((s for s in steps.values() if s is not None), default=None)
+    return failed
+
+
+def _read_tails(dead: Dict[int, BaseException], slots: Dict[int, Slot]) -> Dict[int, Optional[List[str]]]:
+    """Several processes died on live nodes: their logs' tails, read at once (bounded), to tell the one to
+    name from those JAX's coordination service aborted because a peer died (JAX_ABORT); the controller's
+    report reuses them."""
+    if len(dead) < 2:
+        return {}
+    tails: Dict[int, Optional[List[str]]] = {}
+
+    def read(i: int) -> None:
+        slot = slots.get(i)
+        tails[i] = log_tail(slot, lines=60) if slot else None
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in dead]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(LOG_TIMEOUT_S + 1)
+    return dict(tails)
 
 
 # ---- the settled view --------------------------------------------------------------------------

@@ -1,0 +1,239 @@
+"""The worker group: one JAX process (a `JaxProcess` actor) pinned to each chosen Ray node.
+
+It places the actors, starts them (each describes itself: a node that died meanwhile is a
+`PlacementFailed`), checks that --out is one directory for all, launches the training on every
+process and is polled by the controller: `poll` collects finished processes' results and errors,
+reads each process's step through its actor's second thread (the training thread only writes an
+int, so no host sync slows the steps) and notices nodes Ray has marked dead. `kill` ends every
+actor (a survivor blocked in a collective with a dead peer goes too).
+
+The coordinator is process 0's node's OWN IP (as Ray knows it, from --node-ip-address) and the
+port from the cluster spec - never a default-route guess, never a random port the firewall closes.
+Every group computes it again (process 0 may land elsewhere after a loss).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from alpa_job import progress
+from alpa_job.cluster import ray_api
+from alpa_job.cluster.worker_path import worker_pythonpath
+from alpa_job.errors import EXIT_TIMEOUT, KitError
+from alpa_job.launch import failures, shared_out
+from alpa_job.launch.jax_process import actor_class
+from alpa_job.launch.restarts import Lost, node_alive
+
+ACTOR_START_TIMEOUT_S = 120
+POLL_S = 0.5  # how long one poll waits for a process to finish
+PING_TIMEOUT_S = 5.0
+NODE_CHECK_S = 2.0  # how often a poll reads Ray's node table
+
+
+def training_nodes(nodes: Optional[List[ray_api.RayNode]] = None) -> List[ray_api.RayNode]:
+    """Alive nodes with a CPU to spare, process 0's first.
+
+    Process 0 (the coordinator) goes on the driver's node when it is a member: that is the head
+    under `ray job submit`, whose address the user already knows.
+    """
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    if nodes is None:
+        nodes = [n for n in ray_api.alive_nodes() if n.cpus() >= 1]
+    return sorted(nodes, key=lambda n: (n.ip != here, n.ip))
+
+
+def worker_env(config, spec) -> Dict[str, str]:
+    """The environment of every JAX process: its device count, the kit on its path, XLA's ports."""
+    env = {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={config.devices}",
+        "PYTHONPATH": worker_pythonpath(),
+    }
+    env.update(spec.xla_env())
+    return env
+
+
+class PlacementFailed(Exception):
+    """A chosen node died (or was already dead) before its process started."""
+
+    def __init__(self, lost: List[Lost]):
+        super().__init__(", ".join(x.where() for x in lost))
+        self.lost = lost
+
+
+def _user_error(err: BaseException) -> Optional[KitError]:
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, KitError) else None
+
+
+class WorkerGroup:
+    """One process per node in `nodes`: place, start, launch, poll, kill."""
+
+    def __init__(self, config, spec, nodes: List[ray_api.RayNode]):
+        import ray
+
+        self.config, self.spec, self.nodes = config, spec, nodes
+        env = worker_env(config, spec)
+        cls = actor_class()
+        self.actors = [cls.options(runtime_env={"env_vars": env}, **ray_api.pin_to_node(n.ip)).remote()
+                       for n in nodes]
+        self.slots: Dict[int, failures.Slot] = {}  # who each process is (from start())
+        self.steps: Dict[int, Optional[int]] = {}  # the last step each process reported
+        self.first_step_at: Optional[float] = None  # monotonic time a poll first saw a step
+        self.results: Dict[int, Any] = {}  # processes that finished
+        self.errors: Dict[int, BaseException] = {}  # processes that failed, in the order seen
+        self._pending: List[Any] = []
+        self._index: Dict[Any, int] = {}
+        self._step_polls: Dict[int, Any] = {}
+        self._nodes_checked = 0.0
+        self._ray = ray
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def kill(self) -> None:
+        failures.kill_all(self.actors)
+
+    def ips(self) -> List[str]:
+        return [self.slots[i].ip for i in range(len(self))]
+
+    def coordinator(self) -> Optional[str]:
+        return f"{self.slots[0].ip}:{self.spec.jax_coordinator_port}" if len(self) > 1 else None
+
+    # ----- starting ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Every actor describes itself (bounded); a node that died meanwhile -> PlacementFailed."""
+        ray = self._ray
+        refs = [a.describe.remote(i) for i, a in enumerate(self.actors)]
+        deadline = time.monotonic() + ACTOR_START_TIMEOUT_S
+        lost: List[Lost] = []
+        pending = list(refs)
+        while pending and not lost and time.monotonic() < deadline:
+            _ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if pending:  # a node Ray marks dead meanwhile never starts its actor: stop waiting for it
+                nodes = failures.current_nodes()
+                lost = [Lost(i, None, n.ip, n.node_id, None, "its node died before the process started")
+                        for i, (ref, n) in enumerate(zip(refs, self.nodes))
+                        if ref in pending and not node_alive(nodes, n.node_id)]
+        for i, (ref, node) in enumerate(zip(refs, self.nodes)):
+            if ref in pending:
+                continue
+            try:
+                self.slots[i] = failures.Slot(**ray.get(ref))
+            except ray.exceptions.RayActorError as err:
+                lost.append(Lost(i, None, node.ip, node.node_id, None, failures.first_line(err)))
+        if lost:
+            raise PlacementFailed(lost)
+        if pending:
+            idle = [self.nodes[i].ip for i, r in enumerate(refs) if r in pending]
+            raise KitError(f"JAX processes did not start on {', '.join(idle)} within {ACTOR_START_TIMEOUT_S} s; "
+                           "run python -m alpa_job doctor to find the node that cannot run tasks", EXIT_TIMEOUT)
+
+    def check_shared_out(self) -> None:
+        """Every process sees every other's probe file under --out (checkpoints need one directory)."""
+        ray = self._ray
+        out, n = self.config.out, len(self.actors)
+        token = uuid.uuid4().hex[:12]
+        try:
+            ray.get([a.write_probe.remote(out, token, i) for i, a in enumerate(self.actors)],
+                    timeout=ACTOR_START_TIMEOUT_S)
+            seen = ray.get([a.missing_probes.remote(out, token, n) for a in self.actors], timeout=ACTOR_START_TIMEOUT_S)
+        finally:
+            shared_out.remove_probes(out, token)
+        shared_out.check_shared(out, dict(enumerate(seen)), [self.slots[i].host for i in range(n)])
+
+    # ----- training ------------------------------------------------------------------------------
+    def launch(self, cfg, channel: Optional[progress.ProgressChannel]) -> None:
+        """Start training on every process; process 0's progress goes through `channel`."""
+        n, coordinator = len(self), self.coordinator()
+        futures = [a.train.remote(cfg, i, n, coordinator, channel if i == 0 else None)
+                   for i, a in enumerate(self.actors)]
+        self._index = {ref: i for i, ref in enumerate(futures)}
+        self._pending = list(futures)
+
+    @property
+    def running(self) -> bool:
+        """Some process has neither finished nor failed."""
+        return bool(self._pending)
+
+    def poll(self, timeout_s: float = POLL_S) -> None:
+        """Wait up to `timeout_s` for processes to finish; collect their results or errors, every
+        process's step and the nodes Ray marked dead. A user error found on a worker is raised here as
+        the same one line as locally."""
+        ray = self._ray
+        done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=timeout_s)
+        for ref in done:
+            try:
+                self.results[self._index[ref]] = ray.get(ref)
+            except Exception as err:  # classified by failures.classify
+                user = _user_error(err)
+                if user is not None:
+                    raise KitError(str(user), user.exit_code) from None
+                self.errors[self._index[ref]] = err
+        self._check_nodes()
+        self._poll_steps()
+
+    def results_in_order(self) -> List[Any]:
+        return [self.results[i] for i in range(len(self))]
+
+    def _poll_steps(self) -> None:
+        ray = self._ray
+        for i, ref in list(self._step_polls.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            del self._step_polls[i]
+            try:
+                step = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self.errors.setdefault(i, err)
+                continue
+            except Exception:  # noqa: BLE001 - a poll is best effort
+                continue
+            if step is not None:
+                self.steps[i] = step
+                if self.first_step_at is None:
+                    self.first_step_at = time.monotonic()
+        for i, a in enumerate(self.actors):
+            if i not in self._step_polls and i not in self.errors:
+                self._step_polls[i] = a.current_step.remote()
+
+    def _check_nodes(self) -> None:
+        """Every NODE_CHECK_S: a process whose node Ray has marked dead is lost, even while it still answers
+        (its raylet died first) or before any connection reset told us (a partition rather than a crash)."""
+        now = time.monotonic()
+        if now - self._nodes_checked < NODE_CHECK_S:
+            return
+        self._nodes_checked = now
+        try:
+            alive = {n.node_id for n in failures.current_nodes() if n.alive}
+        except Exception:  # noqa: BLE001 - the GCS busy: look again next time
+            return
+        for i, slot in self.slots.items():
+            if i not in self.errors and slot.node_id and slot.node_id not in alive:
+                self.errors[i] = failures.Unresponsive("Ray marked its node dead")
+
+    def ping_all(self) -> None:
+        """After a first failure: a process whose actor no longer answers (within PING_TIMEOUT_S) is dead too."""
+        ray = self._ray
+        refs = {i: a.current_step.remote() for i, a in enumerate(self.actors)
+                if i not in self.errors and i not in self.results}
+        if not refs:
+            return
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
+        for i, ref in refs.items():
+            if ref not in ready:
+                self.errors[i] = failures.Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self.errors[i] = err
+            except Exception:  # noqa: BLE001 - alive enough
+                pass
+
+    def failure(self, detected: float) -> BaseException:
+        """What the errors seen so far mean (failures.classify): lost processes, or one that raised."""
+        return failures.classify(self.errors, self.slots, self.steps, detected)
