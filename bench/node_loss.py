@@ -100,7 +100,7 @@ def one_run(prefix: str, max_restarts: int, timeout: float) -> dict:
                    resumed_from=r["resumed_from_step"], steps=report["steps"], host=r["host"])
         return row
     finally:
-        bed.down(stop_ray=False)
+        bed.down(graceful=False)
         subprocess.run(["rm", "-rf", str(out)], check=False)
 
 

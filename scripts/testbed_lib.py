@@ -35,6 +35,10 @@ Library use::
     bed.down()
 
 CLI: ``scripts/testbed`` (up / exec / status / down).
+
+What runs on top of the hosts (Ray: testbed_ray; a site's daemons: testbed_site) registers a ``Layer``
+with this module when imported: this core brings nothing up by itself, and shows and stops a layer
+only through its hooks, so it never imports the modules built on it.
 """
 from __future__ import annotations
 
@@ -50,7 +54,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence
+
+if TYPE_CHECKING:
+    import argparse
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PREFIX = "akt"
@@ -184,6 +191,50 @@ def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+# ---- layers: what other modules start on top of the hosts ---------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """Something started on top of the hosts (Ray, a site's daemons), registered by the module that
+    starts it (``register_layer``, on import). Every hook is optional; ``order`` is the bring-up
+    position (lower first), teardown runs the other way round.
+
+    The CLI (``scripts/testbed up``) uses the first five; this module uses the last three.
+    """
+    name: str   # also its key in ``up``'s JSON and in the bed's state
+    order: int
+    # its flags of `up` (an argument group)
+    add_arguments: Optional[Callable[["argparse.ArgumentParser"], None]] = None
+    # reject flags that make no sense (``usage_error(msg)`` exits) or a machine that lacks a tool (TestbedError)
+    check_arguments: Optional[Callable[["argparse.Namespace", Callable[[str], None]], None]] = None
+    # extra ``Testbed.up`` keywords its flags need (e.g. the site's controller)
+    host_options: Optional[Callable[["argparse.Namespace"], dict]] = None
+    # bring it up on a bed that is up (a reused bed keeps what it has)
+    start: Optional[Callable[["Testbed", "argparse.Namespace"], None]] = None
+    # after every layer started: add to ``up``'s JSON, return the exit code (0 = fine)
+    report: Optional[Callable[["Testbed", "argparse.Namespace", dict], int]] = None
+    # its entry in ``up``'s JSON (None: nothing to show)
+    summary: Optional[Callable[["Testbed"], Optional[dict]]] = None
+    # variables every command run in a host needs (e.g. Ray's auth token)
+    exec_env: Optional[Callable[["Testbed"], Dict[str, str]]] = None
+    # stop it before the hosts die: (bed, or None without state; prefix; graceful) -> what it did.
+    # Never raises: what is left dies with the hosts.
+    stop: Optional[Callable[[Optional["Testbed"], str, bool], List[str]]] = None
+
+
+_LAYERS: Dict[str, Layer] = {}
+
+
+def register_layer(layer: Layer) -> Layer:
+    """Make ``layer`` known to the core and the CLI (a second registration of its name replaces the first)."""
+    _LAYERS[layer.name] = layer
+    return layer
+
+
+def layers() -> List[Layer]:
+    """The registered layers, in bring-up order."""
+    return sorted(_LAYERS.values(), key=lambda layer: layer.order)
+
+
 @dataclasses.dataclass
 class Host:
     name: str
@@ -280,13 +331,10 @@ class Testbed:
             out["controller"] = {"name": self.controller.name, "ip": self.controller.ip,
                                  "admin_subnet": ADMIN_SUBNET, "router": {"cluster_ip": self.router_ip,
                                                                           "admin_ip": ADMIN_ROUTER_IP}}
-        if self.site:
-            out["site"] = self.site
-        if self.ray:
-            out["ray"] = {k: self.ray.get(k) for k in ("address", "dashboard", "spec_path", "nodes", "auth",
-                                                       "token_path", "seconds")}
-            if self.ray.get("token_path") and os.path.exists(self.ray["token_path"]):
-                out["ray"]["token"] = Path(self.ray["token_path"]).read_text().strip()
+        for layer in layers():
+            shown = layer.summary(self) if layer.summary else None
+            if shown is not None:
+                out[layer.name] = shown
         return out
 
     def status(self) -> dict:
@@ -325,8 +373,9 @@ class Testbed:
         if not _pid_alive(h.pid):
             raise TestbedError(f"host {h.name} of test bed {self.prefix!r} is not running (PID 1 {h.pid} gone)")
         full_env = python_env()
-        if self.ray and self.ray.get("token_path"):  # Ray token auth on: every client needs the token
-            full_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.ray["token_path"])
+        for layer in layers():  # e.g. Ray's token when auth is on: every client needs it
+            if layer.exec_env:
+                full_env.update(layer.exec_env(self))
         if env:
             full_env.update(env)
         wd = cwd or os.getcwd()
@@ -541,8 +590,8 @@ class Testbed:
 
         h.pid = _wait(ready, timeout, f"host {h.name}'s tini (PID 1) to start")
 
-    def down(self, timeout: float = 20, stop_ray: bool = True):
-        return down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, stop_ray=stop_ray,
+    def down(self, timeout: float = 20, graceful: bool = True):
+        return down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, graceful=graceful,
                     _launchers=self._launchers)
 
 
@@ -643,12 +692,12 @@ def list_prefixes(pattern: str = r"akt[a-z0-9]*") -> List[str]:
 
 
 def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, timeout: float = 20,
-         stop_ray: bool = True, _launchers: Optional[Dict[str, subprocess.Popen]] = None) -> List[str]:
+         graceful: bool = True, _launchers: Optional[Dict[str, subprocess.Popen]] = None) -> List[str]:
     """Remove a test bed and its leftovers; idempotent. Returns what it removed (for logs).
 
-    Order: if the state records Ray (``testbed_ray.start_ray``) and ``stop_ray``, ``ray stop`` in
-    every host at once (Ray's clean shutdown, bounded); then SIGKILL every process in each host (PID 1 first: its PID namespace dies with it; then
-    anything still in the host's netns), wait until gone, delete netns (and with it the veth
+    Order: every registered layer's ``stop`` hook, last brought up first (Ray's ``ray stop`` in every
+    host only when ``graceful``; the site's daemons by PID); then SIGKILL every process in each host
+    (PID 1 first: its PID namespace dies with it; then anything still in the host's netns), wait until gone, delete netns (and with it the veth
     pairs), bridges, the generated files and the state dir. The hosts' mounts live in their own
     private mount namespaces and vanish with their last process.
     """
@@ -664,17 +713,10 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
     sd = sd or default_state_dir(prefix)
     done: List[str] = []
 
-    # 0. Ray, then the site's daemons, cleanly (what is left is killed below with the hosts anyway)
-    if bed and bed.ray and stop_ray:
-        import testbed_ray  # noqa: late: testbed_ray imports this module
-        for name, line in testbed_ray.stop_ray(bed).items():
-            done.append(f"ray {name}: {line}")
-    if bed and bed.site:
-        import testbed_site  # noqa: late: testbed_site imports this module
-        done += testbed_site.stop_site(bed)
-    elif Path(f"/run/{prefix}-docker").exists():  # a crashed site: its dockerds' exec-roots
-        shutil.rmtree(f"/run/{prefix}-docker", ignore_errors=True)
-        done.append(f"removed /run/{prefix}-docker")
+    # 0. the layers on top, cleanly (what is left is killed below with the hosts anyway)
+    for layer in reversed(layers()):
+        if layer.stop:
+            done += layer.stop(bed, prefix, graceful)
 
     # 1. processes
     pids = set()

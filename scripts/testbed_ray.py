@@ -360,3 +360,70 @@ def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_t
         report = {"ok": False, "error": _tail(p, 600)}
     report["rc"] = p.returncode
     return report
+
+
+# ---- the layer: how the core and `scripts/testbed up --ray` reach this module -------------------------
+def add_arguments(up) -> None:
+    ray = up.add_argument_group("Ray (scripts/testbed_ray.py)")
+    ray.add_argument("--ray", action="store_true", help="firewall + Ray on every host, wait until all are alive")
+    ray.add_argument("--auth", action="store_true", help="Ray token auth on (token generated, printed)")
+    ray.add_argument("--doctor", action="store_true", help="then run `alpa_job doctor` in the head; exit 3 if red")
+    ray.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="per node")
+    ray.add_argument("--object-store-memory", type=int, default=DEFAULT_OBJECT_STORE,
+                     help="bytes per node (each node would otherwise claim the machine's whole RAM)")
+    ray.add_argument("--no-dashboard", action="store_true", help="head without dashboard (no `ray job submit`)")
+    ray.add_argument("--no-firewall", action="store_true", help="do not load the spec's nftables rules")
+    ray.add_argument("--ray-timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for ray start + join")
+
+
+def check_arguments(args, usage_error) -> None:
+    for flag in ("auth", "doctor", "no_dashboard", "no_firewall"):
+        if getattr(args, flag) and not args.ray:
+            usage_error(f"--{flag.replace('_', '-')} needs --ray")
+
+
+def start_from_arguments(bed: "tb.Testbed", args) -> None:
+    if args.ray and not bed.ray:  # (a reused bed keeps the Ray it has)
+        start_ray(bed, num_cpus=args.num_cpus, object_store_memory=args.object_store_memory,
+                  include_dashboard=not args.no_dashboard, firewall=not args.no_firewall, auth=args.auth,
+                  timeout=args.ray_timeout)
+
+
+def report_doctor(bed: "tb.Testbed", args, out: dict) -> int:
+    """With ``--doctor``: doctor's verdict under ``out["doctor"]``; exit 3 when it is not green."""
+    if not args.doctor:
+        return 0
+    report = doctor(bed)
+    out["doctor"] = {"ok": bool(report.get("ok")), "rc": report["rc"],
+                     "failed": [c for c in report.get("checks", []) if not c.get("ok")][:5]}
+    if report.get("error"):
+        out["doctor"]["error"] = report["error"]
+    return 0 if report.get("ok") else 3
+
+
+def summary(bed: "tb.Testbed") -> Optional[dict]:
+    if not bed.ray:
+        return None
+    out = {k: bed.ray.get(k) for k in ("address", "dashboard", "spec_path", "nodes", "auth", "token_path", "seconds")}
+    token = token_of(bed)
+    if token is not None:
+        out["token"] = token
+    return out
+
+
+def exec_env(bed: "tb.Testbed") -> Dict[str, str]:
+    """Ray token auth on: every client in the bed needs the token (auth off is pinned by python_env)."""
+    token_path = (bed.ray or {}).get("token_path")
+    return auth_env(token_path) if token_path else {}
+
+
+def stop_layer(bed: Optional["tb.Testbed"], prefix: str, graceful: bool) -> List[str]:
+    if not (bed and bed.ray and graceful):
+        return []
+    return [f"ray {name}: {line}" for name, line in stop_ray(bed).items()]
+
+
+# After the site's daemons (they need no Ray), so Ray stops first on the way down.
+LAYER = tb.register_layer(tb.Layer(
+    name="ray", order=20, add_arguments=add_arguments, check_arguments=check_arguments,
+    start=start_from_arguments, report=report_doctor, summary=summary, exec_env=exec_env, stop=stop_layer))

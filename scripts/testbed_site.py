@@ -355,3 +355,58 @@ def stop_site(bed: "tb.Testbed", timeout: float = 20) -> List[str]:
         pass
     return done
 
+
+
+# ---- the layer: how the core and `scripts/testbed up --site ...` reach this module -------------------
+def add_arguments(up) -> None:
+    site = up.add_argument_group("A user's site (scripts/testbed_site.py)")
+    site.add_argument("--site", action="store_true",
+                      help=f"controller `{tb.CONTROLLER_NAME}` on {tb.ADMIN_SUBNET}, routed to the nodes")
+    site.add_argument("--docker", action="store_true", help="dockerd in every node host (stopped by PID on down)")
+    site.add_argument("--registry", action="store_true", help="image registry on the controller (needs --site)")
+    site.add_argument("--image", action="store_true",
+                      help="push the modern CPU image to the registry (needs --registry; builds it if missing)")
+    site.add_argument("--registry-data", metavar="DIR", default=None,
+                      help="registry blob store (default <state>/registry/data, removed by down; a kept DIR "
+                           "makes the next push nearly free)")
+
+
+def check_arguments(args, usage_error) -> None:
+    if (args.registry or args.image) and not args.site:
+        usage_error("--registry and --image live on the controller: add --site")
+    if args.image and not args.registry:
+        usage_error("--image pushes to the registry: add --registry")
+    why = missing_site_requirements(args.docker, args.registry, args.image)
+    if why:
+        raise tb.TestbedError("; ".join(why))
+
+
+def host_options(args) -> dict:
+    """The controller and router (``--site``); the cgroup hierarchies in every node host (dockerd needs them)."""
+    return {"site": args.site, "cgroups": args.docker}
+
+
+def start_from_arguments(bed: "tb.Testbed", args) -> None:
+    if (args.docker or args.registry) and not bed.site:  # (a reused bed keeps the site it has)
+        start_site(bed, docker=args.docker, registry=args.registry, image=args.image,
+                   registry_data=args.registry_data)
+
+
+def summary(bed: "tb.Testbed") -> Optional[dict]:
+    return bed.site or None
+
+
+def stop_layer(bed: Optional["tb.Testbed"], prefix: str, graceful: bool) -> List[str]:
+    if bed and bed.site:
+        return stop_site(bed)
+    run_dir = Path(f"/run/{prefix}-docker")
+    if run_dir.exists():  # a crashed site: its dockerds' exec-roots
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return [f"removed {run_dir}"]
+    return []
+
+
+# Before Ray: it is brought up first (the image push may take minutes) and stopped after it.
+LAYER = tb.register_layer(tb.Layer(
+    name="site", order=10, add_arguments=add_arguments, check_arguments=check_arguments,
+    host_options=host_options, start=start_from_arguments, summary=summary, stop=stop_layer))

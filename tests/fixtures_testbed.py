@@ -241,7 +241,7 @@ def ray_cluster(testbed_factory) -> RayCluster:
     yield cluster
     # No `ray stop` (scripts/testbed down does one): killing each host's PID 1 takes every Ray process
     # with it, in ~1 s.
-    bed.down(stop_ray=False)
+    bed.down(graceful=False)
 
 
 # ---- a user's site: controller + dockerd per node + registry + image (scripts/testbed_site.py) --------
