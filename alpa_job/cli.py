@@ -48,7 +48,7 @@ def _choices(names) -> str:
 
 
 def _train_parser(sub) -> None:
-    from alpa_job.settings.config import ALPA_STRATEGIES, DATASETS, DTYPES, ENGINES, STRATEGIES
+    from alpa_job.settings.catalog import ALPA_STRATEGIES, DATASETS, DTYPES, ENGINES, STRATEGIES
     from alpa_job.models import model_names
 
     p = sub.add_parser("train", help="train a model and write a report (the default command)",

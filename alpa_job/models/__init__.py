@@ -145,6 +145,26 @@ def check_model_name(name: str) -> None:
         raise KitError(not_known("--model", name, MODEL_MODULES))
 
 
+def model_settings(name: str) -> Tuple[Any, ...]:
+    """The settings model `name` reads (`Setting`s), from its declaration module `<name>_settings`,
+    which imports no flax: the catalogue, `--help` and the checks before Ray read them without jax."""
+    return _declaration(name).SETTINGS
+
+
+def check_model_sizes(config) -> None:
+    """Every model's own rule on its sizes (`check(config)` in its declaration, where it has one), whichever
+    model runs: a size flag that no rule of its model allows is wrong even before it is found inert."""
+    for name in MODEL_MODULES:
+        check = getattr(_declaration(name), "check", None)
+        if check is not None:
+            check(config)
+
+
+def _declaration(name: str):
+    check_model_name(name)
+    return importlib.import_module(f"{__name__}.{name}_settings")
+
+
 def get_entry(name: str) -> ModelEntry:
     """The registered entry of model `name` (imports its module, hence flax, on first use)."""
     check_model_name(name)

@@ -1,6 +1,7 @@
-"""The job config: one frozen dataclass, validated once.
+"""The job config: one frozen dataclass, validated once, with a field per setting of the catalogue
+(settings/catalog.py: name, type, default, help and check of each).
 
-Override order (later wins): the defaults below -> `--preset NAME` (alpa_job/settings/presets/NAME.yaml) ->
+Override order (later wins): the defaults -> `--preset NAME` (alpa_job/settings/presets/NAME.yaml) ->
 `--config FILE` -> command-line flags. A preset is an ordinary config file: a YAML mapping of field
 names, which may start from another preset or file with `base_config:` (MaxText's base config +
 overrides; resolved recursively, the base first). Every problem is a `KitError` that names the field
@@ -14,65 +15,25 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.choices import did_you_mean, not_known
 from alpa_job.errors import KitError
-from alpa_job.models import check_model_name
-
-DATASETS = ("synthetic", "cifar10")
-ENGINES = ("auto", "jax", "alpa")
-STRATEGIES = ("data", "fsdp", "tensor", "auto")  # --engine jax
-ALPA_STRATEGIES = ("data", "shard", "pipeshard-manual", "pipeshard-auto")  # --engine alpa
-DTYPES = ("float32", "bfloat16")
-REMAINDER_POLICIES = ("drop", "pad")
+from alpa_job.models import check_model_sizes
+from alpa_job.settings import catalog
+from alpa_job.settings.catalog import ALPA_STRATEGIES, STRATEGIES
 
 
-@dataclasses.dataclass(frozen=True)
+def _fields_from_the_catalogue(cls):
+    """Make `cls` a frozen dataclass with one field per catalogue setting, in catalogue order."""
+    taken = [s.name for s in catalog.SETTINGS if hasattr(cls, s.name)]
+    if taken:  # a programming error: a setting would hide a method
+        raise ValueError(f"settings named like JobConfig's methods: {', '.join(taken)}")
+    cls.__annotations__ = {s.name: s.type for s in catalog.SETTINGS}
+    for s in catalog.SETTINGS:
+        setattr(cls, s.name, s.default)
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+@_fields_from_the_catalogue
 class JobConfig:
-    # What to train.
-    model: str = "mlp"
-    dataset: str = "synthetic"
-    data_dir: Optional[str] = None  # cifar10: folder holding data_batch_1..5 (python format)
-    num_samples: int = 2000  # synthetic only; 2000 / 256 leaves a ragged last batch on purpose
-    batch_size: int = 256  # global batch, split over the data-parallel axis
-    epochs: int = 3
-    steps: Optional[int] = None  # stop after this many steps (None: run all epochs)
-    remainder: str = "drop"  # ragged last batch: "drop" it or "pad" it and mask the loss
-    learning_rate: float = 1e-3
-    dtype: str = "float32"
-    seed: int = 0
-
-    # Model sizes (each model reads its own).
-    hidden_dim: int = 256  # mlp: the tutorial's `dim` (layers 4h -> h -> 4h -> h)
-    depth: int = 10  # wide_resnet: 6n+4 (10 = one block per stage)
-    width: int = 2  # wide_resnet: widening factor k
-    num_layers: int = 2  # gpt
-    d_model: int = 128  # gpt
-    num_heads: int = 4  # gpt
-    seq_len: int = 64  # gpt
-    vocab_size: int = 256  # gpt
-
-    # How to run it.
-    engine: str = "auto"
-    strategy: str = "data"
-    model_parallel: int = 0  # size of the mesh's model axis for `tensor` (0: the largest that divides)
-    devices: int = 8  # CPU devices to emulate per process when there is no accelerator
-    address: Optional[str] = None  # None: RAY_ADDRESS if set (ray job submit), else "local"
-    processes: int = 0  # JAX processes, one per node (0: one per alive node)
-    auto_trial_steps: int = 3  # `auto`: timed steps per candidate
-    memory_limit_gb: Optional[float] = None  # `auto`: per-device budget (None: the device's own)
-    cluster_spec: Optional[str] = None  # path to a cluster spec YAML (default: the package's)
-    compile_cache: Optional[str] = None  # jax: persistent compile cache folder (None: ~/.cache/alpa_job/jax; "none": off)
-    # Alpa engine only.
-    micro_batches: int = 1  # Alpa num_micro_batches (gradient accumulation / pipeline)
-    pipeline_stages: int = 0  # pipeshard-manual: stages (0: one per node, at least 2)
-    pipeline_layers: int = 0  # pipeshard-auto: AutoLayerOption(layer_num) (0: the model's layer count)
-    plan_cache: Optional[str] = None  # pipeshard-auto: folder that keeps/reuses the auto search result
-
-    # Output and checkpoints.
-    out: Optional[str] = None  # None: runs/<time>-<model>-<strategy> with runs/latest -> it (alpa_job/train/rundir.py)
-    checkpoint_every: int = 0  # 0: no checkpoints
-    resume: bool = False
-    max_restarts: int = 0  # JAX engine on Ray: restarts on the surviving nodes after a lost process (0: fail fast)
-    restart_wait: float = 0.0  # seconds a restart waits for a replacement node to join (0: go on with the survivors)
-    overwrite: bool = False  # an --out holding another run's checkpoints: replace them (else refused)
+    """Every setting of a job (the catalogue's, in its order); `JobConfig()` is the defaults."""
 
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,30 +42,15 @@ class JobConfig:
         return dataclasses.replace(self, **changes).validated()
 
     def validated(self) -> "JobConfig":
-        check_model_name(self.model)
-        _one_of("dataset", self.dataset, DATASETS)
-        _one_of("engine", self.engine, ENGINES)
-        _one_of("strategy", self.strategy, tuple(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES)))
+        for s in catalog.SETTINGS:  # names first, each error with the nearest allowed one
+            if s.choices is not None and getattr(self, s.name) not in s.choices:
+                raise KitError(not_known(s.flag, getattr(self, s.name), s.choices))
         check_engine_strategy(self.engine, self.strategy)
-        _one_of("dtype", self.dtype, DTYPES)
-        _one_of("remainder", self.remainder, REMAINDER_POLICIES)
-        for name in ("batch_size", "epochs", "num_samples", "devices", "hidden_dim", "d_model",
-                     "num_heads", "seq_len", "vocab_size", "num_layers", "width", "auto_trial_steps",
-                     "micro_batches"):
-            _positive(name, getattr(self, name))
-        for name in ("checkpoint_every", "processes", "model_parallel", "pipeline_stages", "pipeline_layers",
-                     "max_restarts", "restart_wait"):
-            if getattr(self, name) < 0:
-                raise KitError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        if self.steps is not None:
-            _positive("steps", self.steps)
-        if self.learning_rate <= 0:
-            raise KitError(f"--learning-rate must be > 0, got {self.learning_rate}")
-        if (self.depth - 4) % 6 != 0 or self.depth < 10:
-            raise KitError(f"--depth {self.depth} is not a WideResNet depth; use 6n+4 with n >= 1 (10, 16, 22, 28)")
-        if self.d_model % self.num_heads != 0:
-            raise KitError(f"--d-model {self.d_model} is not divisible by --num-heads {self.num_heads}; "
-                           f"use a multiple of {self.num_heads}")
+        for s in catalog.SETTINGS:
+            problem = s.problem(getattr(self, s.name))
+            if problem:
+                raise KitError(problem)
+        check_model_sizes(self)
         if self.dataset == "cifar10" and self.model != "wide_resnet":
             raise KitError(f"--dataset cifar10 feeds images; use --model wide_resnet (got --model {self.model})")
         if self.dataset == "cifar10" and not self.data_dir:
@@ -129,21 +75,7 @@ def check_engine_strategy(engine: str, strategy: str) -> None:
                        f"{', '.join(ALPA_STRATEGIES)}")
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _one_of(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise KitError(not_known(f"--{_flag(name)}", value, allowed))
-
-
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise KitError(f"--{_flag(name)} must be a positive integer, got {value!r}")
-
-
-FIELD_NAMES = tuple(f.name for f in dataclasses.fields(JobConfig))
+FIELD_NAMES = catalog.FIELD_NAMES
 
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")

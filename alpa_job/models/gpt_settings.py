@@ -1,0 +1,21 @@
+"""GPT's settings: what `--model gpt` reads, declared without flax so `--help` and the checks before
+Ray never import jax (the model itself is gpt.py)."""
+from __future__ import annotations
+
+from alpa_job.errors import KitError
+from alpa_job.settings.setting import POSITIVE, Setting
+
+SETTINGS = (
+    Setting("num_layers", int, 2, "transformer blocks", check=POSITIVE),
+    Setting("d_model", int, 128, "embedding width", check=POSITIVE),
+    Setting("num_heads", int, 4, "attention heads (divide --d-model)", check=POSITIVE),
+    Setting("seq_len", int, 64, "tokens per sequence", check=POSITIVE),
+    Setting("vocab_size", int, 256, "vocabulary", check=POSITIVE),
+)
+
+
+def check(config) -> None:
+    """Heads split the embedding evenly."""
+    if config.d_model % config.num_heads != 0:
+        raise KitError(f"--d-model {config.d_model} is not divisible by --num-heads {config.num_heads}; "
+                       f"use a multiple of {config.num_heads}")

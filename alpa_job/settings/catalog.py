@@ -1,0 +1,112 @@
+"""The catalogue: every job setting once, in `JobConfig`'s field order.
+
+`JobConfig`'s fields, the `train` parser's flags and `--help` lines, the coercion of `--config`
+values, and the bounds and allowed names checked by `JobConfig.validated` are all read from here.
+A model's own sizes are declared by the model (`models/<name>_settings.py`) and listed here after
+`seed`, in `--model` order, each marked with its model. Importing this module imports no jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+from alpa_job.models import MODEL_MODULES, model_settings
+from alpa_job.settings.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT, PARALLELISM, POSITIVE,
+                                       Setting, Switch)
+
+DATASETS = ("synthetic", "cifar10")
+ENGINES = ("auto", "jax", "alpa")
+STRATEGIES = ("data", "fsdp", "tensor", "auto")  # --engine jax
+ALPA_STRATEGIES = ("data", "shard", "pipeshard-manual", "pipeshard-auto")  # --engine alpa
+DTYPES = ("float32", "bfloat16")
+REMAINDER_POLICIES = ("drop", "pad")
+
+WHAT_TO_TRAIN = (
+    Setting("model", str, "mlp", "what to train", choices=MODEL_MODULES),
+    Setting("dataset", str, "synthetic", "synthetic (learnable, generated) or local CIFAR-10", choices=DATASETS),
+    # cifar10 reads data_batch_1..5 (python format) from it; the kit never downloads at run time.
+    Setting("data_dir", Optional[str], None, "cifar10: the extracted cifar-10-batches-py folder", metavar="DIR"),
+    # The default over the default batch leaves a ragged last batch on purpose.
+    Setting("num_samples", int, 2000, "synthetic dataset size", check=POSITIVE),
+    Setting("batch_size", int, 256, "global batch, split over the data-parallel axis", check=POSITIVE),
+    Setting("epochs", int, 3, "passes over the dataset", check=POSITIVE),
+    Setting("steps", Optional[int], None, "stop after N steps", check=POSITIVE, default_help="all epochs"),
+    Setting("remainder", str, "drop", "a ragged last batch: drop it, or pad it and mask the loss",
+            choices=REMAINDER_POLICIES,
+            switches=(Switch("--drop-remainder", "drop", "drop a ragged last batch (default)"),
+                      Switch("--pad-remainder", "pad", "pad a ragged last batch and mask it out of the loss"))),
+    Setting("learning_rate", float, 1e-3, "Adam learning rate", check=ABOVE_ZERO, metavar="LR"),
+    Setting("dtype", str, "float32", "compute dtype", choices=DTYPES),
+    Setting("seed", int, 0, "parameters and data order", metavar="SEED"),
+)
+
+HOW_TO_RUN = (
+    Setting("engine", str, "auto", "auto: alpa when it imports, else jax", PARALLELISM, choices=ENGINES),
+    Setting("strategy", str, "data", f"jax: {' | '.join(STRATEGIES)}; alpa: {' | '.join(ALPA_STRATEGIES)}",
+            PARALLELISM, choices=tuple(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES))),
+    Setting("model_parallel", int, 0, "tensor: size of the model mesh axis", PARALLELISM, check=NON_NEGATIVE,
+            default_help="the largest of 1-4 that divides"),
+    Setting("devices", int, 8, "CPU devices to emulate per process without an accelerator", PARALLELISM,
+            check=POSITIVE),
+    # None: RAY_ADDRESS when set (as under `ray job submit`), else a local Ray.
+    Setting("address", Optional[str], None, "local | auto | HOST:PORT (the head's GCS) | none (no Ray)", CLUSTER,
+            metavar="ADDR", default_help="RAY_ADDRESS, else local"),
+    Setting("processes", int, 0, "JAX processes, one per node", CLUSTER, check=NON_NEGATIVE,
+            default_help="every alive node"),
+    Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE),
+    Setting("memory_limit_gb", Optional[float], None, "auto: per-device memory budget", PARALLELISM, metavar="GB",
+            default_help="the device's own"),
+    Setting("cluster_spec", Optional[str], None, "cluster spec YAML (ports, CIDR)", CLUSTER, metavar="FILE",
+            default_help="the package's, or ALPA_KIT_CLUSTER_SPEC"),
+    Setting("compile_cache", Optional[str], None, "jax: persistent compile cache, so a second identical run skips "
+            "compiling; on a cluster a folder every node sees", PARALLELISM, metavar="DIR",
+            default_help="~/.cache/alpa_job/jax; 'none' turns it off"),
+    # Alpa engine only.
+    Setting("micro_batches", int, 1, "alpa: num_micro_batches", PARALLELISM, check=POSITIVE),
+    Setting("pipeline_stages", int, 0, "alpa pipeshard-manual: stages", PARALLELISM, check=NON_NEGATIVE,
+            default_help="one per node"),
+    Setting("pipeline_layers", int, 0, "alpa pipeshard-auto: AutoLayerOption layer_num", PARALLELISM,
+            check=NON_NEGATIVE, default_help="the model's layers"),
+    Setting("plan_cache", Optional[str], None, "alpa pipeshard-auto: folder to save/reuse the auto search result",
+            PARALLELISM, metavar="DIR"),
+)
+
+OUTPUT_AND_RESTARTS = (
+    Setting("out", Optional[str], None, "run directory for report, train.log and checkpoints", OUTPUT,
+            metavar="DIR", default_help="runs/<time>-<model>-<strategy>, runs/latest -> the newest"),
+    Setting("checkpoint_every", int, 0, "save an orbax checkpoint every N steps", OUTPUT, check=NON_NEGATIVE,
+            default_help="none"),
+    Setting("resume", bool, False, "continue from the latest checkpoint in --out (same model settings)", OUTPUT),
+    Setting("max_restarts", int, 0, "jax engine on Ray: after a lost process or node, restart up to N times on the "
+            "nodes alive then, from the last checkpoint", OUTPUT, check=NON_NEGATIVE, default_help="0, fail fast"),
+    Setting("restart_wait", float, 0.0, "seconds a restart waits for a replacement node to join", OUTPUT,
+            check=NON_NEGATIVE, metavar="S", default_help="0, go on with the survivors"),
+    # Without it an --out holding another run's checkpoints is refused rather than mixed.
+    Setting("overwrite", bool, False, "replace the checkpoints and reports of an earlier run in --out", OUTPUT),
+)
+
+
+def _models_settings() -> Tuple[Setting, ...]:
+    return tuple(dataclasses.replace(setting, model=name) for name in MODEL_MODULES
+                 for setting in model_settings(name))
+
+
+SETTINGS: Tuple[Setting, ...] = WHAT_TO_TRAIN + _models_settings() + HOW_TO_RUN + OUTPUT_AND_RESTARTS
+BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
+if len(BY_NAME) != len(SETTINGS):  # a programming error: two declarations of one name
+    raise ValueError("settings declared twice: " + ", ".join(
+        sorted({s.name for s in SETTINGS if sum(t.name == s.name for t in SETTINGS) > 1})))
+FIELD_NAMES: Tuple[str, ...] = tuple(BY_NAME)
+
+# The size settings each model reads, by model.
+MODEL_FIELDS: Dict[str, Tuple[str, ...]] = {
+    name: tuple(s.name for s in SETTINGS if s.model == name) for name in MODEL_MODULES}
+
+
+def setting(name: str) -> Setting:
+    return BY_NAME[name]
+
+
+def in_group(group: str) -> Tuple[Setting, ...]:
+    """The settings `--help` shows under `group`, in catalogue order."""
+    return tuple(s for s in SETTINGS if s.group == group)
