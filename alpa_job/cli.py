@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, KitError
+from alpa_job.settings.setting import GROUPS, OUTPUT, Setting, plain_type
 
 SUBCOMMANDS = ("train", "inspect", "doctor", "cluster")
 
@@ -34,106 +35,58 @@ train.log, checkpoints/. Compare runs: python -m alpa_job inspect --compare runs
 """ + EXIT_CODES
 
 
-def _default(name: str) -> str:
-    """' (default: X)' from JobConfig's default, so --help never disagrees with the code."""
-    from alpa_job.settings.config import JobConfig
-
-    value = getattr(JobConfig, name)
-    return "" if value is None else f" (default: {value})"
-
-
-def _choices(names) -> str:
-    """{a,b,c} in --help; the value itself is checked by config.py, whose error suggests the nearest name."""
-    return "{" + ",".join(names) + "}"
-
-
 def _train_parser(sub) -> None:
-    from alpa_job.settings.catalog import ALPA_STRATEGIES, DATASETS, DTYPES, ENGINES, STRATEGIES
-    from alpa_job.models import model_names
+    from alpa_job.settings import catalog
 
     p = sub.add_parser("train", help="train a model and write a report (the default command)",
                        description="Train a model with a parallel strategy and write a report of its plan.",
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = _default
     g = p.add_argument_group("settings files")
     g.add_argument("--preset", metavar="NAME", help="named settings from alpa_job/settings/presets (gpt-24l, mlp-tutorial, "
                                                     "...); --config and flags override it")
     g.add_argument("--config", metavar="FILE", help="YAML file of job settings (keys as the flags, - or _); "
                                                     "flags override it")
-
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", metavar=_choices(model_names()), help="what to train" + d("model"))
-    g.add_argument("--dataset", metavar=_choices(DATASETS), help="synthetic (learnable, generated) or local CIFAR-10"
-                   + d("dataset"))
-    g.add_argument("--data-dir", metavar="DIR", help="cifar10: the extracted cifar-10-batches-py folder")
-    g.add_argument("--num-samples", type=int, metavar="N", help="synthetic dataset size" + d("num_samples"))
-    g.add_argument("--batch-size", type=int, metavar="N", help="global batch, split over the data-parallel axis"
-                   + d("batch_size"))
-    g.add_argument("--epochs", type=int, metavar="N", help="passes over the dataset" + d("epochs"))
-    g.add_argument("--steps", type=int, metavar="N", help="stop after N steps (default: all epochs)")
-    g.add_argument("--learning-rate", type=float, metavar="LR", help="Adam learning rate" + d("learning_rate"))
-    g.add_argument("--dtype", metavar=_choices(DTYPES), help="compute dtype" + d("dtype"))
-    g.add_argument("--seed", type=int, help="parameters and data order" + d("seed"))
-    ragged = g.add_mutually_exclusive_group()
-    ragged.add_argument("--drop-remainder", dest="remainder", action="store_const", const="drop",
-                        help="drop a ragged last batch (default)")
-    ragged.add_argument("--pad-remainder", dest="remainder", action="store_const", const="pad",
-                        help="pad a ragged last batch and mask it out of the loss")
-    sizes = (("hidden-dim", "mlp: width (layers 4h -> h -> 4h -> h)"), ("depth", "wide_resnet: 6n+4"),
-             ("width", "wide_resnet: widening factor k"), ("num-layers", "gpt: transformer blocks"),
-             ("d-model", "gpt: embedding width"), ("num-heads", "gpt: attention heads (divide --d-model)"),
-             ("seq-len", "gpt: tokens per sequence"), ("vocab-size", "gpt: vocabulary"))
-    for name, text in sizes:
-        g.add_argument(f"--{name}", type=int, metavar="N", help=text + d(name.replace("-", "_")))
-
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--engine", metavar=_choices(ENGINES), help="auto: alpa when it imports, else jax" + d("engine"))
-    g.add_argument("--strategy", metavar=_choices(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES)),
-                   help=f"jax: {' | '.join(STRATEGIES)}; alpa: {' | '.join(ALPA_STRATEGIES)}" + d("strategy"))
-    g.add_argument("--model-parallel", type=int, metavar="N",
-                   help="tensor: size of the model mesh axis (default: the largest of 1-4 that divides)")
-    g.add_argument("--devices", type=int, metavar="N", help="CPU devices to emulate per process without an "
-                                                            "accelerator" + d("devices"))
-    g.add_argument("--auto-trial-steps", type=int, metavar="N", help="auto: timed steps per candidate"
-                   + d("auto_trial_steps"))
-    g.add_argument("--memory-limit-gb", type=float, metavar="GB",
-                   help="auto: per-device memory budget (default: the device's own)")
-    g.add_argument("--micro-batches", type=int, metavar="N", help="alpa: num_micro_batches" + d("micro_batches"))
-    g.add_argument("--pipeline-stages", type=int, metavar="N",
-                   help="alpa pipeshard-manual: stages (default: one per node)")
-    g.add_argument("--pipeline-layers", type=int, metavar="N",
-                   help="alpa pipeshard-auto: AutoLayerOption layer_num (default: the model's layers)")
-    g.add_argument("--plan-cache", metavar="DIR", help="alpa pipeshard-auto: folder to save/reuse the auto "
-                                                       "search result")
-    g.add_argument("--compile-cache", metavar="DIR",
-                   help="jax: persistent compile cache, so a second identical run skips compiling; on a cluster "
-                        "a folder every node sees (default: ~/.cache/alpa_job/jax; 'none' turns it off)")
-
-    g = p.add_argument_group("cluster")
-    g.add_argument("--address", metavar="ADDR", help="local | auto | HOST:PORT (the head's GCS) | none (no Ray) "
-                                                     "(default: RAY_ADDRESS, else local)")
-    g.add_argument("--processes", type=int, metavar="N", help="JAX processes, one per node (default: every "
-                                                              "alive node)")
-    g.add_argument("--cluster-spec", metavar="FILE", help="cluster spec YAML (ports, CIDR) (default: the "
-                                                          "package's, or ALPA_KIT_CLUSTER_SPEC)")
-
-    g = p.add_argument_group("output")
-    g.add_argument("--out", metavar="DIR", help="run directory for report, train.log and checkpoints (default: "
-                                                "runs/<time>-<model>-<strategy>, runs/latest -> the newest)")
-    g.add_argument("--checkpoint-every", type=int, metavar="N", help="save an orbax checkpoint every N steps "
-                                                                     "(default: none)")
-    g.add_argument("--resume", action="store_const", const=True,
-                   help="continue from the latest checkpoint in --out (same model settings)")
-    g.add_argument("--overwrite", action="store_const", const=True,
-                   help="replace the checkpoints and reports of an earlier run in --out")
-    g.add_argument("--max-restarts", type=int, metavar="N",
-                   help="jax engine on Ray: after a lost process or node, restart up to N times on the nodes alive "
-                        "then, from the last checkpoint (default 0: fail fast)")
-    g.add_argument("--restart-wait", type=float, metavar="S",
-                   help="seconds a restart waits for a replacement node to join (default 0: the survivors)")
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    for setting in catalog.SETTINGS:
+        _add_setting(groups[setting.group], setting)
+    # How the run talks to the terminal: not job settings (the report's config does not keep them).
+    g = groups[OUTPUT]
     g.add_argument("--progress-every", type=int, metavar="N", default=0,
                    help="without a terminal: a progress line every N steps (default: about 10 per run)")
     _verbosity_flags(g)
+
+
+def _add_setting(group, setting: Setting) -> None:
+    """One catalogue setting as flags: `--name VALUE` (converted with its type), `--name` for a bool,
+    or its switches, one value each. Every value stays None unless given, so the files' layers and the
+    defaults show through."""
+    if setting.switches:
+        exclusive = group.add_mutually_exclusive_group()
+        for switch in setting.switches:
+            exclusive.add_argument(switch.flag, dest=setting.name, action="store_const", const=switch.value,
+                                   help=switch.help)
+        return
+    kind = plain_type(setting.type)
+    text = (f"{setting.model}: " if setting.model else "") + setting.help
+    if kind is bool:
+        group.add_argument(setting.flag, dest=setting.name, action="store_const", const=True, help=text)
+        return
+    group.add_argument(setting.flag, dest=setting.name, type=None if kind is str else kind,
+                       metavar=_metavar(setting, kind), help=text + _default_text(setting))
+
+
+def _metavar(setting: Setting, kind: type) -> Optional[str]:
+    """{a,b,c} for a choice (the value is checked by JobConfig, whose error suggests the nearest name)."""
+    if setting.choices is not None:
+        return "{" + ",".join(setting.choices) + "}"
+    return setting.metavar or ("N" if kind is int else None)
+
+
+def _default_text(setting: Setting) -> str:
+    """' (default: X)' from the catalogue, so --help never disagrees with the code."""
+    if setting.default_help is not None:
+        return f" (default: {setting.default_help})"
+    return "" if setting.default is None else f" (default: {setting.default})"
 
 
 def _verbosity_flags(g) -> None:
