@@ -34,7 +34,6 @@ FORBIDDEN: List[Tuple[re.Pattern, str]] = [
 STILL_TO_CLEAN = {
     "alpa_job/launch/connect.py",
     "alpa_job/launch/processes.py",
-    "alpa_job/launch/restarts.py",
     "alpa_job/launch/runner.py",
     "alpa_job/models/gpt.py",
     "alpa_job/models/losses.py",

@@ -27,9 +27,11 @@ from alpa_job.train.checkpoint import latest_complete_step
 from alpa_job.cluster import ray_api
 from alpa_job.launch import shared_out
 from alpa_job.errors import KitError
-from alpa_job.launch.restarts import Lost, check_batch_divides, eligible_nodes, samples_in_steps, trajectory_counts, \
-    view_settled
+from alpa_job.launch.failure_policy import FailurePolicy, check_batch_divides, eligible_nodes
+from alpa_job.launch.failures import Lost, view_settled
+from alpa_job.launch.recovery import samples_in_steps, trajectory_counts
 from alpa_job.data import plan_epoch
+from helpers_train import tiny_config
 
 
 # ============================================================================ unit: settled view
@@ -145,6 +147,37 @@ def test_a_save_killed_midway_never_counts_as_the_latest_checkpoint(tmp_path):
     assert np.array_equal(np.asarray(restored["w"]), np.arange(4.0))
     again.close()
     assert latest_complete_step(str(tmp_path / "missing")) is None
+
+
+def test_failure_policy_from_the_restart_flags(monkeypatch):
+    from alpa_job.launch import failure_policy
+
+    assert FailurePolicy.from_config(tiny_config()) == FailurePolicy(0, 0.0)  # fail fast by default
+    policy = FailurePolicy.from_config(tiny_config(max_restarts=2, restart_wait=1.0))
+    assert policy.may_restart(0) and policy.may_restart(1) and not policy.may_restart(2)
+    monkeypatch.setattr(failure_policy, "REPLACEMENT_POLL_S", 0.01)
+    counts = iter([1, 1, 3])  # a replacement node joins on the third look
+    t0 = time.monotonic()
+    policy.wait_for_replacements(lambda: next(counts), want=3)
+    assert time.monotonic() - t0 < 1.0
+    FailurePolicy(1, 0.0).wait_for_replacements(lambda: 0, want=3)  # no wait: goes on with the nodes there are
+
+
+def test_a_restart_record_is_typed_from_the_loss_to_the_first_step():
+    from alpa_job.launch.failures import GroupLost, Slot
+    from alpa_job.launch.recovery import Recovery
+    from alpa_job.record.run_record import RestartRecord
+
+    slot = Slot(index=2, ip="10.77.0.3", host="w2", node_id="n3")
+    failed = GroupLost([slot.lost(68, "actor died")], {2: slot}, detected=100.0, wall="2024-01-01T00:00:00.000+00:00")
+    failed.run_step = 70
+    recovery = Recovery.after(failed)
+    assert isinstance(recovery.record, RestartRecord)
+    assert (recovery.record.host, recovery.record.process, recovery.record.failed_at_step) == ("w2", 2, 70)
+    recovery.resumed(60, processes=2)
+    recovery.recovered(112.5)
+    r = recovery.record
+    assert (r.resumed_from_step, r.processes_after, r.steps_lost, r.recover_seconds) == (60, 2, 10, 12.5)
 
 
 def test_cli_takes_max_restarts_and_restart_wait():

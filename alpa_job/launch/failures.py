@@ -1,15 +1,16 @@
 """Naming a dead JAX process (or its node) and waiting until Ray's view of the cluster is settled.
 
-Ray-side helpers for the worker group and the controller; the decisions are pure functions in
-alpa_job/launch/restarts.py.
-
-- `Slot`: who one process is (index, host name, node IP, Ray node id, actor/worker id, pid): asked from
-  the actor itself when it starts, so a failure can be named after the process is gone.
+- `Lost`: a process that died (and the node it ran on); `Slot`: who one process is (index, host name,
+  node IP, Ray node id, actor/worker id, pid), asked from the actor itself when it starts, so a failure
+  can be named after the process is gone.
 - `log_tail(slot)`: the last lines of its worker log through Ray's log API (bounded), or None when Ray
   cannot serve it any more (its node is gone); `log_location(slot)` says where the file is then.
 - `failure_message(lost, slot, ...)`: the one line the user reads.
 - `classify(errors, ...)`: which of a group's failed processes was LOST (its actor died), in the order
   to name them, or the one error of a process that raised on a live node (a bug, no restart).
+- `view_settled(nodes, lost)`: Ray's node table no longer shows a lost node as alive (it was marked
+  dead or removed), or the node is alive under a NEW id (its raylet restarted). Until then a new
+  process could be placed on a node that is already gone (a --resume right after a loss crashed so).
 - `wait_settled(lost, timeout_s)`: until every lost node is marked dead/gone by Ray, or answers a task
   pinned to it (then only the process died and the node may be used again). A node that is neither
   within the deadline is a one-line KitError naming it.
@@ -23,17 +24,32 @@ import datetime
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 
 from alpa_job.cluster import ray_api
 from alpa_job.errors import EXIT_PROCESS_LOST, EXIT_TIMEOUT, KitError
-from alpa_job.launch.restarts import Lost, node_alive
 
 LOG_TAIL_LINES = 20
 LOG_TIMEOUT_S = 5.0
 SETTLE_TIMEOUT_S = 90.0  # Ray marks a silent node dead after its health checks fail (~15-30 s by default)
 PROBE_TIMEOUT_S = 10.0
 LOG_DIR = "/tmp/ray/session_latest/logs"
+
+
+@dataclasses.dataclass
+class Lost:
+    """A JAX process that died (and the node it ran on)."""
+
+    index: int
+    host: Optional[str]
+    ip: str
+    node_id: str
+    step: Optional[int] = None  # the last step it reported (None: it never reported one)
+    reason: str = ""
+
+    def where(self) -> str:
+        return "process %d on host %s (node IP %s, Ray node id %s)" % (
+            self.index, self.host or "?", self.ip, self.node_id or "?")
 
 
 @dataclasses.dataclass
@@ -236,6 +252,16 @@ def _read_tails(dead: Dict[int, BaseException], slots: Dict[int, Slot]) -> Dict[
 
 
 # ---- the settled view --------------------------------------------------------------------------
+def view_settled(nodes: Iterable, lost: Sequence[Lost]) -> bool:
+    """True when no lost node id is still listed alive (`nodes`: ray_api.RayNode rows, any state)."""
+    lost_ids = {x.node_id for x in lost if x.node_id}
+    return not any(n.alive and n.node_id in lost_ids for n in nodes)
+
+
+def node_alive(nodes: Iterable, node_id: str) -> bool:
+    return any(n.alive and n.node_id == node_id for n in nodes)
+
+
 def current_nodes() -> List[ray_api.RayNode]:
     import ray
 

@@ -67,7 +67,7 @@ def _make_actor_class():
 
         def trajectory(self, cfg, run_start: int, resumed_from: int) -> Tuple[int, int]:
             from alpa_job.data import load_dataset, plan_epoch
-            from alpa_job.launch.restarts import samples_in_steps
+            from alpa_job.launch.recovery import samples_in_steps
 
             epoch = plan_epoch(load_dataset(cfg).num_samples, cfg.batch_size, cfg.remainder)
             return samples_in_steps(epoch.steps, epoch.full_batches, epoch.remainder, epoch.policy,

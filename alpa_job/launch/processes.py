@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, List, Optional, Set
 
 from alpa_job import progress
 from alpa_job.train.checkpoint import latest_complete_step
 from alpa_job.cluster import ray_api
 from alpa_job.launch import failures
 from alpa_job.errors import KitError, LostProcessError
-from alpa_job.launch.restarts import Lost, check_batch_divides, eligible_nodes
+from alpa_job.launch.failure_policy import FailurePolicy, check_batch_divides, eligible_nodes
+from alpa_job.launch.failures import Lost
+from alpa_job.launch.recovery import Recovery, with_restarts
 from alpa_job.launch.worker_group import PlacementFailed, WorkerGroup, training_nodes
 from alpa_job.train.rundir import checkpoint_dir
 
@@ -67,12 +69,12 @@ def run_on_nodes(config, spec) -> List[Any]:
 class _Job:
     def __init__(self, config, spec):
         self.config, self.spec = config, spec
-        self.max_restarts = int(getattr(config, "max_restarts", 0) or 0)
-        self.restart_wait = float(getattr(config, "restart_wait", 0) or 0)
+        self.policy = FailurePolicy.from_config(config)
         self.ckpt_dir = checkpoint_dir(config.out) if config.out else None
         self.lost: List[Lost] = []  # every node lost so far (never scheduled onto again)
         self.healthy: Set[str] = set()  # lost processes whose node was found alive
-        self.restarts: List[Dict[str, Any]] = []
+        self.restarts: List[Recovery] = []
+        self.recovering: Optional[Recovery] = None  # the restart whose next attempt has not run yet
         self.run_start = (latest_complete_step(self.ckpt_dir) or 0) if config.resume and self.ckpt_dir else 0
 
     def latest(self) -> Optional[int]:
@@ -103,10 +105,8 @@ class _Job:
                     raise
             cfg = self._attempt_config(attempt_no)
             resumed = (latest_complete_step(self.ckpt_dir) or 0) if cfg.resume else 0
-            if self.restarts and self.restarts[-1].get("processes_after") is None:
-                self.restarts[-1].update(resumed_from_step=resumed, processes_after=len(attempt))
-                failed_at = self.restarts[-1]["failed_at_step"]
-                self.restarts[-1]["steps_lost"] = max(0, (failed_at or resumed) - resumed)
+            if self.recovering is not None:
+                self.recovering.resumed(resumed, len(attempt))
             channel = progress.ProgressChannel.open()
             progress.note(f"[alpa_job] {len(attempt)} JAX process(es) on "
                           f"{', '.join(attempt.ips())}; "
@@ -117,7 +117,7 @@ class _Job:
             except failures.GroupLost as failed:
                 self._close_recovery(attempt)
                 self._report(failed)
-                if len(self.restarts) >= self.max_restarts:
+                if not self.policy.may_restart(len(self.restarts)):
                     raise LostProcessError(failures.failure_message(failed.lost[0], failed.slots.get(failed.lost[0].index),
                                                             self.latest(), self._log_shown,
                                                             also=[y.index for y in failed.lost[1:]])) from None
@@ -147,7 +147,7 @@ class _Job:
             except BaseException:
                 attempt.kill()
                 raise
-            if len(attempt) > 1 and (self.config.checkpoint_every or self.config.resume or self.max_restarts):
+            if len(attempt) > 1 and (self.config.checkpoint_every or self.config.resume or self.policy.max_restarts):
                 try:
                     attempt.check_shared_out()
                 except BaseException:
@@ -192,25 +192,20 @@ class _Job:
 
     def _prepare_restart(self, failed: failures.GroupLost, attempt: WorkerGroup) -> None:
         x = failed.lost[0]
-        progress.note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.max_restarts}: waiting for Ray to settle "
+        progress.note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.policy.max_restarts}: waiting for Ray to settle "
                       f"(node {x.ip} marked dead, or answering again)")
         self._settle(failed.lost)
-        want = len(attempt)
-        deadline = time.monotonic() + self.restart_wait
-        while self._eligible_count() < want and time.monotonic() < deadline:
-            time.sleep(0.5)  # a replacement node joining within --restart-wait is used too
-        self.restarts.append({"time": failed.wall, "host": x.host, "ip": x.ip, "node_id": x.node_id,
-                              "process": x.index, "reason": x.reason,
-                              "failed_at_step": failed.run_step if failed.run_step is not None else x.step,
-                              "resumed_from_step": 0, "steps_lost": 0, "processes_after": None,
-                              "recover_seconds": None, "_detected": failed.detected})
+        self.policy.wait_for_replacements(self._eligible_count, len(attempt))
+        self.recovering = Recovery.after(failed)
+        self.restarts.append(self.recovering)
 
     def _close_recovery(self, attempt: WorkerGroup) -> None:
-        if self.restarts and self.restarts[-1]["recover_seconds"] is None and attempt.first_step_at is not None:
-            self.restarts[-1]["recover_seconds"] = round(attempt.first_step_at - self.restarts[-1]["_detected"], 3)
+        if self.recovering is not None:
+            self.recovering.recovered(attempt.first_step_at)
+            self.recovering = None
 
     def _finish(self, results: List[Any], attempt: WorkerGroup, resumed: int) -> List[Any]:
-        from alpa_job.record.run_record import ProcessResult, RestartRecord
+        from alpa_job.record.run_record import ProcessResult
 
         typed = [ProcessResult.coerce(r) for r in results]
         if not self.restarts:
@@ -223,11 +218,5 @@ class _Job:
             extra_seen, extra_dropped = ray.get(attempt.actors[0].trajectory.remote(self.config, self.run_start,
                                                                                     resumed), timeout=60)
         attempt.kill()  # their work is done; the trajectory call was the last
-        rows = [RestartRecord(**{k: v for k, v in r.items() if not k.startswith("_")}) for r in self.restarts]
-        for r in typed:
-            r.steps += resumed - self.run_start
-            r.samples_seen += extra_seen
-            r.samples_dropped += extra_dropped
-            r.resumed_from_step = self.run_start if self.config.resume else None
-            r.restarts = rows
-        return typed
+        return with_restarts(typed, self.restarts, self.run_start, resumed, extra_seen, extra_dropped,
+                             self.config.resume)

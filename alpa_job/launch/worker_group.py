@@ -22,8 +22,8 @@ from alpa_job.cluster import ray_api
 from alpa_job.cluster.worker_path import worker_pythonpath
 from alpa_job.errors import EXIT_TIMEOUT, KitError
 from alpa_job.launch import failures, shared_out
+from alpa_job.launch.failures import Lost, node_alive
 from alpa_job.launch.jax_process import actor_class
-from alpa_job.launch.restarts import Lost, node_alive
 
 ACTOR_START_TIMEOUT_S = 120
 POLL_S = 0.5  # how long one poll waits for a process to finish
