@@ -107,6 +107,12 @@ def setting(name: str) -> Setting:
     return BY_NAME[name]
 
 
+def model_of(name: str) -> Optional[str]:
+    """The model whose size `name` is (None: a setting of every job)."""
+    found = BY_NAME.get(name)
+    return found.model if found else None
+
+
 def in_group(group: str) -> Tuple[Setting, ...]:
     """The settings `--help` shows under `group`, in catalogue order."""
     return tuple(s for s in SETTINGS if s.group == group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.choices import did_you_mean, not_known
@@ -18,6 +19,7 @@ from alpa_job.errors import KitError
 from alpa_job.models import check_model_sizes
 from alpa_job.settings import catalog
 from alpa_job.settings.catalog import ALPA_STRATEGIES, STRATEGIES
+from alpa_job.settings.setting import plain_type
 
 
 def _fields_from_the_catalogue(cls):
@@ -180,27 +182,31 @@ def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> Job
     merged: Dict[str, Any] = {}
     merged.update(file_values)
     merged.update({k: v for k, v in cli_values.items() if v is not None})
-    types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    hints = typing.get_type_hints(JobConfig)
     for name, value in list(merged.items()):
-        merged[name] = _coerce(name, value, types[name])
+        merged[name] = coerce(name, value, hints[name])
     return JobConfig(**merged).validated()
 
 
-def _coerce(name: str, value: Any, type_name: Any) -> Any:
-    text = str(type_name)
+def coerce(name: str, value: Any, hint: Any) -> Any:
+    """A file's value as the setting's type (`hint`: JobConfig's type hint, Optional allowed): YAML
+    gives `8` for a float, "true" or 1 for a bool, 16.0 for an int."""
+    if value is None:
+        return None
+    kind = plain_type(hint)
     try:
-        if value is None:
-            return None
-        if "bool" in text:
+        if kind is bool:
             if isinstance(value, str):
                 return value.strip().lower() in ("1", "true", "yes", "on")
             return bool(value)
-        if "int" in text:
+        if kind is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
             return int(value)
-        if "float" in text:
+        if kind is float:
             return float(value)
-        return str(value)
+        if kind is str:
+            return str(value)
     except (TypeError, ValueError):
-        raise KitError(f"setting {name}: {value!r} is not a valid {text.replace('Optional[', '').rstrip(']')}") from None
+        raise KitError(f"setting {name}: {value!r} is not a valid {kind.__name__}") from None
+    raise TypeError(f"setting {name}: no coercion to {hint!r}")  # a programming error: setting.TYPES has more

@@ -1,4 +1,4 @@
-"""Checks that run in the driver before Ray starts or is joined (issue 13: fail in seconds, not after a join).
+"""Checks that run in the driver before Ray starts or is joined: fail in seconds, not after a join.
 
 Everything that follows from the config alone is checked here: flags that would do nothing for this
 engine/strategy/model ("inert": an error, so a typo'd experiment never runs silently as another), the
@@ -11,25 +11,16 @@ runs right after the join with the alive nodes, before any actor starts.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Any, FrozenSet, Iterable, List, Optional
 
-from alpa_job.settings.config import JobConfig
 from alpa_job.data import cifar10_batch_files
 from alpa_job.errors import KitError
+from alpa_job.settings import catalog
+from alpa_job.settings.config import JobConfig
+from alpa_job.settings.setting import flag_of
 
-# The size fields each model reads (the models' `hyperparameters` in their register_model; kept here so
-# this check needs no model import -- tests/test_cli.py keeps the two in step).
-MODEL_FIELDS: Dict[str, Tuple[str, ...]] = {
-    "mlp": ("hidden_dim",),
-    "wide_resnet": ("depth", "width"),
-    "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"),
-}
 ALPA_ONLY = ("micro_batches", "pipeline_stages", "pipeline_layers", "plan_cache")
 JAX_AUTO_ONLY = ("auto_trial_steps", "memory_limit_gb")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def given_fields(config: JobConfig, explicit: Iterable[str] = ()) -> FrozenSet[str]:
@@ -43,7 +34,7 @@ def check_inert(config: JobConfig, engine: str, given: FrozenSet[str], address: 
     for name in sorted(given):
         why = _inert_reason(config, engine, name, address)
         if why:
-            raise KitError(f"{_flag(name)} does nothing here: {why}")
+            raise KitError(f"{flag_of(name)} does nothing here: {why}")
 
 
 def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Optional[str]:
@@ -67,9 +58,9 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
         return "only --dataset cifar10 reads files; drop it or add --dataset cifar10"
     if name == "num_samples" and config.dataset != "synthetic":
         return "it sizes the synthetic dataset and --dataset cifar10 has its own size; drop it"
-    owner = next((m for m, fields in MODEL_FIELDS.items() if name in fields), None)
+    owner = catalog.model_of(name)
     if owner is not None and owner != config.model:
-        reads = ", ".join(_flag(f) for f in MODEL_FIELDS[config.model])
+        reads = ", ".join(flag_of(f) for f in catalog.MODEL_FIELDS[config.model])
         return f"it sizes --model {owner}, and --model {config.model} reads {reads}; drop it or use --model {owner}"
     if name == "processes" and address == "none":
         return "--address none trains in this one process; drop it or run on Ray (--address local/HOST:PORT)"
@@ -127,7 +118,7 @@ def planned_devices(config: JobConfig, engine: str, address: str) -> Optional[in
 
 def tensor_model_size(devices: int, model_parallel: int) -> int:
     """The model axis of `tensor` on `devices` devices: engines/sharding_rules.mesh_shape_for's rule, here
-    without its flax import (tests/test_cli.py keeps the two in step)."""
+    without its flax import (a test keeps the two in step)."""
     if model_parallel == 0:
         return max(m for m in (1, 2, 3, 4) if devices % m == 0)
     if devices % model_parallel:

@@ -64,7 +64,7 @@ def saved_config(out: str) -> Optional[Dict[str, Any]]:
 def check_out(config, explicit_out: bool) -> None:
     """Refuse an --out that would mix two runs, and a --resume with nothing (or another model) to resume."""
     from alpa_job.train.checkpoint import latest_complete_step
-    from alpa_job.settings.validate import MODEL_FIELDS
+    from alpa_job.settings.catalog import MODEL_FIELDS
 
     out = config.out
     latest = latest_complete_step(checkpoint_dir(out)) if out else None
