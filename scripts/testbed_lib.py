@@ -191,6 +191,26 @@ def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def _check_shape(n_hosts: int, subnet: str, mgmt: List[str], prefix: str, site: bool):
+    """(host names, cluster network) of a bed of this shape, or TestbedError saying what to change."""
+    if not _PREFIX_RE.match(prefix):
+        raise TestbedError(f"prefix {prefix!r} must match {_PREFIX_RE.pattern} (interface names are <= 15 chars)")
+    names = host_names(n_hosts)
+    for m in mgmt:
+        if m not in names:
+            raise TestbedError(f"--mgmt {m!r} is not one of {names}")
+    net = ipaddress.ip_network(subnet, strict=False)
+    if net.num_addresses - 2 < n_hosts or n_hosts > 99:
+        raise TestbedError(f"subnet {subnet} too small for {n_hosts} hosts (max 99 hosts)")
+    if ipaddress.ip_network(MGMT_SUBNET).overlaps(net):
+        raise TestbedError(f"subnet {subnet} overlaps the management subnet {MGMT_SUBNET}")
+    if site and ipaddress.ip_network(ADMIN_SUBNET).overlaps(net):
+        raise TestbedError(f"subnet {subnet} overlaps the site's admin subnet {ADMIN_SUBNET}; pick another --subnet")
+    if site and n_hosts > net.num_addresses - 3:
+        raise TestbedError(f"subnet {subnet} too small for {n_hosts} hosts plus the site's router")
+    return names, net
+
+
 # ---- layers: what other modules start on top of the hosts ---------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Layer:
@@ -421,39 +441,17 @@ class Testbed:
         why = missing_requirements()
         if why:
             raise TestbedError("test bed unavailable: " + "; ".join(why))
-        if not _PREFIX_RE.match(prefix):
-            raise TestbedError(f"prefix {prefix!r} must match {_PREFIX_RE.pattern} (interface names are <= 15 chars)")
-        sd = Path(state_dir) if state_dir else default_state_dir(prefix)
-        names = host_names(n_hosts)
         mgmt = list(mgmt)
-        for m in mgmt:
-            if m not in names:
-                raise TestbedError(f"--mgmt {m!r} is not one of {names}")
-        net = ipaddress.ip_network(subnet, strict=False)
-        if net.num_addresses - 2 < n_hosts or n_hosts > 99:
-            raise TestbedError(f"subnet {subnet} too small for {n_hosts} hosts (max 99 hosts)")
-        if ipaddress.ip_network(MGMT_SUBNET).overlaps(net):
-            raise TestbedError(f"subnet {subnet} overlaps the management subnet {MGMT_SUBNET}")
-        if site and ipaddress.ip_network(ADMIN_SUBNET).overlaps(net):
-            raise TestbedError(f"subnet {subnet} overlaps the site's admin subnet {ADMIN_SUBNET}; pick another --subnet")
-        if site and n_hosts > net.num_addresses - 3:
-            raise TestbedError(f"subnet {subnet} too small for {n_hosts} hosts plus the site's router")
-
+        names, net = _check_shape(n_hosts, subnet, mgmt, prefix, site)
+        sd = Path(state_dir) if state_dir else default_state_dir(prefix)
         leftovers = _leftovers(prefix, sd)
         if leftovers:
             if not reuse:
                 raise TestbedError(f"test bed {prefix!r} already (partly) up: {', '.join(leftovers)}; "
                                    f"run `scripts/testbed down` first (or `up --reuse`)")
-            try:
-                bed = cls.load(sd)
-                st = bed.status()
-                same = ([h.name for h in bed.hosts] == names and bed.subnet == str(net)
-                        and sorted(h.name for h in bed.hosts if h.mgmt_ip) == sorted(mgmt)
-                        and bool(bed.controller) == bool(site) and bed.cgroups == bool(cgroups))
-                if st["up"] and same:
-                    return bed
-            except TestbedError:
-                pass
+            bed = cls._healthy_of_shape(sd, names, net, mgmt, site, cgroups)
+            if bed is not None:
+                return bed
             down(state_dir=sd, prefix=prefix)
 
         hosts_ips = list(net.hosts())
@@ -471,6 +469,20 @@ class Testbed:
                 print(f"testbed: cleanup after failed up also failed: {e}", file=sys.stderr)
             raise
         return bed
+
+    @classmethod
+    def _healthy_of_shape(cls, sd: Path, names: List[str], net, mgmt: List[str], site: bool,
+                          cgroups: bool) -> Optional["Testbed"]:
+        """The bed in ``sd`` if it is up and has this shape (``up --reuse`` keeps it), else None."""
+        try:
+            bed = cls.load(sd)
+            st = bed.status()
+        except TestbedError:
+            return None
+        same = ([h.name for h in bed.hosts] == names and bed.subnet == str(net)
+                and sorted(h.name for h in bed.hosts if h.mgmt_ip) == sorted(mgmt)
+                and bool(bed.controller) == bool(site) and bed.cgroups == bool(cgroups))
+        return bed if st["up"] and same else None
 
     def _create(self, timeout: float):
         p = self.prefix
@@ -697,10 +709,24 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
 
     Order: every registered layer's ``stop`` hook, last brought up first (Ray's ``ray stop`` in every
     host only when ``graceful``; the site's daemons by PID); then SIGKILL every process in each host
-    (PID 1 first: its PID namespace dies with it; then anything still in the host's netns), wait until gone, delete netns (and with it the veth
-    pairs), bridges, the generated files and the state dir. The hosts' mounts live in their own
-    private mount namespaces and vanish with their last process.
+    (PID 1 first: its PID namespace dies with it; then anything still in the host's netns), wait until
+    gone, delete netns (and with it the veth pairs), bridges, the generated files and the state dir.
+    The hosts' mounts live in their own private mount namespaces and vanish with their last process.
     """
+    bed, prefix, sd = _find_bed(state_dir, prefix)
+    done: List[str] = []
+    for layer in reversed(layers()):  # cleanly (what is left is killed below with the hosts anyway)
+        if layer.stop:
+            done += layer.stop(bed, prefix, graceful)
+    netns = [n for n in _list_netns() if _ours(n, prefix)]
+    _kill_processes(bed, prefix, netns, list((_launchers or {}).values()), timeout, done)
+    done += _remove_network(prefix, sd, netns, timeout)
+    done += _remove_state(sd)
+    return done
+
+
+def _find_bed(state_dir: Optional[os.PathLike], prefix: Optional[str]):
+    """(the bed its state describes, or None; its prefix; its state dir): ``down`` works without state."""
     sd = Path(state_dir) if state_dir else (default_state_dir(prefix) if prefix else None)
     bed = None
     if sd and (sd / STATE_FILE).exists():
@@ -710,20 +736,16 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
         except (TestbedError, ValueError, KeyError, TypeError):
             bed = None
     prefix = prefix or DEFAULT_PREFIX
-    sd = sd or default_state_dir(prefix)
-    done: List[str] = []
+    return bed, prefix, sd or default_state_dir(prefix)
 
-    # 0. the layers on top, cleanly (what is left is killed below with the hosts anyway)
-    for layer in reversed(layers()):
-        if layer.stop:
-            done += layer.stop(bed, prefix, graceful)
 
-    # 1. processes
+def _kill_processes(bed: Optional[Testbed], prefix: str, netns: List[str], procs: List[subprocess.Popen],
+                    timeout: float, done: List[str]) -> None:
+    """SIGKILL every process of the bed and wait until all are gone (``done`` gets a line per PID)."""
     pids = set()
     tini = os.path.realpath(shutil.which("tini") or "/usr/bin/tini")
     if bed:  # only if still tini: a stale state file must not make us kill a reused PID
         pids |= {h.pid for h in bed.all_hosts() if h.pid and os.path.realpath(_exe(h.pid)) == tini}
-    netns = [n for n in _list_netns() if _ours(n, prefix)]
     ns_pids = set()
     for ns in netns:
         p = _run(["ip", "netns", "pids", ns], check=False)
@@ -733,20 +755,9 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
     launchers |= {h.launcher_pid for h in (bed.all_hosts() if bed else []) if h.launcher_pid
                   and init_tag.encode() in _cmdline(h.launcher_pid)}
 
-    def kill(targets):
-        for pid in sorted(targets):
-            if _pid_alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    if f"pid {pid}" not in done:
-                        done.append(f"pid {pid}")
-                except ProcessLookupError:
-                    pass
-
     # PID 1 first (its PID namespace dies with it), then anything else in the netns. The launchers
     # exit by themselves once their tini is gone (and reap it: no zombie tini); kill only stragglers.
-    kill((pids | ns_pids) - launchers)
-    procs = list((_launchers or {}).values())
+    _kill_all((pids | ns_pids) - launchers, done)
     deadline = time.monotonic() + min(5.0, timeout)
     for proc in procs:
         try:
@@ -757,7 +768,7 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
         _wait(lambda: not any(_pid_alive(p) for p in launchers), max(0.1, deadline - time.monotonic()), "")
     except TestbedError:
         pass
-    kill(launchers)
+    _kill_all(launchers, done)
     for proc in procs:
         try:
             proc.wait(timeout=timeout)
@@ -766,7 +777,22 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
     all_pids = pids | ns_pids | launchers
     _wait(lambda: not any(_pid_alive(p) for p in all_pids), timeout, f"test bed {prefix!r} processes to exit")
 
-    # 2. network: veths die with their netns; delete root-side ends explicitly anyway
+
+def _kill_all(targets, done: List[str]) -> None:
+    for pid in sorted(targets):
+        if _pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                if f"pid {pid}" not in done:
+                    done.append(f"pid {pid}")
+            except ProcessLookupError:
+                pass
+
+
+def _remove_network(prefix: str, sd: Path, netns: List[str], timeout: float) -> List[str]:
+    """Netns, links (veths first, then the bridges) and mounts of the bed; veths die with their netns,
+    their root-side ends are deleted explicitly anyway."""
+    done = []
     for ns in netns:
         _run(["ip", "netns", "del", ns], check=False)
         done.append(f"netns {ns}")
@@ -782,12 +808,13 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
         _run(["umount", "-l", m], check=False)
         done.append(f"mount {m}")
     _wait(lambda: not [n for n in _list_netns() if _ours(n, prefix)], timeout, f"netns {prefix}-* to go")
-
-    # 3. state
-    if sd.exists():
-        if (sd / STATE_FILE).exists() or (sd / "hosts").exists():
-            shutil.rmtree(sd, ignore_errors=True)
-            done.append(f"state {sd}")
-        else:
-            raise TestbedError(f"refusing to delete {sd}: not a test-bed state dir")
     return done
+
+
+def _remove_state(sd: Path) -> List[str]:
+    if not sd.exists():
+        return []
+    if not ((sd / STATE_FILE).exists() or (sd / "hosts").exists()):
+        raise TestbedError(f"refusing to delete {sd}: not a test-bed state dir")
+    shutil.rmtree(sd, ignore_errors=True)
+    return [f"state {sd}"]

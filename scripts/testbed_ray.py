@@ -139,9 +139,6 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
 
     Raises TestbedError naming the host and the log to read; the bed is left up (for its logs).
     """
-    from alpa_job.cluster.ray_start import ray_start_args
-    from alpa_job.versions import package_version
-
     if bed.ray:
         raise tb.TestbedError(f"Ray is already started on test bed {bed.prefix!r} ({bed.ray['address']}); "
                               "`scripts/testbed down` first")
@@ -152,126 +149,158 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
         load_firewall(bed, spec)
     seconds["firewall"] = time.monotonic() - t0
 
-    token_path = None
-    if auth:
-        tdir = bed.state_dir / "ray"
-        tdir.mkdir(mode=0o700, exist_ok=True)
-        token_file = tdir / TOKEN_FILE
-        token_file.write_text(secrets.token_hex(32))  # Ray's own generator: 256 bits as hex
-        token_file.chmod(0o600)
-        token_path = str(token_file)
-    address = "%s:%d" % (bed.head.ip, spec.ports["gcs"])
-    info = {"address": address, "spec_path": str(spec_path), "auth": bool(auth), "token_path": token_path,
+    token_path = _new_token(bed) if auth else None
+    info = {"address": "%s:%d" % (bed.head.ip, spec.ports["gcs"]), "spec_path": str(spec_path), "auth": bool(auth),
+            "token_path": token_path,
             "dashboard": ("http://%s:%d" % (bed.head.ip, spec.ports["dashboard"])) if include_dashboard else None,
             "num_cpus": num_cpus, "object_store_memory": object_store_memory, "firewall": bool(firewall),
             "nodes": [], "seconds": seconds}
     bed.ray = info  # recorded before starting anything: `down` stops what got started
     bed._save()
-    env = auth_env(token_path)
 
-    # The hosts run the caller's Python environment (testbed_lib.python_env), so its Ray: 2.60 from the
-    # project's venv, 2.1.0 from a Python 3.9 one (the Alpa image's Ray), each with the flags it knows
-    # (None: no Ray installed; ray_start_args then assumes the spec's modern Ray).
-    ray_version = package_version("ray")
-
-    def argv(i: int, h) -> List[str]:
-        return ray_start_args(spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip, num_cpus=num_cpus,
-                              object_store_memory=object_store_memory, include_dashboard=include_dashboard,
-                              ray_version=ray_version)
-
-    logs = bed.state_dir / "ray-start"
-    logs.mkdir(exist_ok=True)
-
-    def launch(i: int, h) -> subprocess.Popen:
-        out = open(logs / f"{h.name}.log", "w")
-        try:
-            return bed.popen(h.name, *argv(i, h), env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-        finally:
-            out.close()
-
-    def finish(name: str, proc: subprocess.Popen, deadline: float) -> int:
-        try:
-            return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            raise tb.TestbedError(f"`ray start` on {name} did not return within {timeout:.0f}s; "
-                                  f"read {logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs") from None
-
-    def failed(name: str) -> str:
-        text = (logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
-        return (text[-1] if text else "")[:300]
-
-    deadline = time.monotonic() + timeout
+    run = _RayStart(bed, spec, auth_env(token_path), timeout, num_cpus=num_cpus,
+                    object_store_memory=object_store_memory, include_dashboard=include_dashboard)
     mark = time.monotonic()
-    head_proc = launch(0, bed.head)
-    gcs_port = spec.ports["gcs"]
-    # Workers need only the GCS (they retry its KV reads); the head's `ray start` goes on to start
-    # its raylet, dashboard and monitor meanwhile.
-    tb._wait(lambda: _listening(bed.head.pid, gcs_port) or head_proc.poll() is not None,
-             max(1.0, deadline - time.monotonic()), f"the head's GCS port {gcs_port}")
+    head_proc = run.start_head()
     seconds["head_gcs"] = time.monotonic() - mark
-    # At most `parallel` workers start at once: each start is CPU-bound (a Python CLI, an agent or
-    # two, a log monitor), so more at once on a few cores only stretches every one of them towards
-    # Ray's fixed 30 s registration limit; the total is the same.
-    parallel = max_parallel or max(2, (os.cpu_count() or 2) + 1)
-    pending = [(i, h) for i, h in enumerate(bed.hosts) if i > 0]
-    running: Dict[str, subprocess.Popen] = {}
-    rcs: Dict[str, int] = {}
-    n = len(bed.hosts)
-    waiter = None
-    while pending or running or waiter is None:
-        while pending and len(running) < parallel:
-            i, h = pending.pop(0)
-            running[h.name] = launch(i, h)
-        if waiter is None and head_proc.poll() is not None:
-            seconds["head_start"] = time.monotonic() - mark
-            if head_proc.returncode != 0:
-                raise tb.TestbedError(f"`ray start --head` failed on head (rc={head_proc.returncode}): "
-                                      f"{failed('head')}; read {logs / 'head.log'}")
-            # The wait (a Python start-up + ray.init, ~2 s of CPU) overlaps the workers' start-up:
-            # the head's raylet is up now, which is all a driver on the head needs.
-            waiter = start_wait_nodes(bed, n, max(5.0, deadline - time.monotonic()))
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                rcs[name] = proc.returncode
-                del running[name]
-        if time.monotonic() > deadline:
-            for proc in list(running.values()) + [head_proc]:
-                _kill(proc)
-            raise tb.TestbedError(f"`ray start` did not return within {timeout:.0f}s on "
-                                  f"{', '.join(sorted(running)) or 'head'}; read {logs}/<host>.log and "
-                                  f"{bed.state_dir}/hosts/<host>/ray/session_*/logs")
-        time.sleep(0.05)
+    waiter, rcs = run.start_workers(head_proc, max_parallel or max(2, (os.cpu_count() or 2) + 1), seconds, mark)
     late = [name for name, rc in rcs.items() if rc != 0]
     seconds["ray_start"] = time.monotonic() - mark
     info["late_workers"], info["worker_retries"] = late, []
     mark = time.monotonic()
     if late:
-        # Ray's `ray start` gives up after a hard-coded 30 s of waiting for its raylet to register,
-        # but leaves that raylet running; on a loaded machine it registers a little later. So: give
-        # the late ones LATE_JOIN_S, and restart (once) only the nodes still missing after that.
-        try:
-            waiter.wait(timeout=min(LATE_JOIN_S, max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            _kill(waiter)
-            alive = set(alive_now(bed))
-            retry = [name for name in late if bed.host(name).ip not in alive]
-            info["worker_retries"] = retry
-            _parallel({r: (lambda r=r: bed.exec(r, "ray", "stop", "--force", timeout=60, check=False, env=env))
-                       for r in retry}, "ray stop before the retry")
-            again = {r: launch(bed.hosts.index(bed.host(r)), bed.host(r)) for r in retry}
-            for name, proc in again.items():
-                if finish(name, proc, deadline) != 0:
-                    raise tb.TestbedError(f"`ray start` failed twice on {name}: {failed(name)}; read "
-                                          f"{logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs")
-            waiter = start_wait_nodes(bed, n, max(5.0, deadline - time.monotonic()))
+        waiter = run.wait_for_late(waiter, late, info)
 
-    info["nodes"] = finish_wait_nodes(bed, waiter, n)
+    info["nodes"] = finish_wait_nodes(bed, waiter, len(bed.hosts))
     seconds["wait"] = time.monotonic() - mark  # what was left of the wait after every `ray start` returned
     seconds["total"] = time.monotonic() - t0
     info["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
     bed._save()
     return info
+
+
+def _new_token(bed: "tb.Testbed") -> str:
+    """A fresh auth token in ``<state>/ray/auth_token`` (0600); returns its path."""
+    tdir = bed.state_dir / "ray"
+    tdir.mkdir(mode=0o700, exist_ok=True)
+    token_file = tdir / TOKEN_FILE
+    token_file.write_text(secrets.token_hex(32))  # Ray's own generator: 256 bits as hex
+    token_file.chmod(0o600)
+    return str(token_file)
+
+
+class _RayStart:
+    """The `ray start` part of one ``start_ray``: one deadline for all of it, a log per host."""
+
+    def __init__(self, bed: "tb.Testbed", spec, env: Dict[str, str], timeout: float, **start_options):
+        from alpa_job.cluster.ray_start import ray_start_args
+        from alpa_job.versions import package_version
+
+        self.bed, self.spec, self.env, self.timeout = bed, spec, env, timeout
+        # The hosts run the caller's Python environment (testbed_lib.python_env), so its Ray: the
+        # project venv's modern Ray, or 2.1.0 from a Python 3.9 one (the Alpa image's Ray), each with the
+        # flags it knows (None: no Ray installed; ray_start_args then assumes the spec's modern Ray).
+        ray_version = package_version("ray")
+        self.argv = lambda i, h: ray_start_args(spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip,
+                                                ray_version=ray_version, **start_options)
+        self.logs = bed.state_dir / "ray-start"
+        self.logs.mkdir(exist_ok=True)
+        self.deadline = time.monotonic() + timeout
+
+    def left(self, at_least: float) -> float:
+        return max(at_least, self.deadline - time.monotonic())
+
+    def launch(self, i: int, h) -> subprocess.Popen:
+        out = open(self.logs / f"{h.name}.log", "w")
+        try:
+            return self.bed.popen(h.name, *self.argv(i, h), env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                  text=True)
+        finally:
+            out.close()
+
+    def finish(self, name: str, proc: subprocess.Popen) -> int:
+        try:
+            return proc.wait(timeout=self.left(1.0))
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            raise tb.TestbedError(f"`ray start` on {name} did not return within {self.timeout:.0f}s; "
+                                  f"read {self.logs / (name + '.log')} and {self.bed.ray_dir(name)}/session_*/logs"
+                                  ) from None
+
+    def failed(self, name: str) -> str:
+        text = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        return (text[-1] if text else "")[:300]
+
+    def start_head(self) -> subprocess.Popen:
+        """``ray start --head``, returned as soon as its GCS port listens (or it exited)."""
+        head_proc = self.launch(0, self.bed.head)
+        gcs_port = self.spec.ports["gcs"]
+        # Workers need only the GCS (they retry its KV reads); the head's `ray start` goes on to start
+        # its raylet, dashboard and monitor meanwhile.
+        tb._wait(lambda: _listening(self.bed.head.pid, gcs_port) or head_proc.poll() is not None,
+                 self.left(1.0), f"the head's GCS port {gcs_port}")
+        return head_proc
+
+    def start_workers(self, head_proc: subprocess.Popen, parallel: int, seconds: Dict[str, float], mark: float):
+        """``ray start`` on every worker, at most ``parallel`` at once, and ``wait_nodes`` in the head once
+        the head's ``ray start`` returned; returns (that waiter, {worker: rc of its `ray start`})."""
+        # At most `parallel` at once: each start is CPU-bound (a Python CLI, an agent or two, a log
+        # monitor), so more at once on a few cores only stretches every one of them towards Ray's fixed
+        # 30 s registration limit; the total is the same.
+        pending = [(i, h) for i, h in enumerate(self.bed.hosts) if i > 0]
+        running: Dict[str, subprocess.Popen] = {}
+        rcs: Dict[str, int] = {}
+        waiter = None
+        while pending or running or waiter is None:
+            while pending and len(running) < parallel:
+                i, h = pending.pop(0)
+                running[h.name] = self.launch(i, h)
+            if waiter is None and head_proc.poll() is not None:
+                seconds["head_start"] = time.monotonic() - mark
+                waiter = self._wait_after_head(head_proc)
+            for name, proc in list(running.items()):
+                if proc.poll() is not None:
+                    rcs[name] = proc.returncode
+                    del running[name]
+            if time.monotonic() > self.deadline:
+                for proc in list(running.values()) + [head_proc]:
+                    _kill(proc)
+                raise tb.TestbedError(f"`ray start` did not return within {self.timeout:.0f}s on "
+                                      f"{', '.join(sorted(running)) or 'head'}; read {self.logs}/<host>.log and "
+                                      f"{self.bed.state_dir}/hosts/<host>/ray/session_*/logs")
+            time.sleep(0.05)
+        return waiter, rcs
+
+    def _wait_after_head(self, head_proc: subprocess.Popen) -> subprocess.Popen:
+        if head_proc.returncode != 0:
+            raise tb.TestbedError(f"`ray start --head` failed on head (rc={head_proc.returncode}): "
+                                  f"{self.failed('head')}; read {self.logs / 'head.log'}")
+        # The wait (a Python start-up + ray.init) overlaps the workers' start-up: the head's raylet is
+        # up now, which is all a driver on the head needs.
+        return start_wait_nodes(self.bed, len(self.bed.hosts), self.left(5.0))
+
+    def wait_for_late(self, waiter: subprocess.Popen, late: List[str], info: dict) -> subprocess.Popen:
+        """Ray's `ray start` gives up after a hard-coded 30 s of waiting for its raylet to register, but
+        leaves that raylet running; on a loaded machine it registers a little later. So: give the late
+        ones LATE_JOIN_S, and restart (once) only the nodes still missing after that. Returns the waiter
+        to finish (``info["worker_retries"]``: the restarted ones)."""
+        try:
+            waiter.wait(timeout=min(LATE_JOIN_S, self.left(1.0)))
+            return waiter
+        except subprocess.TimeoutExpired:
+            _kill(waiter)
+        bed = self.bed
+        alive = set(alive_now(bed))
+        retry = [name for name in late if bed.host(name).ip not in alive]
+        info["worker_retries"] = retry
+        _parallel({r: (lambda r=r: bed.exec(r, "ray", "stop", "--force", timeout=60, check=False, env=self.env))
+                   for r in retry}, "ray stop before the retry")
+        again = {r: self.launch(bed.hosts.index(bed.host(r)), bed.host(r)) for r in retry}
+        for name, proc in again.items():
+            if self.finish(name, proc) != 0:
+                raise tb.TestbedError(f"`ray start` failed twice on {name}: {self.failed(name)}; read "
+                                      f"{self.logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs")
+        return start_wait_nodes(bed, len(bed.hosts), self.left(5.0))
 
 
 def start_wait_nodes(bed: "tb.Testbed", count: int, timeout: float) -> subprocess.Popen:
