@@ -76,6 +76,10 @@ class Display:
             self._log.write(f"{stamp} {text}\n")
 
     # ----- output
+    def log(self, text: str) -> None:
+        """A line for train.log only: what the driver did, kept with the run, not shown on screen."""
+        self._log_line(text)
+
     def line(self, text: str, important: bool = False) -> None:
         """One line for the user (above the bar on a TTY) and for train.log."""
         self._log_line(text)

@@ -119,7 +119,7 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
                     log_to_driver=shown.verbosity >= progress.VERBOSE)
     shown.line(f"[alpa_job] joined {where}")
     from alpa_job.cluster import ray_api
-    from alpa_job.launch.processes import run_on_nodes
+    from alpa_job.launch.controller import run_on_nodes
 
     validate.check_cluster_size(config, ray_api.alive_nodes())  # the one check that needs the cluster
     return run_on_nodes(config, spec)
