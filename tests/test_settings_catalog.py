@@ -56,3 +56,104 @@ def test_a_wrong_type_in_yaml_is_one_line_naming_the_key_and_the_type(tmp_path, 
     with pytest.raises(KitError) as err:
         build_config(load_yaml_overrides(str(job)), {})
     assert str(err.value) == message and "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- one list
+def _train_parser() -> argparse.ArgumentParser:
+    from alpa_job.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    return commands.choices["train"]
+
+
+CLI_ONLY = {"help", "preset", "config", "progress_every", "verbose", "quiet"}  # not job settings
+
+
+def test_every_jobconfig_field_is_one_catalogue_entry_and_one_flag():
+    fields = [f.name for f in dataclasses.fields(JobConfig)]
+    assert fields == [s.name for s in catalog.SETTINGS] == list(catalog.FIELD_NAMES)
+    assert all(f.default == catalog.setting(f.name).default for f in dataclasses.fields(JobConfig))
+    actions = [a for a in _train_parser()._actions if a.option_strings]
+    by_dest = {}
+    for action in actions:
+        by_dest.setdefault(action.dest, []).extend(action.option_strings)
+    assert set(by_dest) == set(fields) | CLI_ONLY
+    for s in catalog.SETTINGS:
+        expected = [w.flag for w in s.switches] if s.switches else [s.flag]
+        assert by_dest[s.name] == expected, s.name
+
+
+def test_jobconfig_is_a_frozen_picklable_dataclass():
+    config = JobConfig(model="gpt", num_layers=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.model = "mlp"
+    assert pickle.loads(pickle.dumps(config)) == config  # it crosses to Ray actors
+    assert list(config.as_dict())[:3] == ["model", "dataset", "data_dir"]
+    assert config.replace(steps=2).steps == 2
+    with pytest.raises(KitError, match="--steps must be a positive integer"):
+        config.replace(steps=0)
+
+
+def test_each_model_declares_its_own_settings():
+    from alpa_job.models import MODEL_MODULES, model_settings, registered
+
+    assert catalog.MODEL_FIELDS == {"mlp": ("hidden_dim",), "wide_resnet": ("depth", "width"),
+                                    "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")}
+    for name in MODEL_MODULES:
+        declared = model_settings(name)
+        assert all(catalog.setting(s.name).model == name for s in declared)
+        assert all(s.__module__ == "alpa_job.settings.setting" for s in map(type, declared))
+    for name, entry in registered().items():
+        assert entry.hyperparameters == catalog.MODEL_FIELDS[name]
+        assert entry.defaults() == {n: getattr(JobConfig(), n) for n in entry.hyperparameters}
+
+
+def _help_groups() -> dict:
+    """--help's groups -> their option lines, from the text a user reads."""
+    text = _train_parser().format_help()
+    groups, current = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            current = groups.setdefault(line[:-1], [])
+        elif current is not None and line.startswith("  -"):
+            current.append(line.strip())
+    return groups, text
+
+
+def test_a_models_settings_appear_in_help_under_its_group_with_its_name():
+    groups, text = _help_groups()
+    assert list(groups)[:6] == ["options", "settings files", *GROUPS]
+    for s in catalog.SETTINGS:
+        lines = groups[s.group]
+        assert any(line.startswith(s.switches[0].flag if s.switches else s.flag) for line in lines), s.name
+    # A model's sizes: under "model and data", their help starting with the model's name.
+    flat = " ".join(text.split())
+    assert "--hidden-dim N mlp: width (layers 4h -> h -> 4h -> h) (default: 256)" in flat
+    assert "--num-heads N gpt: attention heads (divide --d-model) (default: 4)" in flat
+    assert "--depth N wide_resnet: 6n+4 (default: 10)" in flat
+
+
+def test_help_and_the_checks_before_ray_import_no_engine():
+    code = ("import sys, contextlib, io\n"
+            "from alpa_job.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n"
+            "        main(['train', '--help'])\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "from alpa_job.settings.config import build_config\n"
+            "build_config({'model': 'gpt', 'num_heads': 2}, {})\n"
+            "print(sorted(m for m in ('jax', 'flax', 'ray') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_a_setting_is_checked_when_declared():
+    with pytest.raises(ValueError, match="type"):
+        Setting("sizes", list, [], "a list is no flag")
+    with pytest.raises(ValueError, match="check"):
+        Setting("n", int, 1, "n", check="even")
+    with pytest.raises(ValueError, match="group"):
+        Setting("n", int, 1, "n", group="misc")
+    assert Setting("memory_gb", Optional[float], None, "x").flag == "--memory-gb"

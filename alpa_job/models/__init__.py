@@ -1,13 +1,14 @@
-"""Models by name: each model module registers itself; `get_model(config)` -> `ModelSpec`.
+"""Models by name: each model registers itself; `get_model(config)` -> `ModelSpec`.
 
-A model module (mlp.py, wide_resnet.py, gpt.py) decorates its builder with `@register_model(...)`,
-naming the model, the batch field it reads, its loss, the config fields it reads (its
-hyperparameters), and its layer structure (what the Alpa engine counts pipeline stages in). Adding a
-model = one new module that registers itself + its name in MODEL_MODULES.
-
-A module's file name is its `--model` name, so checking a name (the config does it while validating)
-needs no flax import: the model modules import flax, hence jax, and the runner emulates CPU devices
-only while jax is not yet imported. The module is imported when its entry is first asked for.
+A model is two modules named after it:
+- `<name>_settings.py` declares the settings its builder reads (`SETTINGS`, a tuple of
+  `alpa_job.settings.setting.Setting`) and, where sizes must agree, `check(config)`. It imports no
+  flax, so the settings catalogue, `--help` and every check before Ray read it without jax.
+- `<name>.py` (flax) decorates its builder with `@register_model(...)`, naming the model, the batch
+  field it reads, its loss, and its layer structure (what the Alpa engine counts pipeline stages in).
+  It is imported when its entry is first asked for: the runner emulates CPU devices only while jax
+  is not yet imported.
+Adding a model = those two modules + its name in MODEL_MODULES.
 
 A model module only names logical axes (models/axes.py); which mesh axis splits them is the
 engine's business.
@@ -20,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job.choices import not_known
 from alpa_job.errors import KitError
+from alpa_job.settings.setting import Setting
 
 # The modules that register a model, in the order `--model` lists them; each registers the model
 # named like the module.
@@ -102,34 +104,34 @@ class ModelEntry:
     build: Callable  # build(config, dtype) -> the flax module
     input_key: str  # the batch field the module reads
     loss: Callable  # loss(outputs, batch) -> per-example loss, shape [batch]
-    hyperparameters: Tuple[str, ...]  # the JobConfig fields the builder reads
     layer_count: Callable  # layer_count(config) -> the model's repeated layers (pipeline boundaries count them)
     layer_class: Callable  # layer_class() -> the flax class whose calls are those layers
     synthetic: Callable  # synthetic(config, rng, n) -> {field: array of n rows}, learnable (data.synthetic)
     has_batch_stats: bool = False  # BatchNorm running statistics live beside params
     repeated_blocks: Optional[Callable] = None  # see ModelSpec.repeated_blocks
 
-    def defaults(self) -> Dict[str, Any]:
-        """The model's hyperparameters with their default values (JobConfig's defaults: one place)."""
-        from alpa_job.settings.config import JobConfig
+    @property
+    def hyperparameters(self) -> Tuple[str, ...]:
+        """The JobConfig fields the builder reads: the model's declared settings."""
+        return tuple(s.name for s in model_settings(self.name))
 
-        fields = {f.name: f.default for f in dataclasses.fields(JobConfig)}
-        return {name: fields[name] for name in self.hyperparameters}
+    def defaults(self) -> Dict[str, Any]:
+        """The model's hyperparameters with their default values (as declared: one place)."""
+        return {s.name: s.default for s in model_settings(self.name)}
 
 
 _REGISTRY: Dict[str, ModelEntry] = {}
 
 
-def register_model(name: str, *, input_key: str, loss: Callable, hyperparameters: Tuple[str, ...],
-                   layer_count: Callable, layer_class: Callable, synthetic: Callable,
-                   has_batch_stats: bool = False, repeated_blocks: Optional[Callable] = None) -> Callable:
+def register_model(name: str, *, input_key: str, loss: Callable, layer_count: Callable, layer_class: Callable,
+                   synthetic: Callable, has_batch_stats: bool = False, repeated_blocks: Optional[Callable] = None) -> Callable:
     """Decorator for a model module's builder: `@register_model("gpt", ...) def build(config, dtype)`."""
 
     def decorate(build: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name].build is not build:
             raise ValueError(f"model {name!r} is registered twice")  # a programming error, not a user's
-        _REGISTRY[name] = ModelEntry(name, build, input_key, loss, tuple(hyperparameters), layer_count,
-                                     layer_class, synthetic, has_batch_stats, repeated_blocks)
+        _REGISTRY[name] = ModelEntry(name, build, input_key, loss, layer_count, layer_class, synthetic,
+                                     has_batch_stats, repeated_blocks)
         return build
 
     return decorate
@@ -145,7 +147,7 @@ def check_model_name(name: str) -> None:
         raise KitError(not_known("--model", name, MODEL_MODULES))
 
 
-def model_settings(name: str) -> Tuple[Any, ...]:
+def model_settings(name: str) -> Tuple[Setting, ...]:
     """The settings model `name` reads (`Setting`s), from its declaration module `<name>_settings`,
     which imports no flax: the catalogue, `--help` and the checks before Ray read them without jax."""
     return _declaration(name).SETTINGS

@@ -155,7 +155,6 @@ def synthetic(config, rng, n):
 
 
 @register_model("gpt", input_key="tokens", loss=_next_token_loss,
-                hyperparameters=("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"),
                 layer_count=lambda config: config.num_layers,
                 layer_class=lambda: DecoderBlock, synthetic=synthetic, repeated_blocks=repeated_blocks)
 def build(config, dtype):

@@ -40,7 +40,7 @@ def synthetic(config, rng, n):
     return {"x": x, "y": y.astype(np.float32)}
 
 
-@register_model("mlp", input_key="x", loss=mse, hyperparameters=("hidden_dim",),
+@register_model("mlp", input_key="x", loss=mse,
                 layer_count=lambda config: 4,  # Dense 4h -> h -> 4h -> h
                 layer_class=lambda: nn.Dense, synthetic=synthetic)
 def build(config, dtype):

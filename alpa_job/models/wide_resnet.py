@@ -85,7 +85,6 @@ def synthetic(config, rng, n):
 
 
 @register_model("wide_resnet", input_key="image", loss=_classification_loss, has_batch_stats=True,
-                hyperparameters=("depth", "width"),
                 layer_count=lambda config: 3 * ((config.depth - 4) // 6),  # 3 stages x n blocks
                 layer_class=lambda: WideBlock, synthetic=synthetic)
 def build(config, dtype):
