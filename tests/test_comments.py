@@ -36,10 +36,6 @@ STILL_TO_CLEAN = {
     "alpa_job/launch/runner.py",
     "alpa_job/models/gpt.py",
     "alpa_job/models/losses.py",
-    "alpa_job/settings/validate.py",
-    "alpa_job/settings/presets/gpt-12l.yaml",
-    "alpa_job/settings/presets/gpt-24l.yaml",
-    "alpa_job/settings/presets/mlp-tutorial.yaml",
 }
 
 
