@@ -89,7 +89,7 @@ def cross_entropy(logits, labels):
     """Per-position cross entropy, computed in float32 whatever the logits' dtype.
 
     The fused form in models/losses.py: fp32 log-sum-exp over bf16 logits, gradient written in
-    the logits' dtype (on one H100, GPT 12L: 47.3 -> 45.4 ms a step, 2 GB less scratch).
+    the logits' dtype, so no fp32 copy of the logits is kept for the backward pass.
     """
     from alpa_job.models.losses import cross_entropy as fused
 
