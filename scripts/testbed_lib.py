@@ -111,7 +111,10 @@ def _run(argv: Sequence[str], check: bool = True, timeout: float = 30, **kw) -> 
     return p
 
 
-def _wait(pred, timeout: float, what: str, interval: float = 0.05):
+# ---- processes and the machine's network, read from /proc and iproute2 (public: the layers use them) -----
+def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``pred()`` until it returns something truthy and return that; TestbedError naming ``what``
+    after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
@@ -122,7 +125,8 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
-def _pid_alive(pid: Optional[int]) -> bool:
+def pid_alive(pid: Optional[int]) -> bool:
+    """Is ``pid`` a running process (a zombie or None counts as gone)?"""
     if not pid:
         return False
     try:
@@ -133,7 +137,8 @@ def _pid_alive(pid: Optional[int]) -> bool:
         return False
 
 
-def _children(pid: int) -> List[int]:
+def children_of(pid: int) -> List[int]:
+    """The direct children of ``pid`` (e.g. what nsenter or unshare started inside a host)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(x) for x in f.read().split()]
@@ -141,11 +146,29 @@ def _children(pid: int) -> List[int]:
         return []
 
 
-def _exe(pid: int) -> str:
+def exe_of(pid: int) -> str:
+    """The executable of ``pid`` ('' if gone): tells a daemon from a process that reused its PID."""
     try:
         return os.readlink(f"/proc/{pid}/exe")
     except OSError:
         return ""
+
+
+def listening(pid: int, port: int) -> bool:
+    """Does anything in the network namespace of ``pid`` listen on TCP ``port``? (reads /proc only:
+    no process started, so it is cheap to poll)"""
+    want = ":%04X" % port
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                next(f, None)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 3 and parts[1].endswith(want) and parts[3] == "0A":  # 0A = LISTEN
+                        return True
+        except OSError:
+            pass
+    return False
 
 
 def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -358,17 +381,19 @@ class Testbed:
         return out
 
     def status(self) -> dict:
-        netns = set(_list_netns())
+        netns = set(list_netns())
         d = self.to_json()
         for hj, h in zip(d["hosts"], self.hosts):
-            hj["alive"] = _pid_alive(h.pid) and h.netns in netns
+            hj["alive"] = pid_alive(h.pid) and h.netns in netns
         d["up"] = all(hj["alive"] for hj in d["hosts"])
         if self.controller:
-            d["controller"]["alive"] = _pid_alive(self.controller.pid) and self.controller.netns in netns
+            d["controller"]["alive"] = pid_alive(self.controller.pid) and self.controller.netns in netns
             d["up"] = d["up"] and d["controller"]["alive"] and f"{self.prefix}-rtr" in netns
         return d
 
-    def _save(self):
+    def save(self):
+        """Write the bed's state (atomically): what ``load``, ``status`` and ``down`` read, also after a
+        crash. Layers call it after recording what they started."""
         tmp = self.state_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=2))
         tmp.replace(self.state_dir / STATE_FILE)
@@ -390,7 +415,7 @@ class Testbed:
                   cwd: Optional[str] = None) -> List[str]:
         """argv (run from outside) that runs ``cmd`` inside ``host`` with the caller's Python env."""
         h = self.host(host)
-        if not _pid_alive(h.pid):
+        if not pid_alive(h.pid):
             raise TestbedError(f"host {h.name} of test bed {self.prefix!r} is not running (PID 1 {h.pid} gone)")
         full_env = python_env()
         for layer in layers():  # e.g. Ray's token when auth is on: every client needs it
@@ -488,7 +513,7 @@ class Testbed:
         p = self.prefix
         sd = self.state_dir
         (sd / "hosts").mkdir(parents=True, exist_ok=True)
-        self._save()  # first, so `down` finds the state even if we die half-way
+        self.save()  # first, so `down` finds the state even if we die half-way
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
         lines += [f"{h.ip}\t{h.name}" for h in self.hosts]
         lines += [f"{h.mgmt_ip}\t{h.name}-mgmt" for h in self.hosts if h.mgmt_ip]
@@ -530,10 +555,10 @@ class Testbed:
         if self.controller:
             self._create_site_network(plen)
             self._start_init(self.controller)
-        self._save()
+        self.save()
         for h in self.all_hosts():
             self._wait_init(h, timeout)
-        self._save()
+        self.save()
 
     def _create_site_network(self, plen: int):
         """The admin bridge, the router netns (forwarding, no default route) and the controller's NIC."""
@@ -595,12 +620,12 @@ class Testbed:
             if proc.poll() is not None:
                 log = (self.host_dir(h.name) / "init.log").read_text(errors="replace").strip()
                 raise TestbedError(f"host {h.name}: init exited (rc={proc.returncode}): {log}")
-            for c in _children(proc.pid):
-                if os.path.realpath(_exe(c)) == tini:
+            for c in children_of(proc.pid):
+                if os.path.realpath(exe_of(c)) == tini:
                     return c
             return None
 
-        h.pid = _wait(ready, timeout, f"host {h.name}'s tini (PID 1) to start")
+        h.pid = wait_for(ready, timeout, f"host {h.name}'s tini (PID 1) to start")
 
     def down(self, timeout: float = 20, graceful: bool = True):
         return down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, graceful=graceful,
@@ -637,12 +662,14 @@ def cgroup_mount_lines(mountinfo: str = "/proc/self/mountinfo") -> List[str]:
 
 
 # ---- discovery / teardown (works without state) ------------------------------------------------
-def _list_netns() -> List[str]:
+def list_netns() -> List[str]:
+    """Every named network namespace on the machine."""
     p = _run(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
 
 
-def _list_links() -> List[str]:
+def list_links() -> List[str]:
+    """Every network interface in the machine's own namespace (veth ends without their ``@peer``)."""
     p = _run(["ip", "-o", "link", "show"], check=False)
     out = []
     for line in p.stdout.splitlines():
@@ -656,7 +683,8 @@ def _ours(name: str, prefix: str) -> bool:
     return name.startswith(f"{prefix}-")
 
 
-def _mounts_under(paths: Sequence[str]) -> List[str]:
+def mounts_under(paths: Sequence[str]) -> List[str]:
+    """The machine's mount points at or below any of ``paths``, in mount order (unmount them reversed)."""
     out = []
     with open("/proc/mounts") as f:
         for line in f:
@@ -666,7 +694,8 @@ def _mounts_under(paths: Sequence[str]) -> List[str]:
     return out
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline_of(pid: int) -> bytes:
+    """The raw command line of ``pid`` (arguments NUL-separated; b'' if gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read()
@@ -689,8 +718,8 @@ def _procs_matching(needle: str) -> List[int]:
 
 
 def _leftovers(prefix: str, state_dir: Path) -> List[str]:
-    found = [f"netns {n}" for n in _list_netns() if _ours(n, prefix)]
-    found += [f"link {n}" for n in _list_links() if _ours(n, prefix)]
+    found = [f"netns {n}" for n in list_netns() if _ours(n, prefix)]
+    found += [f"link {n}" for n in list_links() if _ours(n, prefix)]
     if (state_dir / STATE_FILE).exists():
         found.append(f"state {state_dir / STATE_FILE}")
     return found
@@ -699,7 +728,7 @@ def _leftovers(prefix: str, state_dir: Path) -> List[str]:
 def list_prefixes(pattern: str = r"akt[a-z0-9]*") -> List[str]:
     """Prefixes of every test bed (or leftover) on this machine whose prefix fully matches ``pattern``."""
     rx = re.compile(pattern)
-    names = _list_netns() + [n for n in _list_links() if n.endswith(("-br0", "-br1", "-br2"))]
+    names = list_netns() + [n for n in list_links() if n.endswith(("-br0", "-br1", "-br2"))]
     return sorted({n.rsplit("-", 1)[0] for n in names if "-" in n and rx.fullmatch(n.rsplit("-", 1)[0])})
 
 
@@ -718,7 +747,7 @@ def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, 
     for layer in reversed(layers()):  # cleanly (what is left is killed below with the hosts anyway)
         if layer.stop:
             done += layer.stop(bed, prefix, graceful)
-    netns = [n for n in _list_netns() if _ours(n, prefix)]
+    netns = [n for n in list_netns() if _ours(n, prefix)]
     _kill_processes(bed, prefix, netns, list((_launchers or {}).values()), timeout, done)
     done += _remove_network(prefix, sd, netns, timeout)
     done += _remove_state(sd)
@@ -745,7 +774,7 @@ def _kill_processes(bed: Optional[Testbed], prefix: str, netns: List[str], procs
     pids = set()
     tini = os.path.realpath(shutil.which("tini") or "/usr/bin/tini")
     if bed:  # only if still tini: a stale state file must not make us kill a reused PID
-        pids |= {h.pid for h in bed.all_hosts() if h.pid and os.path.realpath(_exe(h.pid)) == tini}
+        pids |= {h.pid for h in bed.all_hosts() if h.pid and os.path.realpath(exe_of(h.pid)) == tini}
     ns_pids = set()
     for ns in netns:
         p = _run(["ip", "netns", "pids", ns], check=False)
@@ -753,7 +782,7 @@ def _kill_processes(bed: Optional[Testbed], prefix: str, netns: List[str], procs
     init_tag = f"{prefix}-init-"
     launchers = set(_procs_matching(init_tag))  # each host's `unshare` (and a bash not yet exec'd to tini)
     launchers |= {h.launcher_pid for h in (bed.all_hosts() if bed else []) if h.launcher_pid
-                  and init_tag.encode() in _cmdline(h.launcher_pid)}
+                  and init_tag.encode() in cmdline_of(h.launcher_pid)}
 
     # PID 1 first (its PID namespace dies with it), then anything else in the netns. The launchers
     # exit by themselves once their tini is gone (and reap it: no zombie tini); kill only stragglers.
@@ -765,7 +794,7 @@ def _kill_processes(bed: Optional[Testbed], prefix: str, netns: List[str], procs
         except subprocess.TimeoutExpired:
             pass
     try:
-        _wait(lambda: not any(_pid_alive(p) for p in launchers), max(0.1, deadline - time.monotonic()), "")
+        wait_for(lambda: not any(pid_alive(p) for p in launchers), max(0.1, deadline - time.monotonic()), "")
     except TestbedError:
         pass
     _kill_all(launchers, done)
@@ -775,12 +804,12 @@ def _kill_processes(bed: Optional[Testbed], prefix: str, netns: List[str], procs
         except subprocess.TimeoutExpired:
             pass
     all_pids = pids | ns_pids | launchers
-    _wait(lambda: not any(_pid_alive(p) for p in all_pids), timeout, f"test bed {prefix!r} processes to exit")
+    wait_for(lambda: not any(pid_alive(p) for p in all_pids), timeout, f"test bed {prefix!r} processes to exit")
 
 
 def _kill_all(targets, done: List[str]) -> None:
     for pid in sorted(targets):
-        if _pid_alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
                 if f"pid {pid}" not in done:
@@ -796,18 +825,18 @@ def _remove_network(prefix: str, sd: Path, netns: List[str], timeout: float) -> 
     for ns in netns:
         _run(["ip", "netns", "del", ns], check=False)
         done.append(f"netns {ns}")
-    for link in _list_links():
+    for link in list_links():
         if _ours(link, prefix) and not link.endswith(("-br0", "-br1", "-br2")):
             _run(["ip", "link", "del", link], check=False)
             done.append(f"link {link}")
-    for link in _list_links():
+    for link in list_links():
         if _ours(link, prefix):
             _run(["ip", "link", "del", link], check=False)
             done.append(f"link {link}")
-    for m in reversed(_mounts_under([f"/run/netns/{prefix}-", str(sd)])):
+    for m in reversed(mounts_under([f"/run/netns/{prefix}-", str(sd)])):
         _run(["umount", "-l", m], check=False)
         done.append(f"mount {m}")
-    _wait(lambda: not [n for n in _list_netns() if _ours(n, prefix)], timeout, f"netns {prefix}-* to go")
+    wait_for(lambda: not [n for n in list_netns() if _ours(n, prefix)], timeout, f"netns {prefix}-* to go")
     return done
 
 

@@ -99,29 +99,13 @@ def _tail(p: subprocess.CompletedProcess, n: int = 1500) -> str:
 def _kill(proc: subprocess.Popen):
     """SIGKILL a command started with ``bed.popen`` AND what runs inside the host (nsenter's child: it
     would otherwise live on under the host's tini); returns ``communicate()``'s output."""
-    for child in tb._children(proc.pid):
+    for child in tb.children_of(proc.pid):
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.kill()
     return proc.communicate()
-
-
-def _listening(pid: int, port: int) -> bool:
-    """Does anything in the network namespace of ``pid`` listen on TCP ``port``? (reads /proc only)"""
-    want = ":%04X" % port
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{name}") as f:
-                next(f, None)
-                for line in f:
-                    parts = line.split()
-                    if len(parts) > 3 and parts[1].endswith(want) and parts[3] == "0A":  # 0A = LISTEN
-                        return True
-        except OSError:
-            pass
-    return False
 
 
 def auth_env(token_path: Optional[str]) -> Dict[str, str]:
@@ -156,7 +140,7 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
             "num_cpus": num_cpus, "object_store_memory": object_store_memory, "firewall": bool(firewall),
             "nodes": [], "seconds": seconds}
     bed.ray = info  # recorded before starting anything: `down` stops what got started
-    bed._save()
+    bed.save()
 
     run = _RayStart(bed, spec, auth_env(token_path), timeout, num_cpus=num_cpus,
                     object_store_memory=object_store_memory, include_dashboard=include_dashboard)
@@ -175,7 +159,7 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     seconds["wait"] = time.monotonic() - mark  # what was left of the wait after every `ray start` returned
     seconds["total"] = time.monotonic() - t0
     info["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
-    bed._save()
+    bed.save()
     return info
 
 
@@ -237,7 +221,7 @@ class _RayStart:
         gcs_port = self.spec.ports["gcs"]
         # Workers need only the GCS (they retry its KV reads); the head's `ray start` goes on to start
         # its raylet, dashboard and monitor meanwhile.
-        tb._wait(lambda: _listening(self.bed.head.pid, gcs_port) or head_proc.poll() is not None,
+        tb.wait_for(lambda: tb.listening(self.bed.head.pid, gcs_port) or head_proc.poll() is not None,
                  self.left(1.0), f"the head's GCS port {gcs_port}")
         return head_proc
 
@@ -347,7 +331,7 @@ def stop_ray(bed: "tb.Testbed", timeout: float = 30) -> Dict[str, str]:
     """``ray stop`` in every host at once (each host has its own PID namespace: it stops only its own
     processes). Returns {host: Ray's last output line}; never raises (``down`` kills what is left)."""
     env = auth_env((bed.ray or {}).get("token_path"))
-    alive = [h for h in bed.hosts if tb._pid_alive(h.pid)]
+    alive = [h for h in bed.hosts if tb.pid_alive(h.pid)]
 
     def stop(name):
         try:
@@ -362,7 +346,7 @@ def stop_ray(bed: "tb.Testbed", timeout: float = 30) -> Dict[str, str]:
         out = {name: f.result() for name, f in futs.items()}
     bed.ray = None
     try:
-        bed._save()
+        bed.save()
     except OSError:
         pass
     return out

@@ -154,12 +154,12 @@ def _outer_child(launcher: subprocess.Popen, exe: str, what: str, log: Path, tim
         if launcher.poll() is not None:
             raise SiteError(f"{what} exited at once (rc={launcher.returncode}): "
                             f"{_last_lines(log)}; read {log}")
-        for c in tb._children(launcher.pid):
-            if os.path.realpath(tb._exe(c)) == real:
+        for c in tb.children_of(launcher.pid):
+            if os.path.realpath(tb.exe_of(c)) == real:
                 return c
         return None
 
-    return tb._wait(found, timeout, f"{what} to start")
+    return tb.wait_for(found, timeout, f"{what} to start")
 
 
 def _last_lines(path: Path, n: int = 2) -> str:
@@ -195,11 +195,9 @@ def start_registry(bed: "tb.Testbed", data: Optional[os.PathLike] = None, timeou
         launcher = bed.popen(ctl.name, REGISTRY, "serve", str(conf), stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
     pid = _outer_child(launcher, REGISTRY, "docker-registry on the controller", log)
-    from testbed_ray import _listening
-
-    tb._wait(lambda: _listening(ctl.pid, REGISTRY_PORT) or not tb._pid_alive(pid), timeout,
+    tb.wait_for(lambda: tb.listening(ctl.pid, REGISTRY_PORT) or not tb.pid_alive(pid), timeout,
              f"the registry to listen on {addr}")
-    if not tb._pid_alive(pid):
+    if not tb.pid_alive(pid):
         raise SiteError(f"docker-registry exited: {_last_lines(log)}; read {log}")
     return {"address": addr, "pid": pid, "data": str(data), "log": str(log), "config": str(conf)}
 
@@ -240,7 +238,7 @@ def start_dockerds(bed: "tb.Testbed", insecure_registry: Optional[str] = None, t
             p = docker(bed, name, "version", "--format", "{{.Server.Version}}", timeout=30, check=False)
             if p.returncode == 0 and p.stdout.strip():
                 return p.stdout.strip()
-            if not tb._pid_alive(out[name]["pid"]):
+            if not tb.pid_alive(out[name]["pid"]):
                 raise SiteError(f"dockerd on {name} exited: {_last_lines(Path(out[name]['log']))}; "
                                 f"read {out[name]['log']}")
             if time.monotonic() > deadline:
@@ -290,29 +288,29 @@ def start_site(bed: "tb.Testbed", docker: bool = True, registry: bool = True, im
         if registry:
             mark = time.monotonic()
             site["registry"] = start_registry(bed, registry_data)
-            bed._save()
+            bed.save()
             seconds["registry"] = round(time.monotonic() - mark, 2)
         if docker:
             mark = time.monotonic()
             site["docker"] = {}
             site["docker"] = start_dockerds(bed, insecure_registry=site.get("registry", {}).get("address"))
-            bed._save()
+            bed.save()
             seconds["dockerd"] = round(time.monotonic() - mark, 2)
         if image:
             site["image"] = push_image(bed, site["registry"]["address"], local_ref, cpu_image_tag())
             seconds["push"] = site["image"]["push_seconds"]
     finally:
-        bed._save()
+        bed.save()
     return site
 
 
 def _kill_wait(pid: Optional[int], exe: str, timeout: float) -> str:
     """SIGTERM ``pid`` if it is still ``exe``, wait, SIGKILL after ``timeout``."""
-    if not pid or not tb._pid_alive(pid) or os.path.realpath(tb._exe(pid)) != os.path.realpath(exe):
+    if not pid or not tb.pid_alive(pid) or os.path.realpath(tb.exe_of(pid)) != os.path.realpath(exe):
         return "gone"
     os.kill(pid, signal.SIGTERM)
     try:
-        tb._wait(lambda: not tb._pid_alive(pid), timeout, f"{exe} {pid} to exit")
+        tb.wait_for(lambda: not tb.pid_alive(pid), timeout, f"{exe} {pid} to exit")
         return "stopped"
     except tb.TestbedError:
         os.kill(pid, signal.SIGKILL)
@@ -328,7 +326,7 @@ def stop_site(bed: "tb.Testbed", timeout: float = 20) -> List[str]:
 
     def stop_docker(name, d):
         ids = docker(bed, name, "ps", "-aq", timeout=30, check=False).stdout.split() \
-            if tb._pid_alive(d.get("pid")) else []
+            if tb.pid_alive(d.get("pid")) else []
         if ids:
             docker(bed, name, "rm", "-f", *ids, timeout=60, check=False)
         return f"dockerd {name}: {len(ids)} containers removed, {_kill_wait(d.get('pid'), DOCKERD, timeout)}"
@@ -344,13 +342,13 @@ def stop_site(bed: "tb.Testbed", timeout: float = 20) -> List[str]:
         done.append(f"registry: {_kill_wait(reg.get('pid'), REGISTRY, timeout)}")
     run_dir = Path(f"/run/{bed.prefix}-docker")
     if run_dir.exists():
-        for m in reversed(tb._mounts_under([str(run_dir)])):
+        for m in reversed(tb.mounts_under([str(run_dir)])):
             subprocess.run(["umount", "-l", m], capture_output=True, timeout=30)
         shutil.rmtree(run_dir, ignore_errors=True)
         done.append(f"removed {run_dir}")
     bed.site = None
     try:
-        bed._save()
+        bed.save()
     except OSError:
         pass
     return done

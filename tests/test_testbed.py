@@ -151,19 +151,19 @@ def test_cli_up_exec_down_leaves_nothing(testbed, tmp_path):
         run("exec", "head", "--", "sh", "-c", "sleep 4242421 >/dev/null 2>&1 & sleep 4242422 >/dev/null 2>&1 &")
         fg = subprocess.Popen(base + ["exec", "w1", "--", "sleep", "4242423"])
         bed = testbed_lib.Testbed.load(state)
-        testbed_lib._wait(lambda: len(_live("sleep 424242")) == 3, 10, "sleeps")
+        testbed_lib.wait_for(lambda: len(_live("sleep 424242")) == 3, 10, "sleeps")
     finally:
         first = run("down")
     assert first.returncode == 0, first.stderr
     assert fg.wait(timeout=10) != 0
     assert run("down").returncode == 0  # idempotent
 
-    assert not [n for n in testbed_lib._list_netns() if n.startswith(prefix + "-")]
-    assert not [n for n in testbed_lib._list_links() if n.startswith(prefix + "-")]
+    assert not [n for n in testbed_lib.list_netns() if n.startswith(prefix + "-")]
+    assert not [n for n in testbed_lib.list_links() if n.startswith(prefix + "-")]
     mounts = Path("/proc/mounts").read_text()
     assert str(state) not in mounts and f"/run/netns/{prefix}-" not in mounts
     assert not _live("sleep 424242") and not _live(f"{prefix}-init-")
-    assert not any(testbed_lib._pid_alive(h.pid) for h in bed.hosts)  # each host's tini (PID 1)
+    assert not any(testbed_lib.pid_alive(h.pid) for h in bed.hosts)  # each host's tini (PID 1)
     assert not state.exists()
     assert run("status").returncode == 1
 
@@ -172,7 +172,7 @@ def test_cli_up_exec_down_leaves_nothing(testbed, tmp_path):
     subprocess.run(["ip", "netns", "add", f"{prefix}-w3"], check=True)
     assert run("down").returncode == 0
     assert f"{prefix}-" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert not [n for n in testbed_lib._list_netns() if n.startswith(prefix + "-")]
+    assert not [n for n in testbed_lib.list_netns() if n.startswith(prefix + "-")]
 
 
 @pytest.mark.slow
@@ -233,7 +233,7 @@ def test_cli_up_ray_with_auth_and_doctor_then_down_stops_ray(testbed, tmp_path):
         for ns in (f"{prefix}-head", f"{prefix}-w1"):
             p = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10)
             pids |= {int(x) for x in p.stdout.split()}
-        raylets = [p for p in pids if b"raylet" in testbed_lib._cmdline(p)]
+        raylets = [p for p in pids if b"raylet" in testbed_lib.cmdline_of(p)]
         assert len(raylets) == 2
     finally:
         down = run("down", timeout=120)
@@ -241,5 +241,5 @@ def test_cli_up_ray_with_auth_and_doctor_then_down_stops_ray(testbed, tmp_path):
     removed = json.loads(down.stdout)["removed"]
     stopped = [r for r in removed if r.startswith("ray ")]
     assert len(stopped) == 2 and all("Stopped" in r for r in stopped), stopped
-    assert not any(testbed_lib._pid_alive(p) for p in pids)
+    assert not any(testbed_lib.pid_alive(p) for p in pids)
     assert not state.exists()

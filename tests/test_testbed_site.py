@@ -75,7 +75,7 @@ def test_every_dockerd_pulls_the_pushed_image_from_the_controllers_registry(site
 
 
 def _alive(pids):
-    return [p for p in pids if testbed_lib._pid_alive(p)]
+    return [p for p in pids if testbed_lib.pid_alive(p)]
 
 
 def test_cli_site_down_stops_every_daemon_and_leaves_no_mount(testbed, tmp_path):
@@ -110,7 +110,7 @@ def test_cli_site_down_stops_every_daemon_and_leaves_no_mount(testbed, tmp_path)
                     f"{testbed_site.DOCKER_CLI} -H {sock} run -d --network host t/base:1 sleep 4242424", timeout=300)
             assert p.returncode == 0, p.stderr
             containers = 1
-            testbed_lib._wait(lambda: _live_sleep(), 20, "the container's sleep")
+            testbed_lib.wait_for(lambda: _live_sleep(), 20, "the container's sleep")
         mounts_before = Path("/proc/mounts").read_text()
     finally:
         down = run("down", timeout=180)
@@ -123,14 +123,14 @@ def test_cli_site_down_stops_every_daemon_and_leaves_no_mount(testbed, tmp_path)
     mounts = Path("/proc/mounts").read_text()
     assert str(state) not in mounts and f"{prefix}-" not in mounts and f"/run/{prefix}-docker" not in mounts
     assert str(state) not in mounts_before  # the hosts' mounts (overlay, cgroups) never were the machine's
-    assert not [n for n in testbed_lib._list_netns() if n.startswith(prefix + "-")]
-    assert not [n for n in testbed_lib._list_links() if n.startswith(prefix + "-")]
+    assert not [n for n in testbed_lib.list_netns() if n.startswith(prefix + "-")]
+    assert not [n for n in testbed_lib.list_links() if n.startswith(prefix + "-")]
     assert not state.exists()
 
 
 def _live_sleep():
     return [int(d) for d in os.listdir("/proc") if d.isdigit() and b"sleep\x004242424" in _cmd(d)
-            and testbed_lib._pid_alive(int(d))]
+            and testbed_lib.pid_alive(int(d))]
 
 
 def _cmd(pid):
