@@ -194,7 +194,7 @@ def test_models_train_on_py39(py39_models, model, tmp_path):
 _JOIN = r"""
 import sys
 from alpa_job.errors import KitError
-from alpa_job.train.loop import init_distributed
+from alpa_job.launch.jax_process import init_distributed
 try:
     init_distributed(sys.argv[1], 2, int(sys.argv[2]), timeout_s=30)
     print("JOINED")

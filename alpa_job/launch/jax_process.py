@@ -2,9 +2,11 @@
 
 It says who it is (so a loss can be named after the process is gone), answers the driver's step
 polls from a second thread, takes part in the shared --out check, and trains: process 0 waits for
-the previous attempt's coordinator port to be free, then the one training loop runs.
+the previous attempt's coordinator port to be free, every process joins the others
+(`init_distributed`: jax.distributed, before any device is opened), then the one training loop runs
+on the joined process.
 
-Ray is imported when the actor class is first made, so this module imports where Ray is absent.
+Ray and jax are imported where used, so this module imports where neither is installed.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import socket
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from alpa_job.errors import KitError
 from alpa_job.launch import failures, shared_out
 
 PORT_FREE_TIMEOUT_S = 30.0  # process 0 waits for the last attempt's coordinator to release the port
@@ -32,6 +35,32 @@ def wait_port_free(port: int, timeout_s: float = PORT_FREE_TIMEOUT_S) -> None:
             time.sleep(0.25)
         finally:
             s.close()
+
+
+HEARTBEAT_TIMEOUT_S = 30  # a peer silent this long ends the others (backstop: the driver kills them first)
+
+
+def init_distributed(coordinator: Optional[str], num_processes: int, process_id: int, timeout_s: int = 60) -> None:
+    """Join the JAX processes of a multi-host job (no-op for one process); before jax opens a device."""
+    if num_processes <= 1:
+        return
+    import inspect
+
+    import jax
+
+    # Each bound where this jax has it (0.4.13, the newest on Python 3.9, has neither keyword; the
+    # driver's own deadline on the processes' first report is then the only bound).
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    bounds = {"initialization_timeout": timeout_s,
+              "heartbeat_timeout_seconds": HEARTBEAT_TIMEOUT_S}  # never block forever on a dead peer
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                               **{k: v for k, v in bounds.items() if k in accepted})
+    # Old jax on CPU (0.4.13) "joins" and then keeps each process on its own devices: the job would
+    # train N unrelated replicas and report one. Refuse that instead.
+    if jax.process_count() != num_processes:
+        raise KitError(f"jax {jax.__version__} on {jax.default_backend()} did not join the {num_processes} JAX "
+                       f"processes into one device set (jax.process_count() = {jax.process_count()}); multi-host "
+                       "training needs a jax whose backend supports several processes (the kit's modern image, or GPUs)")
 
 
 _ACTOR_CLASS = None
@@ -84,6 +113,7 @@ def _make_actor_class():
             progress.send_to(channel)  # process 0 feeds the driver's display; the others keep quiet
             if process_id == 0 and coordinator:
                 wait_port_free(int(coordinator.rpartition(":")[2]))
-            return train_process(cfg, process_id, num_processes, coordinator, on_step=on_step)
+            init_distributed(coordinator, num_processes, process_id)  # before the loop touches a device
+            return train_process(cfg, coordinator, on_step=on_step)
 
     return JaxProcess

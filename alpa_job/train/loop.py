@@ -33,32 +33,6 @@ def ensure_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
 
 
-HEARTBEAT_TIMEOUT_S = 30  # a peer silent this long ends the others (backstop: the driver kills them first)
-
-
-def init_distributed(coordinator: Optional[str], num_processes: int, process_id: int, timeout_s: int = 60) -> None:
-    """Join the JAX processes of a multi-host job (no-op for one process)."""
-    if num_processes <= 1:
-        return
-    import inspect
-
-    import jax
-
-    # Each bound where this jax has it (0.4.13, the newest on Python 3.9, has neither keyword; the
-    # driver's own deadline on the processes' first report is then the only bound).
-    accepted = inspect.signature(jax.distributed.initialize).parameters
-    bounds = {"initialization_timeout": timeout_s,
-              "heartbeat_timeout_seconds": HEARTBEAT_TIMEOUT_S}  # never block forever on a dead peer
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                               **{k: v for k, v in bounds.items() if k in accepted})
-    # Old jax on CPU (0.4.13, seen here) "joins" and then keeps each process on its own devices: the job
-    # would train N unrelated replicas and report one. Refuse that instead.
-    if jax.process_count() != num_processes:
-        raise KitError(f"jax {jax.__version__} on {jax.default_backend()} did not join the {num_processes} JAX "
-                       f"processes into one device set (jax.process_count() = {jax.process_count()}); multi-host "
-                       "training needs a jax whose backend supports several processes (the kit's modern image, or GPUs)")
-
-
 # ----------------------------------------------------------------------------- data
 @dataclasses.dataclass(frozen=True)
 class TrainData:
@@ -145,18 +119,19 @@ def check_supported(config, engine: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- the process
-def train_process(config, process_id: int = 0, num_processes: int = 1, coordinator: Optional[str] = None,
-                  return_state: bool = False, build_engine: Optional[EngineFactory] = None,
+def train_process(config, coordinator: Optional[str] = None, return_state: bool = False,
+                  build_engine: Optional[EngineFactory] = None,
                   on_step: Optional[Callable[[int], None]] = None) -> ProcessResult:
     """Train with the engine `build_engine` makes (default: the JAX engine on this process's
     devices); returns this process's statistics and plan (`ProcessResult`, plain data).
 
-    `return_state` keeps the final train state in `final_state` (in-process callers only).
+    A process of a multi-process job has already joined the others (the worker group's actor
+    starts jax.distributed before calling this); `coordinator` is the address it joined, for the
+    result. `return_state` keeps the final train state in `final_state` (in-process callers only).
     `on_step(global_step)` is called after each step is dispatched (no host sync): the driver's
-    failure reports read it (cluster/processes.py).
+    failure reports read it (alpa_job.launch.worker_group).
     """
     started = time.perf_counter()
-    init_distributed(coordinator, num_processes, process_id)
     if build_engine is None:
         _open_devices_early()
     from alpa_job.models import get_model
