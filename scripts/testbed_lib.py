@@ -1,6 +1,6 @@
 """The test bed: several real "hosts" on one machine (stdlib only; needs root, iproute2, util-linux, tini).
 
-Each host is a mini-container (see /work/shared/notes/testbed.md, "variant B"):
+Each host is a mini-container:
 
 * its own network namespace ``<prefix>-<name>`` with ``eth0`` (a veth into the private bridge
   ``<prefix>-br0``; the bridge has NO IP and the host has no default route, so nothing can leave);
@@ -17,7 +17,7 @@ Everything the test bed creates is named with its ``prefix`` (netns ``<prefix>-*
 ``<prefix>-*``: bridges ``-br0``/``-br1``, veths ``-<host>``/``-m<host>``), so ``down`` finds and removes leftovers even without state
 (after a crashed ``up`` or a killed test session).
 
-A user's site (``site=True``, issue 11): beside the cluster nodes, a CONTROLLER host ``ctl``
+A user's site (``site=True``): beside the cluster nodes, a CONTROLLER host ``ctl``
 (a mini-container like the nodes, ``bed.controller``, NOT in ``bed.hosts``) on its own admin subnet
 10.78.0.0/24 (bridge ``<prefix>-br2``), 10.78.0.2, and a ROUTER netns ``<prefix>-rtr`` (no processes,
 ``ip_forward=1``) with 10.77.0.254 on the cluster bridge and 10.78.0.1 on the admin bridge. Nodes get

@@ -47,7 +47,7 @@ if str(tb.REPO_ROOT) not in sys.path:  # the kit's own modules (alpa_job.cluster
 
 DEFAULT_NUM_CPUS = 1
 DEFAULT_OBJECT_STORE = 100_000_000
-# An upper bound only (a quiet 2-core machine needs ~10 s); it covers Ray's own 30 s registration limit,
+# An upper bound only (a quiet machine needs a fraction of it); it covers Ray's own 30 s registration limit,
 # LATE_JOIN_S and one restart on a machine that other work keeps busy.
 DEFAULT_TIMEOUT = 240.0
 LATE_JOIN_S = 45.0  # how long a worker whose `ray start` timed out may still join before it is restarted

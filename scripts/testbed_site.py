@@ -1,4 +1,4 @@
-"""A user's site on the test bed (issue 11): a Docker engine in every node host, an image registry on
+"""A user's site on the test bed: a Docker engine in every node host, an image registry on
 the controller, the modern CPU image pushed there. Hosts, controller and router: testbed_lib
 (``Testbed.up(..., site=True, cgroups=True)``); this module starts and stops the daemons on top.
 
@@ -257,8 +257,8 @@ def push_image(bed: "tb.Testbed", registry: str, local_ref: str, tag: str, timeo
     """``buildah push`` from inside the controller to ``registry``; returns the pushed reference."""
     dest = f"{registry}/{tag}"
     t0 = time.monotonic()
-    # Uncompressed layers: gzip of ~1.5 GB costs ~40 s of one core here and every pull would pay to
-    # inflate it again; the registry and the nodes sit on the same machine.
+    # Uncompressed layers: gzipping the image's layers keeps a core busy for long, every pull would pay
+    # to inflate them again, and the registry and the nodes sit on the same machine.
     p = bed.exec(bed.controller.name, "buildah", "push", "--quiet", "--tls-verify=false", "--disable-compression",
                  "--format", "v2s2", local_ref, f"docker://{dest}", env=image_env(), timeout=timeout, check=False)
     if p.returncode != 0:

@@ -17,7 +17,7 @@ Fixtures (all session-scoped):
   then formation checked (3 nodes alive at the bed's IPs, a task pinned to each node returns that
   node's IP). ``bed.ray`` holds what start_ray recorded (address, spec path, seconds per step).
 
-* ``site_bed`` -> ``SiteBed``: a user's site (issue 11) on its OWN bed (tag "site"): 3 node hosts
+* ``site_bed`` -> ``SiteBed``: a user's site on its OWN bed (tag "site"): 3 node hosts
   head/w1/w2 (10.77.0.1-3, cluster CIDR 10.77.0.0/24), a CONTROLLER ``ctl`` at 10.78.0.2 on the admin
   subnet 10.78.0.0/24 (not in the cluster CIDR; a router netns 10.77.0.254 | 10.78.0.1 joins the two;
   nodes route 10.78.0.0/24 back through it; nothing routes out of the machine), sshd in every node
@@ -240,7 +240,7 @@ def ray_cluster(testbed_factory) -> RayCluster:
         raise
     yield cluster
     # No `ray stop` (scripts/testbed down does one): killing each host's PID 1 takes every Ray process
-    # with it, in ~1 s.
+    # with it, at once.
     bed.down(graceful=False)
 
 
@@ -294,7 +294,7 @@ def site_bed(testbed_factory) -> SiteBed:
     bed = testbed_factory(3, tag="site", site=True, cgroups=True)
     ssh = SshBed(bed)
     try:
-        # The registry's blobs live in the image cache: the first session pushes (~1 min), later ones
+        # The registry's blobs live in the image cache: the first session pushes every layer, later ones
         # find every layer there and push only the manifest.
         site = testbed_site.start_site(bed, registry_data=testbed_site.IMAGE_CACHE / "registry")
         ssh.start()

@@ -1,4 +1,4 @@
-"""A user's site on the test bed (issue 11 part 1; scripts/testbed_site.py, fixture ``site_bed``):
+"""A user's site on the test bed (scripts/testbed_site.py, fixture ``site_bed``):
 a controller outside the cluster CIDR that reaches every node, a real dockerd in every node that
 pulls the kit's CPU image from the registry on the controller, and a teardown that leaves nothing."""
 from __future__ import annotations
