@@ -299,7 +299,7 @@ def test_schema_ships_as_package_data():
 
     with open(os.path.join(os.path.dirname(FIXTURES), "..", "pyproject.toml"), "rb") as f:
         globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["alpa_job"]
-    assert "inspect/*.json" in globs
+    assert "record/*.json" in globs
     assert os.path.isfile(rec.SCHEMA_PATH) and rec.SCHEMA_PATH.endswith(os.path.join("inspect", "report.schema.json"))
 
 
