@@ -300,7 +300,7 @@ def test_schema_ships_as_package_data():
     with open(os.path.join(os.path.dirname(FIXTURES), "..", "pyproject.toml"), "rb") as f:
         globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["alpa_job"]
     assert "record/*.json" in globs
-    assert os.path.isfile(rec.SCHEMA_PATH) and rec.SCHEMA_PATH.endswith(os.path.join("inspect", "report.schema.json"))
+    assert os.path.isfile(rec.SCHEMA_PATH) and rec.SCHEMA_PATH.endswith(os.path.join("record", "report.schema.json"))
 
 
 def test_process_results_merge_led_by_process_zero(train_runs):
