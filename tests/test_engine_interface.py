@@ -1,24 +1,27 @@
 """Both engines behind one interface (alpa_job/engines/base.py), driven by one loop (train/loop.py).
 
+* `Engine` is an ABC in two parts, the running part (`EngineRunner`) and the reporting part
+  (`EngineReport`): Python itself refuses to make an engine that lacks an abstract member.
 * The loop itself is proven with the real JAX engine (here and in test_train_core.py: ragged
   epochs, resume, checkpoints, compile once); its result is the typed ProcessResult.
-* The Alpa engine cannot run here (no Alpa CUDA jaxlib), so it is held to the interface
-  structurally: on the class under Python 3.11, and as an instance under the Alpa image's
-  Python 3.9 (.venv39: real alpa 0.2.3 package, flax 0.6.2) via the runtime-checkable Protocol.
+* The Alpa engine cannot run here (no Alpa CUDA jaxlib), so it is held to the interface on the
+  class under Python 3.11 (no abstract member left, the same parameters as the interface), and as an
+  instance under the Alpa image's Python 3.9 (.venv39: real alpa 0.2.3 package, flax 0.6.2).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Set
 
 import pytest
 
 from alpa_job.engines.alpa_engine import AlpaEngine, alpa_session
-from alpa_job.engines.base import Engine, EngineHooks, interface_gaps, interface_members, missing_members
+from alpa_job.engines.base import Engine, EngineReport, EngineRunner
 from alpa_job.errors import KitError
 from helpers_train import tiny_config
 
@@ -28,22 +31,45 @@ NEEDS_VENV39 = pytest.mark.skipif(not VENV39_PY.exists(), reason=f"{VENV39_PY} n
                                   "creates it: Python 3.9 with the real alpa 0.2.3 package)")
 
 
-def test_interface_is_the_members_the_loop_uses():
-    loop_uses = {"name", "strategy", "checkpoints", "stats", "abstract_state", "compile", "init_state",
-                 "put_batch", "step", "to_floats", "wait", "watch_compiles", "plan", "topology",
-                 "eval_loss", "finish", "extra_report", "peak_memory_bytes"}
-    assert set(interface_members()) == loop_uses
+def _members(part: type) -> Set[str]:
+    """The public names a part of the interface declares: methods, properties and annotated attributes."""
+    return {n for n in list(vars(part)) + list(getattr(part, "__annotations__", {})) if not n.startswith("_")}
 
 
-def test_gap_check_names_what_a_class_lacks():
-    """The structural check is not vacuous: it names a missing method, a renamed parameter, a
-    method where the loop reads a property, and a missing attribute."""
+def signature_gaps(cls: type) -> List[str]:
+    """How `cls`'s members differ in shape from the interface's (which the ABC does not check): a method
+    takes the same parameters by name, and a property stays a property (or a class attribute)."""
+    gaps: List[str] = []
+    for name in sorted(_members(EngineRunner) | _members(EngineReport)):
+        want = inspect.getattr_static(Engine, name, None)
+        have = inspect.getattr_static(cls, name, None)
+        if want is None or have is None:  # instance attributes (strategy, stats): Engine.__init__ sets them
+            continue
+        if isinstance(want, property):
+            if callable(have) and not isinstance(have, property):
+                gaps.append(f"{name}: is a method, the interface reads it as a property")
+        elif callable(want):
+            wanted, got = list(inspect.signature(want).parameters), list(inspect.signature(have).parameters)
+            if wanted != got:
+                gaps.append(f"{name}{tuple(got)}: the interface has {name}{tuple(wanted)}")
+    return gaps
 
-    class Half(EngineHooks):
+
+def test_the_interface_is_the_members_the_loop_uses_in_two_parts():
+    running = {"name", "strategy", "checkpoints", "abstract_state", "compile", "init_state", "put_batch", "step",
+               "to_floats", "wait", "eval_loss"}
+    reporting = {"stats", "watch_compiles", "plan", "topology", "extra_report", "peak_memory_bytes", "finish"}
+    assert _members(EngineRunner) == running and _members(EngineReport) == reporting
+    assert Engine.__abstractmethods__ == {"name", "abstract_state", "compile", "init_state", "put_batch", "step",
+                                          "to_floats", "wait", "watch_compiles", "plan", "topology"}
+
+
+def test_an_engine_that_lacks_a_member_cannot_be_made():
+    """The ABC is the conformance check: a missing method or name is a TypeError naming it; the
+    signature check names a renamed parameter and a method where the loop reads a property."""
+
+    class Half(Engine):
         name = "half"
-
-        def __init__(self):
-            self.stats = None
 
         def abstract_state(self):  # a method: the loop reads engine.abstract_state
             return None
@@ -51,16 +77,23 @@ def test_gap_check_names_what_a_class_lacks():
         def step(self, state, batches):  # the loop calls step(state, batch)
             return state, 0.0
 
-    gaps = "\n".join(interface_gaps(Half))
-    assert "compile(): method missing" in gaps
-    assert "step('self', 'state', 'batches')" in gaps
-    assert "abstract_state: is a method" in gaps
-    assert "strategy: attribute missing" in gaps
-    assert "stats" not in gaps  # assigned in __init__: present on every instance
+    with pytest.raises(TypeError, match=r"abstract method.*compile"):
+        Half("data")
+    gaps = "\n".join(signature_gaps(Half))
+    assert "step('self', 'state', 'batches')" in gaps and "abstract_state: is a method" in gaps
+
+    class Nameless(Engine):  # every method, but no `name`
+        abstract_state = None
+        compile = init_state = put_batch = step = to_floats = wait = watch_compiles = plan = topology = \
+            lambda self, *args: None
+
+    with pytest.raises(TypeError, match=r"abstract method.*name"):
+        Nameless("data")
 
 
 def test_alpa_engine_class_has_the_whole_interface():
-    assert interface_gaps(AlpaEngine) == []
+    assert issubclass(AlpaEngine, Engine) and not inspect.isabstract(AlpaEngine)
+    assert signature_gaps(AlpaEngine) == []
     assert AlpaEngine.name == "alpa" and AlpaEngine.checkpoints is False
 
 
@@ -69,7 +102,8 @@ def test_one_loop_drives_the_jax_engine_to_a_typed_result():
     from alpa_job.record.run_record import ProcessResult
     from alpa_job.launch.runner import run_in_process
 
-    assert interface_gaps(JaxEngine) == []
+    assert issubclass(JaxEngine, Engine) and not inspect.isabstract(JaxEngine)
+    assert signature_gaps(JaxEngine) == []
     engines: List[Any] = []
 
     def build(config, model, data):  # the default factory, keeping the engine for the asserts below
@@ -82,7 +116,7 @@ def test_one_loop_drives_the_jax_engine_to_a_typed_result():
 
     config = tiny_config("mlp", num_samples=40, epochs=2, remainder="pad")
     result = train_process(config, build_engine=build)
-    assert isinstance(engines[0], Engine) and missing_members(engines[0]) == []
+    assert isinstance(engines[0], Engine) and engines[0].strategy == "data"
     assert isinstance(result, ProcessResult)
     assert result.engine == "jax" and result.steps == 6 and result.samples_seen == 80  # 16+16+8 per epoch
     assert result.compiles == 1 and result.backend_compiles_during_loop == 0
@@ -95,7 +129,7 @@ def test_one_loop_drives_the_jax_engine_to_a_typed_result():
 def test_loop_refuses_a_factory_that_returns_no_engine():
     from alpa_job.train.loop import train_process
 
-    with pytest.raises(TypeError, match=r"does not implement .*Engine: no abstract_state, checkpoints, compile"):
+    with pytest.raises(TypeError, match=r"object is not an alpa_job.engines.base.Engine: subclass it"):
         train_process(tiny_config("mlp", steps=1), build_engine=lambda config, model, data: object())
 
 
@@ -195,7 +229,8 @@ ALPA_ON_PY39 = """
     import json, sys
     from alpa_job.settings.config import JobConfig
     from alpa_job.engines.alpa_engine import AlpaCluster, AlpaEngine
-    from alpa_job.engines.base import Engine, interface_gaps, missing_members
+    import inspect
+    from alpa_job.engines.base import Engine
     from alpa_job.models import get_model
     from alpa_job.train.loop import prepare_data
     import jax
@@ -208,8 +243,8 @@ ALPA_ON_PY39 = """
     abstract = engine.abstract_state
     print("JSON" + json.dumps({
         "python": list(sys.version_info[:2]),
-        "is_engine": isinstance(engine, Engine) and missing_members(engine) == [],
-        "gaps": interface_gaps(AlpaEngine),
+        "is_engine": isinstance(engine, Engine),
+        "abstract": sorted(AlpaEngine.__abstractmethods__) + [inspect.isabstract(AlpaEngine)],
         "alpa_imported": "alpa" in sys.modules,
         "strategy": engine.strategy,
         "settings": engine.settings,
@@ -230,7 +265,7 @@ def test_alpa_engine_is_an_engine_on_python39():
     assert r.returncode == 0, r.stderr[-4000:]
     out: Dict[str, Any] = json.loads(r.stdout.split("JSON", 1)[1])
     assert out["python"] == [3, 9]
-    assert out["is_engine"] and out["gaps"] == []
+    assert out["is_engine"] and out["abstract"] == [False]
     assert not out["alpa_imported"]  # building the engine needs no Alpa runtime; compile() imports it
     assert out["strategy"] == "pipeshard-manual"
     assert out["settings"] == {"strategy": "pipeshard-manual", "micro_batches": 2, "stages": 2, "boundaries": [1]}

@@ -28,7 +28,7 @@ from alpa_job import progress, versions
 from alpa_job.cluster import ray_api
 from alpa_job.engines import alpa_guards as guards
 from alpa_job.engines import plan_cache as cache_lib
-from alpa_job.engines.base import CompileStats, EngineHooks
+from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.errors import KitError
 from alpa_job.record.run_record import MemoryRecord
 from alpa_job.train.loop import check_supported
@@ -248,7 +248,7 @@ def alpa_session(config, address: Optional[str], spec) -> Iterator[AlpaCluster]:
 
 
 # ----------------------------------------------------------------------------- the engine
-class AlpaEngine(EngineHooks):
+class AlpaEngine(Engine):
     """The `Engine` (engines/base.py) for alpa 0.2.3: alpa.parallelize drives every GPU node from
     the driver, so the one loop (train/loop.py) runs once, on the driver.
 
@@ -263,8 +263,7 @@ class AlpaEngine(EngineHooks):
         self.config, self.model, self.cluster = config, model, cluster
         self._schedule_steps = schedule_steps if schedule_steps is not None else config.steps
         self.settings = method_settings(config, cluster.num_nodes, cluster.per_node)
-        self.strategy = self.settings["strategy"]
-        self.stats = CompileStats()
+        super().__init__(self.settings["strategy"])
         self._example = example_batch
         self._signature = guards.shape_signature(example_batch)
         self._guard = guards.SearchGuard(False)  # replaced in compile() once the method is known

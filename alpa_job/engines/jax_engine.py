@@ -19,7 +19,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_job.engines import compile_cache, flops
-from alpa_job.engines.base import CompileStats, EngineHooks
+from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES, batch_mesh_axis
@@ -42,7 +42,7 @@ def make_mesh(mesh_shape: Tuple[int, int]) -> Mesh:
     return Mesh(np.asarray(devices).reshape(mesh_shape), MESH_AXES)
 
 
-class JaxEngine(EngineHooks):
+class JaxEngine(Engine):
     """The `Engine` (engines/base.py) for jax >= 0.4: one JAX process per node, SPMD over a mesh."""
 
     name = "jax"
@@ -50,8 +50,8 @@ class JaxEngine(EngineHooks):
     def __init__(self, config, model: ModelSpec, example_batch: Dict[str, np.ndarray], strategy: str,
                  mesh_shape: Tuple[int, int], schedule_steps: Optional[int] = None):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
-        self.config, self.model, self.strategy = config, model, strategy
-        self.stats = CompileStats()
+        super().__init__(strategy)
+        self.config, self.model = config, model
         self.mesh = make_mesh(mesh_shape)
         self.rules = STRATEGY_RULES[strategy]
         # Before anything compiles: a second identical run loads the executables (compile_cache.py).
@@ -71,7 +71,7 @@ class JaxEngine(EngineHooks):
         self.state_sharding = jax.tree_util.tree_map(
             lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(logical, leaf.shape, self.rules, self.mesh)),
             self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        self.abstract_state = jax.tree_util.tree_map(
+        self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
@@ -81,6 +81,11 @@ class JaxEngine(EngineHooks):
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
+    @property
+    def abstract_state(self):
+        """The state's ShapeDtypeStructs with their shardings (built with the engine, before any compile)."""
+        return self._abstract_state
+
     def make_optimizer(self, peak_learning_rate: float, horizon: Optional[int]):
         """The optimizer: engines/optimizer.py's default. A subclass that returns another must not use
         the step store (its key does not name the optimizer): the benches' engines compile their own."""

@@ -20,7 +20,7 @@ import numpy as np
 from alpa_job import progress, versions
 from alpa_job.train import timing
 from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_epoch
-from alpa_job.engines.base import Engine, missing_members
+from alpa_job.engines.base import Engine
 from alpa_job.errors import KitError
 from alpa_job.record.run_record import ProcessResult
 from alpa_job.train.rundir import checkpoint_dir
@@ -141,10 +141,9 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     total_steps = config.steps if config.steps is not None else config.epochs * data.epoch.steps
     startup = time.perf_counter() - started  # imports, the model, the data
     engine = (build_engine or build_jax_engine)(config, model, data)
-    missing = missing_members(engine)
-    if missing:
-        raise TypeError(f"{type(engine).__name__} does not implement alpa_job.engines.base.Engine: "
-                        f"no {', '.join(missing)}")
+    if not isinstance(engine, Engine):  # an Engine subclass that lacks a member cannot be made at all
+        raise TypeError(f"{type(engine).__name__} is not an alpa_job.engines.base.Engine: subclass it "
+                        "and implement its abstract members")
     check_supported(config, engine)
 
     checkpointer = None
