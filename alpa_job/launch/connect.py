@@ -1,4 +1,4 @@
-"""Where the job runs: join a Ray cluster, start a local one, or (bench/tests) no Ray at all.
+"""Where the job runs: join a Ray cluster, start a local one, or (benchmarks, tests) no Ray at all.
 
 The default follows where the job runs: under `ray job submit` RAY_ADDRESS is set and the job
 joins that cluster; elsewhere it starts an in-process local Ray (the embedded default).

@@ -4,8 +4,9 @@ cluster spec and the address once, place the training, write the report -- also 
 Every engine trains through the one loop, `train.train_process`; what differs is where it runs:
   alpa          on the driver, inside an Alpa session (alpa.parallelize drives every GPU node)
   jax, no Ray   in this process (benchmarks, tests, machines without Ray)
-  jax, Ray      one JAX process per node, each a Ray actor (cluster/processes.py); process 0's
-                progress reaches the driver's display through a small channel actor (progress.py)
+  jax, Ray      one JAX process per node, each a Ray actor of the worker group, driven by the job
+                controller (launch/controller.py); process 0's progress reaches the driver's display
+                through progress.ProgressChannel
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from alpa_job.record.run_record import ProcessResult
 from alpa_job.inspect.write import write_report
 from alpa_job.record.report_file import build_report, failed_report
 
-JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this (plus the TCP check's share): issue 13's 20 s
+JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this plus the TCP check's share (under 20 s in all)
 
 
 def run_in_process(config, return_state: bool = False) -> ProcessResult:
@@ -83,7 +84,7 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown) 
 
 
 def _collect_logs(out_dir: str, shown) -> None:
-    """A failed cluster run keeps every node's Ray logs beside its report (issue 14), while Ray still serves them."""
+    """A failed cluster run keeps every node's Ray logs beside its report, while Ray still serves them."""
     from alpa_job.cluster.control.logs import collect_job_logs  # never raises; bounded by its own deadline
 
     where = collect_job_logs(out_dir, deadline_s=30.0)
@@ -107,7 +108,7 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
 
             if not isinstance(err, ray.exceptions.RayActorError):
                 raise
-            from alpa_job.launch.failures import actor_error_message  # issue 12: name the lost node
+            from alpa_job.launch.failures import actor_error_message  # name the lost node, not just "actor died"
 
             raise LostProcessError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
                            "job once the node is back (or without it)") from None

@@ -233,7 +233,7 @@ class ProcessResult:
     losses: List[float] = dataclasses.field(default_factory=list)
     # Phases, steady-state step median/p10/p90, TFLOP/s, MFU, measured vs estimated peak memory (timing.py).
     timing: Optional[Dict[str, Any]] = None
-    # Restarts after a lost process/node (run-level; set on process 0's result by cluster/processes.py).
+    # Restarts after a lost process/node (run-level; set on process 0's result by the launch controller).
     # With restarts, steps/samples_seen count the final trajectory once (lost steps are not counted).
     restarts: List[RestartRecord] = dataclasses.field(default_factory=list)
     final_state: Any = dataclasses.field(default=None, repr=False, compare=False)

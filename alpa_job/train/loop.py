@@ -151,15 +151,8 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         from alpa_job.train.checkpoint import Checkpointer
 
         checkpointer = Checkpointer(checkpoint_dir(config.out), config.checkpoint_every)
-    start_step = 0
     built = time.perf_counter()
-    if config.resume:
-        state = checkpointer.restore(engine.abstract_state)
-        start_step = int(engine.to_floats([state.step])[0])
-        progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
-    else:
-        state = engine.init_state(config.seed)
-        engine.wait(state)
+    state, start_step = _first_state(config, engine, checkpointer)
     phases = {"startup": startup, **engine.stats.setup_phases,
               "setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
               "init_compile": getattr(engine.stats, "init_compile_seconds", None),
@@ -188,6 +181,18 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     if return_state:
         result.final_state = state
     return result
+
+
+def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int]:
+    """(state, its step): restored from the last complete checkpoint with --resume, else fresh."""
+    if config.resume:
+        state = checkpointer.restore(engine.abstract_state)
+        start_step = int(engine.to_floats([state.step])[0])
+        progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
+        return state, start_step
+    state = engine.init_state(config.seed)
+    engine.wait(state)
+    return state, 0
 
 
 def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total_steps: int,
