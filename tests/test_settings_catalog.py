@@ -157,3 +157,15 @@ def test_a_setting_is_checked_when_declared():
     with pytest.raises(ValueError, match="group"):
         Setting("n", int, 1, "n", group="misc")
     assert Setting("memory_gb", Optional[float], None, "x").flag == "--memory-gb"
+
+
+def test_the_step_stores_key_and_the_alpa_plan_key_read_the_catalogue():
+    # Where a run writes, when it stops and how it restarts never reach the compiled step; a model
+    # size always does: the step store and the Alpa plan cache take both facts from the catalogue.
+    from alpa_job.engines import executable_store, plan_cache
+
+    assert set(executable_store.NOT_IN_STEP) == {s.name for s in catalog.SETTINGS if not s.decides_step}
+    assert {"out", "resume", "max_restarts", "seed", "steps"} <= set(executable_store.NOT_IN_STEP)
+    assert not set(catalog.ALL_MODEL_SIZES) & set(executable_store.NOT_IN_STEP)
+    assert {"strategy", "dtype", "batch_size", "learning_rate"}.isdisjoint(executable_store.NOT_IN_STEP)
+    assert set(plan_cache.MODEL_FIELDS) == {"model", "dtype", *(f for fs in catalog.MODEL_FIELDS.values() for f in fs)}

@@ -28,14 +28,13 @@ import threading
 from typing import Any, Dict, Optional, Tuple
 
 from alpa_job import progress, versions
+from alpa_job.settings import catalog
 
 FOLDER = "alpa_job-steps"
-# JobConfig fields that never reach the compiled step: where and when a run writes, how it joins a
-# cluster, and what only the data's values or the initial state depend on. The schedule's horizon
-# (from epochs, steps and num_samples) is keyed on its own. Every other field is in the key.
-NOT_IN_STEP = ("out", "checkpoint_every", "resume", "max_restarts", "restart_wait", "overwrite", "address",
-               "compile_cache", "seed", "cluster_spec", "plan_cache", "data_dir", "processes", "devices",
-               "auto_trial_steps", "memory_limit_gb", "epochs", "steps", "num_samples")
+# The settings that never reach the compiled step are marked so in the catalogue (decides_step=False);
+# the schedule's horizon (from epochs, steps and num_samples) is keyed on its own. Every other setting,
+# a new one included, is in the key.
+NOT_IN_STEP = catalog.NOT_IN_STEP
 JAX_OPTIONS = ("jax_enable_x64", "jax_default_prng_impl", "jax_default_matmul_precision",
                "jax_threefry_partitionable", "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -33,13 +33,13 @@ import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from alpa_job.errors import KitError
+from alpa_job.settings import catalog
 
 PLAN_FILE = "plan.json"
 PROFILE_FILE = "profile.pkl"
 PROFILE_LINE = re.compile(r"Profile result saved to:\s*(\S+)")
 KEY_VERSIONS = ("alpa", "jax", "jaxlib", "flax", "optax", "ray", "cuda", "python")
-MODEL_FIELDS = ("model", "dtype", "hidden_dim", "depth", "width", "num_layers", "d_model", "num_heads",
-                "seq_len", "vocab_size")
+MODEL_FIELDS = ("model", "dtype") + catalog.ALL_MODEL_SIZES
 
 
 def plan_key_inputs(config: Mapping[str, Any], batch_signature: Sequence, num_nodes: int,

@@ -25,19 +25,21 @@ WHAT_TO_TRAIN = (
     Setting("model", str, "mlp", "what to train", choices=MODEL_MODULES),
     Setting("dataset", str, "synthetic", "synthetic (learnable, generated) or local CIFAR-10", choices=DATASETS),
     # cifar10 reads data_batch_1..5 (python format) from it; the kit never downloads at run time.
-    Setting("data_dir", Optional[str], None, "cifar10: the extracted cifar-10-batches-py folder", metavar="DIR"),
+    Setting("data_dir", Optional[str], None, "cifar10: the extracted cifar-10-batches-py folder", metavar="DIR",
+            decides_step=False),
     # The default over the default batch leaves a ragged last batch on purpose.
-    Setting("num_samples", int, 2000, "synthetic dataset size", check=POSITIVE),
+    Setting("num_samples", int, 2000, "synthetic dataset size", check=POSITIVE, decides_step=False),
     Setting("batch_size", int, 256, "global batch, split over the data-parallel axis", check=POSITIVE),
-    Setting("epochs", int, 3, "passes over the dataset", check=POSITIVE),
-    Setting("steps", Optional[int], None, "stop after N steps", check=POSITIVE, default_help="all epochs"),
+    Setting("epochs", int, 3, "passes over the dataset", check=POSITIVE, decides_step=False),
+    Setting("steps", Optional[int], None, "stop after N steps", check=POSITIVE, default_help="all epochs",
+            decides_step=False),
     Setting("remainder", str, "drop", "a ragged last batch: drop it, or pad it and mask the loss",
             choices=REMAINDER_POLICIES,
             switches=(Switch("--drop-remainder", "drop", "drop a ragged last batch (default)"),
                       Switch("--pad-remainder", "pad", "pad a ragged last batch and mask it out of the loss"))),
     Setting("learning_rate", float, 1e-3, "Adam learning rate", check=ABOVE_ZERO, metavar="LR"),
     Setting("dtype", str, "float32", "compute dtype", choices=DTYPES),
-    Setting("seed", int, 0, "parameters and data order", metavar="SEED"),
+    Setting("seed", int, 0, "parameters and data order", metavar="SEED", decides_step=False),
 )
 
 HOW_TO_RUN = (
@@ -47,20 +49,21 @@ HOW_TO_RUN = (
     Setting("model_parallel", int, 0, "tensor: size of the model mesh axis", PARALLELISM, check=NON_NEGATIVE,
             default_help="the largest of 1-4 that divides"),
     Setting("devices", int, 8, "CPU devices to emulate per process without an accelerator", PARALLELISM,
-            check=POSITIVE),
+            check=POSITIVE, decides_step=False),
     # None: RAY_ADDRESS when set (as under `ray job submit`), else a local Ray.
     Setting("address", Optional[str], None, "local | auto | HOST:PORT (the head's GCS) | none (no Ray)", CLUSTER,
-            metavar="ADDR", default_help="RAY_ADDRESS, else local"),
+            metavar="ADDR", default_help="RAY_ADDRESS, else local", decides_step=False),
     Setting("processes", int, 0, "JAX processes, one per node", CLUSTER, check=NON_NEGATIVE,
-            default_help="every alive node"),
-    Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE),
+            default_help="every alive node", decides_step=False),
+    Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE,
+            decides_step=False),
     Setting("memory_limit_gb", Optional[float], None, "auto: per-device memory budget", PARALLELISM, metavar="GB",
-            default_help="the device's own"),
+            default_help="the device's own", decides_step=False),
     Setting("cluster_spec", Optional[str], None, "cluster spec YAML (ports, CIDR)", CLUSTER, metavar="FILE",
-            default_help="the package's, or ALPA_KIT_CLUSTER_SPEC"),
+            default_help="the package's, or ALPA_KIT_CLUSTER_SPEC", decides_step=False),
     Setting("compile_cache", Optional[str], None, "jax: persistent compile cache, so a second identical run skips "
             "compiling; on a cluster a folder every node sees", PARALLELISM, metavar="DIR",
-            default_help="~/.cache/alpa_job/jax; 'none' turns it off"),
+            default_help="~/.cache/alpa_job/jax; 'none' turns it off", decides_step=False),
     # Alpa engine only.
     Setting("micro_batches", int, 1, "alpa: num_micro_batches", PARALLELISM, check=POSITIVE),
     Setting("pipeline_stages", int, 0, "alpa pipeshard-manual: stages", PARALLELISM, check=NON_NEGATIVE,
@@ -68,21 +71,25 @@ HOW_TO_RUN = (
     Setting("pipeline_layers", int, 0, "alpa pipeshard-auto: AutoLayerOption layer_num", PARALLELISM,
             check=NON_NEGATIVE, default_help="the model's layers"),
     Setting("plan_cache", Optional[str], None, "alpa pipeshard-auto: folder to save/reuse the auto search result",
-            PARALLELISM, metavar="DIR"),
+            PARALLELISM, metavar="DIR", decides_step=False),
 )
 
 OUTPUT_AND_RESTARTS = (
     Setting("out", Optional[str], None, "run directory for report, train.log and checkpoints", OUTPUT,
-            metavar="DIR", default_help="runs/<time>-<model>-<strategy>, runs/latest -> the newest"),
+            metavar="DIR", default_help="runs/<time>-<model>-<strategy>, runs/latest -> the newest",
+            decides_step=False),
     Setting("checkpoint_every", int, 0, "save an orbax checkpoint every N steps", OUTPUT, check=NON_NEGATIVE,
-            default_help="none"),
-    Setting("resume", bool, False, "continue from the latest checkpoint in --out (same model settings)", OUTPUT),
+            default_help="none", decides_step=False),
+    Setting("resume", bool, False, "continue from the latest checkpoint in --out (same model settings)", OUTPUT,
+            decides_step=False),
     Setting("max_restarts", int, 0, "jax engine on Ray: after a lost process or node, restart up to N times on the "
-            "nodes alive then, from the last checkpoint", OUTPUT, check=NON_NEGATIVE, default_help="0, fail fast"),
+            "nodes alive then, from the last checkpoint", OUTPUT, check=NON_NEGATIVE, default_help="0, fail fast",
+            decides_step=False),
     Setting("restart_wait", float, 0.0, "seconds a restart waits for a replacement node to join", OUTPUT,
-            check=NON_NEGATIVE, metavar="S", default_help="0, go on with the survivors"),
+            check=NON_NEGATIVE, metavar="S", default_help="0, go on with the survivors", decides_step=False),
     # Without it an --out holding another run's checkpoints is refused rather than mixed.
-    Setting("overwrite", bool, False, "replace the checkpoints and reports of an earlier run in --out", OUTPUT),
+    Setting("overwrite", bool, False, "replace the checkpoints and reports of an earlier run in --out", OUTPUT,
+            decides_step=False),
 )
 
 
@@ -101,6 +108,12 @@ FIELD_NAMES: Tuple[str, ...] = tuple(BY_NAME)
 # The size settings each model reads, by model.
 MODEL_FIELDS: Dict[str, Tuple[str, ...]] = {
     name: tuple(s.name for s in SETTINGS if s.model == name) for name in MODEL_MODULES}
+
+
+# The settings that cannot change the compiled train step (the step store leaves them out of its key).
+NOT_IN_STEP: Tuple[str, ...] = tuple(s.name for s in SETTINGS if not s.decides_step)
+# Every model size setting, for keys that must change when any model's size does.
+ALL_MODEL_SIZES: Tuple[str, ...] = tuple(s.name for s in SETTINGS if s.model)
 
 
 def setting(name: str) -> Setting:

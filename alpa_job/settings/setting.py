@@ -53,6 +53,10 @@ class Setting:
     default_help: Optional[str] = None  # --help's words for the default, where its value says little
     switches: Tuple[Switch, ...] = ()  # flags setting one value each, instead of --name VALUE
     model: Optional[str] = None  # the model that declared it (set by the catalogue)
+    # False for what cannot change the compiled train step (where the run writes, when it stops, how
+    # it restarts, what the data's values are): such a setting stays out of the stored step's key, so
+    # changing it reuses the step instead of compiling again. True is the safe side for a new setting.
+    decides_step: bool = True
 
     def __post_init__(self) -> None:  # the errors here are programming errors, not a user's
         if plain_type(self.type) not in TYPES:
