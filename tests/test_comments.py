@@ -29,12 +29,6 @@ FORBIDDEN: List[Tuple[re.Pattern, str]] = [
     (re.compile(r"(?i)\bseeds?/|\bseed failures?\b"), "the development seeds, which the package's user never sees"),
 ]
 
-# Files other helpers of the "House" refactor are still rewriting: their comments are cleaned when
-# they land. The lead empties this list at the end; an entry whose file is already clean fails below.
-STILL_TO_CLEAN = {
-    "alpa_job/models/gpt.py",
-    "alpa_job/models/losses.py",
-}
 
 
 def python_comments(source: str) -> Iterator[Tuple[int, str]]:
@@ -86,15 +80,9 @@ def package_problems() -> Dict[str, List[Tuple[int, str, str]]]:
 
 def test_the_package_comments_cite_nothing_a_user_cannot_open():
     report = [f"{path}:{line}: {text!r} is {why}"
-              for path, found in sorted(package_problems().items()) if path not in STILL_TO_CLEAN
+              for path, found in sorted(package_problems().items())
               for line, text, why in found]
     assert not report, "\n".join(report)
-
-
-def test_still_to_clean_lists_only_files_that_still_need_it():
-    dirty = package_problems()
-    clean = sorted(path for path in STILL_TO_CLEAN if path not in dirty)
-    assert not clean, f"already clean, remove from STILL_TO_CLEAN: {clean}"
 
 
 BAD_SAMPLE = '''"""Module doc (issue 13: fail fast).
