@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, KitError
-from alpa_job.settings.setting import GROUPS, OUTPUT, Setting, plain_type
+from alpa_job.settings.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
 
 SUBCOMMANDS = ("train", "inspect", "doctor", "cluster")
 
@@ -28,6 +28,7 @@ TRAIN_EPILOG = """examples:
   python -m alpa_job train --preset gpt-small --strategy auto # try data/fsdp/tensor, keep the fastest
   python -m alpa_job train --model gpt --strategy tensor --model-parallel 2 --steps 50 --out runs/gpt-tp2
   python -m alpa_job train --address 10.0.0.1:6379 --checkpoint-every 100 --out runs/long --resume
+  python -m alpa_job train --model my_models.llama:build --model-arg num_layers=4 --strategy fsdp  # your model
 
 runs go to runs/<time>-<model>-<strategy>/ (runs/latest points at the newest): report.html/.md/.json,
 train.log, checkpoints/. Compare runs: python -m alpa_job inspect --compare runs/A runs/B
@@ -68,11 +69,25 @@ def _add_setting(group, setting: Setting) -> None:
         return
     kind = plain_type(setting.type)
     text = (f"{setting.model}: " if setting.model else "") + setting.help
+    if setting.name == "model":
+        text += _installed_models_text()
+    if kind is ModelArgs:  # repeatable KEY=VALUE; the model's declaration types the values
+        group.add_argument(setting.flag, dest=setting.name, action="append", metavar=setting.metavar,
+                           help=text + _default_text(setting))
+        return
     if kind is bool:
         group.add_argument(setting.flag, dest=setting.name, action="store_const", const=True, help=text)
         return
     group.add_argument(setting.flag, dest=setting.name, type=None if kind is str else kind,
                        metavar=_metavar(setting, kind), help=text + _default_text(setting))
+
+
+def _installed_models_text() -> str:
+    """The models installed packages expose (entry points: metadata only, nothing imported)."""
+    from alpa_job.models.installed import installed_models
+
+    names = list(installed_models())
+    return f"; installed: {', '.join(names)}" if names else ""
 
 
 def _metavar(setting: Setting, kind: type) -> Optional[str]:

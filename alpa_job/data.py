@@ -74,19 +74,25 @@ def epoch_batches(dataset: Dataset, batch_size: int, policy: str, seed: int, epo
         yield batch, real
 
 
-def load_dataset(config) -> Dataset:
+def load_dataset(config, model=None) -> Dataset:
+    """The job's dataset; `model` (a models.ModelSpec, built when not given) makes the synthetic one."""
     if config.dataset == "cifar10":
         return load_cifar10(config.data_dir)
-    return synthetic(config)
+    return synthetic(config, model)
 
 
-def synthetic(config) -> Dataset:
+def synthetic(config, model=None) -> Dataset:
     """Deterministic from `seed`, and learnable, so a falling loss means the step works; each model
-    registers what its data looks like (models/<name>.py `synthetic`)."""
-    from alpa_job.models import get_entry
+    says what its data looks like (its api.Model's `synthetic`)."""
+    if model is None:
+        from alpa_job.models import get_model
 
-    make = get_entry(config.model).synthetic
-    return Dataset(make(config, np.random.default_rng(config.seed), config.num_samples))
+        model = get_model(config)
+    if model.synthetic is None:
+        raise KitError(f"--model {config.model} gives no synthetic data (its api.Model has synthetic=None); add a "
+                       "synthetic(args, rng, n) function to it or train on --dataset cifar10")
+    arrays = model.synthetic(np.random.default_rng(config.seed), config.num_samples)
+    return Dataset({k: np.asarray(v) for k, v in arrays.items()})
 
 
 def cifar10_batch_files(data_dir: str) -> List[str]:

@@ -169,7 +169,10 @@ def test_help_teaches_groups_defaults_examples_and_exit_codes():
     text = proc.stdout
     for group in ("model and data:", "parallelism:", "cluster:", "output:"):
         assert group in text
-    assert "(default: 256)" in text and "{mlp,wide_resnet,gpt}" in text and "exit codes:" in text
+    assert "(default: 256)" in text and "exit codes:" in text
+    flat = " ".join(text.split())
+    assert "mlp, wide_resnet, gpt, an installed model, or your own builder as PACKAGE.MODULE:FUNCTION" in flat
+    assert "--model-arg KEY=VALUE" in flat
     assert text.count("python -m alpa_job train") >= 4  # the epilog's example commands
     from alpa_job.cli import build_parser
 

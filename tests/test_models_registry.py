@@ -14,46 +14,49 @@ import pytest
 from alpa_job.settings import config as config_lib
 from alpa_job.settings.config import JobConfig, build_config, load_preset, load_settings, preset_names
 from alpa_job.errors import KitError
-from alpa_job.models import MODEL_MODULES, get_entry, get_model, model_names, registered
+from alpa_job.models import MODEL_MODULES, builder_of, get_model, model_names, model_settings
 from helpers_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ----------------------------------------------------------------------------- the registry
-def test_every_model_module_registers_the_model_named_like_it():
-    entries = registered()
-    assert list(entries) == list(MODEL_MODULES) == list(model_names()) == ["mlp", "wide_resnet", "gpt"]
-    for name, entry in entries.items():
-        assert entry.name == name
-        assert entry.build.__module__ == f"alpa_job.models.{name}"  # registered by its own module
-        assert set(entry.hyperparameters) <= set(config_lib.FIELD_NAMES)
+# ----------------------------------------------------------------------------- the built-ins
+def test_each_built_in_is_a_builder_of_the_public_api():
+    """Built-ins are examples of alpa_job.api: `build(config, dtype)` in the module named like the model
+    returns an api.Model; its sizes are the catalogue's fields."""
+    import jax.numpy as jnp
+
+    from alpa_job import api
+
+    assert list(MODEL_MODULES) == list(model_names()) == ["mlp", "wide_resnet", "gpt"]
+    for name in MODEL_MODULES:
+        builder = builder_of(name)
+        assert builder.function.__module__ == f"alpa_job.models.{name}" and builder.target.endswith(":build")
+        assert set(builder.declaration.names) <= set(config_lib.FIELD_NAMES)
+        assert isinstance(builder.function(tiny_config(name), jnp.float32), api.Model)
 
 
-def test_default_hyperparameters_are_the_configs_defaults():
+def test_default_sizes_are_the_configs_defaults():
     defaults = JobConfig()
-    assert get_entry("mlp").defaults() == {"hidden_dim": 256}
-    assert get_entry("wide_resnet").defaults() == {"depth": 10, "width": 2}
-    assert get_entry("gpt").defaults() == {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64,
-                                          "vocab_size": 256}
-    for entry in registered().values():
-        assert all(getattr(defaults, k) == v for k, v in entry.defaults().items())
+    declared = {name: {s.name: s.default for s in model_settings(name)} for name in MODEL_MODULES}
+    assert declared == {"mlp": {"hidden_dim": 256}, "wide_resnet": {"depth": 10, "width": 2},
+                        "gpt": {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256}}
+    for sizes in declared.values():
+        assert all(getattr(defaults, k) == v for k, v in sizes.items())
 
 
-@pytest.mark.parametrize("model, out_shape", [
-    ("mlp", (2, 32)),  # hidden_dim 32
-    ("wide_resnet", (2, 10)),  # 10 classes
-    ("gpt", (2, 16, 64)),  # seq_len 16 positions x vocab 64
+@pytest.mark.parametrize("model, out_shape, input_key, batch_stats", [
+    ("mlp", (2, 32), "x", False),  # hidden_dim 32
+    ("wide_resnet", (2, 10), "image", True),  # 10 classes
+    ("gpt", (2, 16, 64), "tokens", False),  # seq_len 16 positions x vocab 64
 ])
-def test_get_model_builds_from_the_registry(model, out_shape):
+def test_get_model_builds_the_spec(model, out_shape, input_key, batch_stats):
     import jax
     import jax.numpy as jnp
 
     config = tiny_config(model)
     spec = get_model(config)
-    entry = get_entry(model)
-    assert (spec.name, spec.input_key, spec.has_batch_stats, spec.loss) == (
-        model, entry.input_key, entry.has_batch_stats, entry.loss)
+    assert (spec.name, spec.input_key, spec.has_batch_stats) == (model, input_key, batch_stats)
     inputs = {"mlp": jnp.zeros((2, 32)), "wide_resnet": jnp.zeros((2, 32, 32, 3)),
               "gpt": jnp.zeros((2, 17), jnp.int32)}[model]  # gpt's batch holds seq_len + 1 tokens
     kwargs = {"train": False} if spec.has_batch_stats else {}
@@ -63,8 +66,8 @@ def test_get_model_builds_from_the_registry(model, out_shape):
 
 
 @pytest.mark.parametrize("model", MODEL_MODULES)
-def test_synthetic_data_comes_from_the_registry_and_feeds_the_model(model):
-    """data.synthetic asks the model's entry: rows = --num-samples, the model's input field present,
+def test_synthetic_data_comes_from_the_model_and_feeds_it(model):
+    """data.synthetic asks the built model: rows = --num-samples, the model's input field present,
     the same arrays for the same seed, other arrays for another seed; the module runs on a slice."""
     import jax
     import numpy as np
@@ -73,15 +76,14 @@ def test_synthetic_data_comes_from_the_registry_and_feeds_the_model(model):
 
     config = tiny_config(model, num_samples=6)
     arrays = synthetic(config).arrays
-    entry = get_entry(model)
-    assert entry.input_key in arrays and {len(a) for a in arrays.values()} == {6}
+    spec = get_model(config)
+    assert spec.input_key in arrays and {len(a) for a in arrays.values()} == {6}
     again = synthetic(config).arrays
     assert all(np.array_equal(arrays[k], again[k]) for k in arrays)
     other = synthetic(tiny_config(model, num_samples=6, seed=1)).arrays
-    assert not np.array_equal(arrays[entry.input_key], other[entry.input_key])
-    spec = get_model(config)
+    assert not np.array_equal(arrays[spec.input_key], other[spec.input_key])
     kwargs = {"train": False} if spec.has_batch_stats else {}
-    inputs = arrays[entry.input_key][:2]
+    inputs = arrays[spec.input_key][:2]
     variables = spec.module.init(jax.random.PRNGKey(0), inputs, **kwargs)
     assert spec.loss(spec.module.apply(variables, inputs, **kwargs), {k: v[:2] for k, v in arrays.items()}).shape == (2,)
 
@@ -95,32 +97,31 @@ def test_layer_facts_for_the_alpa_engine():
     cases = [("mlp", {}, 4, nn.Dense), ("gpt", {"num_layers": 3}, 3, DecoderBlock),
              ("wide_resnet", {"depth": 16}, 6, WideBlock)]  # 3 stages x 2 blocks
     for model, sizes, layers, cls in cases:
-        config = tiny_config(model, **sizes)
-        entry = get_entry(model)
-        assert entry.layer_count(config) == layers
-        assert entry.layer_class() is cls
+        spec = get_model(tiny_config(model, **sizes))
+        assert (spec.layer_count, spec.layer_class) == (layers, cls)
 
 
-def test_the_alpa_engine_counts_pipeline_layers_from_the_registry():
+def test_the_alpa_engine_counts_pipeline_layers_from_the_model():
     from alpa_job.engines import alpa_engine
 
     gpt = tiny_config("gpt", num_layers=6, engine="alpa", strategy="pipeshard-manual", pipeline_stages=3)
     assert alpa_engine.method_settings(gpt, 3, 1)["boundaries"] == [1, 3]  # 6 DecoderBlocks in 3 stages
     wrn = tiny_config("wide_resnet", depth=22, engine="alpa", strategy="pipeshard-auto")
-    assert alpa_engine.method_settings(wrn, 2, 1)["layer_num"] == get_entry("wide_resnet").layer_count(wrn) == 9
+    assert alpa_engine.method_settings(wrn, 2, 1)["layer_num"] == get_model(wrn).layer_count == 9
     for model in MODEL_MODULES:
         config = tiny_config(model)
-        assert alpa_engine._layer_class(config) is get_entry(model).layer_class()
+        assert alpa_engine._layer_class(config) is get_model(config).layer_class
 
 
-def test_unknown_model_is_one_line_listing_the_registered_names():
+def test_unknown_model_is_one_line_listing_the_names():
     with pytest.raises(KitError) as err:
         build_config({}, {"model": "resnet"})
-    assert str(err.value) == ("--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt "
-                              "(did you mean wide_resnet?)")
+    assert str(err.value) == ("--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt, or your own builder "
+                              "as PACKAGE.MODULE:FUNCTION (did you mean wide_resnet?)")
     with pytest.raises(KitError) as err:
-        get_entry("transformer")
-    assert str(err.value) == "--model 'transformer' is not known; use one of: mlp, wide_resnet, gpt"
+        builder_of("transformer")
+    assert str(err.value) == ("--model 'transformer' is not known; use one of: mlp, wide_resnet, gpt, or your own "
+                              "builder as PACKAGE.MODULE:FUNCTION")
 
 
 def test_checking_a_model_name_does_not_import_jax():
@@ -146,7 +147,7 @@ def test_each_preset_loads_into_a_valid_config(name):
     assert values and all(getattr(config, k) == v for k, v in values.items())  # every setting landed
     assert config.model in MODEL_MODULES
     # A preset sets only its own model's hyperparameters (others would be silently unused).
-    others = {h for e in registered().values() if e.name != config.model for h in e.hyperparameters}
+    others = {s.name for m in MODEL_MODULES if m != config.model for s in model_settings(m)}
     assert not others & set(values), (name, others & set(values))
 
 

@@ -17,7 +17,7 @@ import pytest
 from alpa_job.errors import KitError
 from alpa_job.settings import catalog
 from alpa_job.settings.config import JobConfig, build_config, coerce, load_yaml_overrides
-from alpa_job.settings.setting import GROUPS, Setting, plain_type
+from alpa_job.settings.setting import GROUPS, ModelArgs, Setting, plain_type
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def test_coercion_of_each_type(hint, value, expected):
 def test_coercion_reads_jobconfigs_real_type_hints():
     hints = typing.get_type_hints(JobConfig)
     assert hints["steps"] == Optional[int] and hints["learning_rate"] is float and hints["resume"] is bool
-    assert {plain_type(h) for h in hints.values()} <= {int, float, str, bool}
+    assert {plain_type(h) for h in hints.values()} <= {int, float, str, bool, ModelArgs}
     config = build_config({"batch_size": "32", "learning_rate": 1, "resume": "false", "steps": 4.0,
                            "restart_wait": "0"}, {})
     assert (config.batch_size, config.learning_rate, config.resume, config.steps) == (32, 1.0, False, 4)
@@ -72,7 +72,8 @@ CLI_ONLY = {"help", "preset", "config", "progress_every", "verbose", "quiet"}  #
 def test_every_jobconfig_field_is_one_catalogue_entry_and_one_flag():
     fields = [f.name for f in dataclasses.fields(JobConfig)]
     assert fields == [s.name for s in catalog.SETTINGS] == list(catalog.FIELD_NAMES)
-    assert all(f.default == catalog.setting(f.name).default for f in dataclasses.fields(JobConfig))
+    defaults = JobConfig()  # a mapping's default is made per instance (default_factory)
+    assert all(getattr(defaults, f.name) == catalog.setting(f.name).default for f in dataclasses.fields(JobConfig))
     actions = [a for a in _train_parser()._actions if a.option_strings]
     by_dest = {}
     for action in actions:
@@ -95,7 +96,7 @@ def test_jobconfig_is_a_frozen_picklable_dataclass():
 
 
 def test_each_model_declares_its_own_settings():
-    from alpa_job.models import MODEL_MODULES, model_settings, registered
+    from alpa_job.models import MODEL_MODULES, builder_of, model_settings
 
     assert catalog.MODEL_FIELDS == {"mlp": ("hidden_dim",), "wide_resnet": ("depth", "width"),
                                     "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")}
@@ -103,9 +104,10 @@ def test_each_model_declares_its_own_settings():
         declared = model_settings(name)
         assert all(catalog.setting(s.name).model == name for s in declared)
         assert all(s.__module__ == "alpa_job.settings.setting" for s in map(type, declared))
-    for name, entry in registered().items():
-        assert entry.hyperparameters == catalog.MODEL_FIELDS[name]
-        assert entry.defaults() == {n: getattr(JobConfig(), n) for n in entry.hyperparameters}
+    for name in MODEL_MODULES:  # the builder reads the same declaration
+        declared = builder_of(name).declaration
+        assert declared.names == catalog.MODEL_FIELDS[name]
+        assert all(s.default == getattr(JobConfig(), s.name) for s in declared.settings)
 
 
 def _help_groups() -> dict:
@@ -168,4 +170,5 @@ def test_the_step_stores_key_and_the_alpa_plan_key_read_the_catalogue():
     assert {"out", "resume", "max_restarts", "seed", "steps"} <= set(executable_store.NOT_IN_STEP)
     assert not set(catalog.ALL_MODEL_SIZES) & set(executable_store.NOT_IN_STEP)
     assert {"strategy", "dtype", "batch_size", "learning_rate"}.isdisjoint(executable_store.NOT_IN_STEP)
-    assert set(plan_cache.MODEL_FIELDS) == {"model", "dtype", *(f for fs in catalog.MODEL_FIELDS.values() for f in fs)}
+    assert set(plan_cache.MODEL_FIELDS) == {"model", "model_args", "dtype",
+                                            *(f for fs in catalog.MODEL_FIELDS.values() for f in fs)}

@@ -38,10 +38,15 @@ ALPA_METHODS = ("data", "shard", "pipeshard-manual", "pipeshard-auto")
 
 # ----------------------------------------------------------------------------- pure helpers
 def model_layer_count(config) -> int:
-    """The model's repeated layers (what pipeline boundaries are counted in), as its module registered."""
-    from alpa_job.models import get_entry
+    """The model's repeated layers (what pipeline boundaries are counted in), as its builder declared."""
+    from alpa_job.models import build_model
 
-    return get_entry(config.model).layer_count(config)
+    count = build_model(config)[0].layer_count
+    if not count:
+        raise KitError(f"--model {config.model} declares no layer_count; Alpa's pipelines split a model at its "
+                       "repeated layers: set layer_count and layer_class in its api.Model, or use --strategy data "
+                       "or shard")
+    return count
 
 
 def boundary_after(num_layers: int, num_stages: int) -> List[int]:
@@ -138,10 +143,14 @@ def make_eval_step(model):
 
 
 def _layer_class(config):
-    """The flax class whose calls are the model's layers (boundaries go after them), as registered."""
-    from alpa_job.models import get_entry
+    """The flax class whose calls are the model's layers (boundaries go after them), as its builder declared."""
+    from alpa_job.models import build_model
 
-    return get_entry(config.model).layer_class()
+    layer_class = build_model(config)[0].layer_class
+    if layer_class is None:
+        raise KitError(f"--model {config.model} declares no layer_class; Alpa's pipelines mark a boundary after "
+                       "its layers' calls: set layer_class (the repeated flax class) in its api.Model")
+    return layer_class
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 JAX's persistent cache (compile_cache.py) must trace and lower the step before it can look the
 executable up, because its key is the lowered program; a serialised executable loads with no
 tracing or lowering at all, in less than half the time of a warm hit in JAX's cache. This store keys the serialised step by everything that decides the
-program instead: the kit's own source, the job's settings that reach the step, the schedule's
+program instead: the kit's own source (and the source of a model the user brings), the job's settings that reach the step, the schedule's
 horizon, the batch's shapes, the strategy and mesh, the devices, the versions of Python, jax, jaxlib,
 flax, optax and numpy, XLA's and JAX's environment and the jax options that change lowering. Any
 change is a different key, so a stale executable is never loaded; an entry that fails to load is
@@ -28,6 +28,7 @@ import threading
 from typing import Any, Dict, Optional, Tuple
 
 from alpa_job import progress, versions
+from alpa_job.models import source_digest
 from alpa_job.settings import catalog
 
 FOLDER = "alpa_job-steps"
@@ -63,6 +64,7 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
     settings = {k: v for k, v in config.as_dict().items() if k not in NOT_IN_STEP}
     return {
         "kit_source": _source_digest(),
+        "model_source": source_digest(config),  # a model the user brings: its package's source
         "settings": settings,
         "schedule_steps": horizon,
         "strategy": strategy,

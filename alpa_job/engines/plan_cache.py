@@ -39,7 +39,7 @@ PLAN_FILE = "plan.json"
 PROFILE_FILE = "profile.pkl"
 PROFILE_LINE = re.compile(r"Profile result saved to:\s*(\S+)")
 KEY_VERSIONS = ("alpa", "jax", "jaxlib", "flax", "optax", "ray", "cuda", "python")
-MODEL_FIELDS = ("model", "dtype") + catalog.ALL_MODEL_SIZES
+MODEL_FIELDS = ("model", "model_args", "dtype") + catalog.ALL_MODEL_SIZES
 
 
 def plan_key_inputs(config: Mapping[str, Any], batch_signature: Sequence, num_nodes: int,

@@ -51,7 +51,7 @@ class StateInitializer:
         self.model, self.make_state = model, make_state
         self._example = example  # batch field -> ShapeDtypeStruct
         blocks = model.repeated_blocks and not model.has_batch_stats
-        self.parts = model.repeated_blocks(model.module, example[model.input_key]) if blocks else None
+        self.parts = model.repeated_blocks(example[model.input_key]) if blocks else None
         self._lowered: Dict[str, Any] = {}
         self._compiled: Dict[str, Any] = {}
 

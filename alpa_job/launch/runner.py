@@ -48,6 +48,7 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     check_engine_strategy(engine, config.strategy)
     spec = load_spec(config.cluster_spec)  # resolved once; everything below gets it passed down
     address = resolve_address(config.address)
+    config = _resolve_model(config, engine, address)
     validate.preflight(config, engine, address, explicit)
     config = rundir.prepare(config, explicit_out=bool(config.out))
     shown = progress.display()
@@ -64,6 +65,21 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     paths = write_report(report, config.out)
     shown.close_log()
     return report, paths
+
+
+def _resolve_model(config, engine: str, address: str):
+    """A model the user brings is imported and built here, before Ray, so a wrong one is a one-line error.
+    Its module may import jax: a run in this process gets its CPU devices set first (they can be set only
+    before jax starts)."""
+    from alpa_job.models import is_built_in, resolve
+
+    if is_built_in(config.model):
+        return config
+    if address == NO_RAY and engine == "jax" and "jax" not in sys.modules:
+        from alpa_job.train.loop import ensure_cpu_devices
+
+        ensure_cpu_devices(config.devices)
+    return resolve(config)
 
 
 def _write_failed(config, engine: str, address: str, err: BaseException, shown) -> None:

@@ -1,59 +1,58 @@
-"""Models by name: each model registers itself; `get_model(config)` -> `ModelSpec`.
+"""Models by name: `--model` is a built-in, an installed model, or your own builder; `get_model(config)`
+builds it as the engines' `ModelSpec`.
 
-A model is two modules named after it:
-- `<name>_settings.py` declares the settings its builder reads (`SETTINGS`, a tuple of
-  `alpa_job.settings.setting.Setting`) and, where sizes must agree, `check(config)`. It imports no
-  flax, so the settings catalogue, `--help` and every check before Ray read it without jax.
-- `<name>.py` (flax) decorates its builder with `@register_model(...)`, naming the model, the batch
-  field it reads, its loss, and its layer structure (what the Alpa engine counts pipeline stages in).
-  It is imported when its entry is first asked for: the runner emulates CPU devices only while jax
-  is not yet imported.
-Adding a model = those two modules + its name in MODEL_MODULES.
+Every model is a builder returning `alpa_job.api.Model` (the public API, api.py), found by:
+- a built-in name (BUILT_IN): `<name>.py` defines `build(config, dtype)`, and `<name>_settings.py`
+  declares the sizes it reads (`SETTINGS`, `Setting`s, and where sizes must agree `check(config)`)
+  without flax, so the settings catalogue, `--help` and every check before Ray read them without jax;
+  they are the kit's flags (`--num-layers`), also accepted as `--model-arg num_layers=...`;
+- an entry point of an installed package (group `alpa_job.models`, models/installed.py);
+- `PACKAGE.MODULE:FUNCTION`: the user's builder, whose settings come from its own declaration
+  (models/builders.py) and reach it from `--model-arg KEY=VALUE` / YAML `model_args:`.
+A built-in's module is imported when it is first built: the runner emulates CPU devices only while
+jax is not yet imported. A user's builder is imported and called once in the driver before Ray starts
+(`resolve`), so a wrong one is a one-line error there.
 
-A model module only names logical axes (models/axes.py); which mesh axis splits them is the
-engine's business.
+A model only names logical axes (api.py); which mesh axis splits them is the engine's business.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from alpa_job.choices import not_known
+from alpa_job import api
+from alpa_job.choices import did_you_mean
 from alpa_job.errors import KitError
-from alpa_job.settings.setting import Setting
+from alpa_job.models import builders
+from alpa_job.models.installed import installed_models
+from alpa_job.settings.setting import ModelArgs, Setting, coerce
 
-# The modules that register a model, in the order `--model` lists them; each registers the model
-# named like the module.
-MODEL_MODULES = ("mlp", "wide_resnet", "gpt")
+# The kit's own models, in the order `--model` lists them; each is the module named like it.
+BUILT_IN = ("mlp", "wide_resnet", "gpt")
+MODEL_MODULES = BUILT_IN
 
-
-@dataclasses.dataclass(frozen=True)
-class RepeatedBlocks:
-    """A model's parameters as a shell plus identically shaped blocks, so the state's initialiser
-    compiles one block once instead of every layer (engines/state_init.py says why).
-
-    `shell.init(rng, <the batch field>)["params"]` gives every parameter outside the blocks, named
-    as in the whole model; `block.init(rng, <block_input>)["params"]` gives one block's; the whole
-    model's parameters are the shell's plus one block under each of `names`.
-    """
-
-    shell: Any  # a flax module (or wrapper with .init) over the model's batch field
-    block: Any  # the repeated flax module
-    block_input: Any  # jax.ShapeDtypeStruct: what one block is called on
-    names: Tuple[str, ...]  # the blocks' names in the whole model's params, in order
+# The public API's pieces under their old names here, for the kit's own modules.
+RepeatedBlocks = api.RepeatedBlocks
+mse = api.mse
+cross_entropy = api.cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
+    """A built model as the engines use it (made from the builder's `api.Model`)."""
+
     name: str
     module: Any  # a flax.linen.Module
     input_key: str  # the batch field the module reads
     has_batch_stats: bool  # BatchNorm running statistics live beside params
     loss: Callable  # loss(outputs, batch) -> per-example loss, shape [batch]
-    # repeated_blocks(module, batch_field: ShapeDtypeStruct) -> RepeatedBlocks, for models made of
-    # identical layers; None: the state is initialised whole.
+    # repeated_blocks(batch_field: ShapeDtypeStruct) -> RepeatedBlocks, for models made of identical
+    # layers; None: the state is initialised whole.
     repeated_blocks: Optional[Callable] = None
+    synthetic: Optional[Callable] = None  # synthetic(rng, n) -> {field: n rows}, the builder's args bound
+    layer_count: Optional[int] = None  # the repeated layers (Alpa's pipeline boundaries count them)
+    layer_class: Optional[type] = None  # the flax class whose calls are those layers
 
     def apply_train(self, variables: Dict[str, Any], batch: Dict[str, Any]):
         """Forward pass in training mode; returns (outputs, new batch_stats or None)."""
@@ -80,111 +79,134 @@ class ModelSpec:
         return (per_example * mask).sum() / jnp.maximum(mask.sum(), 1.0), new_stats
 
 
-def mse(outputs, batch):
-    """Per-example mean squared error against batch["y"]."""
-    return ((outputs - batch["y"]) ** 2).mean(axis=-1)
-
-
-def cross_entropy(logits, labels):
-    """Per-position cross entropy, computed in float32 whatever the logits' dtype.
-
-    The fused form in models/losses.py: fp32 log-sum-exp over bf16 logits, gradient written in
-    the logits' dtype, so no fp32 copy of the logits is kept for the backward pass.
-    """
-    from alpa_job.models.losses import cross_entropy as fused
-
-    return fused(logits, labels)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelEntry:
-    """What the kit knows about one model, registered by its module."""
-
-    name: str
-    build: Callable  # build(config, dtype) -> the flax module
-    input_key: str  # the batch field the module reads
-    loss: Callable  # loss(outputs, batch) -> per-example loss, shape [batch]
-    layer_count: Callable  # layer_count(config) -> the model's repeated layers (pipeline boundaries count them)
-    layer_class: Callable  # layer_class() -> the flax class whose calls are those layers
-    synthetic: Callable  # synthetic(config, rng, n) -> {field: array of n rows}, learnable (data.synthetic)
-    has_batch_stats: bool = False  # BatchNorm running statistics live beside params
-    repeated_blocks: Optional[Callable] = None  # see ModelSpec.repeated_blocks
-
-    @property
-    def hyperparameters(self) -> Tuple[str, ...]:
-        """The JobConfig fields the builder reads: the model's declared settings."""
-        return tuple(s.name for s in model_settings(self.name))
-
-    def defaults(self) -> Dict[str, Any]:
-        """The model's hyperparameters with their default values (as declared: one place)."""
-        return {s.name: s.default for s in model_settings(self.name)}
-
-
-_REGISTRY: Dict[str, ModelEntry] = {}
-
-
-def register_model(name: str, *, input_key: str, loss: Callable, layer_count: Callable, layer_class: Callable,
-                   synthetic: Callable, has_batch_stats: bool = False, repeated_blocks: Optional[Callable] = None) -> Callable:
-    """Decorator for a model module's builder: `@register_model("gpt", ...) def build(config, dtype)`."""
-
-    def decorate(build: Callable) -> Callable:
-        if name in _REGISTRY and _REGISTRY[name].build is not build:
-            raise ValueError(f"model {name!r} is registered twice")  # a programming error, not a user's
-        _REGISTRY[name] = ModelEntry(name, build, input_key, loss, layer_count, layer_class, synthetic,
-                                     has_batch_stats, repeated_blocks)
-        return build
-
-    return decorate
+# ----------------------------------------------------------------------------- names (no jax)
+def is_built_in(name: str) -> bool:
+    return name in BUILT_IN
 
 
 def model_names() -> Tuple[str, ...]:
-    """The `--model` names, without importing any model (so without importing jax)."""
-    return MODEL_MODULES
+    """The `--model` names: the built-ins, then the installed models (no model is imported)."""
+    return BUILT_IN + tuple(n for n in installed_models() if n not in BUILT_IN)
 
 
 def check_model_name(name: str) -> None:
-    if name not in MODEL_MODULES:
-        raise KitError(not_known("--model", name, MODEL_MODULES))
+    """A built-in, an installed model or PACKAGE.MODULE:FUNCTION; else one line with the nearest name."""
+    if is_built_in(name) or builders.is_import_path(name):
+        return
+    names = model_names()
+    if name in names:
+        return
+    raise KitError(f"--model {name!r} is not known; use one of: {', '.join(names)}, or your own builder as "
+                   f"PACKAGE.MODULE:FUNCTION{did_you_mean(name, names)}")
 
 
 def model_settings(name: str) -> Tuple[Setting, ...]:
-    """The settings model `name` reads (`Setting`s), from its declaration module `<name>_settings`,
+    """The settings built-in model `name` reads (`Setting`s), from its declaration module `<name>_settings`,
     which imports no flax: the catalogue, `--help` and the checks before Ray read them without jax."""
     return _declaration(name).SETTINGS
 
 
 def check_model_sizes(config) -> None:
-    """Every model's own rule on its sizes (`check(config)` in its declaration, where it has one), whichever
+    """Every built-in's own rule on its sizes (`check(config)` in its declaration, where it has one), whichever
     model runs: a size flag that no rule of its model allows is wrong even before it is found inert."""
-    for name in MODEL_MODULES:
+    for name in BUILT_IN:
         check = getattr(_declaration(name), "check", None)
         if check is not None:
             check(config)
 
 
+def built_in_args(name: str, given: Mapping[str, Any]) -> Dict[str, Any]:
+    """`--model-arg`s of built-in `name` as its config fields (typed): the same sizes as its flags."""
+    known = {s.name: s for s in model_settings(name)}
+    out = {}
+    for key, value in given.items():
+        if key not in known:
+            raise KitError(f"--model-arg {key}: --model {name} has no setting {key!r}{did_you_mean(key, known)}; "
+                           f"its settings: {', '.join(known)}")
+        out[key] = coerce(key, value, known[key].type, label=f"--model-arg {key}")
+    return out
+
+
 def _declaration(name: str):
-    check_model_name(name)
+    if not is_built_in(name):
+        raise KitError(f"--model {name!r} is not built in; use one of: {', '.join(BUILT_IN)}")
     return importlib.import_module(f"{__name__}.{name}_settings")
 
 
-def get_entry(name: str) -> ModelEntry:
-    """The registered entry of model `name` (imports its module, hence flax, on first use)."""
+# ----------------------------------------------------------------------------- builders (may import jax)
+def builder_of(name: str) -> builders.Builder:
+    """The builder `--model name` means, imported, with its declaration read."""
     check_model_name(name)
-    importlib.import_module(f"{__name__}.{name}")
-    if name not in _REGISTRY:
-        raise ValueError(f"module {__name__}.{name} registers no model {name!r}")  # a programming error
-    return _REGISTRY[name]
+    if is_built_in(name):
+        target = f"{__name__}.{name}:build"
+        declaration = builders.Declaration(builders.CONFIG, tuple(model_settings(name)))
+        return builders.Builder(name, target, builders.import_builder(name, target), declaration)
+    target = name if builders.is_import_path(name) else installed_models()[name]
+    if not builders.is_import_path(target):
+        raise KitError(f"--model {name}: the installed entry point names {target!r}, not MODULE:FUNCTION; fix the "
+                       "package's alpa_job.models entry point")
+    function = builders.import_builder(name, target)
+    return builders.Builder(name, target, function, builders.declaration_of(name, function))
 
 
-def registered() -> Dict[str, ModelEntry]:
-    """Every model's entry, in MODEL_MODULES order."""
-    return {name: get_entry(name) for name in MODEL_MODULES}
+def resolve(config):
+    """In the driver, before Ray: import the user's builder, type its settings (`model_args` becomes every
+    declared setting's value) and call it once, so every mistake is a one-line error now. Built-ins need
+    none of it (their sizes were checked with the config, without jax)."""
+    if is_built_in(config.model):
+        return config
+    builder = builder_of(config.model)
+    values = builders.typed_args(builder, config.model_args)
+    config = config.replace(model_args=values)
+    model = builders.call(builder, builders.args_object(builder, values), values, _dtype(config))
+    check_data_fits(config, model)
+    return config
+
+
+def check_data_fits(config, model: api.Model) -> None:
+    if config.dataset == "synthetic" and model.synthetic is None:
+        raise KitError(f"--model {config.model} gives no synthetic data (its api.Model has synthetic=None); add a "
+                       "synthetic(args, rng, n) function to it or train on --dataset cifar10")
+    if config.dataset == "cifar10" and model.input_field != "image":
+        raise KitError(f"--dataset cifar10 gives the batch fields image and label, and --model {config.model} reads "
+                       f"{model.input_field!r}; use input_field=\"image\" or --dataset synthetic")
+
+
+def build_model(config) -> Tuple[api.Model, Any]:
+    """(the builder's api.Model, the args it was built with) for `config`."""
+    builder = builder_of(config.model)
+    if builder.declaration.style == builders.CONFIG:
+        args, values = config, {}
+    else:
+        values = builders.typed_args(builder, config.model_args)
+        args = builders.args_object(builder, values)
+    return builders.call(builder, args, values, _dtype(config)), args
 
 
 def get_model(config) -> ModelSpec:
+    model, args = build_model(config)
+    repeated = model.repeated_blocks
+    synthetic = model.synthetic
+    return ModelSpec(config.model, model.module, model.input_field, bool(model.batch_stats), model.loss,
+                     repeated_blocks=repeated,
+                     synthetic=(lambda rng, n: synthetic(args, rng, n)) if synthetic is not None else None,
+                     layer_count=model.layer_count, layer_class=model.layer_class)
+
+
+def source_digest(config) -> Optional[str]:
+    """The user's model source (None for a built-in, which is the kit's own source): part of the key a
+    compiled step is stored under."""
+    if is_built_in(config.model):
+        return None
+    return builders.source_digest(builder_of(config.model).function)
+
+
+def _dtype(config):
     import jax.numpy as jnp
 
-    entry = get_entry(config.model)
-    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-    return ModelSpec(entry.name, entry.build(config, dtype), entry.input_key, entry.has_batch_stats, entry.loss,
-                     entry.repeated_blocks)
+    return jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+
+
+__all__ = ["BUILT_IN", "MODEL_MODULES", "ModelSpec", "RepeatedBlocks", "ModelArgs", "mse", "cross_entropy",
+           "is_built_in", "model_names", "check_model_name", "model_settings", "check_model_sizes",
+           "built_in_args", "builder_of", "resolve", "build_model", "get_model", "source_digest"]

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_job.models import RepeatedBlocks, cross_entropy, register_model
-from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical
+from alpa_job import api
+from alpa_job.api import EMBED, HEADS, KV, MLP, SEQ, VOCAB, RepeatedBlocks, cross_entropy, logical
 
 _normal = nn.initializers.normal(stddev=0.02)
 
@@ -153,9 +153,11 @@ def synthetic(config, rng, n):
     return {"tokens": tokens.astype(np.int32)}
 
 
-@register_model("gpt", input_key="tokens", loss=_next_token_loss,
-                layer_count=lambda config: config.num_layers,
-                layer_class=lambda: DecoderBlock, synthetic=synthetic, repeated_blocks=repeated_blocks)
-def build(config, dtype):
-    module = GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len, config.vocab_size, dtype)
-    return _InputsOnly(module)
+def build(config, dtype) -> api.Model:
+    """The built-in GPT through the public API (alpa_job/api.py), its identical blocks declared for the
+    fast initialiser."""
+    module = _InputsOnly(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
+                             config.vocab_size, dtype))
+    return api.Model(module, input_field="tokens", loss=_next_token_loss, synthetic=synthetic,
+                     repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
+                     layer_count=config.num_layers, layer_class=DecoderBlock)

@@ -7,8 +7,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_job.models import mse, register_model
-from alpa_job.models.axes import EMBED, MLP, logical
+from alpa_job import api
+from alpa_job.api import EMBED, MLP, logical
 
 
 class MLPModel(nn.Module):
@@ -40,8 +40,8 @@ def synthetic(config, rng, n):
     return {"x": x, "y": y.astype(np.float32)}
 
 
-@register_model("mlp", input_key="x", loss=mse,
-                layer_count=lambda config: 4,  # Dense 4h -> h -> 4h -> h
-                layer_class=lambda: nn.Dense, synthetic=synthetic)
-def build(config, dtype):
-    return MLPModel(config.hidden_dim, dtype)
+def build(config, dtype) -> api.Model:
+    """The built-in MLP through the public API (alpa_job/api.py), like any model a user brings."""
+    return api.Model(MLPModel(config.hidden_dim, dtype), input_field="x", loss=api.mse, synthetic=synthetic,
+                     layer_count=4,  # Dense 4h -> h -> 4h -> h
+                     layer_class=nn.Dense)

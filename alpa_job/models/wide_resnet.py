@@ -10,8 +10,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from alpa_job.models import cross_entropy, register_model
-from alpa_job.models.axes import CHANNELS, CONV_IN, EMBED, logical
+from alpa_job import api
+from alpa_job.api import CHANNELS, CONV_IN, EMBED, logical
 
 
 def _conv(features: int, strides: int, dtype: Any, name: str = None) -> nn.Conv:
@@ -73,7 +73,7 @@ class WideResNet(nn.Module):
 
 
 def _classification_loss(logits, batch):
-    return cross_entropy(logits, batch["label"])
+    return api.cross_entropy(logits, batch["label"])
 
 
 def synthetic(config, rng, n):
@@ -84,8 +84,10 @@ def synthetic(config, rng, n):
     return {"image": images, "label": labels}
 
 
-@register_model("wide_resnet", input_key="image", loss=_classification_loss, has_batch_stats=True,
-                layer_count=lambda config: 3 * ((config.depth - 4) // 6),  # 3 stages x n blocks
-                layer_class=lambda: WideBlock, synthetic=synthetic)
-def build(config, dtype):
-    return WideResNet(config.depth, config.width, 10, dtype)
+def build(config, dtype) -> api.Model:
+    """The built-in WideResNet through the public API (alpa_job/api.py): BatchNorm statistics ride beside
+    the parameters."""
+    return api.Model(WideResNet(config.depth, config.width, 10, dtype), input_field="image",
+                     loss=_classification_loss, batch_stats=True, synthetic=synthetic,
+                     layer_count=3 * ((config.depth - 4) // 6),  # 3 stages x n blocks
+                     layer_class=WideBlock)

@@ -2,8 +2,9 @@
 
 `JobConfig`'s fields, the `train` parser's flags and `--help` lines, the coercion of `--config`
 values, and the bounds and allowed names checked by `JobConfig.validated` are all read from here.
-A model's own sizes are declared by the model (`models/<name>_settings.py`) and listed here after
-`seed`, in `--model` order, each marked with its model. Importing this module imports no jax.
+A built-in model's own sizes are declared by the model (`models/<name>_settings.py`) and listed here
+after `seed`, in `--model` order, each marked with its model; a model the user brings keeps its settings
+in `model_args` (its builder declares them: alpa_job/api.py). Importing this module imports no jax.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 from alpa_job.models import MODEL_MODULES, model_settings
 from alpa_job.settings.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT, PARALLELISM, POSITIVE,
-                                       Setting, Switch)
+                                       ModelArgs, Setting, Switch)
 
 DATASETS = ("synthetic", "cifar10")
 ENGINES = ("auto", "jax", "alpa")
@@ -22,7 +23,9 @@ DTYPES = ("float32", "bfloat16")
 REMAINDER_POLICIES = ("drop", "pad")
 
 WHAT_TO_TRAIN = (
-    Setting("model", str, "mlp", "what to train", choices=MODEL_MODULES),
+    # Checked by models.check_model_name: a built-in, an installed model, or PACKAGE.MODULE:FUNCTION.
+    Setting("model", str, "mlp", f"what to train: {', '.join(MODEL_MODULES)}, an installed model, or your own "
+            "builder as PACKAGE.MODULE:FUNCTION", metavar="NAME"),
     Setting("dataset", str, "synthetic", "synthetic (learnable, generated) or local CIFAR-10", choices=DATASETS),
     # cifar10 reads data_batch_1..5 (python format) from it; the kit never downloads at run time.
     Setting("data_dir", Optional[str], None, "cifar10: the extracted cifar-10-batches-py folder", metavar="DIR",
@@ -93,12 +96,19 @@ OUTPUT_AND_RESTARTS = (
 )
 
 
+# A model's own settings as one mapping (not a field per setting): the builder's declaration names and
+# types them. A built-in's are its size flags too.
+MODEL_ARGS = Setting("model_args", ModelArgs, ModelArgs(), "a setting of the model's builder, e.g. num_layers=4 "
+                     "(repeatable; YAML: model_args:)", cli_flag="--model-arg", metavar="KEY=VALUE",
+                     default_help="the builder's defaults")
+
+
 def _models_settings() -> Tuple[Setting, ...]:
     return tuple(dataclasses.replace(setting, model=name) for name in MODEL_MODULES
                  for setting in model_settings(name))
 
 
-SETTINGS: Tuple[Setting, ...] = WHAT_TO_TRAIN + _models_settings() + HOW_TO_RUN + OUTPUT_AND_RESTARTS
+SETTINGS: Tuple[Setting, ...] = WHAT_TO_TRAIN + (MODEL_ARGS,) + _models_settings() + HOW_TO_RUN + OUTPUT_AND_RESTARTS
 BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
 if len(BY_NAME) != len(SETTINGS):  # a programming error: two declarations of one name
     raise ValueError("settings declared twice: " + ", ".join(

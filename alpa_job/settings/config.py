@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.choices import did_you_mean, not_known
 from alpa_job.errors import KitError
-from alpa_job.models import check_model_sizes
+from alpa_job.models import built_in_args, check_model_name, check_model_sizes, is_built_in
 from alpa_job.settings import catalog
 from alpa_job.settings.catalog import ALPA_STRATEGIES, STRATEGIES
-from alpa_job.settings.setting import plain_type
+from alpa_job.settings.setting import ModelArgs, coerce, plain_type  # noqa: F401 - coerce: its old home
 
 
 def _fields_from_the_catalogue(cls):
@@ -29,7 +29,8 @@ def _fields_from_the_catalogue(cls):
         raise ValueError(f"settings named like JobConfig's methods: {', '.join(taken)}")
     cls.__annotations__ = {s.name: s.type for s in catalog.SETTINGS}
     for s in catalog.SETTINGS:
-        setattr(cls, s.name, s.default)
+        # A mapping's default is made per instance (Python 3.9's dataclasses refuse a dict as a default).
+        setattr(cls, s.name, dataclasses.field(default_factory=ModelArgs) if s.type is ModelArgs else s.default)
     return dataclasses.dataclass(frozen=True)(cls)
 
 
@@ -44,6 +45,13 @@ class JobConfig:
         return dataclasses.replace(self, **changes).validated()
 
     def validated(self) -> "JobConfig":
+        check_model_name(self.model)
+        if not isinstance(self.model_args, ModelArgs):
+            object.__setattr__(self, "model_args", coerce("model_args", self.model_args, ModelArgs))
+        if is_built_in(self.model) and self.model_args:
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.model_args)
+            raise KitError(f"model_args {dict(self.model_args)} are for a model you bring; --model {self.model} "
+                           f"takes them as its own settings ({flags})")
         for s in catalog.SETTINGS:  # names first, each error with the nearest allowed one
             if s.choices is not None and getattr(self, s.name) not in s.choices:
                 raise KitError(not_known(s.flag, getattr(self, s.name), s.choices))
@@ -53,7 +61,7 @@ class JobConfig:
             if problem:
                 raise KitError(problem)
         check_model_sizes(self)
-        if self.dataset == "cifar10" and self.model != "wide_resnet":
+        if self.dataset == "cifar10" and is_built_in(self.model) and self.model != "wide_resnet":
             raise KitError(f"--dataset cifar10 feeds images; use --model wide_resnet (got --model {self.model})")
         if self.dataset == "cifar10" and not self.data_dir:
             raise KitError("--dataset cifar10 needs --data-dir DIR with the CIFAR-10 python batches "
@@ -114,7 +122,21 @@ def load_layers(preset: Optional[str], config_path: Optional[str],
 def merge_layers(layers: Tuple[Dict[str, Any], Dict[str, Any]]) -> Dict[str, Any]:
     """The file layers (`load_layers`) in override order: the preset (and its bases), then the --config file."""
     preset_values, file_values = layers
-    return {**preset_values, **file_values}
+    return _merged(preset_values, file_values)
+
+
+def _merged(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    """`over` on top of `base`; a mapping setting (model_args) merges key by key, so a flag's
+    --model-arg changes one of the file's model settings, not all of them."""
+    out = dict(base)
+    for name, value in over.items():
+        if name in MAPPINGS and name in out and value is not None and out[name] is not None:
+            value = {**coerce(name, out[name], ModelArgs), **coerce(name, value, ModelArgs)}
+        out[name] = value
+    return out
+
+
+MAPPINGS = tuple(s.name for s in catalog.SETTINGS if s.type is ModelArgs)
 
 
 def load_settings(preset: Optional[str], config_path: Optional[str],
@@ -179,34 +201,25 @@ def _settings(data: Dict[Any, Any], label: str) -> Dict[str, Any]:
 
 def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> JobConfig:
     """Defaults <- files (`merge_layers`) <- CLI (only flags the user actually gave), then validate once."""
-    merged: Dict[str, Any] = {}
-    merged.update(file_values)
-    merged.update({k: v for k, v in cli_values.items() if v is not None})
+    given = {k: v for k, v in cli_values.items() if v is not None}
+    merged = _merged(file_values, given)
     hints = typing.get_type_hints(JobConfig)
     for name, value in list(merged.items()):
         merged[name] = coerce(name, value, hints[name])
+    _built_in_model_args(merged, given)
     return JobConfig(**merged).validated()
 
 
-def coerce(name: str, value: Any, hint: Any) -> Any:
-    """A file's value as the setting's type (`hint`: JobConfig's type hint, Optional allowed): YAML
-    gives `8` for a float, "true" or 1 for a bool, 16.0 for an int."""
-    if value is None:
-        return None
-    kind = plain_type(hint)
-    try:
-        if kind is bool:
-            if isinstance(value, str):
-                return value.strip().lower() in ("1", "true", "yes", "on")
-            return bool(value)
-        if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if kind is float:
-            return float(value)
-        if kind is str:
-            return str(value)
-    except (TypeError, ValueError):
-        raise KitError(f"setting {name}: {value!r} is not a valid {kind.__name__}") from None
-    raise TypeError(f"setting {name}: no coercion to {hint!r}")  # a programming error: setting.TYPES has more
+def _built_in_model_args(merged: Dict[str, Any], flags: Dict[str, Any]) -> None:
+    """A built-in's `--model-arg num_layers=4` is its `--num-layers 4`: moved onto the field it means (a
+    flag naming the same field with another value is an error, not a silent choice)."""
+    model = merged.get("model", JobConfig.__dataclass_fields__["model"].default)
+    args = merged.get("model_args")
+    if not args or not is_built_in(model):
+        return
+    for name, value in built_in_args(model, args).items():
+        if name in flags and flags[name] != value:
+            raise KitError(f"--{name.replace('_', '-')} {flags[name]} and --model-arg {name}={value} disagree; "
+                           "give one of them")
+        merged[name] = value
+    merged["model_args"] = ModelArgs()

@@ -11,6 +11,8 @@ import dataclasses
 import typing
 from typing import Any, Optional, Tuple
 
+from alpa_job.errors import KitError
+
 # The `--help` groups of `python -m alpa_job train`, in the order they are shown.
 MODEL_AND_DATA = "model and data"
 PARALLELISM = "parallelism"
@@ -24,8 +26,31 @@ NON_NEGATIVE = "non-negative"  # >= 0
 ABOVE_ZERO = "above zero"  # a number > 0
 CHECKS = (POSITIVE, NON_NEGATIVE, ABOVE_ZERO)
 
-# The types a setting may have (each optionally Optional): what a flag and a YAML scalar can carry.
-TYPES = (int, float, str, bool)
+
+
+class ModelArgs(dict):
+    """A model's own settings, name -> value (`--model-arg KEY=VALUE`, YAML `model_args:`): read-only
+    and hashable like the rest of the frozen config, picklable for Ray, and a plain mapping in JSON."""
+
+    def _read_only(self, *_args: Any, **_kwargs: Any) -> None:
+        raise TypeError("ModelArgs is read-only; build a new one")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _read_only  # type: ignore
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+    def __reduce__(self):
+        return (ModelArgs, (dict(self),))
+
+    def __repr__(self) -> str:
+        return f"ModelArgs({dict.__repr__(self)})"
+
+
+# The types a setting may have (each optionally Optional): what a flag and a YAML scalar can carry,
+# and the one mapping, a model's own settings.
+SCALARS = (int, float, str, bool)
+TYPES = SCALARS + (ModelArgs,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +82,8 @@ class Setting:
     # it restarts, what the data's values are): such a setting stays out of the stored step's key, so
     # changing it reuses the step instead of compiling again. True is the safe side for a new setting.
     decides_step: bool = True
+    cli_flag: Optional[str] = None  # the flag, where it is not --name-with-dashes
+
 
     def __post_init__(self) -> None:  # the errors here are programming errors, not a user's
         if plain_type(self.type) not in TYPES:
@@ -68,7 +95,7 @@ class Setting:
 
     @property
     def flag(self) -> str:
-        return flag_of(self.name)
+        return self.cli_flag or flag_of(self.name)
 
     def problem(self, value: Any) -> Optional[str]:
         """What is wrong with `value` for this setting's bound (None: nothing); choices are the
@@ -96,3 +123,56 @@ def plain_type(hint: Any) -> Any:
 def flag_of(name: str) -> str:
     """A setting's flag: `batch_size` -> `--batch-size`."""
     return "--" + name.replace("_", "-")
+
+
+def coerce(name: str, value: Any, hint: Any, label: Optional[str] = None) -> Any:
+    """A value given as text or YAML as the setting's type (`hint`, Optional allowed): YAML gives `8`
+    for a float, "true" or 1 for a bool, 16.0 for an int; a flag gives text. `label` names the
+    setting in the error (default: "setting NAME")."""
+    if value is None:
+        return None
+    kind = plain_type(hint)
+    label = label or f"setting {name}"
+    if kind is ModelArgs:
+        return model_args(value, label)
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                word = value.strip().lower()
+                if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    raise ValueError(value)
+                return word in ("1", "true", "yes", "on")
+            return bool(value)
+        if kind is int:
+            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if kind is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise KitError(f"{label}: {value!r} is not a valid {kind.__name__}") from None
+    raise TypeError(f"{label}: no coercion to {hint!r}")  # a programming error: TYPES has more
+
+
+def model_args(value: Any, label: str) -> ModelArgs:
+    """A YAML mapping, or the `KEY=VALUE` texts of repeated --model-arg flags, as ModelArgs (values
+    as given: the model's declaration types them)."""
+    if isinstance(value, dict):
+        return ModelArgs((str(k).replace("-", "_"), v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        pairs = []
+        for item in value:
+            if isinstance(item, (list, tuple)) and len(item) == 2:
+                pairs.append((str(item[0]), item[1]))
+                continue
+            key, sep, text = str(item).partition("=")
+            if not sep or not key.strip():
+                raise KitError(f"--model-arg {item!r} is not KEY=VALUE; write e.g. --model-arg num_layers=4")
+            pairs.append((key.strip().replace("-", "_"), text))
+        return ModelArgs(pairs)
+    raise KitError(f"{label}: expected a mapping of a model's settings (model_args: {{num_layers: 4}}), "
+                   f"got {type(value).__name__}")

@@ -60,7 +60,11 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
         return "it sizes the synthetic dataset and --dataset cifar10 has its own size; drop it"
     owner = catalog.model_of(name)
     if owner is not None and owner != config.model:
-        reads = ", ".join(flag_of(f) for f in catalog.MODEL_FIELDS[config.model])
+        fields = catalog.MODEL_FIELDS.get(config.model)
+        if not fields:  # a model the user brings
+            return (f"it sizes --model {owner}, and --model {config.model} takes its settings as --model-arg "
+                    f"KEY=VALUE; drop it or use --model {owner}")
+        reads = ", ".join(flag_of(f) for f in fields)
         return f"it sizes --model {owner}, and --model {config.model} reads {reads}; drop it or use --model {owner}"
     if name == "processes" and address == "none":
         return "--address none trains in this one process; drop it or run on Ray (--address local/HOST:PORT)"

@@ -57,8 +57,9 @@ class TrainData:
         return out
 
 
-def prepare_data(config) -> TrainData:
-    dataset = load_dataset(config)
+def prepare_data(config, model=None) -> TrainData:
+    """The dataset and its fixed-shape batches; `model` (a models.ModelSpec) makes synthetic data."""
+    dataset = load_dataset(config, model)
     epoch = plan_epoch(dataset.num_samples, config.batch_size, config.remainder)
     example, _ = next(epoch_batches(dataset, config.batch_size, config.remainder, config.seed, 0))
     return TrainData(dataset, epoch, config.batch_size, config.remainder, config.seed, example)
@@ -137,7 +138,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     from alpa_job.models import get_model
 
     model = get_model(config)
-    data = prepare_data(config)
+    data = prepare_data(config, model)
     total_steps = config.steps if config.steps is not None else config.epochs * data.epoch.steps
     startup = time.perf_counter() - started  # imports, the model, the data
     engine = (build_engine or build_jax_engine)(config, model, data)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shutil
 from typing import Any, Dict, Optional
 
@@ -37,7 +38,8 @@ def _stamp(when: Optional[float] = None) -> str:
 
 def new_run_dir(config, root: str = RUNS_ROOT) -> str:
     """runs/<UTC time>-<model>-<strategy>, unique (a suffix when two runs start in the same second)."""
-    base = os.path.join(root, f"{_stamp()}-{config.model}-{config.strategy}")
+    model = re.sub(r"[^\w.-]+", "-", config.model)  # PACKAGE.MODULE:FUNCTION has a colon
+    base = os.path.join(root, f"{_stamp()}-{model}-{config.strategy}")
     path, n = base, 1
     while os.path.exists(path):
         n += 1
@@ -74,7 +76,7 @@ def check_out(config, explicit_out: bool) -> None:
                            "--checkpoint-every N into this --out first, or drop --resume")
         old = saved_config(out)
         if old is not None:
-            fields = ("model",) + MODEL_FIELDS.get(config.model, ())
+            fields = ("model", "model_args") + MODEL_FIELDS.get(config.model, ())
             differ = [f for f in fields if f in old and old[f] != getattr(config, f)]
             if differ:
                 what = ", ".join(f"--{f.replace('_', '-')} {old[f]} (now {getattr(config, f)})" for f in differ)

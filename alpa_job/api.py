@@ -1,0 +1,120 @@
+"""The kit's public API for model authors: everything a model you bring needs, and nothing else.
+
+A model is a *builder*: a function that takes the model's own settings and the compute dtype and
+returns a `Model`. Train it with `python -m alpa_job train --model PACKAGE.MODULE:FUNCTION` (or an
+entry point in the `alpa_job.models` group of an installed package: `--model NAME`), giving its
+settings as `--model-arg KEY=VALUE` (repeatable) or a `model_args:` mapping in a `--config` file.
+
+The builder declares its settings in one of two ways, and the kit reads their names, types and
+defaults from that declaration (values are coerced to the declared type; an unknown name gets a
+"did you mean"):
+
+    @dataclasses.dataclass(frozen=True)
+    class Args:
+        num_layers: int = 2
+        width: int = 128
+
+    def build(args: Args, dtype) -> api.Model: ...           # the dataclass is the declaration
+
+    def build(*, dtype, num_layers: int = 2, width: int = 128) -> api.Model: ...   # or keywords
+
+A setting may be int, float, str or bool (or Optional of one); a dataclass field's
+`metadata={"help": "...", "check": api.POSITIVE}` adds a help text and a bound the kit checks.
+
+What a builder returns, `Model`:
+- `module`: a flax module (anything with flax's `init` / `apply`), called on the batch field
+  `input_field` (with `train=` when `batch_stats` is on);
+- `loss(outputs, batch) -> [batch]`: the per-example loss (the kit averages it over the real rows of
+  a fixed-shape batch, so a padded last batch trains like a short one); `mse` and `cross_entropy` are
+  here;
+- `batch_stats`: True for BatchNorm running statistics (the module takes `train: bool`);
+- `synthetic(args, rng, n) -> {field: array of n rows}`: a learnable dataset for `--dataset
+  synthetic` (numpy arrays; `rng` is a numpy Generator seeded from `--seed`);
+- `repeated_blocks(example_input) -> RepeatedBlocks`: for a model made of identical layers, so the
+  kit initialises one block once instead of the whole model (the fast initialiser);
+- `layer_count` / `layer_class`: the repeated layers and their flax class, for Alpa's pipelines.
+
+Sharding: parameters name *logical* axes with `logical(initializer, axes)`, using the names below;
+the strategies' rules map them to the device mesh (`data` needs none; `fsdp` and `tensor` need every
+large parameter to carry them).
+
+`API_VERSION` is recorded in every run's report (`versions["alpa_job_api"]`). Importing this module
+imports no jax: the kit reads a builder's declaration before it starts anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
+
+API_VERSION = "1.0"
+
+__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "logical", "mse", "cross_entropy", "Setting",
+           "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
+           "BATCH", "EMBED", "MLP", "HEADS", "KV", "VOCAB", "CHANNELS", "CONV_IN", "SEQ"]
+
+# Logical axis names: the only sharding vocabulary model code uses.
+BATCH = "batch"
+EMBED = "embed"  # model width (d_model / hidden_dim)
+MLP = "mlp"  # feed-forward inner width
+HEADS = "heads"
+KV = "kv"  # per-head width
+VOCAB = "vocab"
+CHANNELS = "channels"  # conv output channels
+CONV_IN = "conv_in"  # conv input channels
+SEQ = "seq"
+
+
+def logical(init: Callable, axes: Tuple[Optional[str], ...]) -> Callable:
+    """Attach logical axis names (one per dimension, None for a dimension never split) to a
+    parameter initializer. On a flax without logical partitioning (the Alpa image's may lack it) the
+    initializer is returned unchanged: Alpa plans sharding itself."""
+    import flax.linen as nn
+
+    with_partitioning = getattr(nn, "with_logical_partitioning", None)
+    return init if with_partitioning is None else with_partitioning(init, axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedBlocks:
+    """A model's parameters as a shell plus identically shaped blocks, so the state's initialiser
+    compiles one block once instead of every layer.
+
+    `shell.init(rng, <the batch field>)["params"]` gives every parameter outside the blocks, named
+    as in the whole model; `block.init(rng, <block_input>)["params"]` gives one block's; the whole
+    model's parameters are the shell's plus one block under each of `names`.
+    """
+
+    shell: Any  # a flax module (or wrapper with .init) over the model's batch field
+    block: Any  # the repeated flax module
+    block_input: Any  # jax.ShapeDtypeStruct: what one block is called on
+    names: Tuple[str, ...]  # the blocks' names in the whole model's params, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What a builder returns: the module and how the kit trains it (this module's docstring says
+    what each field is for)."""
+
+    module: Any
+    input_field: str
+    loss: Callable[[Any, Dict[str, Any]], Any]
+    batch_stats: bool = False
+    synthetic: Optional[Callable[[Any, Any, int], Dict[str, Any]]] = None
+    repeated_blocks: Optional[Callable[[Any], RepeatedBlocks]] = None
+    layer_count: Optional[int] = None
+    layer_class: Optional[type] = None
+
+
+def mse(outputs, batch):
+    """Per-example mean squared error against batch["y"]."""
+    return ((outputs - batch["y"]) ** 2).mean(axis=-1)
+
+
+def cross_entropy(logits, labels):
+    """Per-position cross entropy against integer labels, computed in float32 whatever the logits'
+    dtype (a fused log-sum-exp: no float32 copy of the logits is kept for the backward pass)."""
+    from alpa_job.models.losses import cross_entropy as fused
+
+    return fused(logits, labels)
