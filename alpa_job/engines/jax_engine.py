@@ -18,7 +18,7 @@ import numpy as np
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpa_job.engines import compile_cache, flops
+from alpa_job.engines import compile_cache, flops, model_checks
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
@@ -26,7 +26,7 @@ from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES, batch_mes
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import plan as plan_model
-from alpa_job.models import ModelSpec
+from alpa_job.models import ModelSpec, is_built_in
 
 
 class TrainState(train_state.TrainState):
@@ -64,6 +64,7 @@ class JaxEngine(Engine):
         self._horizon = schedule_steps if schedule_steps is not None else config.steps
         self.tx = self.make_optimizer(config.learning_rate, self._horizon)
         start = time.perf_counter()
+        model_checks.check_batch_field(model, self._example)
         self._initializer = StateInitializer(model, self._example, self._make_state)
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
@@ -73,12 +74,21 @@ class JaxEngine(Engine):
             self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
+        self._check_model(unboxed)
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
         self._hits_before = 0
         self._store: Optional[StepStore] = None  # set while a freshly compiled step waits to be stored
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
+
+    def _check_model(self, abstract_state) -> None:
+        """A model the user brings, against this step: its loss's shape (one trace of the forward pass,
+        on abstract values); every model, against the strategy: fsdp/tensor need logical axes."""
+        model_checks.check_logical_axes(self.model.name, self.strategy, self.logical_specs.params,
+                                        abstract_state.params)
+        if not is_built_in(self.model.name):
+            model_checks.check_loss_shape(self.model, abstract_state, self._example)
 
     # ----- state -------------------------------------------------------------------------------
     @property
