@@ -10,6 +10,8 @@ import platform
 import re
 from typing import Dict, Optional
 
+from alpa_job.api import API_VERSION
+
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "ray", "alpa", "numpy", "cupy-cuda113")
 
 
@@ -47,4 +49,5 @@ def collect() -> Dict[str, Optional[str]]:
         out[name] = package_version(name)
     out["cuda"] = cuda_version()
     out["nccl"] = nccl_version()
+    out["alpa_job_api"] = API_VERSION  # the model API (alpa_job/api.py) the run's model was built against
     return out
