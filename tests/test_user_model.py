@@ -192,6 +192,20 @@ def test_the_in_process_runner_trains_a_user_model(packages, tmp_path, monkeypat
             del sys.modules[name]
 
 
+def test_checkpoints_resume_a_user_model_only_with_its_settings(packages, tmp_path):
+    out = tmp_path / "run"
+    model = ["--model", f"{PACKAGE}.net:build", "--checkpoint-every", "2"]
+    first = _train(packages, out, *model, "--model-arg", "width=8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = _train(packages, out, *model, "--model-arg", "width=16", "--resume", "--steps", "4")
+    assert other.returncode == 2
+    assert other.stderr.strip() == (f"error: --resume: the checkpoint in {out} is of another model: --model-arg "
+                                    "width=8 (now 16); resume with the same model settings or use another --out")
+    same = _train(packages, out, *model, "--model-arg", "width=8", "--resume", "--steps", "4")
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert _report(out)["resumed_from_step"] == 2 and _report(out)["steps"] == 2
+
+
 # ----------------------------------------------------------------------------- bad input
 BAD = [
     (["--model", "nothere.net:build"],

@@ -76,10 +76,15 @@ def check_out(config, explicit_out: bool) -> None:
                            "--checkpoint-every N into this --out first, or drop --resume")
         old = saved_config(out)
         if old is not None:
-            fields = ("model", "model_args") + MODEL_FIELDS.get(config.model, ())
-            differ = [f for f in fields if f in old and old[f] != getattr(config, f)]
+            fields = ("model",) + MODEL_FIELDS.get(config.model, ())
+            differ = [f"--{f.replace('_', '-')} {old[f]} (now {getattr(config, f)})" for f in fields
+                      if f in old and old[f] != getattr(config, f)]
+            if old.get("model") == config.model:  # a model the user brings: its settings, key by key
+                before, now = old.get("model_args") or {}, dict(config.model_args)
+                differ += [f"--model-arg {k}={before.get(k)} (now {now.get(k)})" for k in sorted(set(before) | set(now))
+                           if before.get(k) != now.get(k)]
             if differ:
-                what = ", ".join(f"--{f.replace('_', '-')} {old[f]} (now {getattr(config, f)})" for f in differ)
+                what = ", ".join(differ)
                 raise KitError(f"--resume: the checkpoint in {out} is of another model: {what}; "
                                "resume with the same model settings or use another --out")
         return
