@@ -26,7 +26,7 @@ from alpa_job.choices import did_you_mean
 from alpa_job.errors import KitError
 from alpa_job.models import builders
 from alpa_job.models.installed import installed_models
-from alpa_job.settings.setting import ModelArgs, Setting, coerce
+from alpa_job.settings.setting import Setting, coerce
 
 # The kit's own models, in the order `--model` lists them; each is the module named like it.
 BUILT_IN = ("mlp", "wide_resnet", "gpt")
@@ -207,6 +207,6 @@ def _dtype(config):
     return jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
 
 
-__all__ = ["BUILT_IN", "MODEL_MODULES", "ModelSpec", "RepeatedBlocks", "ModelArgs", "mse", "cross_entropy",
+__all__ = ["BUILT_IN", "MODEL_MODULES", "ModelSpec", "RepeatedBlocks", "mse", "cross_entropy",
            "is_built_in", "model_names", "check_model_name", "model_settings", "check_model_sizes",
            "built_in_args", "builder_of", "resolve", "build_model", "get_model", "source_digest"]

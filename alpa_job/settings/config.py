@@ -19,7 +19,7 @@ from alpa_job.errors import KitError
 from alpa_job.models import built_in_args, check_model_name, check_model_sizes, is_built_in
 from alpa_job.settings import catalog
 from alpa_job.settings.catalog import ALPA_STRATEGIES, STRATEGIES
-from alpa_job.settings.setting import ModelArgs, coerce, plain_type  # noqa: F401 - coerce: its old home
+from alpa_job.settings.setting import ModelArgs, coerce
 
 
 def _fields_from_the_catalogue(cls):
