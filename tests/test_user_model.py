@@ -3,6 +3,7 @@ installed entry point `--model NAME`), its settings from `--model-arg KEY=VALUE`
 typed by its own declaration, trained end to end; every mistake a one-line error with exit 2."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -10,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 
@@ -308,3 +310,36 @@ def test_the_stored_step_is_keyed_by_the_models_source(packages, tmp_path, monke
     finally:
         for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
             del sys.modules[name]
+
+
+# ----------------------------------------------------------------------------- declarations, read without jax
+@dataclasses.dataclass
+class _Args:
+    layers: int = 2
+    rate: float = 0.5
+    tied: bool = False
+    name: Optional[str] = None
+
+
+def _by_dataclass(args: _Args, dtype):
+    return args
+
+
+def _by_keywords(*, dtype, layers: int = 2, rate=0.5, **_ignored):
+    return layers
+
+
+def test_a_declaration_is_read_from_a_dataclass_or_typed_keywords():
+    from alpa_job.models import builders
+
+    for function, style in ((_by_dataclass, builders.DATACLASS), (_by_keywords, builders.KEYWORDS)):
+        builder = builders.Builder("m", "t:f", function, builders.declaration_of("m", function))
+        assert builder.declaration.style == style
+        typed = builders.typed_args(builder, {"layers": "3", "rate": "1"})
+        assert typed["layers"] == 3 and typed["rate"] == 1.0 and type(typed["rate"]) is float
+    dataclass_builder = builders.Builder("m", "t:f", _by_dataclass, builders.declaration_of("m", _by_dataclass))
+    typed = builders.typed_args(dataclass_builder, {"tied": "yes", "name": "x"})
+    assert dict(typed) == {"layers": 2, "rate": 0.5, "tied": True, "name": "x"}
+    assert builders.args_object(dataclass_builder, typed) == _Args(2, 0.5, True, "x")
+    with pytest.raises(KitError, match=r"--model-arg tied: 'maybe' is not a valid bool"):
+        builders.typed_args(dataclass_builder, {"tied": "maybe"})
