@@ -213,3 +213,15 @@ def test_importing_the_readers_imports_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "False"
+
+
+def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme.split("### Inspect your own JAX program", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "params/w1        P('data', 'model')       MP+ZeRO" in printed and "MP\n" in printed
+    with open(tmp_path / "plan-report" / "report.json") as f:
+        assert_valid_report(json.load(f))
