@@ -141,7 +141,7 @@ class OptionsEngine(JaxEngine):
         self._jitted = jitted
         self.stats.compile_seconds += time.perf_counter() - start
         self.stats.compiles += 1
-        from alpa_job.engines.jax_engine import memory_analysis
+        from alpa_job.record.jax_program import memory_analysis
         self.stats.memory = memory_analysis(self._compiled)
         return self.stats
 

@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import gpu_peer  # noqa: E402
 from gpu_common import gpt_case, save_result  # noqa: E402
-from alpa_job.engines.jax_engine import JaxEngine, memory_analysis  # noqa: E402
+from alpa_job.engines.jax_engine import JaxEngine  # noqa: E402
+from alpa_job.record.jax_program import memory_analysis  # noqa: E402
 
 
 def kit(config, model, batch, donate: bool):

@@ -25,7 +25,7 @@ from alpa_job.engines.optimizer import default_optimizer
 from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES, batch_mesh_axis
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
-from alpa_job.record import plan as plan_model
+from alpa_job.record import jax_program, plan as plan_model
 from alpa_job.models import ModelSpec, is_built_in
 
 
@@ -193,7 +193,7 @@ class JaxEngine(Engine):
         self.stats.compiles += 1
         self._count_cache_hits()  # the step's; init_state() adds the initialiser's
         self.stats.hlo_texts = [self._compiled.as_text() or ""]
-        self.stats.memory = memory_analysis(self._compiled)
+        self.stats.memory = jax_program.memory_analysis(self._compiled)
         return self.stats
 
     def _step_store(self) -> Optional[StepStore]:
@@ -259,15 +259,14 @@ class JaxEngine(Engine):
 
     # ----- the plan ----------------------------------------------------------------------------
     def plan(self) -> plan_model.ParallelPlan:
-        batch_axes = tuple(a for a in _spec_axes(self.batch_sharding.spec, self.mesh) for a in a)
-        mesh = plan_model.Mesh(0, tuple(self.mesh.devices.shape), MESH_AXES, batch_axes)
         state_shardings = self.state_sharding
         if self._compiled is not None:  # what XLA actually chose for the output state
             state_shardings = self._compiled.output_shardings[0]
-        leaves = _leaves(self.abstract_state, state_shardings, self.mesh)
-        batch = _leaves(self._example, jax.tree_util.tree_map(lambda _: self.batch_sharding, self._example),
-                        self.mesh, prefix="batch")
-        return plan_model.ParallelPlan((mesh,), tuple(leaves), tuple(batch))
+        leaves = jax_program.plan_leaves(self.abstract_state, state_shardings, self.mesh)
+        batch = jax_program.plan_leaves(self._example, jax.tree_util.tree_map(lambda _: self.batch_sharding,
+                                                                              self._example),
+                                        self.mesh, prefix="batch")
+        return jax_program.build_plan(self.mesh, leaves, batch)
 
     def topology(self) -> Dict[str, Any]:
         return {
@@ -332,56 +331,3 @@ def _lower_and_count(jitted, *args) -> Tuple[Any, Optional[float]]:
         cost = cost[0] if cost else None
     count = (cost or {}).get("flops")
     return lowered, float(count) if count and count > 0 else None
-
-
-def memory_analysis(compiled) -> Optional[Dict[str, int]]:
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - not every backend implements it
-        return None
-    if m is None:
-        return None
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-              "alias_size_in_bytes", "generated_code_size_in_bytes")
-    out = {f: int(getattr(m, f, 0) or 0) for f in fields}
-    out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                                  + out["temp_size_in_bytes"] - out["alias_size_in_bytes"])
-    return out
-
-
-def _path_text(path) -> str:
-    parts = []
-    for key in path:
-        for attr in ("name", "key", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return "/".join(parts)
-
-
-def _flatten(tree):
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(_path_text(p), leaf) for p, leaf in leaves]
-
-
-def _spec_axes(spec: PartitionSpec, mesh: Mesh):
-    """Per array dimension, the mesh axes (of size > 1) that split it."""
-    out = []
-    for entry in spec:
-        names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-        out.append(tuple(n for n in names if mesh.shape[n] > 1))
-    return out
-
-
-def _leaves(abstract_tree, shardings, mesh: Mesh, prefix: str = ""):
-    shard_by_path = dict(_flatten(shardings))
-    out = []
-    for path, leaf in _flatten(abstract_tree):
-        sharding = shard_by_path[path]
-        spec = getattr(sharding, "spec", PartitionSpec())
-        dim_axes = _spec_axes(spec, mesh)
-        dim_axes += [()] * (len(leaf.shape) - len(dim_axes))
-        full = f"{prefix}/{path}" if prefix else path
-        out.append(plan_model.Leaf(full, tuple(leaf.shape), str(np.dtype(leaf.dtype)), (0,), tuple(dim_axes),
-                                   str(spec), np.dtype(leaf.dtype).itemsize))
-    return out

@@ -10,7 +10,7 @@ import json
 import re
 from typing import List, Optional, Sequence
 
-from alpa_job.inspect import plots
+from alpa_job.inspect.plots import all_plots
 from alpa_job.record.run_record import MemoryRecord, RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
 
@@ -298,7 +298,7 @@ def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None)
     from alpa_job.inspect.mesh_picture import mesh_picture
 
     if rendered_plots is None:
-        rendered_plots = plots.all_plots(record)
+        rendered_plots = all_plots(record)
     figures = "".join(figure_html(caption, png) for _name, caption, png in rendered_plots)
     sections = []
     if record.status != "ok":

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from typing import Dict
 
-from alpa_job.inspect import plots, render
+from alpa_job.inspect.plots import all_plots
+from alpa_job.inspect.render import to_html, to_markdown
 from alpa_job.record.report_file import REPORT_FILE, report_json
 from alpa_job.record.run_record import RunRecord
 
@@ -15,12 +16,12 @@ def write_report(record: RunRecord, out_dir: str) -> Dict[str, str]:
     paths = {"json": os.path.join(out_dir, REPORT_FILE), "md": os.path.join(out_dir, "report.md"),
              "html": os.path.join(out_dir, "report.html")}
     _write_text(paths["json"], report_json(record))
-    _write_text(paths["md"], render.to_markdown(record))
-    rendered = plots.all_plots(record)
+    _write_text(paths["md"], to_markdown(record))
+    rendered = all_plots(record)
     for name, _caption, png in rendered:
         with open(os.path.join(out_dir, name), "wb") as f:
             f.write(png)
-    _write_text(paths["html"], render.to_html(record, rendered))
+    _write_text(paths["html"], to_html(record, rendered))
     return paths
 
 

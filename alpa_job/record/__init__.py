@@ -6,7 +6,9 @@ Training (any engine) produces it; the readers in `alpa_job.inspect` render it. 
 - plan.py: the engine-neutral parallel plan (per-leaf sharding, labels, meshes);
 - hlo.py: collectives counted in compiled HLO text;
 - alpa_dump.py: an Alpa `dump_debug_info` folder -> the plan; alpa_live.py: a live Alpa executable -> the plan;
+- jax_program.py: a JAX program's arrays and shardings -> the plan, and XLA's memory analysis (jax imported
+  inside its functions: the JAX engine's report and `inspect.plan_of` share it);
 - report_file.py: the record assembled from the processes' results, written as and read from report.json.
 
-Nothing here imports an engine (jax, flax, alpa): it runs on the Alpa image's Python 3.9 as on 3.11.
+Nothing here imports an engine (jax, flax, alpa) at import time: it runs on the Alpa image's Python 3.9 as on 3.11.
 """

@@ -90,7 +90,7 @@ class MemoryRecord:
 
     @classmethod
     def from_xla(cls, analysis: Optional[Dict[str, int]]) -> Optional["MemoryRecord"]:
-        """From jax_engine.memory_analysis()'s dict (None stays None)."""
+        """From jax_program.memory_analysis()'s dict (None stays None)."""
         return None if analysis is None else _decode_fields(cls, analysis)
 
     @classmethod
