@@ -61,8 +61,9 @@ def test_the_builders_return_the_public_model_spec():
         assert isinstance(spec, api.Model) and spec.input_field == field
         batch = spec.synthetic(args, np.random.default_rng(0), 4)
         assert all(len(v) == 4 for v in batch.values())
-        variables = jax.eval_shape(lambda: spec.module.init(jax.random.PRNGKey(0), batch[field]))
-        outputs = jax.eval_shape(lambda: spec.module.apply(variables, batch[field]))
+        mode = {"train": False} if spec.batch_stats else {}  # BatchNorm reads its statistics, updates none
+        variables = jax.eval_shape(lambda: spec.module.init(jax.random.PRNGKey(0), batch[field], **mode))
+        outputs = jax.eval_shape(lambda: spec.module.apply(variables, batch[field], **mode))
         assert jax.eval_shape(lambda: spec.loss(outputs, batch)).shape == (4,)
     assert resnet.build(resnet.ResNetArgs(), jnp.float32).batch_stats is True
 
