@@ -63,8 +63,8 @@ def test_the_builders_return_the_public_model_spec():
         assert all(len(v) == 4 for v in batch.values())
         mode = {"train": False} if spec.batch_stats else {}  # BatchNorm reads its statistics, updates none
         variables = jax.eval_shape(lambda: spec.module.init(jax.random.PRNGKey(0), batch[field], **mode))
-        outputs = jax.eval_shape(lambda: spec.module.apply(variables, batch[field], **mode))
-        assert jax.eval_shape(lambda: spec.loss(outputs, batch)).shape == (4,)
+        outputs = jax.eval_shape(lambda v: spec.module.apply(v, batch[field], **mode), variables)
+        assert jax.eval_shape(spec.loss, outputs, batch).shape == (4,)
     assert resnet.build(resnet.ResNetArgs(), jnp.float32).batch_stats is True
 
 
