@@ -1,0 +1,67 @@
+"""The LLaMA-style decoder as a model the kit trains: `--model llama_example.model:build`.
+
+`LlamaArgs` declares the model's settings (each field is a `--model-arg NAME=VALUE`, typed by its
+hint); `build` returns the kit's model spec: the Flax module, the batch field it reads, the
+per-example loss and learnable synthetic data.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from alpa_job import api
+from llama_example.layers import DecoderBlock, Llama
+
+
+@dataclasses.dataclass
+class LlamaArgs:
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2  # must divide num_heads; equal to it is plain multi-head attention
+    mlp_dim: int = 0  # 0: 8/3 x d_model rounded up to a multiple of 16 (SwiGLU's usual size)
+    seq_len: int = 32  # tokens per synthetic sequence
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    attention: str = "auto"  # auto | cudnn | einsum
+
+
+def mlp_dim_of(args: LlamaArgs) -> int:
+    """The feed-forward inner width: as set, or 8/3 x d_model rounded up to a multiple of 16."""
+    return args.mlp_dim or -(-8 * args.d_model // 48) * 16
+
+
+def check(args: LlamaArgs) -> None:
+    """Sizes the decoder cannot be built with, as one line naming the fix."""
+    if args.num_heads % args.num_kv_heads:
+        raise ValueError(f"num_kv_heads={args.num_kv_heads} does not divide num_heads={args.num_heads}; "
+                         f"use a divisor of {args.num_heads}")
+    if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
+        raise ValueError(f"d_model={args.d_model} must be num_heads={args.num_heads} x an even head size "
+                         "(rotary embeddings turn pairs); e.g. d_model=" + str(args.num_heads * 16))
+    if args.attention not in ("auto", "cudnn", "einsum"):
+        raise ValueError(f"attention={args.attention!r} is not known; use auto, cudnn or einsum")
+
+
+def next_token_loss(logits, batch):
+    """Per-sequence mean cross-entropy of predicting token t+1 from tokens 0..t."""
+    return api.cross_entropy(logits[:, :-1], batch["tokens"][:, 1:]).mean(axis=-1)
+
+
+def synthetic(args: LlamaArgs, rng: np.random.Generator, n: int):
+    """Each sequence is an arithmetic progression modulo the vocabulary: the next token follows from
+    the two before it, so the loss falls within a few steps."""
+    start = rng.integers(0, args.vocab_size, size=(n, 1))
+    stride = rng.integers(1, 4, size=(n, 1))
+    tokens = (start + stride * np.arange(args.seq_len)[None, :]) % args.vocab_size
+    return {"tokens": tokens.astype(np.int32)}
+
+
+def build(args: LlamaArgs, dtype) -> api.Model:
+    check(args)
+    module = Llama(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads,
+                   num_kv_heads=args.num_kv_heads, mlp_dim=mlp_dim_of(args), vocab_size=args.vocab_size,
+                   dtype=dtype, rope_theta=args.rope_theta, attention=args.attention)
+    return api.Model(module=module, input_field="tokens", loss=next_token_loss, synthetic=synthetic,
+                     layer_count=args.num_layers, layer_class=DecoderBlock)
