@@ -343,3 +343,20 @@ def test_a_declaration_is_read_from_a_dataclass_or_typed_keywords():
     assert builders.args_object(dataclass_builder, typed) == _Args(2, 0.5, True, "x")
     with pytest.raises(KitError, match=r"--model-arg tied: 'maybe' is not a valid bool"):
         builders.typed_args(dataclass_builder, {"tied": "maybe"})
+
+
+@pytest.mark.parametrize("builder, strategy, message", [
+    ("build_no_axes", "tensor", r"--strategy tensor splits parameters by their logical axes, .* carries none; .*"),
+    ("build_scalar_loss", "data", r"--model .*build_scalar_loss: its loss returns shape \(\) for a batch of \d+ rows.*"),
+], ids=["no-logical-axes", "scalar-loss"])
+def test_a_model_bound_for_ray_is_checked_before_ray_starts(packages, tmp_path, builder, strategy, message):
+    # On Ray the engine builds inside the JAX processes; the driver checks the same on abstract shapes
+    # first, so the mistake is one line and no Ray (nor run directory) is ever started.
+    out = tmp_path / "run"
+    proc = _cli(packages, "train", "--address", "local", "--model", f"{PACKAGE}.net:{builder}", "--strategy",
+                strategy, "--steps", "2", "--num-samples", "64", "--batch-size", "16", "--compile-cache", "none",
+                "--out", str(out))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and re.fullmatch("error: " + message, lines[0]), proc.stderr[-3000:]
+    assert not out.exists()  # the run never started: no run directory, no Ray

@@ -79,7 +79,39 @@ def _resolve_model(config, engine: str, address: str):
         from alpa_job.train.loop import ensure_cpu_devices
 
         ensure_cpu_devices(config.devices)
-    return resolve(config)
+    config = resolve(config)
+    if address != NO_RAY and engine == "jax":
+        _check_model_on_abstract_shapes(config)
+    return config
+
+
+def _check_model_on_abstract_shapes(config) -> None:
+    """A user's model bound for Ray: the checks the engine makes when it builds (the batch field it reads,
+    its loss's shape, logical axes under fsdp/tensor) run here first, so a mistake is one line before Ray
+    starts rather than a failed job. Abstract shapes only, on this process's CPU: the driver of a JAX run
+    on Ray never trains, so it must never take a GPU's memory."""
+    import warnings
+
+    import jax
+
+    # With jax loaded, every fork warns; Ray then starts its daemons by fork + exec (subprocess), where
+    # the child runs no JAX code before it execs, so the warning would only be noise on every local run.
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except RuntimeError:  # a backend is up already (an in-process caller): it is used as it is
+        pass
+    from alpa_job.engines.jax_engine import JaxEngine
+    from alpa_job.models import get_model
+    from alpa_job.train.loop import prepare_data
+
+    model = get_model(config)
+    devices = jax.device_count()
+    # As many rows as devices, so any device count divides the batch (the real batch's divisibility was
+    # checked against the cluster's data-parallel size already).
+    example = {field: rows[:devices] for field, rows in prepare_data(config, model).example.items()}
+    strategy = config.strategy if config.strategy != "auto" else "data"
+    JaxEngine(config.replace(compile_cache="none"), model, example, strategy, (devices, 1))
 
 
 def _write_failed(config, engine: str, address: str, err: BaseException, shown) -> None:
