@@ -224,19 +224,29 @@ def _cluster(testbed_factory):
 _CLUSTERS: dict = {}
 
 
-def _train_argv(cluster, out: str, *extra: str, steps: int = STEPS):
-    return ["python", "-m", "alpa_job", "train", "--model", "mlp", "--hidden-dim", "512", "--steps", str(steps),
+MLP = ("--model", "mlp", "--hidden-dim", "512")
+# A user's model (the LLaMA example package, imported from its folder on PYTHONPATH on every host).
+LLAMA = ("--model", "llama_example.model:build", "--model-arg", "num_layers=2", "--model-arg", "d_model=32",
+         "--model-arg", "num_heads=4", "--model-arg", "num_kv_heads=2", "--model-arg", "seq_len=16",
+         "--model-arg", "vocab_size=64")
+REPO = Path(__file__).resolve().parent.parent
+LLAMA_PATH = os.pathsep.join([str(REPO), str(REPO / "examples" / "llama")])
+
+
+def _train_argv(cluster, out: str, *extra: str, steps: int = STEPS, model=MLP):
+    return ["python", "-m", "alpa_job", "train", *model, "--steps", str(steps),
             "--devices", "2", "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
             "--address", cluster.address, "--cluster-spec", str(cluster.spec_path), "--out", out, *extra]
 
 
-def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float = 420, kill=None):
+def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float = 420, kill=None, model=MLP,
+                  env=None):
     """Train from the head; kill `victim` once checkpoint KILL_AFTER_CHECKPOINT is complete.
     Returns (rc, stdout, stderr, kill wall time, seconds from the kill to the driver's exit)."""
     bed = cluster.testbed
     log = open(out.parent / (out.name + ".driver.log"), "w+")
-    p = bed.popen("head", *_train_argv(cluster, str(out), *extra), stdout=log, stderr=subprocess.STDOUT,
-                  env={"RAY_ADDRESS": cluster.address})
+    p = bed.popen("head", *_train_argv(cluster, str(out), *extra, model=model), stdout=log, stderr=subprocess.STDOUT,
+                  env={"RAY_ADDRESS": cluster.address, **(env or {})})
     deadline = time.monotonic() + timeout
     killed_at = None
     try:
@@ -286,6 +296,24 @@ def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
 
 
 _SAVED_ON_TWO_HOSTS: list = []
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_a_users_model_restarts_on_the_survivors_too(testbed_factory):
+    # --max-restarts knows nothing of the model: a user's package (found on every host through the job's
+    # Python path) restarts from its checkpoint on the survivors like a built-in.
+    cluster = _cluster(testbed_factory)
+    out = _out("usermodel")
+    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1", model=LLAMA,
+                                           env={"PYTHONPATH": LLAMA_PATH})
+    assert rc == 0, text[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["model"] == "llama_example.model:build" and report["steps"] == STEPS
+    assert sorted(p["host"] for p in report["processes"]) == ["head", "w1"]
+    (r,) = report["restarts"]
+    assert r["host"] == "w2" and r["resumed_from_step"] >= KILL_AFTER_CHECKPOINT
+    shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.mark.slow
