@@ -137,7 +137,12 @@ def kit_loop(config, model, batch, engine_cls=None, compiler_options: Optional[d
     if compiler_options is not None:
         engine.compiler_options = compiler_options
     engine.compile()
-    holder = [engine.init_state(0)]
+    return engine_loop(engine, 0, batch), engine
+
+
+def engine_loop(engine, seed: int, batch) -> Loop:
+    """A compiled engine's steps on one fixed batch, as a Loop (state kept in its holder between rounds)."""
+    holder = [engine.init_state(seed)]
     device_batch = engine.put_batch(batch)
 
     def run(n: int):
@@ -149,4 +154,4 @@ def kit_loop(config, model, batch, engine_cls=None, compiler_options: Optional[d
         holder[0] = state
         return loss
 
-    return Loop("kit", run, holder, engine.state_sharding), engine
+    return Loop("kit", run, holder, engine.state_sharding)

@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, save_result  # noqa: E402
+from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, engine_loop, save_result  # noqa: E402
 
 CASES = {
     # ~1B: 18 layers, d 2048, 16 heads (8 kv heads), SwiGLU 5632, vocab 32000; 8 x 1024 tokens a step.
@@ -67,19 +67,7 @@ def kit_loop(sizes: dict, batch: int, lr: float, steps: int):
     model = get_model(config)
     data = prepare_data(config, model)
     engine = build_jax_engine(config, model, data)
-    holder = [engine.init_state(config.seed)]
-    device_batch = engine.put_batch(data.example)
-
-    def run(n: int):
-        state = holder[0]
-        loss = None
-        for _ in range(n):
-            state, loss = engine.step(state, device_batch)
-        jax.block_until_ready(loss)
-        holder[0] = state
-        return loss
-
-    return Loop("kit", run, holder, engine.state_sharding), engine, config, data.example
+    return engine_loop(engine, config.seed, data.example), engine, config, data.example
 
 
 # ----------------------------------------------------------------------------- the peer (no kit code)
