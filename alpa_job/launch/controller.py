@@ -141,8 +141,9 @@ class JobController:
                                f"({', '.join(x.where() for x in self.lost)}); check `ray status`")
 
     def _choose(self) -> List[ray_api.RayNode]:
-        want = self.want if not self.restarts else min(self.want or 0, self._eligible_count()) or None
-        nodes = training_nodes(eligible_nodes(failures.current_nodes(), self.lost, healthy_ids=self.healthy))
+        eligible = self._eligible()  # one read of Ray's node table
+        want = self.want if not self.restarts else min(self.want or 0, len(eligible)) or None
+        nodes = training_nodes(eligible)
         count = want or len(nodes)
         if not nodes:
             raise LostProcessError("no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
@@ -263,8 +264,11 @@ class JobController:
         self.healthy |= settled.healthy
         self.lost.extend(lost)
 
+    def _eligible(self) -> List[ray_api.RayNode]:
+        return eligible_nodes(failures.current_nodes(), self.lost, healthy_ids=self.healthy)
+
     def _eligible_count(self) -> int:
-        return len(eligible_nodes(failures.current_nodes(), self.lost, healthy_ids=self.healthy))
+        return len(self._eligible())
 
     def _latest_checkpoint(self) -> Optional[int]:
         return latest_complete_step(self.ckpt_dir) if self.ckpt_dir and self.config.checkpoint_every else None

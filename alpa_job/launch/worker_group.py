@@ -31,8 +31,8 @@ PING_TIMEOUT_S = 5.0
 NODE_CHECK_S = 2.0  # how often a poll reads Ray's node table
 
 
-def training_nodes(nodes: Optional[List[ray_api.RayNode]] = None) -> List[ray_api.RayNode]:
-    """Alive nodes with a CPU to spare, process 0's first.
+def training_nodes(nodes: List[ray_api.RayNode]) -> List[ray_api.RayNode]:
+    """`nodes` (the eligible ones: alive, a CPU to spare), process 0's first.
 
     Process 0 (the coordinator) goes on the driver's node when it is a member: that is the head
     under `ray job submit`, whose address the user already knows.
@@ -40,8 +40,6 @@ def training_nodes(nodes: Optional[List[ray_api.RayNode]] = None) -> List[ray_ap
     import ray
 
     here = ray.util.get_node_ip_address()
-    if nodes is None:
-        nodes = [n for n in ray_api.alive_nodes() if n.cpus() >= 1]
     return sorted(nodes, key=lambda n: (n.ip != here, n.ip))
 
 
