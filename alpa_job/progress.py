@@ -18,6 +18,7 @@ Python 3.9-compatible, rich optional (the Alpa image may lack it: plain lines th
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -273,29 +274,24 @@ class ProgressChannel:
             shown.handle(event)
 
 
-_CHANNEL_ACTOR = None
-
-
+@functools.lru_cache(maxsize=None)
 def _channel_actor_class():
     """The channel's actor class (made once: Ray registers each class it is given)."""
-    global _CHANNEL_ACTOR
-    if _CHANNEL_ACTOR is None:
-        import ray
+    import ray
 
-        @ray.remote(num_cpus=0)
-        class ProgressChannelActor:
-            def __init__(self):
-                self.events: List[Event] = []
+    @ray.remote(num_cpus=0)
+    class ProgressChannelActor:
+        def __init__(self):
+            self.events: List[Event] = []
 
-            def push(self, events: List[Event]) -> None:
-                self.events.extend(events)
+        def push(self, events: List[Event]) -> None:
+            self.events.extend(events)
 
-            def drain(self) -> List[Event]:
-                out, self.events = self.events, []
-                return out
+        def drain(self) -> List[Event]:
+            out, self.events = self.events, []
+            return out
 
-        _CHANNEL_ACTOR = ProgressChannelActor
-    return _CHANNEL_ACTOR
+    return ProgressChannelActor
 
 
 class _ChannelSink:

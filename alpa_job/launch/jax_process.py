@@ -10,6 +10,7 @@ Ray and jax are imported where used, so this module imports where neither is ins
 """
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -63,18 +64,9 @@ def init_distributed(coordinator: Optional[str], num_processes: int, process_id:
                        "training needs a jax whose backend supports several processes (the kit's modern image, or GPUs)")
 
 
-_ACTOR_CLASS = None
-
-
+@functools.lru_cache(maxsize=None)
 def actor_class():
     """The JaxProcess actor class (made once: Ray registers each class it is given)."""
-    global _ACTOR_CLASS
-    if _ACTOR_CLASS is None:
-        _ACTOR_CLASS = _make_actor_class()
-    return _ACTOR_CLASS
-
-
-def _make_actor_class():
     import ray
 
     @ray.remote(num_cpus=1, max_concurrency=2)  # a 2nd thread answers step polls while the 1st trains
