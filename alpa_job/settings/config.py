@@ -19,7 +19,7 @@ from alpa_job.errors import KitError
 from alpa_job.models import built_in_args, check_model_name, check_model_sizes, is_built_in
 from alpa_job.settings import catalog
 from alpa_job.settings.catalog import ALPA_STRATEGIES, STRATEGIES
-from alpa_job.settings.setting import ModelArgs, coerce
+from alpa_job.settings.setting import ModelArgs, coerce, flag_of
 
 
 def _fields_from_the_catalogue(cls):
@@ -49,7 +49,7 @@ class JobConfig:
         if not isinstance(self.model_args, ModelArgs):
             object.__setattr__(self, "model_args", coerce("model_args", self.model_args, ModelArgs))
         if is_built_in(self.model) and self.model_args:
-            flags = ", ".join(f"--{k.replace('_', '-')}" for k in self.model_args)
+            flags = ", ".join(flag_of(k) for k in self.model_args)
             raise KitError(f"model_args {dict(self.model_args)} are for a model you bring; --model {self.model} "
                            f"takes them as its own settings ({flags})")
         for s in catalog.SETTINGS:  # names first, each error with the nearest allowed one
@@ -219,7 +219,7 @@ def _built_in_model_args(merged: Dict[str, Any], flags: Dict[str, Any]) -> None:
         return
     for name, value in built_in_args(model, args).items():
         if name in flags and flags[name] != value:
-            raise KitError(f"--{name.replace('_', '-')} {flags[name]} and --model-arg {name}={value} disagree; "
+            raise KitError(f"{flag_of(name)} {flags[name]} and --model-arg {name}={value} disagree; "
                            "give one of them")
         merged[name] = value
     merged["model_args"] = ModelArgs()

@@ -67,6 +67,7 @@ def check_out(config, explicit_out: bool) -> None:
     """Refuse an --out that would mix two runs, and a --resume with nothing (or another model) to resume."""
     from alpa_job.train.checkpoint import latest_complete_step
     from alpa_job.settings.catalog import MODEL_FIELDS
+    from alpa_job.settings.setting import flag_of
 
     out = config.out
     latest = latest_complete_step(checkpoint_dir(out)) if out else None
@@ -77,7 +78,7 @@ def check_out(config, explicit_out: bool) -> None:
         old = saved_config(out)
         if old is not None:
             fields = ("model",) + MODEL_FIELDS.get(config.model, ())
-            differ = [f"--{f.replace('_', '-')} {old[f]} (now {getattr(config, f)})" for f in fields
+            differ = [f"{flag_of(f)} {old[f]} (now {getattr(config, f)})" for f in fields
                       if f in old and old[f] != getattr(config, f)]
             if old.get("model") == config.model:  # a model the user brings: its settings, key by key
                 before, now = old.get("model_args") or {}, dict(config.model_args)
