@@ -26,7 +26,7 @@ from alpa_job.choices import did_you_mean
 from alpa_job.errors import KitError
 from alpa_job.models import builders
 from alpa_job.models.installed import installed_models
-from alpa_job.settings.setting import Setting, coerce
+from alpa_job.settings.setting import Setting
 
 # The kit's own models, in the order `--model` lists them; each is the module named like it.
 BUILT_IN = ("mlp", "wide_resnet", "gpt")
@@ -118,13 +118,7 @@ def check_model_sizes(config) -> None:
 def built_in_args(name: str, given: Mapping[str, Any]) -> Dict[str, Any]:
     """`--model-arg`s of built-in `name` as its config fields (typed): the same sizes as its flags."""
     known = {s.name: s for s in model_settings(name)}
-    out = {}
-    for key, value in given.items():
-        if key not in known:
-            raise KitError(f"--model-arg {key}: --model {name} has no setting {key!r}{did_you_mean(key, known)}; "
-                           f"its settings: {', '.join(known)}")
-        out[key] = coerce(key, value, known[key].type, label=f"--model-arg {key}")
-    return out
+    return {key: builders.model_arg(name, known, key, value) for key, value in given.items()}
 
 
 def _declaration(name: str):

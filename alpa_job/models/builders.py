@@ -199,13 +199,8 @@ def typed_args(builder: Builder, given: Mapping[str, Any]) -> ModelArgs:
             raise KitError(f"--model-arg {key}: --model {builder.model} declares it as "
                            f"{_type_name(declaration.fixed[key])}, which --model-arg cannot give; drop it (its "
                            "default is used) or declare it as int, float, str or bool")
-        if key not in known:
-            names = ", ".join(known) or "none"
-            raise KitError(f"--model-arg {key}: --model {builder.model} has no setting {key!r}"
-                           f"{did_you_mean(key, known)}; its settings: {names}")
-        setting = known[key]
-        values[key] = coerce(key, value, setting.type, label=f"--model-arg {key}")
-        problem = setting.problem(values[key])
+        values[key] = model_arg(builder.model, known, key, value)
+        problem = known[key].problem(values[key])
         if problem:
             raise KitError(problem)
     missing = [n for n in declaration.required if n not in values]
@@ -215,6 +210,16 @@ def typed_args(builder: Builder, given: Mapping[str, Any]) -> ModelArgs:
     full = {s.name: s.default for s in declaration.settings if s.name not in declaration.required}
     full.update(values)
     return ModelArgs(full)
+
+
+def model_arg(model: str, known: Mapping[str, Setting], key: str, value: Any) -> Any:
+    """One `--model-arg KEY=VALUE` of `--model model`, typed to its setting in `known`; a key the model
+    does not declare is a one-line error with the nearest name."""
+    if key not in known:
+        names = ", ".join(known) or "none"
+        raise KitError(f"--model-arg {key}: --model {model} has no setting {key!r}"
+                       f"{did_you_mean(key, known)}; its settings: {names}")
+    return coerce(key, value, known[key].type, label=f"--model-arg {key}")
 
 
 def args_object(builder: Builder, values: Mapping[str, Any]) -> Any:
