@@ -51,19 +51,7 @@ def einsum_loop(config, model, batch):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    device_batch = jax.device_put(batch)
-    holder = [(params, tx.init(params))]
-
-    def run(n):
-        p, o = holder[0]
-        loss = None
-        for _ in range(n):
-            p, o, loss = step(p, o, device_batch)
-        jax.block_until_ready(loss)
-        holder[0] = (p, o)
-        return loss
-
-    return Loop("einsum", run, holder)
+    return Loop("einsum", *gpu_peer.jit_run(step, params, tx.init(params), jax.device_put(batch)))
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, engine_loop, save_result  # noqa: E402
+from gpu_peer import jit_run  # noqa: E402
 
 CASES = {
     # ~1B: 18 layers, d 2048, 16 heads (8 kv heads), SwiGLU 5632, vocab 32000; 8 x 1024 tokens a step.
@@ -113,18 +114,7 @@ def peer_loop(name: str, model, tokens: np.ndarray, lr: float, horizon: int, don
     step = jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
     compiled = step.lower(params, opt_state, tokens).compile()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    holder = [(params, opt_state)]
-
-    def run(n: int):
-        p, o = holder[0]
-        loss = None
-        for _ in range(n):
-            p, o, loss = step(p, o, tokens)
-        jax.block_until_ready(loss)
-        holder[0] = (p, o)
-        return loss
-
-    return Loop(name, run, holder), n_params, compiled
+    return Loop(name, *jit_run(step, params, opt_state, tokens)), n_params, compiled
 
 
 def llama_flops(n_params: int, batch: int, seq: int, layers: int, d_model: int) -> float:

@@ -99,15 +99,22 @@ def make_loop(num_layers: int, d_model: int, num_heads: int, vocab_size: int, se
     tokens = jax.device_put(tokens)
     compiled = step.lower(params, opt_state, tokens).compile()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    run, state = jit_run(step, params, opt_state, tokens)
+    return run, state, n_params, compiled
+
+
+def jit_run(step, params, opt_state, batch):
+    """(run(n) -> last loss, [state]) for a plain-jit `step(params, opt_state, batch) -> (params,
+    opt_state, loss)` on one fixed batch: run(n) does n steps from state[0] and leaves the result there."""
     state = [(params, opt_state)]
 
     def run(n: int):
         p, o = state[0]
         loss = None
         for _ in range(n):
-            p, o, loss = step(p, o, tokens)
+            p, o, loss = step(p, o, batch)
         jax.block_until_ready(loss)
         state[0] = (p, o)
         return loss
 
-    return run, state, n_params, compiled
+    return run, state
