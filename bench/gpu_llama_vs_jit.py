@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, engine_loop, save_result  # noqa: E402
+from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, engine_loop, gpt_flops, save_result  # noqa: E402
 from gpu_peer import jit_run  # noqa: E402
 
 CASES = {
@@ -117,11 +117,6 @@ def peer_loop(name: str, model, tokens: np.ndarray, lr: float, horizon: int, don
     return Loop(name, *jit_run(step, params, opt_state, tokens)), n_params, compiled
 
 
-def llama_flops(n_params: int, batch: int, seq: int, layers: int, d_model: int) -> float:
-    """6 * params * tokens + 12 * layers * batch * seq^2 * d_model (attention, no causal discount)."""
-    return 6.0 * n_params * batch * seq + 12.0 * layers * batch * seq ** 2 * d_model
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="1b", choices=sorted(CASES))
@@ -168,7 +163,7 @@ def main() -> None:
 
     medians = alternate(loops, args.steps, args.repeats, parked=not args.no_park)
     tokens_per_step = batch * sizes["seq_len"]
-    flops = llama_flops(n_params, batch, sizes["seq_len"], sizes["num_layers"], sizes["d_model"])
+    flops = gpt_flops(n_params, batch, sizes["seq_len"], sizes["num_layers"], sizes["d_model"])
     ms = {k: v * 1e3 for k, v in medians.items()}
     peer_mem = peer_compiled.memory_analysis()
     row = {"case": args.case, "sizes": sizes, "batch": batch, "params": n_params, "flops_per_step": flops,
