@@ -11,7 +11,6 @@ Every engine trains through the one loop, `train.train_process`; what differs is
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 from typing import Any, Iterable, List, Tuple
 
@@ -34,8 +33,7 @@ def run_in_process(config, return_state: bool = False) -> ProcessResult:
     """Train with the JAX engine in this process without Ray (benchmarks, tests, machines without Ray)."""
     from alpa_job.train.loop import ensure_cpu_devices, train_process
 
-    if "jax" not in sys.modules:
-        ensure_cpu_devices(config.devices)
+    ensure_cpu_devices(config.devices)
     return train_process(config, return_state=return_state)
 
 
@@ -75,7 +73,7 @@ def _resolve_model(config, engine: str, address: str):
 
     if is_built_in(config.model):
         return config
-    if address == NO_RAY and engine == "jax" and "jax" not in sys.modules:
+    if address == NO_RAY and engine == "jax":
         from alpa_job.train.loop import ensure_cpu_devices
 
         ensure_cpu_devices(config.devices)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -27,7 +28,9 @@ from alpa_job.train.rundir import checkpoint_dir
 
 
 def ensure_cpu_devices(count: int) -> None:
-    """Emulate `count` CPU devices; must run before jax is first imported in this process."""
+    """Emulate `count` CPU devices; nothing once jax is imported in this process (its caller's devices stand)."""
+    if "jax" in sys.modules:
+        return
     flag = f"--xla_force_host_platform_device_count={count}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
