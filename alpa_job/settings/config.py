@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.choices import did_you_mean, not_known
@@ -203,9 +202,8 @@ def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> Job
     """Defaults <- files (`merge_layers`) <- CLI (only flags the user actually gave), then validate once."""
     given = {k: v for k, v in cli_values.items() if v is not None}
     merged = _merged(file_values, given)
-    hints = typing.get_type_hints(JobConfig)
     for name, value in list(merged.items()):
-        merged[name] = coerce(name, value, hints[name])
+        merged[name] = coerce(name, value, catalog.BY_NAME[name].type)
     _built_in_model_args(merged, given)
     return JobConfig(**merged).validated()
 
