@@ -14,7 +14,7 @@ import pytest
 from alpa_job.settings import config as config_lib
 from alpa_job.settings.config import JobConfig, build_config, load_preset, load_settings, preset_names
 from alpa_job.errors import KitError
-from alpa_job.models import MODEL_MODULES, builder_of, get_model, model_names, model_settings
+from alpa_job.models import BUILT_IN, builder_of, get_model, model_names, model_settings
 from helpers_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,8 +28,8 @@ def test_each_built_in_is_a_builder_of_the_public_api():
 
     from alpa_job import api
 
-    assert list(MODEL_MODULES) == list(model_names()) == ["mlp", "wide_resnet", "gpt"]
-    for name in MODEL_MODULES:
+    assert list(BUILT_IN) == list(model_names()) == ["mlp", "wide_resnet", "gpt"]
+    for name in BUILT_IN:
         builder = builder_of(name)
         assert builder.function.__module__ == f"alpa_job.models.{name}" and builder.target.endswith(":build")
         assert set(builder.declaration.names) <= set(config_lib.FIELD_NAMES)
@@ -38,7 +38,7 @@ def test_each_built_in_is_a_builder_of_the_public_api():
 
 def test_default_sizes_are_the_configs_defaults():
     defaults = JobConfig()
-    declared = {name: {s.name: s.default for s in model_settings(name)} for name in MODEL_MODULES}
+    declared = {name: {s.name: s.default for s in model_settings(name)} for name in BUILT_IN}
     assert declared == {"mlp": {"hidden_dim": 256}, "wide_resnet": {"depth": 10, "width": 2},
                         "gpt": {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256}}
     for sizes in declared.values():
@@ -65,7 +65,7 @@ def test_get_model_builds_the_spec(model, out_shape, input_key, batch_stats):
     assert outputs.shape == out_shape
 
 
-@pytest.mark.parametrize("model", MODEL_MODULES)
+@pytest.mark.parametrize("model", BUILT_IN)
 def test_synthetic_data_comes_from_the_model_and_feeds_it(model):
     """data.synthetic asks the built model: rows = --num-samples, the model's input field present,
     the same arrays for the same seed, other arrays for another seed; the module runs on a slice."""
@@ -108,7 +108,7 @@ def test_the_alpa_engine_counts_pipeline_layers_from_the_model():
     assert alpa_engine.method_settings(gpt, 3, 1)["boundaries"] == [1, 3]  # 6 DecoderBlocks in 3 stages
     wrn = tiny_config("wide_resnet", depth=22, engine="alpa", strategy="pipeshard-auto")
     assert alpa_engine.method_settings(wrn, 2, 1)["layer_num"] == get_model(wrn).layer_count == 9
-    for model in MODEL_MODULES:
+    for model in BUILT_IN:
         config = tiny_config(model)
         assert alpa_engine._layer_class(config) is get_model(config).layer_class
 
@@ -145,9 +145,9 @@ def test_each_preset_loads_into_a_valid_config(name):
     config = build_config(load_settings(name, None), {})
     assert isinstance(config, JobConfig)
     assert values and all(getattr(config, k) == v for k, v in values.items())  # every setting landed
-    assert config.model in MODEL_MODULES
+    assert config.model in BUILT_IN
     # A preset sets only its own model's hyperparameters (others would be silently unused).
-    others = {s.name for m in MODEL_MODULES if m != config.model for s in model_settings(m)}
+    others = {s.name for m in BUILT_IN if m != config.model for s in model_settings(m)}
     assert not others & set(values), (name, others & set(values))
 
 

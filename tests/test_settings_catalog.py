@@ -96,15 +96,15 @@ def test_jobconfig_is_a_frozen_picklable_dataclass():
 
 
 def test_each_model_declares_its_own_settings():
-    from alpa_job.models import MODEL_MODULES, builder_of, model_settings
+    from alpa_job.models import BUILT_IN, builder_of, model_settings
 
     assert catalog.MODEL_FIELDS == {"mlp": ("hidden_dim",), "wide_resnet": ("depth", "width"),
                                     "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")}
-    for name in MODEL_MODULES:
+    for name in BUILT_IN:
         declared = model_settings(name)
         assert all(catalog.setting(s.name).model == name for s in declared)
         assert all(s.__module__ == "alpa_job.settings.setting" for s in map(type, declared))
-    for name in MODEL_MODULES:  # the builder reads the same declaration
+    for name in BUILT_IN:  # the builder reads the same declaration
         declared = builder_of(name).declaration
         assert declared.names == catalog.MODEL_FIELDS[name]
         assert all(s.default == getattr(JobConfig(), s.name) for s in declared.settings)

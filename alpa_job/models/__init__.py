@@ -30,7 +30,6 @@ from alpa_job.settings.setting import Setting
 
 # The kit's own models, in the order `--model` lists them; each is the module named like it.
 BUILT_IN = ("mlp", "wide_resnet", "gpt")
-MODEL_MODULES = BUILT_IN
 
 # The public API's pieces under their old names here, for the kit's own modules.
 RepeatedBlocks = api.RepeatedBlocks
@@ -201,6 +200,6 @@ def _dtype(config):
     return jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
 
 
-__all__ = ["BUILT_IN", "MODEL_MODULES", "ModelSpec", "RepeatedBlocks", "mse", "cross_entropy",
+__all__ = ["BUILT_IN", "ModelSpec", "RepeatedBlocks", "mse", "cross_entropy",
            "is_built_in", "model_names", "check_model_name", "model_settings", "check_model_sizes",
            "built_in_args", "builder_of", "resolve", "build_model", "get_model", "source_digest"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-from alpa_job.models import MODEL_MODULES, model_settings
+from alpa_job.models import BUILT_IN, model_settings
 from alpa_job.settings.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT, PARALLELISM, POSITIVE,
                                        ModelArgs, Setting, Switch)
 
@@ -24,7 +24,7 @@ REMAINDER_POLICIES = ("drop", "pad")
 
 WHAT_TO_TRAIN = (
     # Checked by models.check_model_name: a built-in, an installed model, or PACKAGE.MODULE:FUNCTION.
-    Setting("model", str, "mlp", f"what to train: {', '.join(MODEL_MODULES)}, an installed model, or your own "
+    Setting("model", str, "mlp", f"what to train: {', '.join(BUILT_IN)}, an installed model, or your own "
             "builder as PACKAGE.MODULE:FUNCTION", metavar="NAME"),
     Setting("dataset", str, "synthetic", "synthetic (learnable, generated) or local CIFAR-10", choices=DATASETS),
     # cifar10 reads data_batch_1..5 (python format) from it; the kit never downloads at run time.
@@ -104,7 +104,7 @@ MODEL_ARGS = Setting("model_args", ModelArgs, ModelArgs(), "a setting of the mod
 
 
 def _models_settings() -> Tuple[Setting, ...]:
-    return tuple(dataclasses.replace(setting, model=name) for name in MODEL_MODULES
+    return tuple(dataclasses.replace(setting, model=name) for name in BUILT_IN
                  for setting in model_settings(name))
 
 
@@ -117,7 +117,7 @@ FIELD_NAMES: Tuple[str, ...] = tuple(BY_NAME)
 
 # The size settings each model reads, by model.
 MODEL_FIELDS: Dict[str, Tuple[str, ...]] = {
-    name: tuple(s.name for s in SETTINGS if s.model == name) for name in MODEL_MODULES}
+    name: tuple(s.name for s in SETTINGS if s.model == name) for name in BUILT_IN}
 
 
 # The settings that cannot change the compiled train step (the step store leaves them out of its key).
