@@ -26,7 +26,7 @@ from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES, batch_mes
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
-from alpa_job.models import ModelSpec, is_built_in
+from alpa_job.models import ModelSpec
 
 
 class TrainState(train_state.TrainState):
@@ -74,21 +74,13 @@ class JaxEngine(Engine):
             self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
-        self._check_model(unboxed)
+        model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed, self._example)
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
         self._hits_before = 0
         self._store: Optional[StepStore] = None  # set while a freshly compiled step waits to be stored
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
-
-    def _check_model(self, abstract_state) -> None:
-        """A model the user brings, against this step: its loss's shape (one trace of the forward pass,
-        on abstract values); every model, against the strategy: fsdp/tensor need logical axes."""
-        model_checks.check_logical_axes(self.model.name, self.strategy, self.logical_specs.params,
-                                        abstract_state.params)
-        if not is_built_in(self.model.name):
-            model_checks.check_loss_shape(self.model, abstract_state, self._example)
 
     # ----- state -------------------------------------------------------------------------------
     @property

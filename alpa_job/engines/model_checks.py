@@ -15,6 +15,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from alpa_job.errors import KitError
+from alpa_job.models import is_built_in
 
 SPLITTING_STRATEGIES = ("fsdp", "tensor")
 
@@ -60,3 +61,28 @@ def check_logical_axes(model_name: str, strategy: str, logical_params, abstract_
                            f"parameter {name} (shape {tuple(leaf.shape)}) carries none; wrap its initializer with "
                            "alpa_job.api.logical(init, (api.EMBED, api.MLP)) (one name per dimension) or use "
                            "--strategy data")
+
+
+def check_against_step(model, strategy: str, logical_params, abstract_state, example: Dict[str, Any]) -> None:
+    """Every model, against the strategy (fsdp/tensor need logical axes); a model the user brings, against
+    the step: its loss's shape (one trace of the forward pass, on abstract values)."""
+    check_logical_axes(model.name, strategy, logical_params, abstract_state.params)
+    if not is_built_in(model.name):
+        check_loss_shape(model, abstract_state, example)
+
+
+def check_model(model, example: Dict[str, Any], strategy: str) -> None:
+    """The checks the engine makes when it builds, for a caller with no engine (the driver before Ray):
+    the variables' shapes and logical axes from the model's init alone (no optimizer, mesh or shardings)."""
+    from types import SimpleNamespace
+
+    import flax.linen as nn
+
+    from alpa_job.engines.state_init import StateInitializer
+
+    example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example.items()}
+    check_batch_field(model, example)
+    variables = lambda params, batch_stats: {"params": params, "batch_stats": batch_stats}  # noqa: E731
+    boxed = StateInitializer(model, example, variables).abstract_boxed()
+    check_against_step(model, strategy, nn.get_partition_spec(boxed)["params"],
+                       SimpleNamespace(**nn.meta.unbox(boxed)), example)

@@ -99,17 +99,13 @@ def _check_model_on_abstract_shapes(config) -> None:
         jax.config.update("jax_platforms", "cpu")
     except RuntimeError:  # a backend is up already (an in-process caller): it is used as it is
         pass
-    from alpa_job.engines.jax_engine import JaxEngine
+    from alpa_job.engines.model_checks import check_model
     from alpa_job.models import get_model
     from alpa_job.train.loop import prepare_data
 
     model = get_model(config)
-    devices = jax.device_count()
-    # As many rows as devices, so any device count divides the batch (the real batch's divisibility was
-    # checked against the cluster's data-parallel size already).
-    example = {field: rows[:devices] for field, rows in prepare_data(config, model).example.items()}
     strategy = config.strategy if config.strategy != "auto" else "data"
-    JaxEngine(config.replace(compile_cache="none"), model, example, strategy, (devices, 1))
+    check_model(model, prepare_data(config, model).example, strategy)
 
 
 def _write_failed(config, engine: str, address: str, err: BaseException, shown) -> None:
