@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from alpa_job.record.hlo import merge_counts
 from alpa_job.record.run_record import (GIB, Collective, DeviceInfo, MemoryRecord, MeshShape, RunRecord,
@@ -38,7 +38,7 @@ def record_from_dump(dump, source: Optional[str] = None) -> RunRecord:
         meshes=meshes,
         params=plan.leaf_records(),
         batch_sharding=plan.batch_records(),
-        collectives=_collectives(dump.collectives) if dump.stage_collectives else None,
+        collectives=Collective.table(dump.collectives) if dump.stage_collectives else None,
         memory=_memory(dump.kind, stage_bytes),
         stages=dump_stages(dump, stage_bytes),
         alpa_method={"dump_kind": dump.kind, "prefix": dump.prefix},
@@ -58,9 +58,6 @@ def _memory(kind: str, stage_bytes: List[int]) -> Optional[MemoryRecord]:
     return MemoryRecord.from_stage_bytes(total_bytes=stage_bytes[0])
 
 
-def _collectives(counts: Dict[str, Dict[str, int]]) -> Dict[str, Collective]:
-    return {kind: Collective(count=c["count"], bytes=c["bytes"]) for kind, c in counts.items()}
-
 
 def _stage_bytes(dump) -> List[int]:
     """Bytes of each *.mem_usage.txt in stage order (Alpa writes GiB with 3 decimals: +-0.5 MiB)."""
@@ -77,13 +74,13 @@ def dump_stages(dump, stage_bytes: List[int]) -> List[StageRecord]:
             return []
         return [StageRecord(stage=0, mesh=meshes[0].id, submesh_shape=list(meshes[0].shape),
                             memory_bytes=stage_bytes[0] if stage_bytes else None,
-                            collectives=_collectives(dump.collectives) if dump.stage_collectives else None)]
+                            collectives=Collective.table(dump.collectives) if dump.stage_collectives else None)]
     stems = list(dump.stage_collectives)  # <prefix>_stage_<i>, in stage order
     memory = dict(zip(dump.memory_gb, stage_bytes))
     n = len(meshes)
     if n == 0 or len(stems) < 2 * n:  # not the forward/backward layout: one row per executable stage
         return [StageRecord(stage=i, memory_bytes=memory.get(stem),
-                            collectives=_collectives(dump.stage_collectives[stem])) for i, stem in enumerate(stems)]
+                            collectives=Collective.table(dump.stage_collectives[stem])) for i, stem in enumerate(stems)]
     rows = []
     for i, mesh in enumerate(meshes):
         forward, backward = stems[i], stems[2 * n - 1 - i]
@@ -92,6 +89,6 @@ def dump_stages(dump, stage_bytes: List[int]) -> List[StageRecord]:
             stage=i, mesh=mesh.id, submesh_shape=list(mesh.shape),
             memory_bytes=None if fwd is None or bwd is None else fwd + bwd,
             memory_bytes_forward=fwd, memory_bytes_backward=bwd,
-            collectives=_collectives(merge_counts(dump.stage_collectives[forward],
-                                                  dump.stage_collectives[backward]))))
+            collectives=Collective.table(merge_counts(dump.stage_collectives[forward],
+                                                      dump.stage_collectives[backward]))))
     return rows

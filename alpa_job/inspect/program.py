@@ -12,7 +12,7 @@ import datetime
 import re
 import socket
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program
@@ -160,7 +160,7 @@ def _record(compiled: Any, plan: ParallelPlan, mesh: Any, seconds: Optional[floa
         batch_sharding=plan.batch_records(),
         compiles=1,
         compile_seconds=seconds,
-        collectives=None if text is None else _collectives(count_collectives(text)),
+        collectives=None if text is None else Collective.table(count_collectives(text)),
         memory=MemoryRecord.from_xla(jax_program.memory_analysis(compiled)),
         process=process,
         processes=[process],
@@ -173,6 +173,3 @@ def _record(compiled: Any, plan: ParallelPlan, mesh: Any, seconds: Optional[floa
     record.summary = record.summarize()
     return record
 
-
-def _collectives(counts: Dict[str, Dict[str, int]]) -> Dict[str, Collective]:
-    return {kind: Collective(count=c["count"], bytes=c["bytes"]) for kind, c in counts.items()}

@@ -70,6 +70,11 @@ class Collective:
     count: int = 0
     bytes: int = 0
 
+    @staticmethod
+    def table(counts: Dict[str, Dict[str, int]]) -> Dict[str, "Collective"]:
+        """{kind: Collective} from hlo.count_collectives' {kind: {"count", "bytes"}}."""
+        return {kind: Collective(count=c["count"], bytes=c["bytes"]) for kind, c in counts.items()}
+
 
 @dataclasses.dataclass
 class MemoryRecord:
