@@ -8,7 +8,6 @@ report.json, report.md and report.html. jax is imported inside the functions: `i
 """
 from __future__ import annotations
 
-import datetime
 import re
 import socket
 import time
@@ -18,6 +17,7 @@ from alpa_job.errors import KitError
 from alpa_job.record import jax_program
 from alpa_job.record.hlo import count_collectives
 from alpa_job.record.plan import STRATEGY_LABELS, ParallelPlan
+from alpa_job.record.report_file import created_now
 from alpa_job.record.run_record import (Collective, DeviceInfo, MemoryRecord, MeshShape, ProcessInfo,
                                         RunRecord)
 
@@ -167,7 +167,7 @@ def _record(compiled: Any, plan: ParallelPlan, mesh: Any, seconds: Optional[floa
         devices=DeviceInfo(count=int(mesh.devices.size), platform=first.platform, kind=first.device_kind),
         versions=versions.collect(),
         config={"model": name},
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created=created_now(),
         source=f"jax program {name} (plan_of)",
     )
     record.summary = record.summarize()

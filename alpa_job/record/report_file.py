@@ -17,10 +17,14 @@ from alpa_job.record.run_record import RunRecord
 REPORT_FILE = "report.json"
 
 
+def created_now() -> str:
+    """A record's `created`: now, UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def build_report(config, results: Iterable[Any], address: Optional[str] = None) -> RunRecord:
     """Merge per-process results (ProcessResult, or the plain dicts of older producers) into one record."""
-    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return RunRecord.from_processes(results, config.as_dict(), created=created, address=address)
+    return RunRecord.from_processes(results, config.as_dict(), created=created_now(), address=address)
 
 
 def failed_report(config, engine: str, status: str, error: str, steps_done: int,
@@ -28,9 +32,8 @@ def failed_report(config, engine: str, status: str, error: str, steps_done: int,
     """The record of a run that stopped part-way: what was asked, how far it got, and why it stopped."""
     from alpa_job import versions
 
-    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = RunRecord(engine=engine, strategy=config.strategy, requested_strategy=config.strategy,
-                       steps=int(steps_done or 0), config=config.as_dict(), created=created, address=address,
+                       steps=int(steps_done or 0), config=config.as_dict(), created=created_now(), address=address,
                        status=status, error=error, versions=versions.collect())
     record.summary = record.summarize()
     return record
