@@ -84,13 +84,11 @@ def load_dataset(config, model=None) -> Dataset:
 def synthetic(config, model=None) -> Dataset:
     """Deterministic from `seed`, and learnable, so a falling loss means the step works; each model
     says what its data looks like (its api.Model's `synthetic`)."""
-    if model is None:
-        from alpa_job.models import get_model
+    from alpa_job.models import check_synthetic, get_model
 
+    if model is None:
         model = get_model(config)
-    if model.synthetic is None:
-        raise KitError(f"--model {config.model} gives no synthetic data (its api.Model has synthetic=None); add a "
-                       "synthetic(args, rng, n) function to it or train on --dataset cifar10")
+    check_synthetic(config, model)
     arrays = model.synthetic(np.random.default_rng(config.seed), config.num_samples)
     return Dataset({k: np.asarray(v) for k, v in arrays.items()})
 

@@ -156,10 +156,16 @@ def resolve(config):
     return config
 
 
-def check_data_fits(config, model: api.Model) -> None:
-    if config.dataset == "synthetic" and model.synthetic is None:
+def check_synthetic(config, model) -> None:
+    """`model` (an api.Model or the ModelSpec built from it) can make --dataset synthetic's data."""
+    if model.synthetic is None:
         raise KitError(f"--model {config.model} gives no synthetic data (its api.Model has synthetic=None); add a "
                        "synthetic(args, rng, n) function to it or train on --dataset cifar10")
+
+
+def check_data_fits(config, model: api.Model) -> None:
+    if config.dataset == "synthetic":
+        check_synthetic(config, model)
     if config.dataset == "cifar10" and model.input_field != "image":
         raise KitError(f"--dataset cifar10 gives the batch fields image and label, and --model {config.model} reads "
                        f"{model.input_field!r}; use input_field=\"image\" or --dataset synthetic")
