@@ -30,9 +30,18 @@ What a builder returns, `Model`:
 - `batch_stats`: True for BatchNorm running statistics (the module takes `train: bool`);
 - `synthetic(args, rng, n) -> {field: array of n rows}`: a learnable dataset for `--dataset
   synthetic` (numpy arrays; `rng` is a numpy Generator seeded from `--seed`);
+- `decode(record: bytes) -> {field: array}`: one example of `--dataset array_record` (without it the
+  kit's decoder reads records written by `alpa_job.data.records.write_records`);
+- `dataset(args, path, split) -> grain.MapDataset`: your own input for `--dataset model` (`split` is
+  "train" or "eval"; `path` is `--data-path` / `--eval-data-path`); each element is {field: array} for
+  one row, and the kit shuffles, batches, shards and prefetches it like its own sources;
 - `repeated_blocks(example_input) -> RepeatedBlocks`: for a model made of identical layers, so the
   kit initialises one block once instead of the whole model (the fast initialiser);
 - `layer_count` / `layer_class`: the repeated layers and their flax class, for Alpa's pipelines.
+
+Token data (`--dataset tokens`): the kit cuts windows of `seq_len + 1` tokens into the field
+`tokens` and checks the ids against `vocab_size`, both read from the builder's settings of those
+names (GPT's convention: the model reads tokens[:, :-1] and predicts tokens[:, 1:]).
 
 Sharding: parameters name *logical* axes with `logical(initializer, axes)`, using the names below;
 the strategies' rules map them to the device mesh (`data` needs none; `fsdp` and `tensor` need every
@@ -48,7 +57,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 
 __all__ = ["API_VERSION", "Model", "RepeatedBlocks", "logical", "mse", "cross_entropy", "Setting",
            "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
@@ -102,6 +111,8 @@ class Model:
     loss: Callable[[Any, Dict[str, Any]], Any]
     batch_stats: bool = False
     synthetic: Optional[Callable[[Any, Any, int], Dict[str, Any]]] = None
+    decode: Optional[Callable[[bytes], Dict[str, Any]]] = None
+    dataset: Optional[Callable[[Any, Optional[str], str], Any]] = None
     repeated_blocks: Optional[Callable[[Any], RepeatedBlocks]] = None
     layer_count: Optional[int] = None
     layer_class: Optional[type] = None

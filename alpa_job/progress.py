@@ -138,12 +138,13 @@ class Display:
         self.stop_bar()
         self._rich = RichProgress(
             TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eval]}"),
+            TextColumn("{task.fields[rate]} samples/s"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
             console=_rich_console(self.stream))
         self._rich.start()
         self._task = self._rich.add_task(event.get("desc", "train"), total=event.get("total"), loss="-", rate="-",
-                                         completed=0)
+                                         eval="", completed=0)
 
     def stop_bar(self) -> None:
         """End the progress bar (the lines after it print below it); nothing when there is none."""
@@ -160,7 +161,7 @@ class Display:
         rate = event.get("rate")
         if self._rich is not None:
             self._rich.update(self._task, completed=event.get("done", 0),
-                              loss="-" if loss is None else f"{loss:.4g}",
+                              loss="-" if loss is None else f"{loss:.4g}", eval=format_eval(event),
                               rate="-" if rate is None else f"{rate:,.0f}")
         every = self.every or max(1, (self.total or 10) // 10)
         due = event.get("done", 0) % every == 0 or event.get("last")
@@ -181,11 +182,21 @@ def format_step(event: Event) -> str:
     parts = [f"[{event.get('desc', 'train')}] step {event.get('step')}/{event.get('total_step', '?')}"]
     if event.get("loss") is not None:
         parts.append(f"loss {event['loss']:.4g}")
+    if format_eval(event):
+        parts.append(format_eval(event))
     if event.get("rate") is not None:
         parts.append(f"{event['rate']:,.0f} samples/s")
     if event.get("eta") is not None:
         parts.append(f"ETA {_duration(event['eta'])}")
     return "  ".join(parts)
+
+
+def format_eval(event: Event) -> str:
+    """`eval 2.31 (ppl 10.1)`: the latest evaluation, or nothing before the first."""
+    if event.get("eval_loss") is None:
+        return ""
+    ppl = event.get("eval_perplexity")
+    return f"eval {event['eval_loss']:.4g}" + (f" (ppl {ppl:.4g})" if ppl is not None else "")
 
 
 def _duration(seconds: float) -> str:
@@ -341,6 +352,7 @@ class Progress:
         self._loss_at = 0.0
         self._prev_loss: Any = None
         self._shown_loss: Optional[float] = None
+        self._eval: Dict[str, Optional[float]] = {}
         if unit == "step":
             emit("start", desc=desc, total=total, first=first)
 
@@ -366,7 +378,11 @@ class Progress:
         eta = (self.total - self.n) * elapsed / self.n if self.total and self.n else None
         emit("step", desc=self.desc, done=self.n, total=self.total, step=self.first + self.n,
              total_step=self.first + (self.total or 0), loss=self._shown_loss, rate=rate, eta=eta, last=last,
-             epoch=postfix.get("epoch"))
+             epoch=postfix.get("epoch"), **self._eval)
+
+    def set_eval(self, loss: float, perplexity: Optional[float] = None) -> None:
+        """The latest evaluation, shown with every step from now on."""
+        self._eval = {"eval_loss": loss, "eval_perplexity": perplexity}
 
     def close(self) -> None:
         if self.unit == "step":

@@ -44,19 +44,28 @@ def plan_epoch(num_samples: int, batch_size: int, policy: str) -> EpochPlan:
     return plan
 
 
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s row order: a permutation fixed by (seed, epoch) alone, so the global sample order
+    is the same for every engine and any number of processes (4 bytes a row where that fits)."""
+    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    return order.astype(np.uint32) if num_rows < 2 ** 32 else order
+
+
+def fixed_shape(rows: Dict[str, np.ndarray], size: int, real: int) -> Dict[str, np.ndarray]:
+    """`real` rows padded with zeros to `size`, plus the `mask` field (1 = real row, 0 = padding)."""
+    if real < size:
+        pad = size - real
+        rows = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in rows.items()}
+    mask = np.zeros((size,), np.float32)
+    mask[:real] = 1.0
+    return {**rows, "mask": mask}
+
+
 def epoch_batches(dataset: Dataset, batch_size: int, policy: str, seed: int, epoch: int
                   ) -> Iterator[Tuple[Dict[str, np.ndarray], int]]:
-    """Yield (batch, real_rows) for one epoch, shuffled deterministically by (seed, epoch)."""
+    """Yield (batch, real_rows) for one epoch of an in-memory dataset, in `epoch_order`."""
     plan = plan_epoch(dataset.num_samples, batch_size, policy)
-    order = np.random.default_rng([seed, epoch]).permutation(dataset.num_samples)
+    order = epoch_order(dataset.num_samples, seed, epoch)
     for step in range(plan.steps):
         idx = order[step * batch_size:(step + 1) * batch_size]
-        real = len(idx)
-        batch = {k: v[idx] for k, v in dataset.arrays.items()}
-        mask = np.ones((batch_size,), np.float32)
-        if real < batch_size:
-            pad = batch_size - real
-            batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
-            mask[real:] = 0.0
-        batch["mask"] = mask
-        yield batch, real
+        yield fixed_shape({k: v[idx] for k, v in dataset.arrays.items()}, batch_size, len(idx)), len(idx)

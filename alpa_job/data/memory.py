@@ -22,13 +22,6 @@ class Dataset:
         return len(next(iter(self.arrays.values())))
 
 
-def load_dataset(config, model=None) -> Dataset:
-    """The job's dataset; `model` (a models.ModelSpec, built when not given) makes the synthetic one."""
-    if config.dataset == "cifar10":
-        return load_cifar10(config.data_dir)
-    return synthetic(config, model)
-
-
 def synthetic(config, model=None) -> Dataset:
     """Deterministic from `seed`, and learnable, so a falling loss means the step works; each model
     says what its data looks like (its api.Model's `synthetic`)."""
@@ -72,3 +65,19 @@ def load_cifar10(data_dir: str) -> Dataset:
     x = np.concatenate(images).astype(np.float32) / 255.0
     x = (x - x.mean(axis=(0, 1, 2))) / x.std(axis=(0, 1, 2))
     return Dataset({"image": x.astype(np.float32), "label": np.concatenate(labels)})
+
+
+def load_npz(path: str) -> Dataset:
+    """Arrays by field name from one .npz file (small supervised sets); every array needs the same rows."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: np.asarray(archive[name]) for name in archive.files}
+    except (OSError, ValueError) as err:
+        raise KitError(f"{path} is not a readable .npz file ({err}); write it with numpy.savez") from None
+    if not arrays:
+        raise KitError(f"{path} holds no arrays; write your fields with numpy.savez(path, x=..., y=...)")
+    rows = {name: len(a) if a.ndim else 0 for name, a in arrays.items()}
+    if len(set(rows.values())) != 1:
+        raise KitError(f"{path}: its arrays have different row counts ({rows}); every field needs one row "
+                       "per example")
+    return Dataset(arrays)

@@ -127,17 +127,8 @@ def make_train_step(model):
 
 
 def make_eval_step(model):
-    import jax.numpy as jnp
-
     def eval_step(state, batch):
-        variables = {"params": state.params}
-        if model.has_batch_stats:
-            variables["batch_stats"] = state.batch_stats
-            outputs = model.module.apply(variables, batch[model.input_key], train=False)
-        else:
-            outputs = model.module.apply(variables, batch[model.input_key])
-        per_example = model.loss(outputs, batch).astype(jnp.float32)
-        return (per_example * batch["mask"]).sum(), batch["mask"].sum()
+        return model.eval_sums(state.params, state.batch_stats, batch)
 
     return eval_step
 
@@ -461,18 +452,25 @@ class AlpaEngine(Engine):
                 "devices": {"count": c.num_nodes * c.per_node, "platform": "gpu", "kind": c.gpu_kind}}
 
     def eval_loss(self, state, batch: Dict[str, Any]) -> Optional[float]:
-        """Masked mean loss with FollowParallel on the train step's input placement."""
+        sums = self.eval_sums(state, batch)
+        if sums is None:
+            return None
+        total, count = sums
+        return round(_to_float(total) / max(_to_float(count), 1.0), 6)
+
+    def eval_sums(self, state, batch: Dict[str, Any]):
+        """(loss sum, real rows) with FollowParallel on the train step's input placement (built once)."""
         import alpa
 
-        train_step = self._train_step
         try:
-            follow = alpa.FollowParallel(
-                train_step, num_micro_batches=self.settings["micro_batches"],
-                get_input_placement_specs=lambda: train_step.get_last_executable().get_input_placement_specs())
-            eval_step = alpa.parallelize(make_eval_step(self.model), method=follow, batch_argnums=(1,),
-                                         donate_argnums=())
-            total, count = eval_step(state, batch)
-            return round(_to_float(total) / max(_to_float(count), 1.0), 6)
+            if getattr(self, "_eval_step", None) is None:
+                train_step = self._train_step
+                follow = alpa.FollowParallel(
+                    train_step, num_micro_batches=self.settings["micro_batches"],
+                    get_input_placement_specs=lambda: train_step.get_last_executable().get_input_placement_specs())
+                self._eval_step = alpa.parallelize(make_eval_step(self.model), method=follow, batch_argnums=(1,),
+                                                   donate_argnums=())
+            return self._eval_step(state, batch)
         except Exception as err:  # noqa: BLE001 - eval is a report extra; the training result stands
             progress.note(f"evaluation with FollowParallel failed ({type(err).__name__}: {err}); "
                           "report has no eval_loss")

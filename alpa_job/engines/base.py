@@ -98,7 +98,13 @@ class EngineRunner(abc.ABC):
         """Block until `state` is computed (so the loop's wall time is honest)."""
 
     def eval_loss(self, state: Any, batch: Dict[str, Any]) -> Optional[float]:
-        """Masked mean loss of `batch` without training; None (the default) when the engine does not evaluate."""
+        """The report's eval loss when the run has no eval split: a host batch's masked mean loss, from
+        engines that evaluate it anyway; None (the default) spares the others a second compile."""
+        return None
+
+    def eval_sums(self, state: Any, batch: Any) -> Optional[Tuple[Any, Any]]:
+        """(sum of the loss over the real rows, real rows) of a batch from `put_batch`, without training,
+        as engine values (`to_floats` reads them); None (the default) when the engine does not evaluate."""
         return None
 
 

@@ -214,18 +214,32 @@ class JaxEngine(Engine):
         return max(peaks) if peaks else None
 
     def put_batch(self, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+        """A host batch onto the mesh: this process's rows of the global batch (what the input pipeline
+        reads), or the whole global batch, of which each process hands over only its own rows."""
+        processes = jax.process_count()
+        rows = len(batch["mask"])
+        global_rows = self._example["mask"].shape[0]
         for key, expected in self._example.items():
-            if batch[key].shape != expected.shape:
-                raise KitError(f"batch field {key!r} has shape {batch[key].shape}, the step was compiled for "
+            shape = batch[key].shape
+            if shape[1:] != expected.shape[1:] or shape[0] not in (global_rows, global_rows // processes):
+                raise KitError(f"batch field {key!r} has shape {shape}, the step was compiled for "
                                f"{expected.shape}; a new shape means a second compile - keep batches fixed-size "
                                "(--drop-remainder or --pad-remainder)")
-        if jax.process_count() == 1:
+        if processes == 1:
             return jax.device_put(batch, self.batch_sharding)
-        # Each process holds the whole global batch; it hands over only its own rows.
-        rows = len(batch["mask"]) // jax.process_count()
-        lo = jax.process_index() * rows
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[lo:lo + rows], v.shape)
+        if rows == global_rows:
+            local = global_rows // processes
+            lo = jax.process_index() * local
+            batch = {k: v[lo:lo + local] for k, v in batch.items()}
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, self._example[k].shape)
                 for k, v in batch.items()}
+
+    def eval_sums(self, state: TrainState, batch: Dict[str, jax.Array]):
+        """(loss sum, real rows) of a placed batch, in inference mode; compiled once, on first use."""
+        if getattr(self, "_eval_jitted", None) is None:
+            model = self.model
+            self._eval_jitted = jax.jit(lambda st, b: model.eval_sums(st.params, st.batch_stats, b))
+        return self._eval_jitted(state, batch)
 
     def step(self, state: TrainState, batch: Dict[str, jax.Array]):
         if self._compiled is None:

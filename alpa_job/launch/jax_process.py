@@ -87,10 +87,11 @@ def actor_class():
             return shared_out.missing_probes(out, token, count)
 
         def trajectory(self, cfg, run_start: int, resumed_from: int) -> Tuple[int, int]:
-            from alpa_job.data import load_dataset, plan_epoch
+            from alpa_job.data import plan_epoch
+            from alpa_job.data.open import open_source
             from alpa_job.launch.recovery import samples_in_steps
 
-            epoch = plan_epoch(load_dataset(cfg).num_samples, cfg.batch_size, cfg.remainder)
+            epoch = plan_epoch(len(open_source(cfg)), cfg.batch_size, cfg.remainder)
             return samples_in_steps(epoch.steps, epoch.full_batches, epoch.remainder, epoch.policy,
                                     cfg.batch_size, run_start, resumed_from)
 

@@ -50,6 +50,8 @@ class ModelSpec:
     # layers; None: the state is initialised whole.
     repeated_blocks: Optional[Callable] = None
     synthetic: Optional[Callable] = None  # synthetic(rng, n) -> {field: n rows}, the builder's args bound
+    decode: Optional[Callable] = None  # decode(record bytes) -> {field: array}, for --dataset array_record
+    dataset: Optional[Callable] = None  # dataset(path, split) -> grain.MapDataset, the builder's args bound
     layer_count: Optional[int] = None  # the repeated layers (Alpa's pipeline boundaries count them)
     layer_class: Optional[type] = None  # the flax class whose calls are those layers
 
@@ -76,6 +78,20 @@ class ModelSpec:
         per_example = self.loss(outputs, batch).astype(jnp.float32)
         mask = batch["mask"]
         return (per_example * mask).sum() / jnp.maximum(mask.sum(), 1.0), new_stats
+
+    def eval_sums(self, params, batch_stats, batch: Dict[str, Any]):
+        """(sum of the per-example loss over real rows, real rows) in inference mode: sums, so eval
+        batches and processes add up to one exact mean."""
+        import jax.numpy as jnp
+
+        variables = {"params": params}
+        if self.has_batch_stats:
+            variables["batch_stats"] = batch_stats
+            outputs = self.module.apply(variables, batch[self.input_key], train=False)
+        else:
+            outputs = self.module.apply(variables, batch[self.input_key])
+        per_example = self.loss(outputs, batch).astype(jnp.float32)
+        return (per_example * batch["mask"]).sum(), batch["mask"].sum()
 
 
 # ----------------------------------------------------------------------------- names (no jax)
@@ -118,6 +134,11 @@ def built_in_args(name: str, given: Mapping[str, Any]) -> Dict[str, Any]:
     """`--model-arg`s of built-in `name` as its config fields (typed): the same sizes as its flags."""
     known = {s.name: s for s in model_settings(name)}
     return {key: builders.model_arg(name, known, key, value) for key, value in given.items()}
+
+
+def model_input_field(name: str) -> str:
+    """The batch field built-in model `name` reads (from its declaration: no jax)."""
+    return _declaration(name).INPUT_FIELD
 
 
 def _declaration(name: str):
@@ -163,12 +184,22 @@ def check_synthetic(config, model) -> None:
                        "synthetic(args, rng, n) function to it or train on --dataset cifar10")
 
 
-def check_data_fits(config, model: api.Model) -> None:
-    if config.dataset == "synthetic":
+def check_data_fits(config, model) -> None:
+    """The dataset gives the batch field the model (an api.Model, or a built-in's name) reads."""
+    field = model.input_field if not isinstance(model, str) else model_input_field(model)
+    if config.dataset == "synthetic" and not isinstance(model, str):
         check_synthetic(config, model)
-    if config.dataset == "cifar10" and model.input_field != "image":
-        raise KitError(f"--dataset cifar10 gives the batch fields image and label, and --model {config.model} reads "
-                       f"{model.input_field!r}; use input_field=\"image\" or --dataset synthetic")
+    gives = {"cifar10": ("image", "label"), "tokens": ("tokens",)}.get(config.dataset)
+    if gives and field not in gives:
+        raise KitError(f"--dataset {config.dataset} gives the batch field(s) {', '.join(gives)}, and --model "
+                       f"{config.model} reads {field!r}; use a model whose input_field is {gives[0]!r} "
+                       "or another --dataset")
+    if config.dataset == "model" and not isinstance(model, str) and model.dataset is None:
+        raise KitError(f"--dataset model: --model {config.model} provides no dataset (its api.Model has "
+                       "dataset=None); add dataset(args, path, split) to it or use --dataset tokens|array_record|npz")
+    if config.dataset == "model" and isinstance(model, str):
+        raise KitError(f"--dataset model: the built-in --model {model} provides no dataset of its own; "
+                       "use --dataset tokens|array_record|npz")
 
 
 def build_model(config) -> Tuple[api.Model, Any]:
@@ -185,10 +216,12 @@ def build_model(config) -> Tuple[api.Model, Any]:
 def get_model(config) -> ModelSpec:
     model, args = build_model(config)
     repeated = model.repeated_blocks
-    synthetic = model.synthetic
+    synthetic, dataset = model.synthetic, model.dataset
     return ModelSpec(config.model, model.module, model.input_field, bool(model.batch_stats), model.loss,
                      repeated_blocks=repeated,
                      synthetic=(lambda rng, n: synthetic(args, rng, n)) if synthetic is not None else None,
+                     decode=model.decode,
+                     dataset=(lambda path, split: dataset(args, path, split)) if dataset is not None else None,
                      layer_count=model.layer_count, layer_class=model.layer_class)
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_job import api
+from alpa_job.models.gpt_settings import INPUT_FIELD
 from alpa_job.api import EMBED, HEADS, KV, MLP, SEQ, VOCAB, RepeatedBlocks, cross_entropy, logical
 
 _normal = nn.initializers.normal(stddev=0.02)
@@ -158,6 +159,6 @@ def build(config, dtype) -> api.Model:
     fast initialiser."""
     module = _InputsOnly(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
                              config.vocab_size, dtype))
-    return api.Model(module, input_field="tokens", loss=_next_token_loss, synthetic=synthetic,
+    return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=config.num_layers, layer_class=DecoderBlock)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from alpa_job.errors import KitError
 from alpa_job.settings.setting import POSITIVE, Setting
 
+# The batch field the model reads: the checks before Ray match a dataset against it without building it.
+INPUT_FIELD = "tokens"
+
 SETTINGS = (
     Setting("num_layers", int, 2, "transformer blocks", check=POSITIVE),
     Setting("d_model", int, 128, "embedding width", check=POSITIVE),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_job import api
+from alpa_job.models.mlp_settings import INPUT_FIELD
 from alpa_job.api import EMBED, MLP, logical
 
 
@@ -42,6 +43,6 @@ def synthetic(config, rng, n):
 
 def build(config, dtype) -> api.Model:
     """The built-in MLP through the public API (alpa_job/api.py), like any model a user brings."""
-    return api.Model(MLPModel(config.hidden_dim, dtype), input_field="x", loss=api.mse, synthetic=synthetic,
+    return api.Model(MLPModel(config.hidden_dim, dtype), input_field=INPUT_FIELD, loss=api.mse, synthetic=synthetic,
                      layer_count=4,  # Dense 4h -> h -> 4h -> h
                      layer_class=nn.Dense)

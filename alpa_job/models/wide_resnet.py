@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from alpa_job import api
+from alpa_job.models.wide_resnet_settings import INPUT_FIELD
 from alpa_job.api import CHANNELS, CONV_IN, EMBED, logical
 
 
@@ -87,7 +88,7 @@ def synthetic(config, rng, n):
 def build(config, dtype) -> api.Model:
     """The built-in WideResNet through the public API (alpa_job/api.py): BatchNorm statistics ride beside
     the parameters."""
-    return api.Model(WideResNet(config.depth, config.width, 10, dtype), input_field="image",
+    return api.Model(WideResNet(config.depth, config.width, 10, dtype), input_field=INPUT_FIELD,
                      loss=_classification_loss, batch_stats=True, synthetic=synthetic,
                      layer_count=3 * ((config.depth - 4) // 6),  # 3 stages x n blocks
                      layer_class=WideBlock)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from alpa_job.errors import KitError
 from alpa_job.settings.setting import POSITIVE, Setting
 
+# The batch field the model reads: the checks before Ray match a dataset against it without building it.
+INPUT_FIELD = "image"
+
 SETTINGS = (
     Setting("depth", int, 10, "6n+4"),  # 10: one block per stage; the bound is check()'s
     Setting("width", int, 2, "widening factor k", check=POSITIVE),

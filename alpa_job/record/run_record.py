@@ -144,6 +144,9 @@ class ProcessInfo:
     ip: Optional[str] = None
     local_devices: List[str] = dataclasses.field(default_factory=list)
     coordinator: Optional[str] = None
+    # This process's share of the input: each process reads only its own rows of every global batch.
+    rows_read: Optional[int] = None
+    bytes_read: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -200,6 +203,33 @@ class Summary:
     one_compile: bool = False
 
 
+@dataclasses.dataclass
+class InputRecord:
+    """What the input pipeline did (this process's numbers; every process reads its own share)."""
+
+    dataset: str = ""  # what was read, in words (files, rows)
+    rows: int = 0  # rows in the dataset (token windows, records, samples)
+    steps_per_epoch: int = 0
+    epochs: float = 0.0  # passes over the dataset this run made (a resumed run counts from its start)
+    rows_read: int = 0
+    bytes_read: int = 0
+    bytes_per_s: Optional[float] = None  # over the training loop
+    data_wait_s: float = 0.0  # the loop waited this long, in all, for its next batch
+    data_wait_per_step_s: Optional[float] = None
+    data_wait_fraction: Optional[float] = None  # of the loop's time
+    pipeline: str = ""  # grain (prefetch threads) or in-memory
+
+
+@dataclasses.dataclass
+class EvalPoint:
+    """The eval split's masked mean loss at one step (--eval-every), perplexity for token data."""
+
+    step: int
+    loss: float
+    perplexity: Optional[float] = None
+    batches: int = 0
+
+
 # ============================================================================ process and run
 @dataclasses.dataclass
 class ProcessResult:
@@ -224,6 +254,8 @@ class ProcessResult:
     search: Optional[List[SearchCandidate]] = None
     resumed_from_step: Optional[int] = None
     eval_loss: Optional[float] = None
+    evals: List[EvalPoint] = dataclasses.field(default_factory=list)  # with --eval-data-path
+    input: Optional[InputRecord] = None
     alpa_method: Optional[Dict[str, Any]] = None  # the Alpa method settings (strategy, micro batches, ...)
     plan_cache: Optional[Dict[str, Any]] = None  # Alpa pipeshard-auto plan cache decision
     process: ProcessInfo = dataclasses.field(default_factory=ProcessInfo)

@@ -15,7 +15,8 @@ from alpa_job.models import BUILT_IN, model_settings
 from alpa_job.settings.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT, PARALLELISM, POSITIVE,
                                        ModelArgs, Setting, Switch)
 
-DATASETS = ("synthetic", "cifar10")
+DATASETS = ("synthetic", "cifar10", "tokens", "array_record", "npz", "model")
+TOKEN_DTYPES = ("uint16", "uint32")
 ENGINES = ("auto", "jax", "alpa")
 STRATEGIES = ("data", "fsdp", "tensor", "auto")  # --engine jax
 ALPA_STRATEGIES = ("data", "shard", "pipeshard-manual", "pipeshard-auto")  # --engine alpa
@@ -26,7 +27,22 @@ WHAT_TO_TRAIN = (
     # Checked by models.check_model_name: a built-in, an installed model, or PACKAGE.MODULE:FUNCTION.
     Setting("model", str, "mlp", f"what to train: {', '.join(BUILT_IN)}, an installed model, or your own "
             "builder as PACKAGE.MODULE:FUNCTION", metavar="NAME"),
-    Setting("dataset", str, "synthetic", "synthetic (learnable, generated) or local CIFAR-10", choices=DATASETS),
+    Setting("dataset", str, "synthetic", "synthetic (generated), cifar10 (local), tokens (binary token files), "
+            "array_record (serialized examples), npz (arrays by field), model (the model's own Grain dataset)",
+            choices=DATASETS),
+    Setting("data_path", Optional[str], None, "tokens / array_record / npz / model: a file, a folder or a quoted glob",
+            metavar="PATH", decides_step=False),
+    Setting("token_dtype", str, "uint16", "tokens: the id type of the token files", choices=TOKEN_DTYPES,
+            decides_step=False),
+    Setting("eval_data_path", Optional[str], None, "the eval split, in --dataset's format: its loss (and "
+            "perplexity for tokens) in the progress line and the report", metavar="PATH", decides_step=False),
+    Setting("eval_every", int, 0, "evaluate every N steps (0: at the end only)", check=NON_NEGATIVE,
+            metavar="N", decides_step=False),
+    Setting("eval_batches", Optional[int], None, "batches per evaluation", check=POSITIVE, metavar="K",
+            default_help="the whole eval split", decides_step=False),
+    Setting("data_threads", int, 2, "background threads reading batches ahead of the step", check=POSITIVE,
+            metavar="N", decides_step=False),
+    Setting("prefetch", int, 4, "batches read ahead", check=POSITIVE, metavar="N", decides_step=False),
     # cifar10 reads data_batch_1..5 (python format) from it; the kit never downloads at run time.
     Setting("data_dir", Optional[str], None, "cifar10: the extracted cifar-10-batches-py folder", metavar="DIR",
             decides_step=False),

@@ -14,6 +14,7 @@ import os
 from typing import Any, FrozenSet, Iterable, List, Optional
 
 from alpa_job.data import cifar10_batch_files
+from alpa_job.data.open import FILE_DATASETS
 from alpa_job.errors import KitError
 from alpa_job.settings import catalog
 from alpa_job.settings.config import JobConfig
@@ -55,7 +56,12 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
     if name in JAX_AUTO_ONLY and (engine != "jax" or strategy != "auto"):
         return f"it tunes --strategy auto's search (this run: {engine}/{strategy}); drop it or use --strategy auto"
     if name == "data_dir" and config.dataset != "cifar10":
-        return "only --dataset cifar10 reads files; drop it or add --dataset cifar10"
+        return "only --dataset cifar10 reads it; drop it or add --dataset cifar10"
+    if name in ("data_path", "eval_data_path") and config.dataset not in FILE_DATASETS:
+        return (f"--dataset {config.dataset} reads no files; drop it or add --dataset "
+                f"{'|'.join(FILE_DATASETS)}")
+    if name == "token_dtype" and config.dataset != "tokens":
+        return "only --dataset tokens reads it; drop it or add --dataset tokens"
     if name == "num_samples" and config.dataset != "synthetic":
         return "it sizes the synthetic dataset and --dataset cifar10 has its own size; drop it"
     owner = catalog.model_of(name)
@@ -78,8 +84,16 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
     return None
 
 
-def check_data(config: JobConfig) -> None:
-    """The dataset exists and the batch fits it (sizes only; nothing is loaded)."""
+def check_data(config: JobConfig, engine: str = "jax") -> None:
+    """The dataset exists and the batch fits it (sizes, a sample of token ids: nothing is loaded whole)."""
+    from alpa_job.data.checks import check_input
+    from alpa_job.models import check_data_fits, is_built_in
+
+    check_input(config, engine)
+    if is_built_in(config.model):
+        check_data_fits(config, config.model)
+    if config.dataset not in ("cifar10", "synthetic"):
+        return
     if config.dataset == "cifar10":
         for name in cifar10_batch_files(config.data_dir):
             _check_pickle_header(os.path.join(config.data_dir, name))
@@ -157,7 +171,7 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
         if config.batch_size % config.micro_batches:
             raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches "
                            f"{config.micro_batches}; use a multiple of {config.micro_batches}")
-    check_data(config)
+    check_data(config, engine)
     devices = planned_devices(config, engine, address)
     if devices is not None:
         where = f"; the run has {devices} emulated CPU devices (--devices)"

@@ -1,7 +1,10 @@
 """Checkpoints with orbax: save every N steps, resume from the latest, restore exactly.
 
-The saved step number is enough to resume the data stream: batches are a pure function of
-(seed, epoch, step), so no iterator state needs saving.
+Each checkpoint holds two items: `state` (the train state) and `data` (the input pipeline's iterator
+state, JSON: its position and what fixes the stream's content), so `--resume` and a restart after a
+lost node continue the exact batch sequence, and refuse to continue it over other data. A checkpoint
+written before the data item existed (one `default` item) still restores, its data position taken
+from its step.
 
 A save is atomic: orbax writes `<dir>/<step>.orbax-checkpoint-tmp-<n>/` and renames it to `<dir>/<step>`
 only once every process's shards are written, so a kill during a save leaves the previous step the
@@ -12,7 +15,7 @@ so a run saved on 3 hosts resumes on 2 (after a lost node).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from alpa_job.errors import KitError
 
@@ -42,18 +45,26 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
-    def maybe_save(self, step: int, state: Any) -> bool:
+    def maybe_save(self, step: int, state: Any, data_state: Optional[Dict[str, Any]] = None) -> bool:
         if not self.every or step % self.every:
             return False
-        saved = self.manager.save(step, args=self._ocp.args.StandardSave(state))
+        args = self._ocp.args
+        saved = self.manager.save(step, args=args.Composite(state=args.StandardSave(state),
+                                                            data=args.JsonSave(data_state or {})))
         return bool(saved)
 
-    def restore(self, abstract_state: Any, step: Optional[int] = None) -> Any:
+    def restore(self, abstract_state: Any, step: Optional[int] = None) -> Tuple[Any, Optional[Dict[str, Any]]]:
+        """(state, the data item or None for a checkpoint without one) of `step` (default: the latest)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise KitError(f"--resume: no checkpoint in {self.directory}; run once with --checkpoint-every N first "
                            "or drop --resume")
-        return self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract_state))
+        args = self._ocp.args
+        if os.path.isdir(os.path.join(self.directory, str(step), "default")):  # written before the data item
+            return self.manager.restore(step, args=args.StandardRestore(abstract_state)), None
+        restored = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(abstract_state),
+                                                                  data=args.JsonRestore()))
+        return restored["state"], restored["data"] or None
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -9,6 +9,7 @@ data; it never formats a report.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -20,10 +21,12 @@ import numpy as np
 
 from alpa_job import progress, versions
 from alpa_job.train import timing
-from alpa_job.data import Dataset, EpochPlan, epoch_batches, load_dataset, plan_epoch
+from alpa_job.data import EpochPlan, plan_epoch
+from alpa_job.data.pipeline import InputStream, Shard
+from alpa_job.data.sources import RowSource
 from alpa_job.engines.base import Engine
 from alpa_job.errors import KitError
-from alpa_job.record.run_record import ProcessResult
+from alpa_job.record.run_record import EvalPoint, InputRecord, ProcessResult
 from alpa_job.train.rundir import checkpoint_dir
 
 
@@ -37,35 +40,58 @@ def ensure_cpu_devices(count: int) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class TrainData:
-    """The dataset and how it splits into fixed-shape batches (the same for every engine)."""
+    """The input: the row source, how its epochs split into fixed-shape batches, the eval split."""
 
-    dataset: Dataset
+    source: RowSource
     epoch: EpochPlan
     batch_size: int
     remainder: str
     seed: int
-    example: Dict[str, np.ndarray]  # the first batch: the one shape every step is compiled for
+    example: Dict[str, np.ndarray]  # the first global batch: the one shape every step is compiled for
+    threads: int = 2
+    prefetch: int = 4
+    eval_source: Optional[RowSource] = None
+    tokens: bool = False  # token data: evaluations report perplexity too
 
-    def batches(self, epoch_index: int) -> Iterator[Tuple[Dict[str, np.ndarray], int]]:
-        return epoch_batches(self.dataset, self.batch_size, self.remainder, self.seed, epoch_index)
+    def stream(self, total_steps: int, shard: Shard = Shard()) -> InputStream:
+        """This process's batches of the training stream (see alpa_job.data.pipeline)."""
+        return InputStream(self.source, self.epoch, self.batch_size, self.seed, total_steps, shard,
+                           threads=self.threads, prefetch=self.prefetch)
 
     def first(self, n: int) -> List[Dict[str, np.ndarray]]:
-        out: List[Dict[str, np.ndarray]] = []
-        for batch, _ in self.batches(0):
-            out.append(batch)
-            if len(out) == n:
-                break
-        return out
+        whole = self.stream(n)
+        return [whole.local_batch(s) for s in range(n)]
+
+    def eval_stream(self, batches: Optional[int], shard: Shard = Shard()) -> Optional[InputStream]:
+        """The eval split's first `batches` batches (all of it when None), in file order, padded and masked."""
+        if self.eval_source is None:
+            return None
+        rows = len(self.eval_source)
+        available = -(-rows // self.batch_size)
+        steps = min(batches or available, available)
+        plan = plan_epoch(rows, self.batch_size, "pad")
+        return InputStream(self.eval_source, plan, self.batch_size, self.seed, steps, shard, shuffle=False,
+                           threads=self.threads, prefetch=self.prefetch)
 
 
 def prepare_data(config, model=None) -> TrainData:
-    """The dataset and its fixed-shape batches; `model` (a models.ModelSpec) makes synthetic data."""
-    dataset = load_dataset(config, model)
-    epoch = plan_epoch(dataset.num_samples, config.batch_size, config.remainder)
-    example, _ = next(epoch_batches(dataset, config.batch_size, config.remainder, config.seed, 0))
-    return TrainData(dataset, epoch, config.batch_size, config.remainder, config.seed, example)
+    """The dataset and its fixed-shape batches; `model` (a models.ModelSpec) makes synthetic data, decodes
+    records or gives its own dataset."""
+    from alpa_job.data.open import EVAL, TRAIN, open_source
+
+    source = open_source(config, TRAIN, model)
+    epoch = plan_epoch(len(source), config.batch_size, config.remainder)
+    example = InputStream(source, epoch, config.batch_size, config.seed, 1).local_batch(0)
+    if model is not None and model.input_key not in example:
+        fields = ", ".join(sorted(k for k in example if k != "mask"))
+        raise KitError(f"--dataset {config.dataset} gives the field(s) {fields}, and --model {config.model} reads "
+                       f"{model.input_key!r}; give the data that field or change the model's input_field")
+    eval_source = open_source(config, EVAL, model) if getattr(config, "eval_data_path", None) else None
+    return TrainData(source, epoch, config.batch_size, config.remainder, config.seed, example,
+                     threads=config.data_threads, prefetch=config.prefetch, eval_source=eval_source,
+                     tokens=config.dataset == "tokens")
 
 
 def _open_devices_early() -> None:
@@ -156,18 +182,25 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
 
         checkpointer = Checkpointer(checkpoint_dir(config.out), config.checkpoint_every)
     built = time.perf_counter()
-    state, start_step = _first_state(config, engine, checkpointer)
+    state, start_step, data_state = _first_state(config, engine, checkpointer)
     phases = {"startup": startup, **engine.stats.setup_phases,
               "setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
               "init_compile": getattr(engine.stats, "init_compile_seconds", None),
               "init_or_restore": time.perf_counter() - built}
 
+    process = engine.topology()["process"]
+    shard = Shard(process["id"], process["count"])
+    stream = data.stream(total_steps, shard)
+    stream.check_state(data_state, start_step)
+    evaluator = Evaluator(engine, data, config, shard)
+    read_before = (data.source.rows_read, data.source.bytes_read)
     compiles_since = engine.watch_compiles()
-    state, stats = run_loop(engine, state, data, start_step, total_steps, checkpointer, on_step=on_step)
+    state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
+                            evaluator=evaluator)
     loop_compiles = compiles_since()
     if checkpointer is not None:
         checkpointer.close()
-    eval_loss = engine.eval_loss(state, data.example)
+    eval_loss = evaluator.points[-1].loss if evaluator.points else engine.eval_loss(state, data.example)
 
     first_done = stats.pop("first_step_done_at")
     phases["first_step"] = stats.pop("first_step_s")
@@ -175,6 +208,9 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     # The same from the process's start: Python, imports and (in a Ray actor) the worker's start too.
     phases["process_to_first_step"] = stats.pop("process_age_at_first_step")
     result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
+    result.evals = evaluator.points
+    result.input = input_record(data, stream, read_before, start_step, total_steps, stats["loop_seconds"])
+    result.process.rows_read, result.process.bytes_read = result.input.rows_read, result.input.bytes_read
     result.timing = timing.summary(
         phases, stats["window_step_s"], engine.stats.flops_per_step, result.devices.kind, config.dtype,
         result.devices.count or 1, engine.peak_memory_bytes(),
@@ -187,27 +223,81 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     return result
 
 
-def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int]:
-    """(state, its step): restored from the last complete checkpoint with --resume, else fresh."""
+def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Optional[Dict[str, Any]]]:
+    """(state, its step, the input stream's saved state): from the last complete checkpoint with
+    --resume, else fresh."""
     if config.resume:
-        state = checkpointer.restore(engine.abstract_state)
+        state, data_state = checkpointer.restore(engine.abstract_state)
         start_step = int(engine.to_floats([state.step])[0])
         progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
-        return state, start_step
+        return state, start_step, data_state
     state = engine.init_state(config.seed)
     engine.wait(state)
-    return state, 0
+    return state, 0, None
 
 
-def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total_steps: int,
-             checkpointer=None, on_step: Optional[Callable[[int], None]] = None) -> Tuple[Any, Dict[str, Any]]:
-    """Steps `start_step`..`total_steps` over fixed-shape batches; returns (final state, loop statistics).
+class Evaluator:
+    """The eval split's loss every `--eval-every` steps and at the end (exact: sums over real rows)."""
 
-    Resuming mid-epoch skips that epoch's first batches: batches are a pure function of
-    (seed, epoch, index), so the stream continues exactly where the checkpoint left it."""
+    def __init__(self, engine: Engine, data: TrainData, config, shard: Shard):
+        self.engine, self.data, self.shard = engine, data, shard
+        self.every = config.eval_every
+        self.batches = config.eval_batches
+        self.points: List[EvalPoint] = []
+
+    @property
+    def active(self) -> bool:
+        return self.data.eval_source is not None
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.active and (last or (self.every and step % self.every == 0))
+
+    def __call__(self, step: int, state: Any) -> Optional[EvalPoint]:
+        stream = self.data.eval_stream(self.batches, self.shard)
+        sums: List[Any] = []
+        batches = 0
+        for batch, _ in stream.batches(0):
+            out = self.engine.eval_sums(state, self.engine.put_batch(batch))
+            if out is None:  # this engine does not evaluate
+                return None
+            sums.extend(out)
+            batches += 1
+        values = self.engine.to_floats(sums)  # one host sync for every eval batch
+        loss = sum(values[0::2]) / max(sum(values[1::2]), 1.0)
+        perplexity = math.exp(min(loss, 700.0)) if self.data.tokens else None
+        point = EvalPoint(step, round(loss, 6), round(perplexity, 4) if perplexity is not None else None, batches)
+        self.points.append(point)
+        return point
+
+
+def input_record(data: TrainData, stream: InputStream, read_before: Tuple[int, int], start_step: int,
+                 total_steps: int, loop_seconds: float) -> InputRecord:
+    """What this process's input did during the loop (the rows and bytes it read itself)."""
+    rows = data.source.rows_read - read_before[0]
+    size = data.source.bytes_read - read_before[1]
+    steps = max(total_steps - start_step, 0)
+    return InputRecord(
+        dataset=data.source.describe(), rows=len(data.source), steps_per_epoch=data.epoch.steps,
+        epochs=round(steps / data.epoch.steps, 4), rows_read=rows, bytes_read=size,
+        bytes_per_s=round(size / loop_seconds, 1) if loop_seconds else None,
+        data_wait_s=round(stream.wait_s, 4),
+        data_wait_per_step_s=round(stream.wait_s / steps, 6) if steps else None,
+        data_wait_fraction=round(stream.wait_s / loop_seconds, 4) if loop_seconds else None,
+        pipeline=stream.pipeline)
+
+
+def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
+             checkpointer=None, on_step: Optional[Callable[[int], None]] = None,
+             evaluator: Optional[Evaluator] = None) -> Tuple[Any, Dict[str, Any]]:
+    """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches; returns
+    (final state, loop statistics).
+
+    The stream is a pure function of (seed, step), and its position is saved with every checkpoint, so
+    a resumed run continues the exact batch sequence."""
     steps = samples_seen = samples_dropped = 0
     losses: List[float] = []
     global_step = start_step
+    steps_per_epoch = stream.epoch.steps
     bar = progress.Progress("train", total_steps - start_step, first=start_step)
     # Timing without a per-step sync: the first step alone, then one sync per window (timing.py).
     window, window_step_s = timing.window_size(total_steps - start_step), []
@@ -215,40 +305,40 @@ def run_loop(engine: Engine, state: Any, data: TrainData, start_step: int, total
     mark_step = 0  # the step (counted in this run) whose completion `mark` timed
     loop_start = mark = time.perf_counter()
     pending: List[Any] = []  # losses still on the device, oldest first
-    while global_step < total_steps:
-        epoch_index, skip = divmod(global_step, data.epoch.steps)
-        for i, (batch, real) in enumerate(data.batches(epoch_index)):
-            if i < skip:
-                continue
-            if global_step >= total_steps:
-                break
-            state, loss = engine.step(state, engine.put_batch(batch))
-            pending.append(loss)
-            global_step += 1
-            steps += 1
-            samples_seen += real
-            if checkpointer is not None:
-                checkpointer.maybe_save(global_step, state)
-            if on_step is not None:
-                on_step(global_step)
-            if first_done is None:
-                engine.to_floats([loss])  # sync: the first step is done
-                now = time.perf_counter()
-                first_step_s, first_done, process_age = now - loop_start, now, timing.process_age_s()
-                mark, mark_step = now, steps
-            elif steps - 1 - mark_step == window:
-                # Sync on the step before this one: this one is already queued, so the device does not
-                # idle while the host reads the clock and dispatches again (a sync on the newest step
-                # drains the queue every window: ~3 ms a step on GPT 24L, one H100). The losses up to
-                # that step come back in the same sync.
-                losses.extend(engine.to_floats(pending[:-1]))
-                del pending[:-1]
-                now = time.perf_counter()
-                window_step_s.append((now - mark) / window)
-                mark, mark_step = now, steps - 1
-            bar.update(1, epoch=epoch_index + 1, loss=loss, samples=real)  # loss: read back throttled
-        else:
-            samples_dropped += data.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
+    for batch, real in stream.batches(start_step):
+        state, loss = engine.step(state, engine.put_batch(batch))
+        pending.append(loss)
+        global_step += 1
+        steps += 1
+        samples_seen += real
+        if global_step % steps_per_epoch == 0:
+            samples_dropped += stream.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
+        if checkpointer is not None:
+            checkpointer.maybe_save(global_step, state, stream.state(global_step))
+        if on_step is not None:
+            on_step(global_step)
+        if first_done is None:
+            engine.to_floats([loss])  # sync: the first step is done
+            now = time.perf_counter()
+            first_step_s, first_done, process_age = now - loop_start, now, timing.process_age_s()
+            mark, mark_step = now, steps
+        elif steps - 1 - mark_step == window:
+            # Sync on the step before this one: this one is already queued, so the device does not
+            # idle while the host reads the clock and dispatches again (a sync on the newest step
+            # drains the queue every window: ~3 ms a step on GPT 24L, one H100). The losses up to
+            # that step come back in the same sync.
+            losses.extend(engine.to_floats(pending[:-1]))
+            del pending[:-1]
+            now = time.perf_counter()
+            window_step_s.append((now - mark) / window)
+            mark, mark_step = now, steps - 1
+        if evaluator is not None and evaluator.due(global_step, global_step == total_steps):
+            point = evaluator(global_step, state)
+            if point is not None:
+                bar.set_eval(point.loss, point.perplexity)
+            if first_done is not None:  # the eval's time is not a step's: the timing window restarts here
+                mark, mark_step = time.perf_counter(), steps
+        bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real)
     losses.extend(engine.to_floats(pending))
     if first_done is not None and steps - mark_step == window:  # the last window ends with the run
         window_step_s.append((time.perf_counter() - mark) / window)

@@ -1,0 +1,86 @@
+"""Which row source a job reads: `--dataset` and its paths, for the train or the eval split."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from alpa_job.data.sources import ArraysSource, MapDatasetSource, RowSource
+from alpa_job.errors import KitError
+
+FILE_DATASETS = ("tokens", "array_record", "npz", "model")  # read --data-path / --eval-data-path
+TRAIN, EVAL = "train", "eval"
+
+
+def split_path(config, split: str) -> Optional[str]:
+    return config.data_path if split == TRAIN else config.eval_data_path
+
+
+def path_flag(split: str) -> str:
+    return "--data-path" if split == TRAIN else "--eval-data-path"
+
+
+def model_setting(config, name: str) -> Optional[Any]:
+    """A model's own setting (`seq_len`, `vocab_size`): a built-in's field, or a brought model's model_arg."""
+    from alpa_job.models import is_built_in
+
+    if is_built_in(config.model):
+        from alpa_job.settings.catalog import MODEL_FIELDS
+
+        return getattr(config, name) if name in MODEL_FIELDS.get(config.model, ()) else None
+    return (config.model_args or {}).get(name)
+
+
+def token_window(config) -> int:
+    """seq_len + 1 tokens a row: the model reads the first seq_len and predicts the last seq_len."""
+    seq_len = model_setting(config, "seq_len")
+    if not seq_len:
+        raise KitError(f"--dataset tokens: --model {config.model} declares no seq_len setting, so the kit cannot "
+                       "cut token windows; add seq_len to its builder's settings or use --dataset array_record")
+    return int(seq_len) + 1
+
+
+def open_source(config, split: str = TRAIN, model=None) -> RowSource:
+    """The split's rows; `model` (a models.ModelSpec) supplies synthetic data, a decoder or its own dataset."""
+    kind = config.dataset
+    if kind == "synthetic":
+        from alpa_job.data.memory import synthetic
+
+        return ArraysSource(synthetic(config, model), "synthetic")
+    if kind == "cifar10":
+        from alpa_job.data.memory import load_cifar10
+
+        return ArraysSource(load_cifar10(config.data_dir), f"cifar10 {config.data_dir}")
+    path = split_path(config, split)
+    if not path:
+        raise KitError(f"--dataset {kind} reads files: add {path_flag(split)} PATH")
+    if kind == "npz":
+        from alpa_job.data.memory import load_npz
+
+        return ArraysSource(load_npz(path), f"npz {path}")
+    if kind == "tokens":
+        from alpa_job.data.tokens import TokenWindows, expand_paths
+
+        vocab = model_setting(config, "vocab_size")
+        return TokenWindows(expand_paths(path, path_flag(split)), config.token_dtype, token_window(config),
+                            vocab_size=int(vocab) if vocab else None)
+    if kind == "array_record":
+        from alpa_job.data.records import RecordSource
+        from alpa_job.data.tokens import expand_paths
+
+        return RecordSource(expand_paths(path, path_flag(split)), decode=getattr(model, "decode", None))
+    if kind == "model":
+        return MapDatasetSource(_model_dataset(config, model, path, split), f"{config.model} dataset {path}")
+    raise KitError(f"--dataset {kind!r} is not known")
+
+
+def _model_dataset(config, model, path: str, split: str):
+    if model is None:
+        from alpa_job.models import get_model
+
+        model = get_model(config)
+    if model.dataset is None:
+        raise KitError(f"--dataset model: --model {config.model} provides no dataset (dataset=None in its api.Model)")
+    dataset = model.dataset(path, split)
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise KitError(f"--dataset model: --model {config.model}'s dataset() returned {type(dataset).__name__}; "
+                       "return a grain.MapDataset (random access: the kit shuffles, shards and resumes by index)")
+    return dataset
