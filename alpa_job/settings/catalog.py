@@ -30,6 +30,9 @@ WHAT_TO_TRAIN = (
     Setting("dataset", str, "synthetic", "synthetic (generated), cifar10 (local), tokens (binary token files), "
             "array_record (serialized examples), npz (arrays by field), model (the model's own Grain dataset)",
             choices=DATASETS),
+    # cifar10 reads data_batch_1..5 (python format) from it; the kit never downloads at run time.
+    Setting("data_dir", Optional[str], None, "cifar10: the extracted cifar-10-batches-py folder", metavar="DIR",
+            decides_step=False),
     Setting("data_path", Optional[str], None, "tokens / array_record / npz / model: a file, a folder or a quoted glob",
             metavar="PATH", decides_step=False),
     Setting("token_dtype", str, "uint16", "tokens: the id type of the token files", choices=TOKEN_DTYPES,
@@ -43,9 +46,6 @@ WHAT_TO_TRAIN = (
     Setting("data_threads", int, 2, "background threads reading batches ahead of the step", check=POSITIVE,
             metavar="N", decides_step=False),
     Setting("prefetch", int, 4, "batches read ahead", check=POSITIVE, metavar="N", decides_step=False),
-    # cifar10 reads data_batch_1..5 (python format) from it; the kit never downloads at run time.
-    Setting("data_dir", Optional[str], None, "cifar10: the extracted cifar-10-batches-py folder", metavar="DIR",
-            decides_step=False),
     # The default over the default batch leaves a ragged last batch on purpose.
     Setting("num_samples", int, 2000, "synthetic dataset size", check=POSITIVE, decides_step=False),
     Setting("batch_size", int, 256, "global batch, split over the data-parallel axis", check=POSITIVE),
