@@ -1,4 +1,4 @@
-"""`python -m alpa_job [train|inspect|doctor|cluster] ...`: argument parsing and dispatch only.
+"""`python -m alpa_job [train|inspect|doctor|cluster|data] ...`: argument parsing and dispatch only.
 
 No arguments = `train` with the defaults: the tutorial MLP on the embedded default (a local Ray
 and emulated CPU devices), or on the cluster when run under `ray job submit`.
@@ -16,7 +16,7 @@ from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, KitError
 from alpa_job.settings.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
 
-SUBCOMMANDS = ("train", "inspect", "doctor", "cluster")
+SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data")
 
 
 EXIT_CODES = ("exit codes: 0 done; 1 training failed (the report in the run directory says how far it got); "
@@ -144,6 +144,37 @@ def _cluster_parser(sub) -> None:
     add_parser(sub)
 
 
+DATA_EPILOG = """examples:
+  python -m alpa_job data tokenize corpus/ --out data/train.bin                      # bytes: ids 0..255, eot 256
+  python -m alpa_job data tokenize 'books/*.txt' --out data/train.bin --tokenizer tiktoken:gpt2
+  python -m alpa_job data tokenize a.txt b.txt --out data/train.bin --tokenizer gpt2.tiktoken
+
+the file: raw little-endian token ids (uint16, or uint32 for vocabularies over 65,536), no header,
+each input one document followed by the end-of-text id; FILE.bin.json beside it says what made it.
+Train on it with --dataset tokens --data-path FILE.bin.
+
+""" + EXIT_CODES
+
+
+def _data_parser(sub) -> None:
+    p = sub.add_parser("data", help="prepare a dataset: tokenize text files into a flat token file")
+    verbs = p.add_subparsers(dest="data_command", metavar="ACTION")
+    verbs.required = True
+    q = verbs.add_parser("tokenize", help="text files -> one binary file of token ids (--dataset tokens)",
+                         description="Tokenize UTF-8 text files into one flat binary token file, offline.",
+                         epilog=DATA_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text files, folders (their *.txt, sorted) or quoted globs; each file is one document")
+    q.add_argument("--out", required=True, metavar="FILE.bin", help="the token file to write (FILE.bin.json beside it)")
+    q.add_argument("--tokenizer", default="bytes", metavar="NAME",
+                   help="bytes (UTF-8 bytes, vocab 257), tiktoken:NAME from tiktoken's cache (tiktoken:gpt2; "
+                        "never downloaded: TIKTOKEN_CACHE_DIR), or PATH.tiktoken, a local BPE ranks file "
+                        "(default: bytes)")
+    q.add_argument("--token-dtype", choices=("uint16", "uint32"),
+                   help="id width (default: uint16 when the vocabulary fits, else uint32)")
+    q.add_argument("--no-eot", action="store_true", help="no end-of-text id after each document")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = KitArgumentParser(prog="python -m alpa_job", description=__doc__.splitlines()[0],
                                epilog=EXIT_CODES)
@@ -152,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     _inspect_parser(sub)
     _doctor_parser(sub)
     _cluster_parser(sub)
+    _data_parser(sub)
     return parser
 
 
@@ -207,6 +239,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from alpa_job.cluster.control import cli as control_cli
 
             return control_cli.main(args)
+        if args.command == "data":
+            from alpa_job.data import cli as data_cli
+
+            return data_cli.run(args)
         return _train(args)
     except KitError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
