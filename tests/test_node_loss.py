@@ -143,7 +143,7 @@ def test_a_save_killed_midway_never_counts_as_the_latest_checkpoint(tmp_path):
     assert latest_complete_step(str(tmp_path / "checkpoints")) == 10
     again = Checkpointer(str(tmp_path / "checkpoints"), every=10)
     assert again.latest_step() == 10
-    restored = again.restore({"w": np.zeros(4)})
+    restored, _data = again.restore({"w": np.zeros(4)})
     assert np.array_equal(np.asarray(restored["w"]), np.arange(4.0))
     again.close()
     assert latest_complete_step(str(tmp_path / "missing")) is None

@@ -122,8 +122,9 @@ def test_checkpoint_round_trips_exactly(tmp_path):
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), 2)
     assert ckpt.latest_step() == 4
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-    restored = ckpt.restore(abstract)
+    restored, data_state = ckpt.restore(abstract)  # the input stream's position is saved beside the state
     ckpt.close()
+    assert data_state["grain"]["next_index"] == 4
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding == b.sharding

@@ -62,11 +62,31 @@ def _check_tokens(config, split: str) -> None:
         raise KitError(f"{path_flag(split)}: {source.tokens:,} tokens make no window of {window} tokens; "
                        "add data or lower --seq-len")
     vocab = model_setting(config, "vocab_size")
+    for path in source.paths:
+        _check_sidecar(path, config.token_dtype, vocab)
     if vocab:
         top = source.sample_max_id()
         if top >= int(vocab):
             raise KitError(f"{path_flag(split)}: token id {top} (max id in a sample) is >= --vocab-size {vocab}; "
                            f"use --vocab-size {top + 1} or more (the tokenizer's vocabulary), or check --token-dtype")
+
+
+def _check_sidecar(path: str, dtype: str, vocab) -> None:
+    """What `data tokenize` wrote beside the file (tokenizer's vocabulary, id type), when it is there."""
+    import json
+
+    from alpa_job.data.tokenize import sidecar_path
+
+    try:
+        with open(sidecar_path(path)) as handle:
+            made = json.load(handle)
+    except (OSError, ValueError):
+        return  # a token file from elsewhere: the sampled ids are checked instead
+    if made.get("dtype") and made["dtype"] != dtype:
+        raise KitError(f"{path} holds {made['dtype']} ids (says {sidecar_path(path)}); use --token-dtype {made['dtype']}")
+    if vocab and made.get("vocab_size") and int(made["vocab_size"]) > int(vocab):
+        raise KitError(f"{path} was tokenized with a {made['vocab_size']}-token vocabulary ({made.get('tokenizer')}), "
+                       f"more than --vocab-size {vocab}; use --vocab-size {made['vocab_size']} or more")
 
 
 def _check_records(config, split: str) -> None:
