@@ -111,7 +111,7 @@ CASES = [
     (["--num-heads", "8"],
      r"--num-heads does nothing here: it sizes --model gpt, and --model mlp reads --hidden-dim", 2),
     (["--model", "gpt", "--hidden-dim", "64"], r"--hidden-dim does nothing here: it sizes --model mlp", 2),
-    (["--data-dir", "empty"], r"--data-dir does nothing here: only --dataset cifar10 reads files", 2),
+    (["--data-dir", "empty"], r"--data-dir does nothing here: only --dataset cifar10 reads it", 2),
     (["--address", "none", "--processes", "2"], r"--processes does nothing here: --address none", 2),
     (["--address", "none", "--max-restarts", "2"], r"--max-restarts does nothing here: restarts replace lost JAX "
                                                    r"processes on Ray nodes", 2),

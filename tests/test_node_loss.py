@@ -279,9 +279,12 @@ def _out(name: str) -> Path:
 def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
     cluster = _cluster(testbed_factory)
     out = _out("restart")
-    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1")
+    (out / "trace").mkdir()
+    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1",
+                                           env={"ALPA_JOB_INPUT_TRACE": str(out / "trace")})
     assert rc == 0, text[-5000:]
     report = json.loads((out / "report.json").read_text())
+    _every_host_read_its_share_of_one_order(out / "trace", report)
     assert report["steps"] == STEPS  # the final trajectory, each step once
     assert report["samples_seen"] == STEPS * BATCH
     assert report["summary"]["processes"] == 2 and report["summary"]["hosts"] == 2
@@ -296,6 +299,28 @@ def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
 
 
 _SAVED_ON_TWO_HOSTS: list = []
+
+
+def _every_host_read_its_share_of_one_order(trace: Path, report: dict) -> None:
+    """The batches after a restart on 2 of 3 hosts are those of an uninterrupted run: every process, before
+    and after the loss, read exactly its slice of the global batch the seed and the step fix."""
+    from alpa_job.data.batching import epoch_order
+
+    rows, per_epoch = report["input"]["rows"], report["input"]["steps_per_epoch"]
+    seen = [json.loads(line) for f in trace.iterdir() for line in f.read_text().splitlines()]
+    counts = {}
+    for entry in seen:
+        step, share = entry["step"], BATCH // entry["count"]
+        b = step % per_epoch
+        expected = epoch_order(rows, 0, step // per_epoch)[b * BATCH:(b + 1) * BATCH]
+        lo = entry["process"] * share
+        assert entry["rows"] == expected[lo:lo + share].tolist(), entry
+        counts.setdefault(entry["count"], set()).add(step)
+    (r,) = report["restarts"]
+    assert set(range(r["resumed_from_step"], STEPS)) <= counts[2]  # the survivors read the rest of the run
+    assert set(range(1, KILL_AFTER_CHECKPOINT)) <= counts[3]
+    hosts_after = {e["host"] for e in seen if e["count"] == 2}
+    assert hosts_after == {"head", "w1"}
 
 
 @pytest.mark.slow

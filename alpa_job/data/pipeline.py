@@ -14,6 +14,9 @@ plain iterator in the training thread (`pipeline` says which).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import socket
 import threading
 import time
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -23,6 +26,10 @@ import numpy as np
 from alpa_job.data.batching import EpochPlan, epoch_order, fixed_shape
 from alpa_job.data.sources import RowSource
 from alpa_job.errors import KitError
+
+# A folder: every process appends the source rows it reads for each step to a JSON-lines file there,
+# to check on a real cluster which rows each host read (debugging; off by default).
+TRACE_ENV = "ALPA_JOB_INPUT_TRACE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +86,22 @@ class InputStream:
         last = min(first + self.local_rows, self.spec.rows)
         positions = np.arange(first, max(first, last))
         indices = self._order(epoch)[positions] if self.spec.shuffle else positions
+        self._trace(step, indices)
         if len(indices):
             rows = self.source.read(indices)
         else:  # this process's slice of a padded last batch is all padding
             rows = {k: np.zeros((0,) + shape, dtype) for k, (shape, dtype) in self._row_spec().items()}
         return fixed_shape(rows, self.local_rows, len(indices))
+
+    def _trace(self, step: int, indices: np.ndarray) -> None:
+        folder = os.environ.get(TRACE_ENV)
+        if not folder or not self.spec.shuffle:  # the eval split is not traced
+            return
+        line = json.dumps({"step": step, "process": self.shard.index, "count": self.shard.count,
+                           "host": socket.gethostname(), "rows": [int(i) for i in indices]})
+        path = os.path.join(folder, f"input-{socket.gethostname()}-{os.getpid()}.jsonl")
+        with self._orders_lock, open(path, "a") as handle:
+            handle.write(line + "\n")
 
     def _order(self, epoch: int) -> np.ndarray:
         with self._orders_lock:  # read threads may be a step into the next epoch

@@ -13,6 +13,8 @@ Every group computes it again (process 0 may land elsewhere after a loss).
 """
 from __future__ import annotations
 
+import os
+
 import time
 import uuid
 from typing import Any, Dict, List, Optional
@@ -50,6 +52,10 @@ def worker_env(config, spec) -> Dict[str, str]:
         "PYTHONPATH": worker_pythonpath(),
     }
     env.update(spec.xla_env())
+    from alpa_job.data.pipeline import TRACE_ENV
+
+    if os.environ.get(TRACE_ENV):  # the driver's input trace reaches every process
+        env[TRACE_ENV] = os.environ[TRACE_ENV]
     return env
 
 
