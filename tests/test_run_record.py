@@ -15,7 +15,7 @@ import pytest
 from alpa_job.errors import KitError
 from alpa_job.record import run_record as rec
 from alpa_job.record.run_record import GIB, SCHEMA_VERSION, MemoryRecord, ProcessResult, RunRecord
-from helpers_report import assert_valid_report, schema_errors
+from helpers_report import assert_valid_report, schema_errors, without_input
 from helpers_train import tiny_config
 from test_cli import run_cli
 
@@ -57,6 +57,8 @@ def test_train_report_validates_and_round_trips(train_runs, name):
     assert record.to_dict() == data  # report.json is exactly the record's serialization
     assert isinstance(record.params[0], rec.Leaf) and isinstance(record.memory, MemoryRecord)
     assert record.memory.peak_estimate_bytes > 0 and record.stages == []
+    # optional in the schema (older reports lack them), but every training run writes them
+    assert record.input is not None and record.input.rows_read == record.processes[0].rows_read > 0
     if name == "auto":
         assert record.search and sum(c.chosen for c in record.search) == 1
         assert isinstance(record.search[0], rec.SearchCandidate)
@@ -227,9 +229,9 @@ def test_live_alpa_plan_report_validates(readable, tmp_path):
 
 # ----------------------------------------------------------------------------- old reports, drift, errors
 def test_old_report_without_schema_version_loads(train_runs, tmp_path):
-    """A report from before the typed record: no schema_version/stages/eval_loss, the Alpa
-    engine's older memory shape, `stages: null` from the old dump reader."""
-    old = _report(train_runs["data"])
+    """A report from before the typed record: no schema_version/stages/eval_loss/input/evals, the
+    Alpa engine's older memory shape, `stages: null` from the old dump reader."""
+    old = without_input(_report(train_runs["data"]))
     for key in ("schema_version", "stages", "eval_loss", "alpa_method", "plan_cache", "source"):
         old.pop(key)
     old["memory"] = {"stage_0": 100, "stage_1": 200}
@@ -243,6 +245,7 @@ def test_old_report_without_schema_version_loads(train_runs, tmp_path):
     assert printed["memory"]["stage_allocation_bytes"] == [100, 200]
     assert printed["memory"]["total_allocation_bytes"] == 300
     assert printed["params"] == old["params"]
+    assert printed["input"] is None and printed["evals"] == [] and printed["processes"][0]["rows_read"] is None
 
 
 @pytest.mark.parametrize("change, message", [
