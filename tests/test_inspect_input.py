@@ -155,15 +155,17 @@ def test_compare_shows_data_wait_and_eval_loss(tmp_path):
     slow = record_with_input(processes=2)
     slow.input.data_wait_per_step_s = 0.0125
     slow.evals[-1].loss = 4.5
-    paths = [_write(tmp_path, "fast", record_with_input(processes=2)), _write(tmp_path, "slow", slow)]
+    fast, slow_name = "20261125-215104-gpt-fast", "20261125-215113-gpt-slow"  # run dirs' timestamped names
+    paths = [_write(tmp_path, fast, record_with_input(processes=2)), _write(tmp_path, slow_name, slow)]
     data = compare.rows(paths)
     assert [(r["data_wait_ms"], r["eval_loss"]) for r in data] == [(0.287, 4.07), (12.5, 4.5)]
     md = compare.to_markdown(data)
     header = md.splitlines()[2]
     assert header.endswith("| loss last | data wait ms / step | eval loss |")
     assert "| 0.287 | 4.07 |" in md and "| 12.5 | 4.5 |" in md
-    text = compare.to_text(data)  # rich may wrap a header cell over two lines
-    assert "data wait" in text and "12.5" in text and "0.287" in text
+    text = compare.to_text(data)
+    assert "data wait ms / step" in text and "12.5" in text and "0.287" in text
+    assert fast in text and slow_name in text  # the wider table still keeps each run's name on one line
     assert "<th>data wait ms / step</th><th>eval loss</th>" in compare.to_html(data)
 
 

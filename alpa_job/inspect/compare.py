@@ -120,8 +120,11 @@ def to_text(data: List[Dict[str, Any]]) -> str:
         return to_markdown(data)
     from alpa_job.inspect.render import _NullFile
 
-    console = Console(record=True, width=200, file=_NullFile())
-    t = Table(*columns(data), title="runs compared")
+    console = Console(record=True, width=240, file=_NullFile())
+    t = Table(title="runs compared")
+    for n, title in enumerate(columns(data)):
+        # The run's name is what the reader looks up (and copies): other columns wrap before it does.
+        t.add_column(title, no_wrap=n == 0)
     for cells in table_rows(data):
         t.add_row(*cells)
     console.print(t)
