@@ -15,7 +15,7 @@ import pytest
 from alpa_job.errors import KitError
 from alpa_job.record import run_record as rec
 from alpa_job.record.run_record import GIB, SCHEMA_VERSION, MemoryRecord, ProcessResult, RunRecord
-from helpers_report import assert_valid_report, schema_errors
+from helpers_report import assert_valid_report, schema_errors, without_input
 from helpers_train import tiny_config
 from test_cli import run_cli
 
@@ -57,6 +57,8 @@ def test_train_report_validates_and_round_trips(train_runs, name):
     assert record.to_dict() == data  # report.json is exactly the record's serialization
     assert isinstance(record.params[0], rec.Leaf) and isinstance(record.memory, MemoryRecord)
     assert record.memory.peak_estimate_bytes > 0 and record.stages == []
+    # optional in the schema (older reports lack them), but every training run writes them
+    assert record.input is not None and record.input.rows_read == record.processes[0].rows_read > 0
     if name == "auto":
         assert record.search and sum(c.chosen for c in record.search) == 1
         assert isinstance(record.search[0], rec.SearchCandidate)
@@ -227,9 +229,9 @@ def test_live_alpa_plan_report_validates(readable, tmp_path):
 
 # ----------------------------------------------------------------------------- old reports, drift, errors
 def test_old_report_without_schema_version_loads(train_runs, tmp_path):
-    """A report from before the typed record: no schema_version/stages/eval_loss, the Alpa
-    engine's older memory shape, `stages: null` from the old dump reader."""
-    old = _report(train_runs["data"])
+    """A report from before the typed record: no schema_version/stages/eval_loss/input/evals, the
+    Alpa engine's older memory shape, `stages: null` from the old dump reader."""
+    old = without_input(_report(train_runs["data"]))
     for key in ("schema_version", "stages", "eval_loss", "alpa_method", "plan_cache", "source"):
         old.pop(key)
     old["memory"] = {"stage_0": 100, "stage_1": 200}
@@ -243,6 +245,7 @@ def test_old_report_without_schema_version_loads(train_runs, tmp_path):
     assert printed["memory"]["stage_allocation_bytes"] == [100, 200]
     assert printed["memory"]["total_allocation_bytes"] == 300
     assert printed["params"] == old["params"]
+    assert printed["input"] is None and printed["evals"] == [] and printed["processes"][0]["rows_read"] is None
 
 
 @pytest.mark.parametrize("change, message", [
@@ -279,7 +282,12 @@ def test_schema_catches_drift(train_runs, where, mutate):
 SCHEMA_DEFS = {"meshShape": rec.MeshShape, "meshRecord": rec.MeshRecord, "leaf": rec.Leaf,
                "collective": rec.Collective, "memory": rec.MemoryRecord, "stage": rec.StageRecord,
                "process": rec.ProcessInfo, "devices": rec.DeviceInfo, "searchCandidate": rec.SearchCandidate,
-               "summary": rec.Summary, "restart": rec.RestartRecord}
+               "summary": rec.Summary, "restart": rec.RestartRecord, "input": rec.InputRecord,
+               "evalPoint": rec.EvalPoint}
+
+# Keys added to schema_version 1 after reports were already written: declared, but optional, so a report
+# from before them still validates as it is on disk (the kit writes them always: the record's to_dict).
+ADDED_LATER = {"<root>": {"input", "evals"}, "process": {"rows_read", "bytes_read"}}
 
 
 def test_schema_and_dataclasses_name_the_same_fields():
@@ -288,10 +296,11 @@ def test_schema_and_dataclasses_name_the_same_fields():
     for name, cls in SCHEMA_DEFS.items():
         fields = {f.name for f in dataclasses.fields(cls)}
         assert set(schema["$defs"][name]["properties"]) == fields, name
-        assert set(schema["$defs"][name]["required"]) == fields, name
+        assert set(schema["$defs"][name]["required"]) == fields - ADDED_LATER.get(name, set()), name
         assert schema["$defs"][name]["additionalProperties"] is False, name
     run_fields = {f.name for f in dataclasses.fields(RunRecord)} - {"final_state"}
-    assert set(schema["properties"]) == run_fields and set(schema["required"]) == run_fields
+    assert set(schema["properties"]) == run_fields
+    assert set(schema["required"]) == run_fields - ADDED_LATER["<root>"]
 
 
 def test_schema_ships_as_package_data():

@@ -3,7 +3,9 @@ between data, fsdp and tensor on their model.
 
 Each row is a run's record reduced to what differs between strategies: step time, throughput, state
 bytes per device and XLA's peak estimate, the parameters' strategy labels (DP/ZeRO/MP counts),
-collectives (count and bytes), compile time, the final loss, the run's status. Rendered as a terminal table, Markdown, JSON or a self-contained HTML page.
+collectives (count and bytes), compile time, the final loss, the run's status; and, where a run recorded
+them, the input's wait per step and the final eval loss. Rendered as a terminal table, Markdown, JSON or a
+self-contained HTML page.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from alpa_job.inspect.units import human_bytes, plan_title
 
 COLUMNS = ("run", "plan", "status", "steps", "step ms", "samples/s", "state / device", "peak / device",
            "labels (params)", "collectives", "collective bytes", "compile s", "loss last")
+# Shown only when some run has them: runs from before the input pipeline and runs without an eval split
+# compare as they always did.
+OPTIONAL_COLUMNS = (("data_wait_ms", "data wait ms / step"), ("eval_loss", "eval loss"))
 
 
 def load_runs(paths: Sequence[str]) -> List[RunRecord]:
@@ -53,7 +58,14 @@ def row(label: str, record: RunRecord) -> Dict[str, Any]:
         "labels": dict(record.summary.strategy_counts.get("params") or {}),  # DP / ZeRO / MP / MP+ZeRO counts
         "compile_s": record.compile_seconds,
         "loss_last": record.summary.loss_last,
+        "data_wait_ms": _data_wait_ms(record),
+        "eval_loss": record.evals[-1].loss if record.evals else record.eval_loss,
     }
+
+
+def _data_wait_ms(record: RunRecord) -> Optional[float]:
+    wait = record.input.data_wait_per_step_s if record.input else None
+    return None if wait is None else round(wait * 1e3, 4)
 
 
 def rows(paths: Sequence[str]) -> List[Dict[str, Any]]:
@@ -71,7 +83,18 @@ def _fmt(value: Any, kind: str = "") -> str:
     return str(value)
 
 
+def optional_keys(data: List[Dict[str, Any]]) -> List[str]:
+    return [key for key, _title in OPTIONAL_COLUMNS if any(r.get(key) is not None for r in data)]
+
+
+def columns(data: List[Dict[str, Any]]) -> List[str]:
+    """The table's header: COLUMNS, then the optional ones some run measured."""
+    titles = dict(OPTIONAL_COLUMNS)
+    return list(COLUMNS) + [titles[key] for key in optional_keys(data)]
+
+
 def table_rows(data: List[Dict[str, Any]]) -> List[List[str]]:
+    extra = optional_keys(data)
     out = []
     for r in data:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["collectives"].items()) if n) or "none"
@@ -80,7 +103,7 @@ def table_rows(data: List[Dict[str, Any]]) -> List[List[str]]:
                     ", ".join(f"{k} {n}" for k, n in sorted(r["labels"].items())) or "-",
                     "-" if r["collective_count"] is None else f"{r['collective_count']} ({kinds})",
                     _fmt(r["collective_bytes"], "bytes"),
-                    _fmt(r["compile_s"]), _fmt(r["loss_last"])])
+                    _fmt(r["compile_s"]), _fmt(r["loss_last"])] + [_fmt(r.get(key)) for key in extra])
     return out
 
 
@@ -97,8 +120,11 @@ def to_text(data: List[Dict[str, Any]]) -> str:
         return to_markdown(data)
     from alpa_job.inspect.render import _NullFile
 
-    console = Console(record=True, width=200, file=_NullFile())
-    t = Table(*COLUMNS, title="runs compared")
+    console = Console(record=True, width=240, file=_NullFile())
+    t = Table(title="runs compared")
+    for n, title in enumerate(columns(data)):
+        # The run's name is what the reader looks up (and copies): other columns wrap before it does.
+        t.add_column(title, no_wrap=n == 0)
     for cells in table_rows(data):
         t.add_row(*cells)
     console.print(t)
@@ -112,7 +138,7 @@ def to_markdown(data: List[Dict[str, Any]]) -> str:
     from alpa_job.inspect.render import _md_table
 
     best = fastest(data)
-    parts = ["# Runs compared", "", _md_table(COLUMNS, table_rows(data)), ""]
+    parts = ["# Runs compared", "", _md_table(columns(data), table_rows(data)), ""]
     if best:
         parts += [f"Fastest step: **{best}**.", ""]
     return "\n".join(parts)
@@ -123,8 +149,9 @@ def plot_png(data: List[Dict[str, Any]]) -> Optional[bytes]:
     measures = [("step_ms", "step time (ms)", 1), ("throughput", "samples/s", 1),
                 ("state_bytes_per_device", "state MiB / device", 2 ** -20),
                 ("peak_bytes_per_device", "peak MiB / device (XLA)", 2 ** -20),
-                ("collective_bytes", "collective MiB", 2 ** -20), ("compile_s", "compile s", 1)]
-    measures = [m for m in measures if any(r[m[0]] is not None for r in data)]
+                ("collective_bytes", "collective MiB", 2 ** -20), ("compile_s", "compile s", 1),
+                ("data_wait_ms", "data wait ms / step", 1), ("eval_loss", "eval loss", 1)]
+    measures = [m for m in measures if any(r.get(m[0]) is not None for r in data)]
     if not measures:
         return None
     from alpa_job.inspect.plots import _figure_png, _pyplot
@@ -154,7 +181,7 @@ def to_html(data: List[Dict[str, Any]]) -> str:
     figure = figure_html("runs compared", png) if png else "<p>no measurements to plot</p>"
     best = fastest(data)
     verdict = f"<p>Fastest step: <b>{html.escape(best)}</b></p>" if best else ""
-    body = f"{_html_table(COLUMNS, table_rows(data), 'compare')}\n{verdict}\n<h2>Plots</h2>\n{figure}"
+    body = f"{_html_table(columns(data), table_rows(data), 'compare')}\n{verdict}\n<h2>Plots</h2>\n{figure}"
     return page_html("Runs compared", body, heading=f"Runs compared ({len(data)})")
 
 

@@ -51,17 +51,29 @@ def bytes_by_strategy(record: RunRecord) -> Optional[bytes]:
     return _figure_png(fig)
 
 
-def loss_curve(record: RunRecord) -> Optional[bytes]:
+def loss_figure(record: RunRecord):
+    """The train loss per step with the eval points over it (x = the global step, so a resumed run's
+    curve starts where it resumed and lines up with its eval steps); None when there is nothing to draw."""
     losses: List[float] = record.losses
-    if len(losses) < 2:
+    if len(losses) < 2 and not record.evals:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.plot(range(1, len(losses) + 1), losses, marker=".")
+    first = (record.resumed_from_step or 0) + 1
+    ax.plot(range(first, first + len(losses)), losses, marker=".", label="train")
+    if record.evals:
+        ax.plot([e.step for e in record.evals], [e.loss for e in record.evals], marker="o", color="#e45756",
+                label="eval")
+        ax.legend(fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("training loss")
-    return _figure_png(fig)
+    ax.set_title("training and eval loss" if record.evals else "training loss")
+    return fig
+
+
+def loss_curve(record: RunRecord) -> Optional[bytes]:
+    fig = loss_figure(record)
+    return None if fig is None else _figure_png(fig)
 
 
 def search_times(record: RunRecord) -> Optional[bytes]:
@@ -81,8 +93,9 @@ def search_times(record: RunRecord) -> Optional[bytes]:
 def all_plots(record: RunRecord) -> List[Tuple[str, str, bytes]]:
     """(file name, caption, png) for every plot that has data."""
     out = []
+    loss_caption = "Training and eval loss" if record.evals else "Training loss"
     for name, caption, fn in (("plot_bytes_by_strategy.png", "Bytes by strategy", bytes_by_strategy),
-                              ("plot_loss.png", "Training loss", loss_curve),
+                              ("plot_loss.png", loss_caption, loss_curve),
                               ("plot_search.png", "Auto search", search_times)):
         png = fn(record)
         if png:

@@ -11,7 +11,7 @@ import re
 from typing import List, Optional, Sequence
 
 from alpa_job.inspect.plots import all_plots
-from alpa_job.record.run_record import MemoryRecord, RunRecord
+from alpa_job.record.run_record import InputRecord, MemoryRecord, RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
 
 PARAM_COLUMNS = ("path", "shape", "dtype", "bytes", "bytes_per_device", "spec", "mesh_ids", "strategy")
@@ -45,11 +45,18 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         ("strategy counts (opt_state)", s.strategy_counts.get("opt_state")),
         ("memory", _memory_text(record.memory)),
     ]
-    if record.eval_loss is not None:
-        pairs.append(("eval loss", record.eval_loss))
+    pairs += _eval_pairs(record)
     if record.source:
         pairs.append(("source", record.source))
     return [(k, _cell(v) if not isinstance(v, dict) else json.dumps(v)) for k, v in pairs]
+
+
+def _eval_pairs(record: RunRecord) -> List[tuple]:
+    if not record.evals:  # a report from before eval points, or an engine's one number: no step, no perplexity
+        return [] if record.eval_loss is None else [("eval loss", record.eval_loss)]
+    point = record.evals[-1]
+    ppl = f", perplexity {_cell(point.perplexity)}" if point.perplexity is not None else ""
+    return [("eval loss (final)", f"{_cell(point.loss)}{ppl} at step {point.step} ({point.batches} batches)")]
 
 
 def _exact(n: int) -> str:
@@ -68,6 +75,67 @@ def _memory_text(memory: Optional[MemoryRecord]) -> str:
     if memory.stage_allocation_bytes:
         parts.append(f"per stage {', '.join(human_bytes(b) for b in memory.stage_allocation_bytes)}")
     return ", ".join(parts) or "not measured"
+
+
+def input_pairs(record: RunRecord) -> List[tuple]:
+    """What the input pipeline did, as (item, value) text; empty for a run with no input record
+    (older reports, Alpa dump folders)."""
+    inp = record.input
+    if inp is None:
+        return []
+    pairs = [("dataset", inp.dataset), ("pipeline", inp.pipeline or "-"),
+             ("rows / steps per epoch", f"{inp.rows:,} / {inp.steps_per_epoch:,}"),
+             ("epochs", _cell(inp.epochs))]
+    pairs += _read_pairs(record, inp)
+    # The rate and the wait are process 0's: the one whose result leads the record.
+    whose = " (process 0)" if len(_read_shares(record)) > 1 else ""
+    pairs.append(("read rate" + whose, f"{human_bytes(inp.bytes_per_s)}/s" if inp.bytes_per_s is not None else "-"))
+    pairs.append(("data wait" + whose, _wait_text(inp)))
+    return pairs
+
+
+def _read_pairs(record: RunRecord, inp: InputRecord) -> List[tuple]:
+    """Rows and bytes read: the run's one process, or process 0 and the sum over all processes (each
+    reads only its own rows of every global batch, so the total is what the run read)."""
+    mine = f"{inp.rows_read:,} rows, {_exact(inp.bytes_read)}"
+    shares = _read_shares(record)
+    if len(shares) < 2:
+        return [("rows / bytes read", mine)]
+    rows = sum(r for _p, r, _b in shares)
+    size = sum(b for _p, _r, b in shares)
+    return [("rows / bytes read (process 0)", mine),
+            (f"rows / bytes read (all {len(shares)} processes)", f"{rows:,} rows, {_exact(size)}")]
+
+
+def _read_shares(record: RunRecord) -> List[tuple]:
+    """(process, rows, bytes) of every process that recorded its share."""
+    return [(p, p.rows_read, p.bytes_read or 0) for p in record.processes if p.rows_read is not None]
+
+
+def _wait_text(inp: InputRecord) -> str:
+    """'0.287 ms per step, 0.05% of the loop (0.0086 s in all)': how long steps waited for their batch."""
+    if inp.data_wait_per_step_s is None:
+        return f"{_cell(inp.data_wait_s)} s in all"
+    share = f", {inp.data_wait_fraction:.2%} of the loop" if inp.data_wait_fraction is not None else ""
+    return f"{inp.data_wait_per_step_s * 1e3:.3g} ms per step{share} ({_cell(inp.data_wait_s)} s in all)"
+
+
+def input_process_rows(record: RunRecord) -> List[List[str]]:
+    """One row per process with its share of the input; none for a one-process run (the summary says it)."""
+    shares = _read_shares(record)
+    if len(shares) < 2:
+        return []
+    return [[_cell(p.id), p.host or _cell(p.ip), f"{rows:,}", _exact(size)] for p, rows, size in shares]
+
+
+INPUT_PROCESS_HEADER = ("process", "host", "rows read", "bytes read")
+
+
+def eval_rows(record: RunRecord) -> List[List[str]]:
+    return [[_cell(e.step), _cell(e.loss), _cell(e.perplexity), _cell(e.batches)] for e in record.evals]
+
+
+EVAL_HEADER = ("step", "eval loss", "perplexity", "batches")
 
 
 def _collective_rows(record: RunRecord, fmt_bytes=None) -> List[List[str]]:
@@ -122,6 +190,9 @@ def to_markdown(record: RunRecord) -> str:
              _md_table(("item", "value"), summary_pairs(record)), ""]
     if record.search:
         parts += ["## Auto search", "", _md_table(SEARCH_HEADER, _search_rows(record)), ""]
+    parts += _input_markdown(record)
+    if record.evals:
+        parts += ["## Eval", "", _md_table(EVAL_HEADER, eval_rows(record)), ""]
     if record.processes:
         parts += ["## Processes", "", _md_table(PROCESS_HEADER, _process_rows(record)), ""]
     if record.stages:
@@ -129,6 +200,18 @@ def to_markdown(record: RunRecord) -> str:
     parts += ["## Collectives in the optimized HLO", "", _md_table(("kind", "count", "bytes"), _collective_rows(record)), ""]
     parts += ["## Parameters and optimizer state", "", _md_table(PARAM_COLUMNS, _param_rows(record)), ""]
     return "\n".join(parts)
+
+
+def _input_markdown(record: RunRecord) -> List[str]:
+    pairs = input_pairs(record)
+    if not pairs:
+        return []
+    parts = ["## Input", "", _md_table(("item", "value"), pairs), ""]
+    shares = input_process_rows(record)
+    if shares:
+        parts += ["Each process reads only its own rows of every global batch:", "",
+                  _md_table(INPUT_PROCESS_HEADER, shares), ""]
+    return parts
 
 
 # ----- terminal table ------------------------------------------------------------------------------
@@ -144,7 +227,10 @@ def to_table(record: RunRecord) -> str:
     for k, v in summary_pairs(record):
         summary.add_row(k, v)
     console.print(summary)
-    tables = [(SEARCH_HEADER, _search_rows(record), "auto search"),
+    tables = [(("item", "value"), input_pairs(record), "input"),
+              (INPUT_PROCESS_HEADER, input_process_rows(record), "input per process"),
+              (EVAL_HEADER, eval_rows(record), "eval"),
+              (SEARCH_HEADER, _search_rows(record), "auto search"),
               (STAGE_HEADER, _stage_rows(record), "pipeline stages"),
               (PARAM_COLUMNS, _param_rows(record), "parameters and optimizer state"),
               (("kind", "count", "bytes"), _collective_rows(record), "collectives")]
@@ -294,6 +380,24 @@ def _dict_rows(data: dict) -> List[List[str]]:
     return [[str(k), _cell(v) if not isinstance(v, dict) else json.dumps(v)] for k, v in data.items()]
 
 
+def _input_html(record: RunRecord) -> List[str]:
+    pairs = input_pairs(record)
+    if not pairs:
+        return []
+    parts = ["<h2>Input</h2>", _html_table(("item", "value"), pairs, "input")]
+    shares = input_process_rows(record)
+    if shares:
+        parts += ["<p>Each process reads only its own rows of every global batch:</p>",
+                  _html_table(INPUT_PROCESS_HEADER, shares, "input-processes")]
+    return parts
+
+
+def _eval_html(record: RunRecord) -> List[str]:
+    if not record.evals:
+        return []
+    return ["<h2>Eval</h2>", _html_table(EVAL_HEADER, eval_rows(record), "evals")]
+
+
 def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None) -> str:
     from alpa_job.inspect.mesh_picture import mesh_picture
 
@@ -308,6 +412,8 @@ def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None)
         "<h2>Summary</h2>", _html_table(("item", "value"), summary_pairs(record), "summary"),
         "<h2>Mesh</h2>", mesh_picture(record),
         "<h2>Memory per device</h2>", _memory_html(record),
+        *_input_html(record),
+        *_eval_html(record),
         "<h2>Plots</h2>", figures or "<p>no plots</p>",
     ]
     if record.search:
