@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 from alpa_job import progress
 from alpa_job.settings import validate
@@ -24,7 +24,7 @@ from alpa_job.engines import resolve_engine
 from alpa_job.errors import KitError, LostProcessError
 from alpa_job.record.run_record import ProcessResult
 from alpa_job.inspect.write import write_report
-from alpa_job.record.report_file import build_report, failed_report
+from alpa_job.record.report_file import build_report, failed_report, report_json
 
 JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this plus the TCP check's share (under 20 s in all)
 
@@ -58,10 +58,12 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
         results = _train(engine, config, address, spec, shown)
     except BaseException as err:
         _write_failed(config, engine, address, err, shown)
+        rundir.release(config.out)
         raise
     report = build_report(config, results, address=address)
     paths = write_report(report, config.out)
     shown.close_log()
+    rundir.release(config.out)
     return report, paths
 
 
@@ -115,14 +117,31 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown) 
         (traceback.format_exception_only(type(err), err)[-1].strip() or type(err).__name__)
     try:
         record = failed_report(config, engine, status, message, shown.last_step, address=address)
-        paths = write_report(record, config.out)
-        shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {paths['html']}", important=True)
+        kept = _kept_report(config, shown.last_step)
+        if kept:  # a resume that trained nothing: the earlier run's report still says what that run did
+            with open(kept, "w") as f:
+                f.write(report_json(record))
+            shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {kept} (the earlier run's "
+                       "report.json is kept)", important=True)
+        else:
+            paths = write_report(record, config.out)
+            shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {paths['html']}",
+                       important=True)
         if address != NO_RAY and status == "failed" and not isinstance(err, LostProcessError):
             _collect_logs(config.out, shown)  # a lost process's message already names its log
     except Exception as report_err:  # noqa: BLE001 - the training error is the one to show
         shown.line(f"[alpa_job] could not write the failed run's report ({report_err})", important=True)
     finally:
         shown.close()
+
+
+def _kept_report(config, last_step: int) -> Optional[str]:
+    """Where a failed --resume writes its report when it trained no step past its checkpoint and an earlier
+    run's report.json is there: beside it (rundir.FAILED_REPORT), never over it. None: report.json as usual."""
+    start = rundir.resume_start(config.out) if config.resume else None
+    if start is None or last_step > start or not os.path.isfile(os.path.join(config.out, "report.json")):
+        return None
+    return os.path.join(config.out, rundir.FAILED_REPORT)
 
 
 def _collect_logs(out_dir: str, shown) -> None:

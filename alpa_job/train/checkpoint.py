@@ -11,24 +11,277 @@ only once every process's shards are written, so a kill during a save leaves the
 latest complete one (`latest_complete_step` reads that without importing orbax; the driver uses it to
 decide whether a restart resumes). Restoring to `engine.abstract_state` reshards onto the current mesh,
 so a run saved on 3 hosts resumes on 2 (after a lost node).
+
+A step folder counts as complete only when it verifies (`verify_step`): orbax's commit marker, its
+metadata files readable, and, once the save has finished, every file at the size the save wrote
+(FILES, written beside them by process 0), so a truncated array file is caught before anything
+restores it. A checkpoint that verifies and still fails to restore is skipped the same way: the
+newest one that restores is used, each skipped one named (step, file, reason) and set aside under
+`OUT/checkpoints-skipped/` once an older one has restored (which proves the damage was the
+checkpoint's, not a model mismatch), so the run's own later saves never collide with it.
+
+A full disk: free space is checked before each save against the last save's size (plus a margin), and
+a save that fails for lack of space (orbax reports it from a background thread, steps later) stops the
+run in one line naming the folder and the bytes needed, with the partial `*.orbax-checkpoint-tmp*`
+removed, so the previous checkpoint stays the latest complete one.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import errno
+import json
+import logging
 import os
-from typing import Any, Dict, Optional, Tuple
+import shutil
+import sys
+from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.errors import KitError
 
+COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, just before the rename to <step>
+STEP_METADATA = "_CHECKPOINT_METADATA"
+FILES = "alpa_job.files.json"  # every file of a finished save and its size
+TMP_MARK = ".orbax-checkpoint-tmp"
+SKIPPED_DIR = "checkpoints-skipped"  # beside the checkpoints folder: orbax never lists it
+ITEM_METADATA = {"state": "_METADATA", "default": "_METADATA", "data": "metadata"}
+SPACE_MARGIN = 1 / 20  # a save may grow a little (metadata, a larger step number)
+SPACE_SLACK_BYTES = 64 * 1024
+EXIT_SAVE_FAILED = 1  # the run stopped part-way: the report says how far it got
 
-def latest_complete_step(directory: str) -> Optional[int]:
-    """The highest step saved completely under `directory` (orbax's step folders are plain integers;
-    a save in flight or killed mid-way is still a `*.orbax-checkpoint-tmp-*` folder), or None."""
+
+class DiskFullError(KitError):
+    """A save found (or would find) no room: one line naming the folder and the bytes needed."""
+
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_SAVE_FAILED)
+
+
+@dataclasses.dataclass
+class Skipped:
+    """A checkpoint `--resume` could not use, and why."""
+
+    step: int
+    path: str  # the file (or folder) at fault
+    reason: str
+
+    def line(self) -> str:
+        return f"[alpa_job] checkpoint step {self.step} skipped: {self.path}: {self.reason}"
+
+
+def _read_json(path: str) -> Optional[str]:
+    """None when `path` holds JSON, else why not."""
+    try:
+        with open(path) as f:
+            json.load(f)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        return f"unreadable ({type(err).__name__}: {str(err)[:120]})" if not isinstance(err, ValueError) \
+            else f"not valid JSON ({os.path.getsize(path) if os.path.exists(path) else 0} bytes; truncated?)"
+    return None
+
+
+def verify_step(step_dir: str) -> Optional[Tuple[str, str]]:
+    """(file, reason) of the first thing that makes this step folder unusable, or None when it is complete."""
+    if not os.path.isfile(os.path.join(step_dir, COMMIT_MARKER)):
+        return os.path.join(step_dir, COMMIT_MARKER), "missing: the save never committed"
+    problem = _read_json(os.path.join(step_dir, STEP_METADATA))
+    if problem and problem != "missing":  # orbax before 0.5 wrote none
+        return os.path.join(step_dir, STEP_METADATA), problem
+    items = [name for name in ITEM_METADATA if os.path.isdir(os.path.join(step_dir, name))]
+    if "state" not in items and "default" not in items:
+        return os.path.join(step_dir, "state"), "missing: no train state in this checkpoint"
+    for item in items:
+        path = os.path.join(step_dir, item, ITEM_METADATA[item])
+        problem = _read_json(path)
+        if problem:
+            return path, problem
+    sizes = _saved_sizes(step_dir)
+    for rel, size in sizes.items():
+        path = os.path.join(step_dir, rel)
+        try:
+            now = os.path.getsize(path)
+        except OSError:
+            return path, "missing (listed in the save's file list)"
+        if now != size:
+            return path, f"{now} bytes, the save wrote {size} (truncated or overwritten)"
+    return None
+
+
+def _saved_sizes(step_dir: str) -> Dict[str, int]:
+    try:
+        with open(os.path.join(step_dir, FILES)) as f:
+            sizes = json.load(f)["files"]
+        return {str(k): int(v) for k, v in sizes.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # a save not sealed yet (or by an older kit): the metadata checks stand alone
+
+
+def step_folders(directory: str) -> List[int]:
+    """Every step folder under `directory`, newest first, complete or not (a save in flight or killed
+    mid-way is still a `*.orbax-checkpoint-tmp*` folder and is not listed)."""
     try:
         names = os.listdir(directory)
     except OSError:
-        return None
-    steps = [int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
-    return max(steps) if steps else None
+        return []
+    return sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))), reverse=True)
+
+
+def scan(directory: str) -> Tuple[List[int], List[Skipped]]:
+    """(the complete steps, newest first; the step folders that do not verify, each with the reason)."""
+    good: List[int] = []
+    skipped: List[Skipped] = []
+    for step in step_folders(directory):
+        problem = verify_step(os.path.join(directory, str(step)))
+        if problem is None:
+            good.append(step)
+        else:
+            skipped.append(Skipped(step, *problem))
+    return good, skipped
+
+
+def latest_complete_step(directory: str) -> Optional[int]:
+    """The highest step saved completely under `directory` (verified as `verify_step` does), or None."""
+    good, _ = scan(directory)
+    return good[0] if good else None
+
+
+def set_aside(directory: str, step: int) -> str:
+    """Move a damaged step folder out of orbax's sight (kept for a look, never deleted); returns where."""
+    aside = os.path.join(os.path.dirname(os.path.abspath(directory)), SKIPPED_DIR)
+    os.makedirs(aside, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    target = os.path.join(aside, f"{step}-{stamp}")
+    n = 1
+    while os.path.exists(target):
+        n += 1
+        target = os.path.join(aside, f"{step}-{stamp}-{n}")
+    os.rename(os.path.join(directory, str(step)), target)
+    return target
+
+
+def folder_bytes(path: str) -> Dict[str, int]:
+    """Every file under `path` (relative) and its size."""
+    sizes: Dict[str, int] = {}
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            try:
+                sizes[os.path.relpath(full, path)] = os.path.getsize(full)
+            except OSError:
+                pass
+    return sizes
+
+
+def seal(step_dir: str) -> int:
+    """Write FILES (every file of a finished save and its size) into the step folder; returns the save's bytes."""
+    sizes = {k: v for k, v in folder_bytes(step_dir).items() if k != FILES}
+    tmp = os.path.join(step_dir, FILES + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": sizes}, f)
+    os.replace(tmp, os.path.join(step_dir, FILES))
+    return sum(sizes.values())
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err` (or what caused it: orbax wraps TensorStore's error) is a full disk or quota."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "No space left on device" in text or "os_error_code='28'" in text or "Disk quota exceeded" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class _QuietDiskFull(logging.Filter):
+    """Orbax logs a full disk from each of its background threads with a traceback (dozens of lines per
+    save); the run reports it once, in one line, so those records are dropped here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and is_disk_full(exc):
+            return False
+        text = record.getMessage()
+        return not ("No space left on device" in text or "os_error_code='28'" in text)
+
+
+_QUIET = _QuietDiskFull()
+
+
+_REPORTED = {"failure": False}  # a save or restore failure was named in one line: orbax's echoes of it are noise
+
+
+def _late_callback(exc: BaseException, tb) -> bool:
+    """A TensorStore callback of a failed save reaching its asyncio loop after orbax closed it, or (once the
+    failure was reported) an orbax coroutine of the failed save or restore collected with its error."""
+    names, files = [], []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in names:
+        return True
+    return _REPORTED["failure"] and any(f"{os.sep}orbax{os.sep}" in f for f in files)
+
+
+def _install_unraisable_hook() -> None:
+    """TensorStore reports each of those late callbacks' errors as unraisable (one bare traceback per chunk
+    in flight: hundreds after a full disk); they say nothing the save's own error does not."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_alpa_job_quiet", False):
+        return
+
+    def hook(unraisable):
+        if not _late_callback(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook._alpa_job_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split()).split(" See full TensorStore details")[0] or type(err).__name__
+    return f"{type(err).__name__}: {text[:240]}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def _agree(value: bool) -> bool:
+    """Process 0's `value` on every process (one decision for a collective save)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(value, dtype=np.int32)))
+
+
+def _barrier(name: str) -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 class Checkpointer:
@@ -40,25 +293,164 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(save_interval_steps=max(every, 1), max_to_keep=max_to_keep,
                                                create=True, cleanup_tmp_directories=True)
+        self._options = options
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        for name in ("absl", "orbax", "asyncio"):
+            logging.getLogger(name).addFilter(_QUIET)
+        _install_unraisable_hook()
+        self._pending: Optional[int] = None  # the step whose save may still be running
+        self.last_save_bytes: Optional[int] = None
+        self._estimate: Optional[int] = None  # the state's bytes: what a first save needs at least
+        self.skipped: List[Skipped] = []  # what restore() passed over, newest first
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
     def maybe_save(self, step: int, state: Any, data_state: Optional[Dict[str, Any]] = None) -> bool:
+        self._settle(wait=False)
         if not self.every or step % self.every:
             return False
+        self._settle(wait=True)  # orbax waits for the previous save anyway; its size decides the check below
+        if self.last_save_bytes is None and self._estimate is None:
+            self._estimate = sum(int(getattr(x, "nbytes", 0)) for x in _leaves(state))
+        self._check_space(step)
         args = self._ocp.args
-        saved = self.manager.save(step, args=args.Composite(state=args.StandardSave(state),
-                                                            data=args.JsonSave(data_state or {})))
+        try:
+            saved = self.manager.save(step, args=args.Composite(state=args.StandardSave(state),
+                                                                data=args.JsonSave(data_state or {})))
+        except Exception as err:
+            self._failed(err, step)
+            raise
+        if saved:
+            self._pending = step
         return bool(saved)
 
+    def _settle(self, wait: bool) -> None:
+        """A save that has finished: its errors raised here (a full disk in one line), its files sealed."""
+        step = self._pending
+        if step is None or (not wait and self.manager.is_saving_in_progress()):
+            return
+        self._pending = None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            self._failed(err, step)
+            raise
+        step_dir = os.path.join(self.directory, str(step))
+        if os.path.isdir(step_dir):
+            if _process_index() == 0:
+                self.last_save_bytes = seal(step_dir)
+            return
+        # orbax skipped the finalize after an error it only logged (a full disk's records are filtered)
+        free = shutil.disk_usage(self.directory).free
+        if free < max(self.last_save_bytes or self._estimate or 0, SPACE_SLACK_BYTES):
+            self._failed(OSError(errno.ENOSPC, "No space left on device"), step)
+        raise KitError(f"checkpoint at step {step} was not committed to {self.directory} (orbax logged why above); "
+                       "fix that, then --resume from the latest complete checkpoint", EXIT_SAVE_FAILED)
+
+    def _check_space(self, step: int) -> None:
+        """Refuse to start a save that the disk cannot hold (the last save's size plus a margin)."""
+        last = self.last_save_bytes
+        if last is None:  # none saved yet in this run: a resumed run knows its checkpoint's size
+            previous = step_folders(self.directory)
+            if previous and _process_index() == 0:
+                last = sum(v for k, v in folder_bytes(os.path.join(self.directory, str(previous[0]))).items()
+                           if k != FILES)
+                self.last_save_bytes = last
+        need = int(last * (1 + SPACE_MARGIN)) + SPACE_SLACK_BYTES if last else 0
+        free = shutil.disk_usage(self.directory).free if need else 0
+        fits = _agree(not need or free >= need)
+        if not fits:
+            raise DiskFullError(self._full_message(step, need, free, started=False))
+
+    def _full_message(self, step: int, need: Optional[int], free: Optional[int], started: bool = True) -> str:
+        what = "the last save's size" if self.last_save_bytes else "the train state's size"
+        latest = latest_complete_step(self.directory)
+        kept = f"step {latest} stays the latest complete checkpoint" if latest is not None else "no checkpoint is kept"
+        needs = f"a save needs about {need} bytes ({_fmt_bytes(need)}, {what})" if need else "a save did not fit"
+        has = f", {free} bytes free" if free is not None else ""
+        return (f"checkpoint at step {step}: no space left in {self.directory}{has}; {needs}; {'the partial save was removed' if started else 'the save was not started'} "
+                f"and {kept}; free space there or use an --out on a larger disk, then --resume")
+
+    def _failed(self, err: BaseException, step: int) -> None:
+        """A save failed: a full disk becomes one line (and its partial folder goes); anything else is raised."""
+        if not is_disk_full(err):
+            return
+        _REPORTED["failure"] = True
+        self._quiesce()
+        if _process_index() == 0:
+            self.remove_partial()
+        free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else None
+        need = self.last_save_bytes or self._estimate
+        raise DiskFullError(self._full_message(step, need, free)) from None
+
+    def _quiesce(self) -> None:
+        """Let orbax's threads of the failed save end (else each prints a traceback as the process exits)."""
+        try:
+            self.manager.close()
+        except Exception:  # noqa: BLE001 - the save already failed; its error is the one reported
+            pass
+
+    def remove_partial(self) -> List[str]:
+        """Remove the `*.orbax-checkpoint-tmp*` folders a failed save left (they only fill the disk)."""
+        removed = []
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return removed
+        for name in names:
+            if TMP_MARK in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                removed.append(name)
+        return removed
+
     def restore(self, abstract_state: Any, step: Optional[int] = None) -> Tuple[Any, Optional[Dict[str, Any]]]:
-        """(state, the data item or None for a checkpoint without one) of `step` (default: the latest)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise KitError(f"--resume: no checkpoint in {self.directory}; run once with --checkpoint-every N first "
-                           "or drop --resume")
+        """(state, the data item or None for a checkpoint without one) of `step` (default: the newest
+        complete checkpoint that restores; each one passed over is named and kept in `skipped`)."""
+        if step is not None:
+            return self._restore_step(abstract_state, step)
+        good, self.skipped = scan(self.directory)
+        if not good and not self.skipped:
+            raise KitError(f"--resume: no checkpoint in {self.directory}; run once with --checkpoint-every N "
+                           "first or drop --resume")
+        from alpa_job import progress
+
+        for skip in self.skipped:
+            progress.note(skip.line())
+        failed: List[Skipped] = []
+        for candidate in good:
+            try:
+                restored = self._restore_step(abstract_state, candidate)
+            except KitError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a damaged checkpoint: named, and the next one is tried
+                skip = Skipped(candidate, _file_in(str(err), os.path.join(self.directory, str(candidate))),
+                               f"does not restore ({_short(err)})")
+                progress.note(skip.line())
+                _REPORTED["failure"] = True
+                failed.append(skip)
+                continue
+            self.skipped += failed
+            self._set_aside(failed)
+            return restored
+        lines = "; ".join(f"step {s.step}: {s.path}: {s.reason}" for s in self.skipped + failed)
+        raise KitError(f"--resume: no checkpoint in {self.directory} restores ({lines}); start again without "
+                       "--resume (with --overwrite) or restore the checkpoints", EXIT_SAVE_FAILED)
+
+    def _set_aside(self, failed: List[Skipped]) -> None:
+        """Damaged steps newer than the restored one would block the run's own saves at their steps."""
+        if not failed:
+            return
+        from alpa_job import progress
+
+        if _process_index() == 0:
+            for skip in failed:
+                where = set_aside(self.directory, skip.step)
+                progress.note(f"[alpa_job] checkpoint step {skip.step} moved to {where}")
+        _barrier("alpa_job_checkpoints_set_aside")
+        self.manager.reload()
+
+    def _restore_step(self, abstract_state: Any, step: int) -> Tuple[Any, Optional[Dict[str, Any]]]:
         args = self._ocp.args
         if os.path.isdir(os.path.join(self.directory, str(step), "default")):  # written before the data item
             return self.manager.restore(step, args=args.StandardRestore(abstract_state)), None
@@ -67,5 +459,21 @@ class Checkpointer:
         return restored["state"], restored["data"] or None
 
     def close(self) -> None:
+        self._settle(wait=True)
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _leaves(tree: Any) -> List[Any]:
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def _file_in(message: str, step_dir: str) -> str:
+    """The file under `step_dir` an error message names (TensorStore quotes it), else the step folder."""
+    import re
+
+    quoted = re.findall(r'"(?:file://)?(/[^"]+)"', message) + re.findall(r"'(?:file://)?(/[^']+)'", message)
+    paths = [p.rstrip("/") for p in quoted if p.startswith(step_dir)]
+    return max(paths, key=len) if paths else step_dir
