@@ -137,7 +137,8 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown) 
 
 def _kept_report(config, last_step: int) -> Optional[str]:
     """Where a failed --resume writes its report when it trained no step past its checkpoint and an earlier
-    run's report.json is there: beside it (rundir.FAILED_REPORT), never over it. None: report.json as usual."""
+    run's report.json is there: beside it (rundir.FAILED_REPORT), never over it. None: report.json as
+    usual."""
     start = rundir.resume_start(config.out) if config.resume else None
     if start is None or last_step > start or not os.path.isfile(os.path.join(config.out, "report.json")):
         return None

@@ -369,7 +369,8 @@ class Checkpointer:
         kept = f"step {latest} stays the latest complete checkpoint" if latest is not None else "no checkpoint is kept"
         needs = f"a save needs about {need} bytes ({_fmt_bytes(need)}, {what})" if need else "a save did not fit"
         has = f", {free} bytes free" if free is not None else ""
-        return (f"checkpoint at step {step}: no space left in {self.directory}{has}; {needs}; {'the partial save was removed' if started else 'the save was not started'} "
+        removed = "the partial save was removed" if started else "the save was not started"
+        return (f"checkpoint at step {step}: no space left in {self.directory}{has}; {needs}; {removed} "
                 f"and {kept}; free space there or use an --out on a larger disk, then --resume")
 
     def _failed(self, err: BaseException, step: int) -> None:
@@ -415,8 +416,6 @@ class Checkpointer:
                            "first or drop --resume")
         from alpa_job import progress
 
-        for skip in self.skipped:
-            progress.note(skip.line())
         failed: List[Skipped] = []
         for candidate in good:
             try:
@@ -430,8 +429,12 @@ class Checkpointer:
                 _REPORTED["failure"] = True
                 failed.append(skip)
                 continue
+            # The driver named and set aside the newer ones before a --resume; a restart's come up here.
+            newer = [x for x in self.skipped if x.step > candidate]
+            for skip in newer:
+                progress.note(skip.line())
             self.skipped += failed
-            self._set_aside(failed)
+            self._set_aside(failed + newer)
             return restored
         lines = "; ".join(f"step {s.step}: {s.path}: {s.reason}" for s in self.skipped + failed)
         raise KitError(f"--resume: no checkpoint in {self.directory} restores ({lines}); start again without "

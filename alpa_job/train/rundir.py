@@ -123,9 +123,26 @@ def check_out(config, explicit_out: bool) -> None:
         raise KitError(f"--out {out} holds another run's checkpoints (steps up to {latest}); pass --resume to "
                        "continue that run, --overwrite to replace it, or another --out")
     reports = [name for name in REPORT_FILES + (RUN_META,) if out and os.path.isfile(os.path.join(out, name))]
-    if reports and not config.overwrite:
+    if reports and not config.overwrite and not _failed_before_first_step(out):
         raise KitError(f"--out {out} holds another run's report ({', '.join(reports)}); pass --overwrite to replace "
                        "it, or another --out")
+
+
+def _failed_before_first_step(out: str) -> bool:
+    """An earlier run here stopped before its first step (a wrong --address, a node that never came): its
+    report holds nothing to lose, so rerunning the fixed command into the same --out is not refused."""
+    try:
+        with open(os.path.join(out, "report.json")) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(report, dict) or report.get("status") in (None, "ok") or report.get("steps"):
+        return False
+    from alpa_job import progress
+
+    progress.display().line(f"[alpa_job] replacing the report in {out}: its run {report.get('status')} before its "
+                            "first step", important=True)
+    return True
 
 
 def _usable_checkpoint(out: str) -> int:
