@@ -19,8 +19,8 @@ from alpa_job.settings.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_
 SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data")
 
 
-EXIT_CODES = ("exit codes: 0 done; 1 training failed (the report in the run directory says how far it got); "
-              "2 bad input (one line: what to change); 3 a check found the cluster unhealthy; "
+EXIT_CODES = ("exit codes: 0 done; 1 training failed or diverged (the report in the run directory says how far it "
+              "got); 2 bad input (one line: what to change); 3 a check found the cluster unhealthy; "
               "4 a network wait ran past its deadline (--address, node start)")
 
 TRAIN_EPILOG = """examples:

@@ -10,6 +10,7 @@ EXIT_USER_ERROR = 2  # bad flag, bad file, bad combination: the message says wha
 EXIT_CHECK_FAILED = 3  # a check (doctor, guard) ran and found the cluster unhealthy
 EXIT_TIMEOUT = 4  # a network wait ran past its deadline
 EXIT_PROCESS_LOST = 1  # a JAX process or its node was lost (or failed) during the job
+EXIT_DIVERGED = 1  # the loss became NaN or infinite: training failed part-way (report status "diverged")
 
 
 class KitError(Exception):
@@ -27,3 +28,17 @@ class LostProcessError(KitError):
 
     def __init__(self, message: str, exit_code: int = EXIT_PROCESS_LOST):
         super().__init__(message, exit_code)
+
+
+class Diverged(KitError):
+    """The loss became NaN or infinite at `step`; `checkpoint_step` is the newest checkpoint saved before
+    it (None: none), `losses` the run's losses up to where it stopped (for its report's loss curve). The
+    run stops there and its report says `status: diverged`."""
+
+    def __init__(self, message: str, step: "int | None" = None, checkpoint_step: "int | None" = None,
+                 exit_code: int = EXIT_DIVERGED, losses: "list | None" = None):
+        super().__init__(message, exit_code)
+        self.step, self.checkpoint_step, self.losses = step, checkpoint_step, list(losses or [])
+
+    def __reduce__(self):  # across Ray (a worker's error reaches the driver pickled) with its fields
+        return (Diverged, (str(self), self.step, self.checkpoint_step, self.exit_code, self.losses))

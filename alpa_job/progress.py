@@ -5,8 +5,9 @@ Producers (train.run_loop, the auto search, compile timers) call `Progress`, `ph
   - on the driver (in-process training, the Alpa engine): the `Display` itself;
   - in process 0's Ray actor: the driver's `ProgressChannel` (see its docstring: the one public way
     across Ray), fed in batches (a fire-and-forget call at most every 0.5 s, plus one per phase). No
-    per-step host sync: the loss shown is the previous step's, converted at most once per display
-    interval (that step has long finished);
+    per-step host sync: the loss shown is the newest one the loop has read back (it syncs once per
+    timing window), or else the previous step's, converted at most once per display interval (that
+    step has long finished);
   - in the other processes: nothing (process 0 speaks for the run).
 
 The `Display` renders on the driver: on a TTY a rich progress bar (step, loss, samples/s, ETA) with
@@ -366,7 +367,13 @@ class Progress:
         loss = postfix.get("loss")
         now = time.perf_counter()
         last = self.total is not None and self.n >= self.total
-        if self._prev_loss is not None and (last or now - self._loss_at >= LOSS_INTERVAL_S):
+        # The newest loss the caller has already read back (the loop's timing sync): free to show, and on
+        # a run shorter than LOSS_INTERVAL_S the only way its line ever moves off the first step's loss.
+        read = postfix.get("read_loss")
+        if read is not None:
+            self._shown_loss = _to_float(read)
+            self._loss_at = now
+        elif self._prev_loss is not None and (last or now - self._loss_at >= LOSS_INTERVAL_S):
             # The previous step's loss: finished by now, so reading it does not stall the pipeline.
             self._shown_loss = _to_float(self._prev_loss)
             self._loss_at = now

@@ -11,7 +11,6 @@ ids are the same as encoding the whole file at once.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import time
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -21,6 +20,7 @@ import numpy as np
 from alpa_job import progress as progress_lib
 from alpa_job.data.tokenizer import Tokenizer, load_tokenizer
 from alpa_job.errors import KitError
+from alpa_job import strict_json
 
 DTYPES = ("uint16", "uint32")
 FORMAT = "flat little-endian token ids, no header; each document followed by eot (null: none)"
@@ -136,7 +136,7 @@ def _publish(partial: str, out: str, summary: Dict) -> None:
     side = sidecar_path(out)
     side_partial = side + ".partial"
     with open(side_partial, "w") as handle:
-        json.dump(summary, handle, indent=1)
+        strict_json.dump(summary, handle, indent=1)
         handle.write("\n")
     try:
         _remove(side)

@@ -30,6 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 from alpa_job import progress, versions
 from alpa_job.models import source_digest
 from alpa_job.settings import catalog
+from alpa_job import strict_json
 
 FOLDER = "alpa_job-steps"
 # The settings that never reach the compiled step are marked so in the catalogue (decides_step=False);
@@ -149,7 +150,7 @@ class StepStore:
             payload, _, _ = serialize_executable.serialize(compiled)
             os.makedirs(self.folder, exist_ok=True)
             for suffix, data, mode in ((".xla", payload, "wb"),
-                                       (".json", json.dumps({**extra, "key": self.key}, default=str), "w")):
+                                       (".json", strict_json.dumps({**extra, "key": self.key}, default=str), "w")):
                 tmp = f"{self.path}{suffix}.{os.getpid()}.tmp"
                 with open(tmp, mode) as f:
                     f.write(data)

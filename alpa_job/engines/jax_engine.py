@@ -18,7 +18,7 @@ import numpy as np
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpa_job.engines import compile_cache, flops, model_checks
+from alpa_job.engines import compile_cache, flops, memory_fit, model_checks
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
@@ -74,6 +74,7 @@ class JaxEngine(Engine):
             self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
+        memory_fit.check_state_fits(self._abstract_state, strategy, mesh_shape)  # before anything allocates
         model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed, self._example)
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
@@ -144,6 +145,7 @@ class JaxEngine(Engine):
         if self._init_compiled is None:
             self._start_init_compile()
         stats = self._compile_step()
+        memory_fit.check_step_fits(stats.memory, self.strategy, self.mesh.devices.shape)  # before the first step
         self._store_step()
         return stats
 

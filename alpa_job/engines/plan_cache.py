@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from alpa_job.errors import KitError
 from alpa_job.settings import catalog
+from alpa_job import strict_json
 
 PLAN_FILE = "plan.json"
 PROFILE_FILE = "profile.pkl"
@@ -197,7 +198,7 @@ class PlanCache:
                  **dict(extra or {})}
         tmp = os.path.join(d, PLAN_FILE + ".tmp")
         with open(tmp, "w") as f:
-            json.dump(entry, f, indent=2, sort_keys=True)
+            strict_json.dump(entry, f, indent=2, sort_keys=True)
         os.replace(tmp, os.path.join(d, PLAN_FILE))
         entry["profile_path"] = profile
         return entry

@@ -10,13 +10,13 @@ self-contained HTML page.
 from __future__ import annotations
 
 import html
-import json
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from alpa_job.errors import KitError
 from alpa_job.record.run_record import RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
+from alpa_job import strict_json
 
 COLUMNS = ("run", "plan", "status", "steps", "step ms", "samples/s", "state / device", "peak / device",
            "labels (params)", "collectives", "collective bytes", "compile s", "loss last")
@@ -186,4 +186,4 @@ def to_html(data: List[Dict[str, Any]]) -> str:
 
 
 def to_json(data: List[Dict[str, Any]]) -> str:
-    return json.dumps(data, indent=2)
+    return strict_json.dumps(data, indent=2)

@@ -11,6 +11,7 @@ import json
 from typing import Any, Dict, List, Optional, Sequence
 
 from alpa_job.record.run_record import Leaf, RunRecord
+from alpa_job import strict_json
 
 CELL_W, CELL_H, GAP = 150, 64, 8
 
@@ -92,7 +93,7 @@ def jax_mesh_svg(record: RunRecord) -> str:
  aria-label="device mesh {html.escape('×'.join(map(str, shape)))}">{row_label}{col_label}{''.join(cells)}</svg>
 <script>
 (function() {{
-  const data = {json.dumps(data)};
+  const data = {strict_json.dumps(data)};
   const select = document.getElementById("mesh-param");
   function show(path) {{
     const leaf = data[path];

@@ -60,7 +60,8 @@ def loss_figure(record: RunRecord):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
     first = (record.resumed_from_step or 0) + 1
-    ax.plot(range(first, first + len(losses)), losses, marker=".", label="train")
+    shown = [float("nan") if v is None else v for v in losses]  # a diverged run's non-finite loss: a gap
+    ax.plot(range(first, first + len(shown)), shown, marker=".", label="train")
     if record.evals:
         ax.plot([e.step for e in record.evals], [e.loss for e in record.evals], marker="o", color="#e45756",
                 label="eval")

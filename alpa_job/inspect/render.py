@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import re
 from typing import List, Optional, Sequence
 
 from alpa_job.inspect.plots import all_plots
 from alpa_job.record.run_record import InputRecord, MemoryRecord, RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
+from alpa_job import strict_json
 
 PARAM_COLUMNS = ("path", "shape", "dtype", "bytes", "bytes_per_device", "spec", "mesh_ids", "strategy")
 
@@ -46,9 +46,10 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         ("memory", _memory_text(record.memory)),
     ]
     pairs += _eval_pairs(record)
+    pairs += [("note", note) for note in record.notes]
     if record.source:
         pairs.append(("source", record.source))
-    return [(k, _cell(v) if not isinstance(v, dict) else json.dumps(v)) for k, v in pairs]
+    return [(k, _cell(v) if not isinstance(v, dict) else strict_json.dumps(v)) for k, v in pairs]
 
 
 def _eval_pairs(record: RunRecord) -> List[tuple]:
@@ -261,7 +262,7 @@ table.params td:nth-child(8) { font-weight: 600; }
 tr.opt td:first-child { padding-left: 2em; color: #555; }
 figure { display: inline-block; margin: 0 1em 1em 0; }
 figure img { max-width: 100%; }
-.status-failed, .status-interrupted { background: #fde2e1; border: 1px solid #e45756; padding: 0.6em 1em; }
+.status-failed, .status-interrupted, .status-diverged { background: #fde2e1; border: 1px solid #e45756; padding: 0.6em 1em; }
 .bar { background: #4c78a8; height: 10px; display: inline-block; vertical-align: middle; }
 .bar.over { background: #e45756; }
 details summary { cursor: pointer; color: #4c78a8; }
@@ -377,7 +378,7 @@ def _memory_html(record: RunRecord) -> str:
 
 
 def _dict_rows(data: dict) -> List[List[str]]:
-    return [[str(k), _cell(v) if not isinstance(v, dict) else json.dumps(v)] for k, v in data.items()]
+    return [[str(k), _cell(v) if not isinstance(v, dict) else strict_json.dumps(v)] for k, v in data.items()]
 
 
 def _input_html(record: RunRecord) -> List[str]:

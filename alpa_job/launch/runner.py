@@ -21,7 +21,7 @@ from alpa_job.launch.connect import NO_RAY, connect, resolve_address
 from alpa_job.cluster.spec import load_spec
 from alpa_job.settings.config import check_engine_strategy
 from alpa_job.engines import resolve_engine
-from alpa_job.errors import KitError, LostProcessError
+from alpa_job.errors import Diverged, KitError, LostProcessError
 from alpa_job.record.run_record import ProcessResult
 from alpa_job.inspect.write import write_report
 from alpa_job.record.report_file import build_report, failed_report, report_json
@@ -112,11 +112,13 @@ def _check_model_on_abstract_shapes(config) -> None:
 
 def _write_failed(config, engine: str, address: str, err: BaseException, shown) -> None:
     """The report of a run that stopped part-way: status, the error, the steps done (never masks `err`)."""
-    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "diverged" if isinstance(err, Diverged) \
+        else "failed"
     message = str(err) if isinstance(err, KitError) else \
         (traceback.format_exception_only(type(err), err)[-1].strip() or type(err).__name__)
     try:
-        record = failed_report(config, engine, status, message, shown.last_step, address=address)
+        record = failed_report(config, engine, status, message, shown.last_step, address=address,
+                               losses=getattr(err, "losses", None))
         kept = _kept_report(config, shown.last_step)
         if kept:  # a resume that trained nothing: the earlier run's report still says what that run did
             with open(kept, "w") as f:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from alpa_job import progress
 from alpa_job.cluster import ray_api
 from alpa_job.cluster.worker_path import worker_pythonpath
-from alpa_job.errors import EXIT_TIMEOUT, KitError
+from alpa_job.errors import EXIT_TIMEOUT, Diverged, KitError
 from alpa_job.launch import failures, shared_out
 from alpa_job.launch.failures import Lost, node_alive
 from alpa_job.launch.jax_process import actor_class
@@ -173,6 +173,8 @@ class WorkerGroup:
                 self.results[self._index[ref]] = ray.get(ref)
             except Exception as err:  # classified by failures.classify
                 user = _user_error(err)
+                if isinstance(user, Diverged):  # its type is its report's status
+                    raise user from None
                 if user is not None:
                     raise KitError(str(user), user.exit_code) from None
                 self.errors[self._index[ref]] = err

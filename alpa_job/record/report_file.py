@@ -9,10 +9,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 from alpa_job.errors import KitError
 from alpa_job.record.run_record import RunRecord
+from alpa_job import strict_json
 
 REPORT_FILE = "report.json"
 
@@ -28,19 +29,20 @@ def build_report(config, results: Iterable[Any], address: Optional[str] = None) 
 
 
 def failed_report(config, engine: str, status: str, error: str, steps_done: int,
-                  address: Optional[str] = None) -> RunRecord:
-    """The record of a run that stopped part-way: what was asked, how far it got, and why it stopped."""
+                  address: Optional[str] = None, losses: Optional[List[float]] = None) -> RunRecord:
+    """The record of a run that stopped part-way: what was asked, how far it got, and why it stopped
+    (`losses`: those it read back, where the error carried them: a diverged run's curve)."""
     from alpa_job import versions
 
     record = RunRecord(engine=engine, strategy=config.strategy, requested_strategy=config.strategy,
                        steps=int(steps_done or 0), config=config.as_dict(), created=created_now(), address=address,
-                       status=status, error=error, versions=versions.collect())
+                       status=status, error=error, versions=versions.collect(), losses=list(losses or []))
     record.summary = record.summarize()
     return record
 
 
 def report_json(record: RunRecord) -> str:
-    return json.dumps(record.to_dict(), indent=2, sort_keys=False, default=str)
+    return strict_json.dumps(record.to_dict(), indent=2, sort_keys=False, default=str)
 
 
 def load_report(run_dir: str) -> RunRecord:

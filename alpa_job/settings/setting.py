@@ -8,6 +8,7 @@ model module can declare its settings with it and `--help` never starts jax.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Optional, Tuple
 
@@ -100,6 +101,9 @@ class Setting:
     def problem(self, value: Any) -> Optional[str]:
         """What is wrong with `value` for this setting's bound (None: nothing); choices are the
         catalogue's business, which words the error with a did-you-mean."""
+        if isinstance(value, float) and not math.isfinite(value):
+            # nan passes every comparison below and inf every bound: neither is ever a usable setting.
+            return f"{self.flag} must be a finite number, got {value}"
         if value is None or self.check is None:
             return None
         if self.check == POSITIVE and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):

@@ -146,17 +146,60 @@ def tensor_model_size(devices: int, model_parallel: int) -> int:
     return model_parallel
 
 
-def check_divisibility(config: JobConfig, devices: int, where: str = "") -> None:
-    """The mesh the strategy builds on `devices` devices, and the batch split over its data axis."""
+def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: Optional[int] = None) -> None:
+    """The mesh the strategy builds on `devices` devices, and the batch split over its data axis.
+    `rows`: the dataset's size where the config alone says it (then only batches it can fill are
+    suggested, and --devices it can emulate: advice that then fails is worse than none)."""
     if config.strategy == "auto":
         return  # the search tries every mesh and skips the ones the batch does not divide
-    model = tensor_model_size(devices, config.model_parallel) if config.strategy == "tensor" else 1
-    data = devices // model
+    data = _data_size(config, devices)
     if config.batch_size % data:
         lower = config.batch_size // data * data
-        near = " or ".join(str(b) for b in (lower, lower + data) if b > 0)
-        raise KitError(f"batch size {config.batch_size} is not divisible by the data-parallel size {data}; "
-                       f"use a multiple of {data} (--batch-size {near}){where}")
+        near = [b for b in (lower, lower + data) if b > 0 and (rows is None or b <= rows)]
+        if near:
+            raise KitError(f"batch size {config.batch_size} is not divisible by the data-parallel size {data}; "
+                           f"use a multiple of {data} (--batch-size {' or '.join(map(str, near))}){where}")
+        fewer = next(d for d in range(devices, 0, -1) if _divides_batch(config, d))
+        raise KitError(f"batch size {config.batch_size} is not divisible by the data-parallel size {data}, and no "
+                       f"multiple of {data} fits the dataset's {rows} samples; use --devices {fewer} (its "
+                       f"data-parallel size divides the batch){where}")
+
+
+def _data_size(config: JobConfig, devices: int) -> int:
+    model = tensor_model_size(devices, config.model_parallel) if config.strategy == "tensor" else 1
+    return devices // model
+
+
+def _divides_batch(config: JobConfig, devices: int) -> bool:
+    try:
+        return config.batch_size % _data_size(config, devices) == 0
+    except KitError:  # --model-parallel does not divide this many devices
+        return False
+
+
+# Emulated CPU devices: each is a device of XLA's CPU client with its own buffers (~25 MB of host memory
+# each for the tutorial MLP) and every step runs on all of them, so past a few per core a run only
+# thrashes (1,000 on 2 cores: 90 s for 2 steps). 16 per core, never fewer than 64 (a laptop still emulates
+# a large mesh).
+DEVICES_PER_CORE = 16
+MIN_DEVICE_CAP = 64
+
+
+def host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_emulated_devices(devices: int, cores: int, where: str = "this host") -> None:
+    """Refuse more emulated CPU devices than `cores` cores can run."""
+    cap = max(MIN_DEVICE_CAP, DEVICES_PER_CORE * cores)
+    if devices > cap:
+        raise KitError(f"--devices {devices} is more CPU devices than {where} can emulate: {cores} core(s) run at "
+                       f"most {cap} ({DEVICES_PER_CORE} a core, at least {MIN_DEVICE_CAP}; each is a full device "
+                       f"with its own buffers and every step runs on all of them); use --devices {cap} or fewer, "
+                       "or GPUs")
 
 
 def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[str] = ()) -> Optional[int]:
@@ -174,8 +217,10 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
     check_data(config, engine)
     devices = planned_devices(config, engine, address)
     if devices is not None:
+        check_emulated_devices(devices, host_cores())
         where = f"; the run has {devices} emulated CPU devices (--devices)"
-        check_divisibility(config, devices, where)
+        rows = config.num_samples if config.dataset == "synthetic" and config.remainder == "drop" else None
+        check_divisibility(config, devices, where, rows=rows)
     return devices
 
 
@@ -189,5 +234,8 @@ def check_cluster_size(config: JobConfig, nodes: List[Any]) -> None:
     if not usable:
         return
     chosen = usable[:count]
+    for node in chosen:
+        if not int(node.gpus()):
+            check_emulated_devices(config.devices, int(node.cpus()), f"node {node.ip}")
     per_node = [int(n.gpus()) or config.devices for n in chosen]
     check_divisibility(config, sum(per_node), f"; the cluster gives {count} node(s) x {per_node[0]} devices")

@@ -25,9 +25,12 @@ from alpa_job.data import EpochPlan, plan_epoch
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.data.sources import RowSource
 from alpa_job.engines.base import Engine
-from alpa_job.errors import KitError
+from alpa_job.errors import Diverged, KitError
 from alpa_job.record.run_record import EvalPoint, InputRecord, ProcessResult
 from alpa_job.train.rundir import checkpoint_dir
+
+
+SAVE_WAIT_S = 60.0  # a diverged run waits this long for a save in flight before naming the last checkpoint
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -169,6 +172,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     model = get_model(config)
     data = prepare_data(config, model)
     total_steps = config.steps if config.steps is not None else config.epochs * data.epoch.steps
+    notes = checkpoint_notes(config, total_steps)
     startup = time.perf_counter() - started  # imports, the model, the data
     engine = (build_engine or build_jax_engine)(config, model, data)
     if not isinstance(engine, Engine):  # an Engine subclass that lacks a member cannot be made at all
@@ -209,6 +213,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     phases["process_to_first_step"] = stats.pop("process_age_at_first_step")
     result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
     result.evals = evaluator.points
+    result.notes = notes
     result.input = input_record(data, stream, read_before, start_step, total_steps, stats["loop_seconds"])
     result.process.rows_read, result.process.bytes_read = result.input.rows_read, result.input.bytes_read
     result.timing = timing.summary(
@@ -221,6 +226,26 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     if return_state:
         result.final_state = state
     return result
+
+
+def checkpoint_notes(config, total_steps: int) -> List[str]:
+    """A warning, printed now (before the compile) and kept for the report, when --checkpoint-every
+    names no step this run reaches: the user asked for checkpoints and would otherwise find none."""
+    every = config.checkpoint_every
+    if not every:
+        return []
+    start = 0
+    if config.resume:
+        from alpa_job.train.checkpoint import latest_complete_step
+
+        start = latest_complete_step(checkpoint_dir(config.out)) or 0
+    if start >= total_steps or total_steps // every > start // every:
+        return []
+    text = (f"warning: --checkpoint-every {every} never saves: this run ends at step {total_steps}"
+            + (f" (it resumes from step {start})" if start else "")
+            + f"; pass --checkpoint-every {total_steps - start} or less (or more --steps) to keep a checkpoint")
+    progress.note(text)
+    return [text]
 
 
 def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Optional[Dict[str, Any]]]:
@@ -305,6 +330,16 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     mark_step = 0  # the step (counted in this run) whose completion `mark` timed
     loop_start = mark = time.perf_counter()
     pending: List[Any] = []  # losses still on the device, oldest first
+
+    def read_back(count: int) -> List[float]:
+        # The oldest `count` pending losses in one host sync, checked: a non-finite one stops the run.
+        first = global_step - len(pending) + 1
+        values = engine.to_floats(pending[:count])
+        del pending[:count]
+        losses.extend(values)
+        check_finite(values, first, global_step, checkpointer, losses)
+        return values
+
     for batch, real in stream.batches(start_step):
         state, loss = engine.step(state, engine.put_batch(batch))
         pending.append(loss)
@@ -313,12 +348,15 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
         samples_seen += real
         if global_step % steps_per_epoch == 0:
             samples_dropped += stream.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
+        fresh = None  # losses read back at this step (the progress line shows the newest)
         if checkpointer is not None:
+            if checkpointer.every and global_step % checkpointer.every == 0:
+                fresh = read_back(len(pending))  # a checkpoint never holds a state past a non-finite loss
             checkpointer.maybe_save(global_step, state, stream.state(global_step))
         if on_step is not None:
             on_step(global_step)
         if first_done is None:
-            engine.to_floats([loss])  # sync: the first step is done
+            fresh = read_back(len(pending)) or fresh  # sync: the first step is done
             now = time.perf_counter()
             first_step_s, first_done, process_age = now - loop_start, now, timing.process_age_s()
             mark, mark_step = now, steps
@@ -327,8 +365,7 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             # idle while the host reads the clock and dispatches again (a sync on the newest step
             # drains the queue every window: ~3 ms a step on GPT 24L, one H100). The losses up to
             # that step come back in the same sync.
-            losses.extend(engine.to_floats(pending[:-1]))
-            del pending[:-1]
+            fresh = read_back(len(pending) - 1) or fresh
             now = time.perf_counter()
             window_step_s.append((now - mark) / window)
             mark, mark_step = now, steps - 1
@@ -338,8 +375,9 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
                 bar.set_eval(point.loss, point.perplexity)
             if first_done is not None:  # the eval's time is not a step's: the timing window restarts here
                 mark, mark_step = time.perf_counter(), steps
-        bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real)
-    losses.extend(engine.to_floats(pending))
+        bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real,
+                   read_loss=fresh[-1] if fresh else None)
+    read_back(len(pending))
     if first_done is not None and steps - mark_step == window:  # the last window ends with the run
         window_step_s.append((time.perf_counter() - mark) / window)
     engine.wait(state)
@@ -349,6 +387,36 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s,
                  process_age_at_first_step=process_age)
     return state, stats
+
+
+def check_finite(values: List[float], first_step: int, at_step: int, checkpointer=None,
+                 losses: Optional[List[float]] = None) -> None:
+    """Raise `Diverged` at the first non-finite loss of `values` (the losses of steps first_step, ...),
+    read back at `at_step`: training on would only spend the rest of the run on NaN. `losses`: the run's
+    losses so far, carried to its report."""
+    for offset, value in enumerate(values):
+        if not math.isfinite(value):
+            step = first_step + offset
+            saved = _saved_before(checkpointer, step)
+            where = (f"last good checkpoint: step {saved} in {checkpointer.directory} (--resume continues "
+                     "from it)" if saved is not None else "no checkpoint was saved before it")
+            raise Diverged(f"the loss became {value} at step {step} (seen at step {at_step}, within one "
+                           f"read-back window); {where}; lower --learning-rate or check the data",
+                           step=step, checkpoint_step=saved, losses=losses)
+
+
+def _saved_before(checkpointer, step: int) -> Optional[int]:
+    """The newest complete checkpoint before `step` (None: none). The loop checks the losses before every
+    save, so none at or after the diverged step exists; a save still in flight is waited for (bounded)."""
+    if checkpointer is None:
+        return None
+    from alpa_job.train.checkpoint import latest_complete_step
+
+    waiter = threading.Thread(target=checkpointer.manager.wait_until_finished, daemon=True)
+    waiter.start()
+    waiter.join(SAVE_WAIT_S)
+    saved = latest_complete_step(checkpointer.directory)
+    return saved if saved is not None and saved < step else None
 
 
 def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_seconds: float,

@@ -35,6 +35,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from alpa_job.errors import KitError
+from alpa_job import strict_json
 
 RUNS_ROOT = "runs"
 LATEST = "latest"
@@ -214,7 +215,7 @@ def prepare(config, explicit_out: bool, root: str = RUNS_ROOT):
 def write_meta(out: str, config) -> None:
     tmp = os.path.join(out, RUN_META + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(config.as_dict(), f, indent=2, default=str)
+        strict_json.dump(config.as_dict(), f, indent=2, default=str)
     os.replace(tmp, os.path.join(out, RUN_META))
 
 

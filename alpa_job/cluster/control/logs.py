@@ -20,7 +20,6 @@ Imports on the Alpa image's stack (Python 3.9): standard library and requests at
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -32,6 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from alpa_job.errors import KitError
 from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError
+from alpa_job import strict_json
 
 DEFAULT_DEADLINE_S = 300.0
 COLLECTION_FILE = "collection.json"
@@ -237,7 +237,7 @@ def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional
                "seconds": round(time.monotonic() - t0, 1), "hosts": [results[t[0]] for t in targets]}
     summary["ok"] = all(h["files"] > 0 and h["how"] in ("api", "ssh") for h in summary["hosts"])
     with open(os.path.join(out_dir, COLLECTION_FILE), "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
+        strict_json.dump(summary, f, indent=2, sort_keys=True)
     return summary
 
 

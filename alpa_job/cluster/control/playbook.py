@@ -12,7 +12,6 @@ the duration, the exit code; `write_json()` puts it in the run dir next to ansib
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -21,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from alpa_job.errors import KitError
 from alpa_job.cluster.control.inventory import ANSIBLE_DIR, tool_env
+from alpa_job import strict_json
 
 PLAYBOOKS = {"up": "site.yml", "down": "teardown.yml"}
 COUNTS = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
@@ -63,7 +63,7 @@ class PlaybookSummary:
     def write_json(self, path: Optional[str] = None) -> str:
         path = path or os.path.join(self.run_dir, SUMMARY_FILE)
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            strict_json.dump(self.to_dict(), f, indent=2, sort_keys=True)
         return path
 
     def stdout(self) -> str:

@@ -35,6 +35,7 @@ from alpa_job.cluster.node_ip import ips_in_cidr, select_node_ip
 from alpa_job.errors import KitError
 from alpa_job.cluster.control.inventory import Inventory, Node
 from alpa_job.cluster.control.remote import Remote, RemoteError
+from alpa_job import strict_json
 
 DEFAULT_DEADLINE_S = 25.0
 COLUMNS = ("ssh", "iface", "ports", "engine", "image", "gpu", "shm", "clock")
@@ -374,4 +375,4 @@ def failure_summary(result: Mapping[str, Any]) -> Optional[str]:
 
 
 def render_json(result: Mapping[str, Any]) -> str:
-    return json.dumps(result, indent=2, sort_keys=True, default=str)
+    return strict_json.dumps(result, indent=2, sort_keys=True, default=str)

@@ -12,7 +12,6 @@ IPs always do). A host whose SSH address is elsewhere (a management network) is 
 """
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -22,6 +21,7 @@ from alpa_job.cluster.node_ip import ips_in_cidr
 from alpa_job.errors import KitError
 from alpa_job.cluster.control.inventory import Inventory
 from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError, dashboard_url
+from alpa_job import strict_json
 
 RESOURCE_COLUMNS = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -168,7 +168,7 @@ def failure_summary(result: Mapping[str, Any]) -> Optional[str]:
 
 
 def render_json(result: Mapping[str, Any]) -> str:
-    return json.dumps(result, indent=2, sort_keys=True, default=str)
+    return strict_json.dumps(result, indent=2, sort_keys=True, default=str)
 
 
 def _num(v: Any) -> str:

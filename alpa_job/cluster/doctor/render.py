@@ -1,16 +1,16 @@
 """The doctor's result as people read it: a table (nodes, TCP matrix, checks), JSON, and the one-line summary."""
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from alpa_job.cluster.doctor.checks import gib
+from alpa_job import strict_json
 
 NODE_VERSION_COLUMNS = ("python", "ray", "jax", "jaxlib", "alpa")
 
 
 def render_json(result: Mapping[str, Any]) -> str:
-    return json.dumps(result, indent=2, sort_keys=True, default=str)
+    return strict_json.dumps(result, indent=2, sort_keys=True, default=str)
 
 
 def render_table(result: Mapping[str, Any]) -> str:

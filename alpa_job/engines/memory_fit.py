@@ -1,0 +1,111 @@
+"""Memory before work: a run whose train state or step cannot fit its devices stops before the first step.
+
+Two checks, each a one-line KitError naming the bytes and the way out:
+  - `check_state_fits`: the state's bytes per device, from the abstract state and its shardings (known
+    before anything compiles or allocates), against the device's memory;
+  - `check_step_fits`: XLA's estimate for the compiled step (arguments + outputs + scratch - aliased),
+    which adds gradients, activations and the batch, against the same budget.
+
+The budget: a GPU's own allocator limit (`memory_stats()["bytes_limit"]`: what JAX may take of the card);
+for CPU devices the host's available RAM (/proc/meminfo MemAvailable), which every emulated CPU device of
+the process shares. Only FRACTION of it is counted as usable: the runtime, the input pipeline and XLA's
+own buffers need the rest, and a run that passes by a hair is killed later, when it costs most.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple
+
+import jax
+import numpy as np
+
+from alpa_job.errors import KitError
+
+FRACTION = 0.9
+
+
+def state_bytes_per_device(abstract_state: Any) -> int:
+    """Bytes of the state one device holds: each leaf's shard (its sharding's shard shape) x its item size."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(abstract_state):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            shape = tuple(sharding.shard_shape(shape))
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def host_available_bytes() -> Optional[int]:
+    """MemAvailable of /proc/meminfo (what the kernel can give without swapping), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def budget(devices: List[Any]) -> Optional[Tuple[int, int, str]]:
+    """(bytes available, devices sharing them, what they are in words) for this process's devices;
+    None when nothing says (the check is then skipped, never guessed)."""
+    try:
+        stats = devices[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU devices and some runtimes keep no allocator statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), 1, f"one {devices[0].device_kind} holds {_gb(int(stats['bytes_limit']))}"
+    if devices[0].platform != "cpu":
+        return None
+    available = host_available_bytes()
+    if available is None:
+        return None
+    return available, len(devices), f"this host has {_gb(available)} of RAM available for this process's " \
+                                    f"{len(devices)} CPU device(s)"
+
+
+def check_state_fits(abstract_state: Any, strategy: str, mesh_shape: Tuple[int, ...],
+                     devices: Optional[List[Any]] = None) -> None:
+    """Before compiling: the state (parameters + optimizer state) each device will hold fits."""
+    need = state_bytes_per_device(abstract_state)
+    _check(need, "the train state (parameters + optimizer state)", strategy, mesh_shape, devices, batch=False)
+
+
+def check_step_fits(memory: Optional[dict], strategy: str, mesh_shape: Tuple[int, ...],
+                    devices: Optional[List[Any]] = None) -> None:
+    """After compiling: XLA's estimate for one step (jax_program.memory_analysis's dict) fits."""
+    need = (memory or {}).get("peak_estimate_bytes")
+    if need:
+        _check(int(need), "XLA's estimate for the train step (state, gradients, activations, batch)", strategy,
+               mesh_shape, devices, batch=True)
+
+
+def _check(need: int, what: str, strategy: str, mesh_shape: Tuple[int, ...], devices: Optional[List[Any]],
+           batch: bool) -> None:
+    devices = devices if devices is not None else jax.local_devices()
+    found = budget(devices)
+    if found is None:
+        return
+    available, sharing, words = found
+    if need * sharing <= FRACTION * available:
+        return
+    total = f" ({_gb(need * sharing)} for {sharing} devices)" if sharing > 1 else ""
+    raise KitError(f"{what} needs {_gb(need)} per device{total} with --strategy {strategy} on mesh "
+                   f"{tuple(mesh_shape)}, and {words} ({int(FRACTION * 100)}% usable); "
+                   f"{_ways_out(strategy, batch)}")
+
+
+def _ways_out(strategy: str, batch: bool) -> str:
+    ways = [f"--strategy {s} ({why})" for s, why in (("fsdp", "shards the state over the devices"),
+                                                     ("tensor", "splits the layers over a model axis"))
+            if s != strategy]
+    ways.append("fewer layers or a smaller model (--num-layers, --d-model / --hidden-dim)")
+    if batch:
+        ways.append("a smaller --batch-size")
+    return "use " + ", ".join(ways[:-1]) + " or " + ways[-1]
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n < 1e12 else f"{n / 1e12:.2f} TB"
