@@ -273,6 +273,8 @@ class ProcessResult:
     # Restarts after a lost process/node (run-level; set on process 0's result by the launch controller).
     # With restarts, steps/samples_seen count the final trajectory once (lost steps are not counted).
     restarts: List[RestartRecord] = dataclasses.field(default_factory=list)
+    # Preempted (SIGTERM): the global step every process stopped at, saved as a checkpoint there.
+    stopped_at_step: Optional[int] = None
     final_state: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -307,7 +309,7 @@ class RunRecord(ProcessResult):
     created: Optional[str] = None
     address: Optional[str] = None
     source: Optional[str] = None  # the folder an Alpa dump was read from
-    status: str = "ok"  # ok | failed | interrupted (a failed run still writes its report)
+    status: str = "ok"  # ok | failed | interrupted | preempted (a failed run still writes its report)
     error: Optional[str] = None  # why it stopped (one line), for failed/interrupted runs
     summary: Summary = dataclasses.field(default_factory=Summary)
 

@@ -53,6 +53,16 @@ class Checkpointer:
                                                             data=args.JsonSave(data_state or {})))
         return bool(saved)
 
+    def save_now(self, step: int, state: Any, data_state: Optional[Dict[str, Any]] = None) -> bool:
+        """Save `step` whatever --checkpoint-every says (a preempted run's last step); every process calls it.
+        False when that step is saved already (it was a multiple of --checkpoint-every)."""
+        if self.manager.latest_step() == step:
+            return False
+        args = self._ocp.args
+        saved = self.manager.save(step, args=args.Composite(state=args.StandardSave(state),
+                                                            data=args.JsonSave(data_state or {})), force=True)
+        return bool(saved)
+
     def restore(self, abstract_state: Any, step: Optional[int] = None) -> Tuple[Any, Optional[Dict[str, Any]]]:
         """(state, the data item or None for a checkpoint without one) of `step` (default: the latest)."""
         step = self.latest_step() if step is None else step

@@ -4,7 +4,7 @@ Without --out a run gets runs/<UTC time>-<model>-<strategy>/ and runs/latest bec
 (replaced atomically; a real runs/latest folder from an older kit is moved aside under its own time).
 An explicit --out that already holds checkpoints belongs to another run: it is refused unless --resume
 (continue it: the checkpoint must exist and be of the same model) or --overwrite (its checkpoints and
-reports are removed first). The folder is created and probed for writing before Ray starts, and
+reports are removed first); --resume auto is --resume when a complete checkpoint is there, else a new run. The folder is created and probed for writing before Ray starts, and
 run.json (the job config) is written into it so a later --resume can tell which model it holds.
 """
 from __future__ import annotations
@@ -94,12 +94,23 @@ def check_out(config, explicit_out: bool) -> None:
                        "continue that run, --overwrite to replace it, or another --out")
 
 
+def resolve_resume(config):
+    """--resume auto (what a restarted job runs): --resume when --out holds a complete checkpoint, else a
+    fresh run; a plain --resume stays a must."""
+    if config.resume != "auto":
+        return config
+    from alpa_job.train.checkpoint import latest_complete_step
+
+    return config.replace(resume=latest_complete_step(checkpoint_dir(config.out)) is not None)
+
+
 def prepare(config, explicit_out: bool, root: str = RUNS_ROOT):
     """Resolve, check and create the run directory; returns the config with `out` set.
 
     Nothing is written into an existing run's folder until every check passed."""
     if not config.out:
         config = config.replace(out=new_run_dir(config, root))
+    config = resolve_resume(config)
     check_out(config, explicit_out)
     out = config.out
     try:
