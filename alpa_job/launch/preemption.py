@@ -63,6 +63,13 @@ def watch(can_stop: bool = True) -> Iterator[Preemption]:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
+def take_back_sigterm() -> None:
+    """After ray.init, which installs its own SIGTERM handler on the driver (sys.exit: no checkpoint, a
+    `failed` report): SIGTERM is the run's again."""
+    if _CURRENT is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _CURRENT.handle)
+
+
 def stopped_message(step: int, checkpoints: str) -> str:
     return (f"preempted (SIGTERM) at step {step}: every process stopped there and checkpoint {step} is saved in "
             f"{checkpoints}; run the same command with --resume auto to continue")

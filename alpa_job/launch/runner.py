@@ -170,6 +170,7 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
     progress.quiet_ray_loggers(shown.verbosity)
     where = connect(address, engine, spec=spec, timeout_s=JOIN_TIMEOUT_S,
                     log_to_driver=shown.verbosity >= progress.VERBOSE)
+    preemption.take_back_sigterm()
     shown.line(f"[alpa_job] joined {where}")
     from alpa_job.cluster import ray_api
     from alpa_job.launch.controller import run_on_nodes
