@@ -186,3 +186,22 @@ def test_resume_auto_resolves_against_the_out_folder(tmp_path):
     assert rundir.prepare(config, explicit_out=True).resume is False  # nothing there: a fresh run
     (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
     assert rundir.prepare(config, explicit_out=True).resume is True
+
+
+# ----------------------------------------------------------------------------- the systemd unit
+def test_the_systemd_unit_runs_resume_auto_and_gives_sigterm_time_for_a_save():
+    """What Ansible renders (its own Templar over the role): the driver alone gets SIGTERM, with
+    TimeoutStopSec for one step plus one save, and a restart runs the same `--resume auto` command."""
+    import shlex
+
+    from test_ansible_lint import Render
+
+    unit = Render("process", role="head", kit_role="alpa_train", alpa_train_args=["--model", "gpt"],
+                  alpa_train_stop_timeout_s=240).template_file("alpa-kit-train.service.j2")
+    lines = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    argv = shlex.split(lines["ExecStart"])
+    assert argv[:4] == ["/opt/alpa-kit/venv/bin/python", "-m", "alpa_job", "train"]
+    assert argv[argv.index("--resume") + 1] == "auto" and argv[-2:] == ["--model", "gpt"]
+    assert int(argv[argv.index("--checkpoint-every") + 1]) > 0 and "--out" in argv
+    assert lines["KillSignal"] == "SIGTERM" and lines["KillMode"] == "mixed" and lines["TimeoutStopSec"] == "240"
+    assert lines["Restart"] == "on-failure"  # exit 75 (preempted) restarts; 0 (done) does not
