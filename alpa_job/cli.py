@@ -13,7 +13,7 @@ import sys
 from typing import List, Optional
 
 from alpa_job.choices import did_you_mean
-from alpa_job.errors import EXIT_OK, KitError
+from alpa_job.errors import EXIT_OK, EXIT_PREEMPTED, KitError
 from alpa_job.settings.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
 
 SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data")
@@ -21,7 +21,8 @@ SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data")
 
 EXIT_CODES = ("exit codes: 0 done; 1 training failed or diverged (the report in the run directory says how far it "
               "got); 2 bad input (one line: what to change); 3 a check found the cluster unhealthy; "
-              "4 a network wait ran past its deadline (--address, node start)")
+              "4 a network wait ran past its deadline (--address, node start); "
+              "75 preempted: SIGTERM stopped the run at a step saved as a checkpoint (rerun with --resume auto)")
 
 TRAIN_EPILOG = """examples:
   python -m alpa_job train                                    # the tutorial MLP on a local Ray, 8 CPU devices
@@ -74,6 +75,10 @@ def _add_setting(group, setting: Setting) -> None:
     if kind is ModelArgs:  # repeatable KEY=VALUE; the model's declaration types the values
         group.add_argument(setting.flag, dest=setting.name, action="append", metavar=setting.metavar,
                            help=text + _default_text(setting))
+        return
+    if kind is bool and setting.words:  # `--resume` alone is True; `--resume auto` the word
+        group.add_argument(setting.flag, dest=setting.name, nargs="?", const=True, metavar=setting.metavar,
+                           help=text)
         return
     if kind is bool:
         group.add_argument(setting.flag, dest=setting.name, action="store_const", const=True, help=text)
@@ -271,6 +276,9 @@ def _train(args) -> int:
     explicit = [k for k, v in cli_values.items() if v is not None]
     explicit += list(layers[1])  # what the user's --config chain sets (a --preset's defaults are not)
     record, paths = run_job(config, explicit=explicit, capture_native=True)
+    if record.status == "preempted":
+        print(f"{record.error}; report: {paths['html']}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     s = record.summary
     print(f"trained {config.model} with {record.engine}/{record.strategy} on {s.devices} devices "
           f"({s.processes} process(es), {s.hosts} host(s)): {record.steps} steps, "

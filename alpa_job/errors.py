@@ -11,6 +11,7 @@ EXIT_CHECK_FAILED = 3  # a check (doctor, guard) ran and found the cluster unhea
 EXIT_TIMEOUT = 4  # a network wait ran past its deadline
 EXIT_PROCESS_LOST = 1  # a JAX process or its node was lost (or failed) during the job
 EXIT_DIVERGED = 1  # the loss became NaN or infinite: training failed part-way (report status "diverged")
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM stopped the run at a saved step; rerun with --resume auto
 
 
 class KitError(Exception):

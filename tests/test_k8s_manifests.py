@@ -43,6 +43,7 @@ MANIFESTS = {  # plain files, `kubectl apply -f`-able
     "networkpolicy.yaml": "legacy",
     "rayjob.yaml": "legacy",
     "rayjob.embedded.yaml": "legacy",
+    "rayjob.jax.yaml": "modern",
 }
 RENDERS = {  # kustomize directories, relative to k8s/
     ".": "legacy",

@@ -263,6 +263,7 @@ tr.opt td:first-child { padding-left: 2em; color: #555; }
 figure { display: inline-block; margin: 0 1em 1em 0; }
 figure img { max-width: 100%; }
 .status-failed, .status-interrupted, .status-diverged { background: #fde2e1; border: 1px solid #e45756; padding: 0.6em 1em; }
+.status-preempted { background: #fff4d6; border: 1px solid #e0a800; padding: 0.6em 1em; }
 .bar { background: #4c78a8; height: 10px; display: inline-block; vertical-align: middle; }
 .bar.over { background: #e45756; }
 details summary { cursor: pointer; color: #4c78a8; }

@@ -9,7 +9,7 @@ PLACING    choose the nodes (never a lost one), start a process on each (a node 
            is settled and replaced), check --out is one shared directory, and after a loss check the
            global batch divides the shrunk data axis;
 RUNNING    train on the worker group and watch it: the driver waits on every process at once (never
-           a blocking get on one), and on the first failure gives the others a short grace to show
+           a blocking get on one), on SIGTERM has them agree on one step to stop and save at (preemption.py), and on the first failure gives the others a short grace to show
            theirs (a dead peer makes the survivors' collectives fail too: the one to name is the
            process whose ACTOR died), then kills every actor;
 RECOVERING name the lost process (host, node IP, Ray node id, index, step, its log's last lines or
@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set
 from alpa_job import progress
 from alpa_job.cluster import ray_api
 from alpa_job.errors import KitError, LostProcessError
-from alpa_job.launch import failures
+from alpa_job.launch import failures, preemption
 from alpa_job.launch.failure_policy import FailurePolicy, check_batch_divides, eligible_nodes
 from alpa_job.launch.failures import GroupLost, Lost
 from alpa_job.launch.recovery import Recovery, with_restarts
@@ -184,10 +184,15 @@ class JobController:
         group = self.group
         group.launch(self.attempt_config, channel)
         first_failure: Optional[float] = None
+        signalled, stop_at = preemption.current(), None
         try:
             while group.running:
                 group.poll()
                 channel.deliver()
+                if signalled is not None and signalled.requested and stop_at is None and not group.errors:
+                    stop_at = group.stop_at_one_step(self.resumed)
+                    progress.note(f"[alpa_job] SIGTERM: every JAX process stops after step {stop_at} and saves a "
+                                  "checkpoint there")
                 if group.errors and first_failure is None:
                     first_failure = time.monotonic()
                     group.ping_all()

@@ -1,7 +1,7 @@
 """One JAX process of a job on Ray: the actor (`JaxProcess`) that each chosen node runs.
 
 It says who it is (so a loss can be named after the process is gone), answers the driver's step
-polls from a second thread, takes part in the shared --out check, and trains: process 0 waits for
+polls and its proposals of a step to stop at (preemption: train/stop.py) from a second thread, takes part in the shared --out check, and trains: process 0 waits for
 the previous attempt's coordinator port to be free, every process joins the others
 (`init_distributed`: jax.distributed, before any device is opened), then the one training loop runs
 on the joined process.
@@ -72,13 +72,22 @@ def actor_class():
     @ray.remote(num_cpus=1, max_concurrency=2)  # a 2nd thread answers step polls while the 1st trains
     class JaxProcess:
         def __init__(self):
+            from alpa_job.train.stop import StopPoint
+
             self.step: Optional[int] = None
+            self.stop = StopPoint()  # the driver's preemption reaches the loop through it
 
         def describe(self, index: int) -> Dict[str, Any]:
             return failures.describe_self(index)
 
         def current_step(self) -> Optional[int]:
             return self.step
+
+        def propose_stop(self, at: int) -> Optional[int]:
+            return self.stop.propose(at)
+
+        def confirm_stop(self, at: int) -> None:
+            self.stop.confirm(at)
 
         def write_probe(self, out: str, token: str, index: int) -> None:
             shared_out.write_probe(out, token, index, socket.gethostname())
@@ -107,6 +116,6 @@ def actor_class():
             if process_id == 0 and coordinator:
                 wait_port_free(int(coordinator.rpartition(":")[2]))
             init_distributed(coordinator, num_processes, process_id)  # before the loop touches a device
-            return train_process(cfg, coordinator, on_step=on_step)
+            return train_process(cfg, coordinator, on_step=on_step, stop=self.stop)
 
     return JaxProcess

@@ -17,6 +17,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 from alpa_job import progress
 from alpa_job.settings import validate
 from alpa_job.train import rundir
+from alpa_job.launch import preemption
 from alpa_job.launch.connect import NO_RAY, connect, resolve_address
 from alpa_job.cluster.spec import load_spec
 from alpa_job.settings.config import check_engine_strategy
@@ -29,12 +30,13 @@ from alpa_job.record.report_file import build_report, failed_report, report_json
 JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this plus the TCP check's share (under 20 s in all)
 
 
-def run_in_process(config, return_state: bool = False) -> ProcessResult:
-    """Train with the JAX engine in this process without Ray (benchmarks, tests, machines without Ray)."""
+def run_in_process(config, return_state: bool = False, stop=None) -> ProcessResult:
+    """Train with the JAX engine in this process without Ray (benchmarks, tests, machines without Ray);
+    `stop` (a train.stop.StopPoint) ends it early at a step with a checkpoint (preemption)."""
     from alpa_job.train.loop import ensure_cpu_devices, train_process
 
     ensure_cpu_devices(config.devices)
-    return train_process(config, return_state=return_state)
+    return train_process(config, return_state=return_state, stop=stop)
 
 
 def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) -> Tuple[Any, dict]:
@@ -48,19 +50,27 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     address = resolve_address(config.address)
     config = _resolve_model(config, engine, address)
     validate.preflight(config, engine, address, explicit)
+    auto = config.resume == "auto"
     config = rundir.prepare(config, explicit_out=bool(config.out))
     shown = progress.display()
     shown.open_log(os.path.join(config.out, "train.log"))
     shown.line(f"[alpa_job] run directory {config.out}")
+    if auto:
+        shown.line("[alpa_job] --resume auto: " + ("resuming from the latest complete checkpoint" if config.resume else
+                   f"no complete checkpoint in {rundir.checkpoint_dir(config.out)}, starting fresh"))
     if capture_native and shown.verbosity < progress.VERBOSE:
         progress.NativeStderr(os.path.join(config.out, "ray.log")).start()  # for the rest of this process
     try:
-        results = _train(engine, config, address, spec, shown)
+        with preemption.watch(can_stop=engine != "alpa"):  # the Alpa engine cannot checkpoint: SIGTERM stops at once
+            results = _train(engine, config, address, spec, shown)
     except BaseException as err:
         _write_failed(config, engine, address, err, shown)
         rundir.release(config.out)
         raise
     report = build_report(config, results, address=address)
+    if report.stopped_at_step is not None:
+        report.status = "preempted"
+        report.error = preemption.stopped_message(report.stopped_at_step, rundir.checkpoint_dir(config.out))
     paths = write_report(report, config.out)
     shown.close_log()
     rundir.release(config.out)
@@ -177,11 +187,12 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
             raise LostProcessError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
                            "job once the node is back (or without it)") from None
     if address == NO_RAY:
-        return [run_in_process(config)]
+        return [run_in_process(config, stop=preemption.current().stop)]
     os.environ.update(progress.ray_noise_env(shown.verbosity, shown.tty))
     progress.quiet_ray_loggers(shown.verbosity)
     where = connect(address, engine, spec=spec, timeout_s=JOIN_TIMEOUT_S,
                     log_to_driver=shown.verbosity >= progress.VERBOSE)
+    preemption.take_back_sigterm()
     shown.line(f"[alpa_job] joined {where}")
     from alpa_job.cluster import ray_api
     from alpa_job.launch.controller import run_on_nodes

@@ -221,6 +221,22 @@ class WorkerGroup:
             if i not in self.errors and slot.node_id and slot.node_id not in alive:
                 self.errors[i] = failures.Unresponsive("Ray marked its node dead")
 
+    def stop_at_one_step(self, base: int) -> int:
+        """Preemption: every process stops after one step they all accepted (train.stop.agree), saving it;
+        `base` is the step the attempt started from. Returns that step."""
+        from alpa_job.train.stop import agree
+
+        ray = self._ray
+        live = [a for i, a in enumerate(self.actors) if i not in self.errors]
+
+        def propose(at: int) -> List[Optional[int]]:
+            return ray.get([a.propose_stop.remote(at) for a in live], timeout=PING_TIMEOUT_S)
+
+        def confirm(at: int) -> None:
+            ray.get([a.confirm_stop.remote(at) for a in live], timeout=PING_TIMEOUT_S)
+
+        return agree(propose, confirm, max([base] + [s for s in self.steps.values() if s is not None]))
+
     def ping_all(self) -> None:
         """After a first failure: a process whose actor no longer answers (within PING_TIMEOUT_S) is dead too."""
         ray = self._ray

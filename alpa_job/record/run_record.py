@@ -275,6 +275,8 @@ class ProcessResult:
     restarts: List[RestartRecord] = dataclasses.field(default_factory=list)
     # Warnings the run printed that stay true of it (a --checkpoint-every that never saves), one line each.
     notes: List[str] = dataclasses.field(default_factory=list)
+    # Preempted (SIGTERM): the global step every process stopped at, saved as a checkpoint there.
+    stopped_at_step: Optional[int] = None
     final_state: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -309,7 +311,7 @@ class RunRecord(ProcessResult):
     created: Optional[str] = None
     address: Optional[str] = None
     source: Optional[str] = None  # the folder an Alpa dump was read from
-    status: str = "ok"  # ok | failed | interrupted | diverged (a failed run still writes its report)
+    status: str = "ok"  # ok | failed | interrupted | diverged | preempted (a failed run still writes its report)
     error: Optional[str] = None  # why it stopped (one line), for failed/interrupted runs
     summary: Summary = dataclasses.field(default_factory=Summary)
 

@@ -97,10 +97,13 @@ OUTPUT_AND_RESTARTS = (
     Setting("out", Optional[str], None, "run directory for report, train.log and checkpoints", OUTPUT,
             metavar="DIR", default_help="runs/<time>-<model>-<strategy>, runs/latest -> the newest",
             decides_step=False),
-    Setting("checkpoint_every", int, 0, "save an orbax checkpoint every N steps", OUTPUT, check=NON_NEGATIVE,
+    Setting("checkpoint_every", int, 0, "save an orbax checkpoint every N steps (a run stopped by SIGTERM also "
+            "saves the step it stopped at, into OUT/checkpoints, without it)", OUTPUT, check=NON_NEGATIVE,
             default_help="none", decides_step=False),
-    Setting("resume", bool, False, "continue from the latest checkpoint in --out (same model settings)", OUTPUT,
-            decides_step=False),
+    # auto: what a restarted job runs (a RayJob retry, a systemd unit) - the same command, first time or not.
+    Setting("resume", bool, False, "continue from the latest checkpoint in --out (same model settings); "
+            "--resume auto: continue when --out holds a complete checkpoint, else start fresh", OUTPUT,
+            words=("auto",), metavar="auto", decides_step=False),
     Setting("max_restarts", int, 0, "jax engine on Ray: after a lost process or node, restart up to N times on the "
             "nodes alive then, from the last checkpoint", OUTPUT, check=NON_NEGATIVE, default_help="0, fail fast",
             decides_step=False),

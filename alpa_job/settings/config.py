@@ -18,7 +18,7 @@ from alpa_job.errors import KitError
 from alpa_job.models import built_in_args, check_model_name, check_model_sizes, is_built_in
 from alpa_job.settings import catalog
 from alpa_job.settings.catalog import ALPA_STRATEGIES, STRATEGIES
-from alpa_job.settings.setting import ModelArgs, coerce, flag_of
+from alpa_job.settings.setting import ModelArgs, coerce, coerce_setting, flag_of
 
 
 def _fields_from_the_catalogue(cls):
@@ -56,6 +56,9 @@ class JobConfig:
                 raise KitError(not_known(s.flag, getattr(self, s.name), s.choices))
         check_engine_strategy(self.engine, self.strategy)
         for s in catalog.SETTINGS:
+            if s.words and getattr(self, s.name) not in (True, False) + s.words:
+                raise KitError(f"{s.flag} takes no value or one of: {', '.join(s.words)} "
+                               f"(got {getattr(self, s.name)!r})")
             problem = s.problem(getattr(self, s.name))
             if problem:
                 raise KitError(problem)
@@ -203,7 +206,7 @@ def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> Job
     given = {k: v for k, v in cli_values.items() if v is not None}
     merged = _merged(file_values, given)
     for name, value in list(merged.items()):
-        merged[name] = coerce(name, value, catalog.BY_NAME[name].type)
+        merged[name] = coerce_setting(catalog.BY_NAME[name], value)
     _built_in_model_args(merged, given)
     return JobConfig(**merged).validated()
 

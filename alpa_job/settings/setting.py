@@ -84,6 +84,8 @@ class Setting:
     # changing it reuses the step instead of compiling again. True is the safe side for a new setting.
     decides_step: bool = True
     cli_flag: Optional[str] = None  # the flag, where it is not --name-with-dashes
+    # A bool setting's other values, words (`--resume auto`): the flag alone still means True.
+    words: Tuple[str, ...] = ()
 
 
     def __post_init__(self) -> None:  # the errors here are programming errors, not a user's
@@ -160,6 +162,19 @@ def coerce(name: str, value: Any, hint: Any, label: Optional[str] = None) -> Any
     except (TypeError, ValueError):
         raise KitError(f"{label}: {value!r} is not a valid {kind.__name__}") from None
     raise TypeError(f"{label}: no coercion to {hint!r}")  # a programming error: TYPES has more
+
+
+def coerce_setting(setting: "Setting", value: Any) -> Any:
+    """`coerce` for one catalogue setting: one of its words (`auto`) stays that word."""
+    if setting.words and isinstance(value, str) and value.strip().lower() in setting.words:
+        return value.strip().lower()
+    if setting.words and isinstance(value, str) and not _bool_word(value):
+        raise KitError(f"{setting.flag} takes no value or one of: {', '.join(setting.words)} (got {value!r})")
+    return coerce(setting.name, value, setting.type)
+
+
+def _bool_word(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off")
 
 
 def model_args(value: Any, label: str) -> ModelArgs:

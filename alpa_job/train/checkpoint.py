@@ -310,6 +310,19 @@ class Checkpointer:
         self._settle(wait=False)
         if not self.every or step % self.every:
             return False
+        return self._save(step, state, data_state)
+
+    def save_now(self, step: int, state: Any, data_state: Optional[Dict[str, Any]] = None) -> bool:
+        """Save `step` whatever --checkpoint-every says (a preempted run's last step) and wait until it is on
+        disk; every process calls it. False when that step is saved already."""
+        self._settle(wait=True)
+        if self.manager.latest_step() == step:
+            return False
+        saved = self._save(step, state, data_state, force=True)
+        self._settle(wait=True)
+        return saved
+
+    def _save(self, step: int, state: Any, data_state: Optional[Dict[str, Any]], force: bool = False) -> bool:
         self._settle(wait=True)  # orbax waits for the previous save anyway; its size decides the check below
         if self.last_save_bytes is None and self._estimate is None:
             self._estimate = sum(int(getattr(x, "nbytes", 0)) for x in _leaves(state))
@@ -317,7 +330,7 @@ class Checkpointer:
         args = self._ocp.args
         try:
             saved = self.manager.save(step, args=args.Composite(state=args.StandardSave(state),
-                                                                data=args.JsonSave(data_state or {})))
+                                                                data=args.JsonSave(data_state or {})), force=force)
         except Exception as err:
             self._failed(err, step)
             raise

@@ -154,7 +154,7 @@ def check_supported(config, engine: Any) -> None:
 # ----------------------------------------------------------------------------- the process
 def train_process(config, coordinator: Optional[str] = None, return_state: bool = False,
                   build_engine: Optional[EngineFactory] = None,
-                  on_step: Optional[Callable[[int], None]] = None) -> ProcessResult:
+                  on_step: Optional[Callable[[int], None]] = None, stop=None) -> ProcessResult:
     """Train with the engine `build_engine` makes (default: the JAX engine on this process's
     devices); returns this process's statistics and plan (`ProcessResult`, plain data).
 
@@ -162,7 +162,8 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     starts jax.distributed before calling this); `coordinator` is the address it joined, for the
     result. `return_state` keeps the final train state in `final_state` (in-process callers only).
     `on_step(global_step)` is called after each step is dispatched (no host sync): the driver's
-    failure reports read it (alpa_job.launch.worker_group).
+    failure reports read it (alpa_job.launch.worker_group). `stop` (a train.stop.StopPoint) ends the
+    run early at a step every process agreed on, with a checkpoint there (preemption).
     """
     started = time.perf_counter()
     if build_engine is None:
@@ -200,8 +201,11 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     read_before = (data.source.rows_read, data.source.bytes_read)
     compiles_since = engine.watch_compiles()
     state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
-                            evaluator=evaluator)
+                            evaluator=evaluator, stop=stop)
     loop_compiles = compiles_since()
+    stopped_at = stats.pop("stopped_at")
+    if stopped_at is not None:
+        checkpointer = save_at_stop(config, checkpointer, stopped_at, state, stream)
     if checkpointer is not None:
         checkpointer.close()
     eval_loss = evaluator.points[-1].loss if evaluator.points else engine.eval_loss(state, data.example)
@@ -214,6 +218,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
     result.evals = evaluator.points
     result.notes = notes
+    result.stopped_at_step = stopped_at
     result.input = input_record(data, stream, read_before, start_step, total_steps, stats["loop_seconds"])
     result.process.rows_read, result.process.bytes_read = result.input.rows_read, result.input.bytes_read
     result.timing = timing.summary(
@@ -313,7 +318,7 @@ def input_record(data: TrainData, stream: InputStream, read_before: Tuple[int, i
 
 def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
              checkpointer=None, on_step: Optional[Callable[[int], None]] = None,
-             evaluator: Optional[Evaluator] = None) -> Tuple[Any, Dict[str, Any]]:
+             evaluator: Optional[Evaluator] = None, stop=None) -> Tuple[Any, Dict[str, Any]]:
     """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches; returns
     (final state, loop statistics).
 
@@ -339,6 +344,7 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
         losses.extend(values)
         check_finite(values, first, global_step, checkpointer, losses)
         return values
+    stopped_at = None
 
     for batch, real in stream.batches(start_step):
         state, loss = engine.step(state, engine.put_batch(batch))
@@ -377,6 +383,9 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
                 mark, mark_step = time.perf_counter(), steps
         bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real,
                    read_loss=fresh[-1] if fresh else None)
+        if stop is not None and global_step < total_steps and stop.after_step(global_step):
+            stopped_at = global_step
+            break
     read_back(len(pending))
     if first_done is not None and steps - mark_step == window:  # the last window ends with the run
         window_step_s.append((time.perf_counter() - mark) / window)
@@ -385,7 +394,7 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     bar.close()
     stats = loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
     stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s,
-                 process_age_at_first_step=process_age)
+                 process_age_at_first_step=process_age, stopped_at=stopped_at)
     return state, stats
 
 
@@ -417,6 +426,19 @@ def _saved_before(checkpointer, step: int) -> Optional[int]:
     waiter.join(SAVE_WAIT_S)
     saved = latest_complete_step(checkpointer.directory)
     return saved if saved is not None and saved < step else None
+
+
+def save_at_stop(config, checkpointer, step: int, state: Any, stream: InputStream):
+    """A run stopped early (preempted) saves the step it stopped at, with or without --checkpoint-every, so
+    `--resume` continues from there; returns the checkpointer (made here when the run had none)."""
+    if checkpointer is None:
+        from alpa_job.train.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(checkpoint_dir(config.out), 0)
+    with progress.timed(f"saving checkpoint {step} before stopping"):
+        checkpointer.save_now(step, state, stream.state(step))
+        checkpointer.manager.wait_until_finished()  # the save is asynchronous: the message means it is on disk
+    return checkpointer
 
 
 def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_seconds: float,

@@ -4,7 +4,7 @@ Without --out a run gets runs/<UTC time>-<model>-<strategy>/ and runs/latest bec
 (replaced atomically; a real runs/latest folder from an older kit is moved aside under its own time).
 An explicit --out that already holds checkpoints belongs to another run: it is refused unless --resume
 (continue it: the checkpoint must exist and be of the same model) or --overwrite (its checkpoints and
-reports are removed first). The folder is created and probed for writing before Ray starts, and
+reports are removed first); --resume auto is --resume when a complete checkpoint is there, else a new run. The folder is created and probed for writing before Ray starts, and
 run.json (the job config) is written into it so a later --resume can tell which model it holds.
 A folder that holds only an earlier run's reports (report.json, train.log, run.json, no checkpoints)
 is refused the same way: --overwrite replaces them, --resume needs a checkpoint.
@@ -176,15 +176,44 @@ def resume_start(out: str) -> Optional[int]:
     return _RESUME_FROM.get(os.path.abspath(out))
 
 
+def resolve_resume(config):
+    """--resume auto (what a restarted job runs): --resume when --out holds a complete checkpoint, else a
+    fresh run; a plain --resume stays a must."""
+    if config.resume != "auto":
+        return config
+    from alpa_job.train.checkpoint import latest_complete_step
+
+    return config.replace(resume=latest_complete_step(checkpoint_dir(config.out)) is not None)
+
+
+def keep_earlier_reports(out: str) -> Optional[str]:
+    """--resume auto with no checkpoint to resume starts fresh (a retried job that never saved): an earlier
+    run's reports there are moved into OUT/earlier-<UTC time>/, never replaced. Returns that folder."""
+    present = [n for n in REPORT_FILES + (RUN_META,) if os.path.isfile(os.path.join(out, n))]
+    if not present:
+        return None
+    kept = os.path.join(out, f"earlier-{_stamp()}")
+    os.makedirs(kept, exist_ok=True)
+    for name in present:
+        os.replace(os.path.join(out, name), os.path.join(kept, name))
+    print(f"[alpa_job] --resume auto: no checkpoint in {out}, starting fresh; the earlier run's "
+          f"{', '.join(present)} moved to {kept}", flush=True)
+    return kept
+
+
 def prepare(config, explicit_out: bool, root: str = RUNS_ROOT):
     """Resolve, check and create the run directory; returns the config with `out` set.
 
     Nothing is written into an existing run's folder until every check passed."""
     if not config.out:
         config = config.replace(out=new_run_dir(config, root))
+    auto = config.resume == "auto"
+    config = resolve_resume(config)
     out = config.out
     lock = RunLock.take(out) if os.path.isdir(out) else None  # before the checks: two runs never both pass them
     try:
+        if auto and not config.resume:
+            keep_earlier_reports(out)
         check_out(config, explicit_out)
         try:
             os.makedirs(out, exist_ok=True)
