@@ -184,8 +184,16 @@ def test_resume_auto_resolves_against_the_out_folder(tmp_path):
 
     config = tiny_config(resume="auto", checkpoint_every=5, out=str(tmp_path / "run"))
     assert rundir.prepare(config, explicit_out=True).resume is False  # nothing there: a fresh run
-    (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
+    rundir.release(config.out)  # what the run's end does: the folder's lock goes with it
+    import numpy as np
+
+    from alpa_job.train.checkpoint import Checkpointer
+
+    saver = Checkpointer(str(tmp_path / "run" / "checkpoints"), 5)  # a real, complete checkpoint at step 5
+    assert saver.maybe_save(5, {"w": np.arange(4.0)})
+    saver.close()
     assert rundir.prepare(config, explicit_out=True).resume is True
+    rundir.release(config.out)
 
 
 # ----------------------------------------------------------------------------- the systemd unit
