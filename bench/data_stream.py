@@ -7,6 +7,9 @@ Modes:
                parent's `Popen` to the first batch (interpreter start and imports included), each phase,
                and the child's RSS (VmRSS, VmHWM). Runs with the file in the page cache ("warm") and
                after dropping this one file's pages (posix_fadvise DONTNEED: "cold").
+  stream       one fresh process reads its share (process 0 of 3) of --steps global batches (no training),
+               RSS every steps/20; then the same with the page dropping (MADV_DONTNEED) switched off, as
+               the control: what the kit's flat RSS is worth over a read far larger than a training run's.
   testbed      the 3-host test bed (scripts/testbed_lib + the one Ray bring-up scripts/testbed_ray.start_ray;
                head + 2 workers, each one JAX process of --devices CPU devices): `python -m alpa_job train
                --address HEAD:6379 --preset gpt-small --dataset tokens --data-path FILE` from the head. A
@@ -22,6 +25,7 @@ under /tmp/work/ (never in the repo) and reused when its size matches. The test-
 machine's /tmp (only /tmp/ray and /dev/shm are per host), so the same path reads on every host.
 
     .venv/bin/python bench/data_stream.py first-batch [--file F] [--gib 2] [--runs 3]
+    .venv/bin/python bench/data_stream.py stream [--steps 20000]
     flock /tmp/work/testbed.lock .venv/bin/python bench/data_stream.py testbed [--steps 150] [--batch-size 48]
     python3 bench/data_stream.py gpu --out $OUT [--steps 60]
 
@@ -121,12 +125,12 @@ def cached_fraction(path: str) -> Optional[float]:
 
 
 def rss_of(pid: int) -> Dict[str, int]:
-    """{VmRSS, VmHWM} of `pid` in bytes ({} when gone)."""
+    """{VmRSS, VmHWM, RssAnon, RssFile} of `pid` in bytes ({} when gone)."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
+                if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:", "RssFile:")):
                     key, value = line.split(":", 1)
                     out[key] = int(value.split()[0]) * 1024
     except OSError:
@@ -205,6 +209,78 @@ def first_batch(args) -> Dict[str, object]:
     worst = max(r["seconds"]["total_s"] for r in runs)
     return {"file": made, "preset": args.preset, "batch_size": args.batch_size, "runs": runs,
             "worst_total_s": round(worst, 3), "target_s": 2.0, "met": worst <= 2.0, "table": table}
+
+
+def mb(v) -> str:
+    return "-" if v is None else "%.1f" % (v / MB)
+
+
+def rss_summary(rss: List[int]) -> Dict[str, int]:
+    """RSS samples of one process over the training loop -> start, end, and the growth of the upper
+    envelope: the peak of the last quarter of the samples minus the peak of the first quarter (a step's
+    buffers come and go, so single samples swing by hundreds of MB within a step; peaks do not)."""
+    if not rss:
+        return {}
+    q = max(len(rss) // 4, 1)
+    first, last = max(rss[:q]), max(rss[-q:])
+    return {"rss_start": rss[0], "rss_end": rss[-1], "rss_min": min(rss), "rss_max": max(rss),
+            "peak_first_quarter": first, "peak_last_quarter": last, "growth": last - first,
+            "max_over_start": max(rss) - rss[0]}
+
+
+# ----------------------------------------------------------------------------- stream
+def _child_stream(path: str, preset: str, batch_size: int, steps: int, every: int, shard: int, count: int,
+                  keep_pages: bool) -> None:
+    """Runs in a fresh process: this process's share of `steps` global batches, RSS every `every` steps."""
+    import alpa_job.data.tokens as tokens
+    from alpa_job.data.batching import plan_epoch
+    from alpa_job.data.open import open_source
+    from alpa_job.data.pipeline import InputStream, Shard
+
+    if keep_pages:  # the control: the same reads without dropping the pages after each batch
+        tokens._drop_pages = lambda mapped, offset, length: None
+    config = job_config(path, preset, batch_size)
+    source = open_source(config)
+    epoch = plan_epoch(len(source), config.batch_size, config.remainder)
+    stream = InputStream(source, epoch, config.batch_size, config.seed, steps, Shard(shard, count),
+                         threads=config.data_threads, prefetch=config.prefetch)
+    samples = []
+    started = time.perf_counter()
+    for step, _ in enumerate(stream.batches(0)):
+        if step % every == 0 or step == steps - 1:
+            samples.append([step, round(time.perf_counter() - started, 2), rss_of(os.getpid())])
+    print("RESULT " + json.dumps({"samples": samples, "seconds": round(time.perf_counter() - started, 2),
+                                  "rows_read": source.rows_read, "bytes_read": source.bytes_read,
+                                  "wait_s": round(stream.wait_s, 3)}), flush=True)
+    os._exit(0)
+
+
+def stream(args) -> Dict[str, object]:
+    """One process streams its share (process 0 of 3) of many global batches, with the kit's page
+    dropping and, as the control, without it: RSS growth over a read far larger than a short training run."""
+    made = make_token_file(args.file, args.gib)
+    runs = []
+    for keep in (False, True):
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "_child-stream", args.file, args.preset,
+                            str(args.batch_size), str(args.steps), str(max(args.steps // 20, 1)), "0", "3",
+                            "1" if keep else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=str(REPO), timeout=args.timeout)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            raise SystemExit(f"child failed (rc {p.returncode}): {p.stderr[-3000:]}")
+        r = json.loads(line[-1][len("RESULT "):])
+        first, last = r["samples"][0][2], r["samples"][-1][2]
+        r.update(pages="kept (control)" if keep else "dropped (the kit)", rss_first=first.get("VmRSS"),
+                 rss_last=last.get("VmRSS"), rss_file_last=last.get("RssFile"),
+                 growth=last.get("VmRSS", 0) - first.get("VmRSS", 0), hwm=last.get("VmHWM"))
+        runs.append(r)
+    header = ["pages after a batch", "steps", "rows read", "MB of windows", "s", "RSS first MB", "RSS last MB",
+              "growth MB", "RssFile last MB", "HWM MB"]
+    table = print_table(header, [[r["pages"], args.steps, r["rows_read"], mb(r["bytes_read"]), r["seconds"],
+                                  mb(r["rss_first"]), mb(r["rss_last"]), mb(r["growth"]), mb(r["rss_file_last"]),
+                                  mb(r["hwm"])] for r in runs])
+    return {"file": made, "preset": args.preset, "batch_size": args.batch_size, "shard": [0, 3],
+            "steps": args.steps, "runs": runs, "met": runs[0]["growth"] <= 300 * MB, "table": table}
 
 
 # ----------------------------------------------------------------------------- testbed
@@ -318,27 +394,20 @@ def testbed(args) -> Dict[str, object]:
         mine = [(t, rss) for t, host, _, rss in sampler.samples if host == h.name]
         after = [(t, rss) for t, rss in mine if first_step_at is not None and t >= first_step_at]
         pr = by_ip.get(h.ip, {})
-        row = {"host": h.name, "ip": h.ip, "process": pr.get("id"), "samples": len(mine),
-               "rss_start": after[0][1] if after else None, "rss_end": after[-1][1] if after else None,
-               "rss_peak": max(r for _, r in after) if after else None,
+        row = {"host": h.name, "ip": h.ip, "process": pr.get("id"), "samples": len(after),
                "bytes_read": pr.get("bytes_read"), "rows_read": pr.get("rows_read")}
-        if after:
-            row["growth"] = row["rss_end"] - row["rss_start"]
-            row["peak_growth"] = row["rss_peak"] - row["rss_start"]
+        row.update(rss_summary([r for _, r in after]))
         row["share"] = round(pr["bytes_read"] / total_bytes, 4) if total_bytes and pr.get("bytes_read") else None
         hosts.append(row)
-    header = ["host", "proc", "rss start MB", "rss end MB", "growth MB", "peak growth MB", "bytes read",
-              "rows read", "share of total"]
-
-    def mb(v):
-        return "-" if v is None else "%.1f" % (v / MB)
-
-    table = print_table(header, [[r["host"], r["process"], mb(r["rss_start"]), mb(r["rss_end"]), mb(r.get("growth")),
-                                  mb(r.get("peak_growth")), r["bytes_read"], r["rows_read"], r["share"]]
-                                 for r in hosts])
+    header = ["host", "proc", "rss 1st step MB", "rss end MB", "peak 1st quarter MB", "peak last quarter MB",
+              "growth MB", "max - 1st step MB", "bytes read", "rows read", "share of total"]
+    table = print_table(header, [[r["host"], r["process"], mb(r.get("rss_start")), mb(r.get("rss_end")),
+                                  mb(r.get("peak_first_quarter")), mb(r.get("peak_last_quarter")),
+                                  mb(r.get("growth")), mb(r.get("max_over_start")), r["bytes_read"],
+                                  r["rows_read"], r["share"]] for r in hosts])
     inp = report.get("input") or {}
     print("input: " + json.dumps(inp))
-    growths = [r.get("peak_growth") for r in hosts]
+    growths = [r.get("growth") for r in hosts]
     shares = [r["share"] for r in hosts]
     return {
         "file": made, "command_on_head": " ".join(shlex.quote(a) for a in argv), "steps": args.steps,
@@ -406,8 +475,12 @@ def main(argv=None) -> int:
     if argv and argv[0] == "_child-first-batch":
         _child_first_batch(argv[1], argv[2], int(argv[3]), float(argv[4]))
         return 0
+    if argv and argv[0] == "_child-stream":
+        _child_stream(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]), int(argv[6]), int(argv[7]),
+                      argv[8] == "1")
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["first-batch", "testbed", "gpu"])
+    ap.add_argument("mode", choices=["first-batch", "stream", "testbed", "gpu"])
     ap.add_argument("--file", default=DEFAULT_FILE, help="the uint16 token file (made when missing)")
     ap.add_argument("--gib", type=float, default=2.0, help="its size in GiB")
     ap.add_argument("--runs", type=int, default=3, help="first-batch: runs per cache state")
@@ -423,6 +496,10 @@ def main(argv=None) -> int:
     if args.mode == "first-batch":
         args.batch_size = args.batch_size or 48
         result = first_batch(args)
+    elif args.mode == "stream":
+        args.batch_size = args.batch_size or 48
+        args.steps = args.steps or 20000
+        result = stream(args)
     elif args.mode == "testbed":
         args.batch_size = args.batch_size or 48
         args.steps = args.steps or 150
