@@ -14,8 +14,9 @@ Modes:
                head + 2 workers, each one JAX process of --devices CPU devices): `python -m alpa_job train
                --address HEAD:6379 --preset gpt-small --dataset tokens --data-path FILE` from the head. A
                sampler reads VmRSS of every host's JAX process (`ray::JaxProcess*` in that host's PID
-               namespace) every 0.25 s from outside; RSS "start" is the first sample after the driver
-               printed step 1 (`--progress-every 1`), "end" the last sample before the processes went.
+               namespace) every 0.25 s from outside (VmRSS, RssAnon, RssFile); over the samples after the driver
+               printed step 1 (`--progress-every 1`): first, last, and the growth of the per-step peak
+               (peak of the last quarter - peak of the first). `--dataset synthetic` is the control.
                Bytes/rows read per process and data_wait_fraction come from the run's report.json.
   gpu          in this process (`--address none`, no Ray): `--preset gpt-24l` from a token file made on
                the spot (one GPU; the device machine). Records data_wait_fraction.
@@ -309,7 +310,7 @@ class RssSampler(threading.Thread):
         super().__init__(daemon=True)
         self.ns = {_pid_ns(pid): name for name, pid in hosts.items()}
         self.interval = interval
-        self.samples: List[tuple] = []  # (time, host, pid, rss bytes)
+        self.samples: List[tuple] = []  # (time, host, pid, VmRSS, RssAnon, RssFile) in bytes
         self.stop = threading.Event()
 
     def find(self) -> Dict[str, int]:
@@ -332,11 +333,11 @@ class RssSampler(threading.Thread):
                 pids.update(self.find())
                 last_scan = now
             for host, pid in list(pids.items()):
-                rss = rss_of(pid).get("VmRSS")
-                if rss is None:
+                rss = rss_of(pid)
+                if "VmRSS" not in rss:
                     pids.pop(host)
                 else:
-                    self.samples.append((now, host, pid, rss))
+                    self.samples.append((now, host, pid, rss["VmRSS"], rss.get("RssAnon"), rss.get("RssFile")))
             self.stop.wait(self.interval)
 
 
@@ -356,9 +357,10 @@ def testbed(args) -> Dict[str, object]:
     try:
         info = testbed_ray.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, timeout=240)
         address = info.get("address") or bed.head_address
+        data = (["--dataset", "tokens", "--data-path", args.file, "--token-dtype", "uint16"]
+                if args.dataset == "tokens" else ["--dataset", args.dataset])
         argv = ["python", "-m", "alpa_job", "train", "--address", address, "--cluster-spec", str(info["spec_path"]),
-                "--preset", "gpt-small", "--dataset", "tokens", "--data-path", args.file, "--token-dtype", "uint16",
-                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--devices", str(args.devices),
+                "--preset", "gpt-small", *data, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--devices", str(args.devices),
                 "--progress-every", "1", "--out", str(out)]
         sampler = RssSampler({h.name: h.pid for h in bed.hosts})
         sampler.start()
@@ -391,19 +393,23 @@ def testbed(args) -> Dict[str, object]:
     by_ip = {pr.get("ip"): pr for pr in procs}
     hosts = []
     for h in bed.hosts:
-        mine = [(t, rss) for t, host, _, rss in sampler.samples if host == h.name]
-        after = [(t, rss) for t, rss in mine if first_step_at is not None and t >= first_step_at]
+        after = [x for x in sampler.samples if x[1] == h.name and first_step_at is not None and x[0] >= first_step_at]
         pr = by_ip.get(h.ip, {})
         row = {"host": h.name, "ip": h.ip, "process": pr.get("id"), "samples": len(after),
                "bytes_read": pr.get("bytes_read"), "rows_read": pr.get("rows_read")}
-        row.update(rss_summary([r for _, r in after]))
+        row.update(rss_summary([x[3] for x in after]))
+        for i, kind in ((4, "anon"), (5, "file")):  # which memory grew: the process's own, or mapped file pages
+            part = rss_summary([x[i] for x in after if x[i] is not None])
+            row[f"{kind}_growth"] = part.get("growth")
+            row[f"{kind}_end"] = part.get("rss_end")
         row["share"] = round(pr["bytes_read"] / total_bytes, 4) if total_bytes and pr.get("bytes_read") else None
         hosts.append(row)
     header = ["host", "proc", "rss 1st step MB", "rss end MB", "peak 1st quarter MB", "peak last quarter MB",
-              "growth MB", "max - 1st step MB", "bytes read", "rows read", "share of total"]
+              "growth MB", "anon growth MB", "file growth MB", "bytes read", "rows read", "share of total"]
     table = print_table(header, [[r["host"], r["process"], mb(r.get("rss_start")), mb(r.get("rss_end")),
                                   mb(r.get("peak_first_quarter")), mb(r.get("peak_last_quarter")),
-                                  mb(r.get("growth")), mb(r.get("max_over_start")), r["bytes_read"],
+                                  mb(r.get("growth")), mb(r.get("anon_growth")), mb(r.get("file_growth")),
+                                  r["bytes_read"],
                                   r["rows_read"], r["share"]] for r in hosts])
     inp = report.get("input") or {}
     print("input: " + json.dumps(inp))
@@ -418,7 +424,8 @@ def testbed(args) -> Dict[str, object]:
         "hosts": hosts, "input": inp, "total_bytes_read": total_bytes, "total_rows_read": total_rows,
         "report_summary": {k: report.get(k) for k in ("steps", "step_time_s", "samples_per_s", "summary")
                            if k in report},
-        "rss_samples": [(round(t - started, 2), host, rss) for t, host, _, rss in sampler.samples],
+        "dataset": args.dataset,
+        "rss_samples": [(round(x[0] - started, 2), x[1], x[3], x[4], x[5]) for x in sampler.samples],
         "met": {"rss_growth_le_300MB": all(g is not None and g <= 300 * MB for g in growths),
                 "share_each_about_third": all(s is not None and abs(s - 1 / 3) < 0.01 for s in shares),
                 "data_wait_le_5pct": (inp.get("data_wait_fraction") is not None
@@ -488,6 +495,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--devices", type=int, default=2, help="testbed: CPU devices per JAX process")
+    ap.add_argument("--dataset", default="tokens", choices=["tokens", "synthetic"],
+                    help="testbed: synthetic = the control without a token file (same pipeline, rows in memory)")
     ap.add_argument("--prefix", default="akds", help="testbed: the bed's prefix")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
@@ -507,7 +516,8 @@ def main(argv=None) -> int:
     else:
         args.steps = args.steps or 60
         result = gpu(args)
-    save(args.mode, result, args.out)
+    name = args.mode + ("-synthetic" if args.mode == "testbed" and args.dataset != "tokens" else "")
+    save(name, result, args.out)
     return 0
 
 
