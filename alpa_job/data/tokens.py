@@ -4,9 +4,11 @@ A file is a header-less stream of little-endian `uint16` or `uint32` token ids. 
 the window tokens[i * seq_len : i * seq_len + seq_len + 1]: consecutive windows share one token, so
 every token but the first is a target once. Windows never cross files.
 
-Files are memory-mapped, never read whole. After a batch is copied out, its pages are dropped from
+Files are memory-mapped, never read whole. After a window is copied out, its pages are dropped from
 this process's mapping (MADV_DONTNEED): the page cache keeps them, but a process that streams a
-corpus larger than its memory keeps a flat resident size instead of mapping the whole file in.
+corpus larger than its memory keeps a flat resident size instead of mapping the whole file in. The
+range dropped is widened to the kernel's fault-around block: a read fault maps the cached pages
+around the one touched too, and dropping only the window's own pages would leave those mapped.
 """
 from __future__ import annotations
 
@@ -22,9 +24,13 @@ from alpa_job.errors import KitError
 
 TOKEN_DTYPES = ("uint16", "uint32")
 _PAGE = mmap.PAGESIZE
+# Linux maps up to this many bytes of cached pages around a read fault (fault_around_bytes' default).
+_FAULT_AROUND = max(65536, _PAGE)
 # The vocabulary check before training reads this many tokens, spread evenly over the corpus:
-# enough to catch a tokenizer/--vocab-size mismatch, cheap enough for a start-up check.
+# enough to catch a tokenizer/--vocab-size mismatch, cheap enough for a start-up check; in a few
+# large chunks, since on a cold disk each chunk costs a seek.
 VOCAB_SAMPLE_TOKENS = 1 << 20
+VOCAB_SAMPLE_CHUNKS = 16
 
 
 def expand_paths(pattern: str, flag: str) -> List[str]:
@@ -99,7 +105,7 @@ class TokenWindows(RowSource):
     def sample_max_id(self, budget: int = VOCAB_SAMPLE_TOKENS) -> int:
         """The largest id in `budget` tokens read at evenly spaced places (start-up: no full scan)."""
         top = 0
-        chunk = 4096
+        chunk = max(budget // VOCAB_SAMPLE_CHUNKS, 4096)
         for mapped, view in self._maps:
             if not len(view):
                 continue
@@ -125,8 +131,9 @@ def token_count(path: str, dtype: np.dtype) -> int:
 def _drop_pages(mapped: Optional[mmap.mmap], offset: int, length: int) -> None:
     if mapped is None:
         return
-    start = offset - offset % _PAGE
+    start = offset - offset % _FAULT_AROUND
+    end = min(-(-(offset + length) // _FAULT_AROUND) * _FAULT_AROUND, len(mapped))
     try:
-        mapped.madvise(mmap.MADV_DONTNEED, start, min(offset + length, len(mapped)) - start)
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
     except (AttributeError, OSError, ValueError):  # no madvise on this platform: the pages stay mapped
         pass
