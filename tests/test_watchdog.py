@@ -184,7 +184,7 @@ def test_a_stopped_process_on_a_local_ray_is_named_by_the_watchdog(tmp_path):
         return pids[0]
 
     rc, text, seconds, _pid, _gone = _stop_and_wait(argv, out, find_victim, _local_signal(signal.SIGSTOP),
-                                                    _local_signal(signal.SIGCONT), after_checkpoint=10,
+                                                    _local_signal(signal.SIGCONT), after_checkpoint=100,
                                                     popen=lambda a, **kw: subprocess.Popen(a, cwd=str(REPO), **kw))
     assert rc == 1, text[-4000:]
     assert seconds < 10 + 25, f"{seconds:.0f} s from the stop to the exit:\n{text[-3000:]}"
