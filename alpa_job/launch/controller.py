@@ -194,7 +194,7 @@ class JobController:
                     group.errors.update(group.hung(self.hang_timeout))
                 if group.errors and first_failure is None:
                     first_failure = time.monotonic()
-                    group.ping_all()
+                    group.ping_all(self.hang_timeout)
                 if first_failure is not None and (time.monotonic() - first_failure > GRACE_S or not group.running):
                     break
         finally:

@@ -200,7 +200,7 @@ class Hung(Unresponsive):
 
     def __init__(self, step: Optional[int], seconds: float, answering: bool):
         state = ("it answers Ray but does not step: blocked on a peer or stuck" if answering else
-                 "it does not answer Ray either: stopped or frozen")
+                 "it does not answer Ray either: stopped, frozen or cut off")
         super().__init__("%s no step for %.0f s (--hang-timeout); %s" % (HUNG, seconds, state))
         self.step, self.seconds, self.answering = step, seconds, answering
 

@@ -234,8 +234,10 @@ class WorkerGroup:
             if i not in self.errors and slot.node_id and slot.node_id not in alive:
                 self.errors[i] = failures.Unresponsive("Ray marked its node dead")
 
-    def ping_all(self) -> None:
-        """After a first failure: a process whose actor no longer answers (within PING_TIMEOUT_S) is dead too."""
+    def ping_all(self, hang_timeout: float = 0.0) -> None:
+        """After a first failure: a process whose actor no longer answers (within PING_TIMEOUT_S) is dead too;
+        hung when its step had not advanced for half of `hang_timeout` either (the peers that JAX's heartbeat
+        ended because of it are then the collateral, and it is the one to name)."""
         ray = self._ray
         refs = {i: a.current_step.remote() for i, a in enumerate(self.actors)
                 if i not in self.errors and i not in self.results}
@@ -244,7 +246,10 @@ class WorkerGroup:
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
         for i, ref in refs.items():
             if ref not in ready:
-                self.errors[i] = failures.Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S)
+                quiet = time.monotonic() - (self._advanced.get(i) or self.launched_at or time.monotonic())
+                self.errors[i] = (failures.Hung(self.steps.get(i), quiet, answering=False)
+                                  if hang_timeout and quiet > hang_timeout / 2 else
+                                  failures.Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S))
                 continue
             try:
                 ray.get(ref)
