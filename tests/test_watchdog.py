@@ -121,11 +121,14 @@ def test_hang_timeout_is_in_help_and_refused_where_no_driver_watches(capsys):
 
 
 # ============================================================================ slow: a stopped process
-def _stop_and_wait(argv, out: Path, find_victim, stop, cont, timeout: float = 400, after_checkpoint: int = 20,
+GONE_WAIT_S = 30.0  # Ray's kill of a stopped worker is asynchronous: the raylet ends it after the driver left
+
+
+def _stop_and_wait(argv, out: Path, find_victim, stop, cont, alive, timeout: float = 400, after_checkpoint: int = 20,
                    popen=None):
     """Train; SIGSTOP the victim once checkpoint `after_checkpoint` is complete; wait for the driver.
     Returns (rc, output, seconds from the stop to the driver's exit, the stopped pid, whether that pid
-    was gone before it was continued). The victim is always continued in the end."""
+    was gone, still stopped, within GONE_WAIT_S of the exit). The victim is always continued in the end."""
     from alpa_job.train.checkpoint import latest_complete_step
 
     log = open(str(out) + ".driver.log", "w+")
@@ -144,11 +147,12 @@ def _stop_and_wait(argv, out: Path, find_victim, stop, cont, timeout: float = 40
             p.kill()
             pytest.fail(f"the job did not end within {timeout} s")
         ended = time.monotonic()
-        if victim is not None:
-            gone = not cont(victim)  # False: it was still there to continue
+        while victim is not None and alive(victim) and time.monotonic() - ended < GONE_WAIT_S:
+            time.sleep(0.5)
+        gone = victim is not None and not alive(victim)
     finally:
-        if victim is not None and p.poll() is None:
-            cont(victim)
+        if victim is not None:
+            cont(victim)  # never leave a stopped process behind on a shared bed
         log.seek(0)
         text = log.read()
         log.close()
@@ -184,7 +188,8 @@ def test_a_stopped_process_on_a_local_ray_is_named_by_the_watchdog(tmp_path):
         return pids[0]
 
     rc, text, seconds, _pid, _gone = _stop_and_wait(argv, out, find_victim, _local_signal(signal.SIGSTOP),
-                                                    _local_signal(signal.SIGCONT), after_checkpoint=100,
+                                                    _local_signal(signal.SIGCONT), _local_signal(0),
+                                                    after_checkpoint=100,
                                                     popen=lambda a, **kw: subprocess.Popen(a, cwd=str(REPO), **kw))
     assert rc == 1, text[-4000:]
     assert seconds < 10 + 25, f"{seconds:.0f} s from the stop to the exit:\n{text[-3000:]}"
@@ -223,7 +228,7 @@ def test_a_stopped_process_on_the_test_bed_is_named_and_the_job_restarts_or_fail
     extra = ["--hang-timeout", str(hang)] + (["--max-restarts", str(restarts)] if restarts else [])
     argv = _train_argv(cluster, str(out), *extra)
     rc, text, seconds, pid, gone = _stop_and_wait(
-        argv, out, find_victim, signal_in_w1("STOP"), signal_in_w1("CONT"), timeout=500,
+        argv, out, find_victim, signal_in_w1("STOP"), signal_in_w1("CONT"), signal_in_w1("0"), timeout=500,
         popen=lambda a, **kw: bed.popen("head", *a, env={"RAY_ADDRESS": cluster.address}, **kw))
     assert "Traceback" not in text, text[-5000:]
     named = [x for x in text.splitlines() if "JAX process 1 on host w1" in x and "hung" in x]
