@@ -11,7 +11,8 @@ PLACING    choose the nodes (never a lost one), start a process on each (a node 
 RUNNING    train on the worker group and watch it: the driver waits on every process at once (never
            a blocking get on one), on SIGTERM has them agree on one step to stop and save at (preemption.py), and on the first failure gives the others a short grace to show
            theirs (a dead peer makes the survivors' collectives fail too: the one to name is the
-           process whose ACTOR died), then kills every actor;
+           process whose ACTOR died), then kills every actor; a process whose step stops advancing
+           for --hang-timeout is a failure too (the watchdog: WorkerGroup.hung), handled as a loss;
 RECOVERING name the lost process (host, node IP, Ray node id, index, step, its log's last lines or
            where the log is), then fail, or - as the FailurePolicy allows - wait for Ray's settled
            view and for replacement nodes, and place again: the next attempt resumes from the last
@@ -73,6 +74,7 @@ class JobController:
     def __init__(self, config, spec, policy: Optional[FailurePolicy] = None):
         self.config, self.spec = config, spec
         self.policy = policy or FailurePolicy.from_config(config)
+        self.hang_timeout = float(getattr(config, "hang_timeout", 0) or 0)
         self.state = JobState.PLACING
         self.ckpt_dir = checkpoint_dir(config.out) if config.out else None
         self.run_start = (latest_complete_step(self.ckpt_dir) or 0) if config.resume and self.ckpt_dir else 0
@@ -193,9 +195,11 @@ class JobController:
                     stop_at = group.stop_at_one_step(self.resumed)
                     progress.note(f"[alpa_job] SIGTERM: every JAX process stops after step {stop_at} and saves a "
                                   "checkpoint there")
+                if first_failure is None and not group.errors:
+                    group.errors.update(group.hung(self.hang_timeout))
                 if group.errors and first_failure is None:
                     first_failure = time.monotonic()
-                    group.ping_all()
+                    group.ping_all(self.hang_timeout)
                 if first_failure is not None and (time.monotonic() - first_failure > GRACE_S or not group.running):
                     break
         finally:

@@ -6,8 +6,9 @@
 - `log_tail(slot)`: the last lines of its worker log through Ray's log API (bounded), or None when Ray
   cannot serve it any more (its node is gone); `log_location(slot)` says where the file is then.
 - `failure_message(lost, slot, ...)`: the one line the user reads.
-- `classify(errors, ...)`: which of a group's failed processes was LOST (its actor died), in the order
-  to name them, or the one error of a process that raised on a live node (a bug, no restart).
+- `classify(errors, ...)`: which of a group's failed processes was LOST (its actor died, or the watchdog
+  found it `Hung`: alive but silent), in the order to name them, or the one error of a process that
+  raised on a live node (a bug, no restart).
 - `view_settled(nodes, lost)`: Ray's node table no longer shows a lost node as alive (it was marked
   dead or removed), or the node is alive under a NEW id (its raylet restarted). Until then a new
   process could be placed on a node that is already gone (a --resume right after a loss crashed so).
@@ -46,6 +47,7 @@ class Lost:
     node_id: str
     step: Optional[int] = None  # the last step it reported (None: it never reported one)
     reason: str = ""
+    hung: bool = False  # alive but silent (the watchdog's Hung), rather than dead
 
     def where(self) -> str:
         return "process %d on host %s (node IP %s, Ray node id %s)" % (
@@ -147,15 +149,17 @@ def log_location(slot: Slot) -> str:
 def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[int], log_shown: bool,
                     also: Sequence[int] = ()) -> str:
     step = "at step %d" % lost.step if lost.step is not None else "before its first step"
+    verb = "hung" if lost.hung else "died"
+    reason = lost.reason[len(HUNG):].strip() if lost.hung and lost.reason.startswith(HUNG) else lost.reason
     saved = ("last complete checkpoint: step %d" % checkpoint_step if checkpoint_step is not None
              else "no complete checkpoint yet")
     where = "its log is printed above" if log_shown else (
         "read its log on that node: %s" % log_location(slot) if slot else "read its log under %s on that node" % LOG_DIR)
     others = ("process(es) %s ended with it (JAX stops the peers of a dead process), the rest were stopped"
               % ", ".join(str(i) for i in also)) if also else "the other processes were stopped"
-    return ("JAX %s died %s (%s; %s); %s; %s; rerun with --resume (from the last checkpoint) or pass "
+    return ("JAX %s %s %s (%s; %s); %s; %s; rerun with --resume (from the last checkpoint) or pass "
             "--max-restarts N to continue on the surviving nodes"
-            % (lost.where(), step, lost.reason or "no reason given", saved, others, where))
+            % (lost.where(), verb, step, reason or "no reason given", saved, others, where))
 
 
 def print_log_tail(slot: Slot, lines: Optional[List[str]]) -> bool:
@@ -184,6 +188,21 @@ JAX_ABORT = ("CoordinationServiceAgent::SetError", "detected fatal errors", "Ter
 
 class Unresponsive(Exception):
     """A process whose actor stopped answering (its node gone without a connection reset telling us)."""
+
+
+HUNG = "hung:"  # how a Hung's reason starts (the report's restart row and the lost line say it so)
+
+
+class Hung(Unresponsive):
+    """Alive but silent: a process whose step has not advanced for the watchdog's timeout (--hang-timeout).
+    `answering` False: its actor does not answer either (the process is stopped or frozen, e.g. SIGSTOP);
+    True: it answers but does not step (blocked on a silent peer, or stuck in its own code)."""
+
+    def __init__(self, step: Optional[int], seconds: float, answering: bool):
+        state = ("it answers Ray but does not step: blocked on a peer or stuck" if answering else
+                 "it does not answer Ray either: stopped, frozen or cut off")
+        super().__init__("%s no step for %.0f s (--hang-timeout); %s" % (HUNG, seconds, state))
+        self.step, self.seconds, self.answering = step, seconds, answering
 
 
 class GroupLost(Exception):
@@ -225,6 +244,8 @@ def classify(errors: Dict[int, BaseException], slots: Dict[int, Slot], steps: Di
     collateral = {i for i, lines in tails.items() if lines and any(m in line for line in lines for m in JAX_ABORT)}
     order = sorted(dead, key=lambda i: (not isinstance(dead[i], unreachable), i in collateral, arrival.index(i)))
     lost = [slots[i].lost(steps.get(i), first_line(dead[i])) for i in order]
+    for x, i in zip(lost, order):
+        x.hung = isinstance(dead[i], Hung)
     failed = GroupLost(lost, slots, detected, _now_iso())
     failed.tails = tails
     failed.run_step = max((s for s in steps.values() if s is not None), default=None)

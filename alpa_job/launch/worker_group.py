@@ -10,6 +10,12 @@ actor (a survivor blocked in a collective with a dead peer goes too).
 The coordinator is process 0's node's OWN IP (as Ray knows it, from --node-ip-address) and the
 port from the cluster spec - never a default-route guess, never a random port the firewall closes.
 Every group computes it again (process 0 may land elsewhere after a loss).
+
+The watchdog (`hung`, --hang-timeout S): a process whose step has not advanced for S seconds is alive
+but silent. Its clock starts at the launch with 3 x S before the first step (jax.distributed, the
+compile, a restore), then S between steps and after the last one (the final eval and save: S must
+exceed them). A stopped process (SIGSTOP) stops answering the step polls too; they never block (each
+is one outstanding call, read with a zero timeout), its step just stops advancing.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ ACTOR_START_TIMEOUT_S = 120
 POLL_S = 0.5  # how long one poll waits for a process to finish
 PING_TIMEOUT_S = 5.0
 NODE_CHECK_S = 2.0  # how often a poll reads Ray's node table
+FIRST_STEP_FACTOR = 3.0  # the watchdog's allowance before a process's first step, in --hang-timeouts
 
 
 def training_nodes(nodes: List[ray_api.RayNode]) -> List[ray_api.RayNode]:
@@ -91,6 +98,9 @@ class WorkerGroup:
         self._pending: List[Any] = []
         self._index: Dict[Any, int] = {}
         self._step_polls: Dict[int, Any] = {}
+        self._asked: Dict[int, float] = {}  # when each outstanding step poll was sent
+        self._advanced: Dict[int, float] = {}  # when each process's step last advanced
+        self.launched_at: Optional[float] = None
         self._nodes_checked = 0.0
         self._ray = ray
 
@@ -156,6 +166,7 @@ class WorkerGroup:
                    for i, a in enumerate(self.actors)]
         self._index = {ref: i for i, ref in enumerate(futures)}
         self._pending = list(futures)
+        self.launched_at = time.monotonic()
 
     @property
     def running(self) -> bool:
@@ -191,6 +202,7 @@ class WorkerGroup:
             if not ready:
                 continue
             del self._step_polls[i]
+            self._asked.pop(i, None)
             try:
                 step = ray.get(ref)
             except ray.exceptions.RayActorError as err:
@@ -199,12 +211,15 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - a poll is best effort
                 continue
             if step is not None:
+                if step != self.steps.get(i):
+                    self._advanced[i] = time.monotonic()
                 self.steps[i] = step
                 if self.first_step_at is None:
                     self.first_step_at = time.monotonic()
         for i, a in enumerate(self.actors):
             if i not in self._step_polls and i not in self.errors:
                 self._step_polls[i] = a.current_step.remote()
+                self._asked[i] = time.monotonic()
 
     def _check_nodes(self) -> None:
         """Every NODE_CHECK_S: a process whose node Ray has marked dead is lost, even while it still answers
@@ -237,8 +252,10 @@ class WorkerGroup:
 
         return agree(propose, confirm, max([base] + [s for s in self.steps.values() if s is not None]))
 
-    def ping_all(self) -> None:
-        """After a first failure: a process whose actor no longer answers (within PING_TIMEOUT_S) is dead too."""
+    def ping_all(self, hang_timeout: float = 0.0) -> None:
+        """After a first failure: a process whose actor no longer answers (within PING_TIMEOUT_S) is dead too;
+        hung when its step had not advanced for half of `hang_timeout` either (the peers that JAX's heartbeat
+        ended because of it are then the collateral, and it is the one to name)."""
         ray = self._ray
         refs = {i: a.current_step.remote() for i, a in enumerate(self.actors)
                 if i not in self.errors and i not in self.results}
@@ -247,7 +264,10 @@ class WorkerGroup:
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
         for i, ref in refs.items():
             if ref not in ready:
-                self.errors[i] = failures.Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S)
+                quiet = time.monotonic() - (self._advanced.get(i) or self.launched_at or time.monotonic())
+                self.errors[i] = (failures.Hung(self.steps.get(i), quiet, answering=False)
+                                  if hang_timeout and quiet > hang_timeout / 2 else
+                                  failures.Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S))
                 continue
             try:
                 ray.get(ref)
@@ -255,6 +275,36 @@ class WorkerGroup:
                 self.errors[i] = err
             except Exception:  # noqa: BLE001 - alive enough
                 pass
+
+    def hung(self, timeout_s: float) -> Dict[int, failures.Hung]:
+        """The watchdog: when a running process has been silent past its allowance, every process silent
+        for over half of it, the one to blame first (one that does not answer at all, then the lowest
+        step: its peers wait for it in a collective); {} while every process makes progress."""
+        if not timeout_s or self.launched_at is None:
+            return {}
+        now = time.monotonic()
+        silent: Dict[int, float] = {}
+        tripped = False
+        for i in range(len(self)):
+            if i in self.results or i in self.errors:
+                continue
+            last = self._advanced.get(i)
+            allowance = timeout_s if last is not None else timeout_s * FIRST_STEP_FACTOR
+            quiet = now - (last if last is not None else self.launched_at)
+            tripped = tripped or quiet > allowance
+            if quiet > allowance / 2:
+                silent[i] = quiet
+        if not tripped:
+            return {}
+
+        def answering(i: int) -> bool:
+            return now - self._asked.get(i, now) < PING_TIMEOUT_S
+
+        def step(i: int) -> int:
+            return self.steps[i] if self.steps.get(i) is not None else -1
+
+        order = sorted(silent, key=lambda i: (answering(i), step(i), i))
+        return {i: failures.Hung(self.steps.get(i), silent[i], answering(i)) for i in order}
 
     def failure(self, detected: float) -> BaseException:
         """What the errors seen so far mean (failures.classify): lost processes, or one that raised."""

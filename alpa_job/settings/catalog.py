@@ -109,6 +109,11 @@ OUTPUT_AND_RESTARTS = (
             decides_step=False),
     Setting("restart_wait", float, 0.0, "seconds a restart waits for a replacement node to join", OUTPUT,
             check=NON_NEGATIVE, metavar="S", default_help="0, go on with the survivors", decides_step=False),
+    # The watchdog (launch/worker_group.py): alive but silent is a loss too, named and torn down.
+    Setting("hang_timeout", float, 300.0, "jax engine on Ray: a process whose step has not advanced for S seconds "
+            "is named as hung and the job torn down (restarted with --max-restarts); before its first step "
+            "(start, compile, restore) it has 3 x S; 0 turns the watchdog off", OUTPUT, check=NON_NEGATIVE,
+            metavar="S", default_help="300", decides_step=False),
     # Without it an --out holding another run's checkpoints is refused rather than mixed.
     Setting("overwrite", bool, False, "replace the checkpoints and reports of an earlier run in --out", OUTPUT,
             decides_step=False),

@@ -77,6 +77,9 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
     if name in ("max_restarts", "restart_wait") and (engine != "jax" or address == "none"):
         return ("restarts replace lost JAX processes on Ray nodes (this run: "
                 f"{engine}, --address {address}); drop it or run the JAX engine on Ray")
+    if name == "hang_timeout" and (engine != "jax" or address == "none"):
+        return ("the watchdog is the Ray driver's, watching each JAX process's step (this run: "
+                f"{engine}, --address {address}); drop it or run the JAX engine on Ray")
     if name == "restart_wait" and not getattr(config, "max_restarts", 0):
         return "it is how long a restart waits, and --max-restarts is 0; drop it or add --max-restarts N"
     if name == "devices" and engine == "alpa":

@@ -24,6 +24,11 @@ A full disk: free space is checked before each save against the last save's size
 a save that fails for lack of space (orbax reports it from a background thread, steps later) stops the
 run in one line naming the folder and the bytes needed, with the partial `*.orbax-checkpoint-tmp*`
 removed, so the previous checkpoint stays the latest complete one.
+
+Ending is bounded: `close` waits for the last save at most FINISH_TIMEOUT_S, `abandon` (a run that
+failed) at most ABANDON_TIMEOUT_S and never raises. A save that failed or never finished leaves
+orbax's threads waiting for a signal that will not come; both tell `alpa_job.shutdown` so, and the
+process's exit does not wait for them.
 """
 from __future__ import annotations
 
@@ -35,9 +40,14 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from alpa_job.errors import KitError
+from alpa_job import progress, shutdown
+from alpa_job.errors import EXIT_PROCESS_LOST, KitError
+
+FINISH_TIMEOUT_S = 600.0  # the end of a run waits this long for its last save (orbax's own async timeout)
+ABANDON_TIMEOUT_S = 20.0  # a failed run waits this long for a save in flight (a newer checkpoint to resume)
 
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, just before the rename to <step>
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -302,6 +312,7 @@ class Checkpointer:
         self.last_save_bytes: Optional[int] = None
         self._estimate: Optional[int] = None  # the state's bytes: what a first save needs at least
         self.skipped: List[Skipped] = []  # what restore() passed over, newest first
+        self.saving: Optional[int] = None  # the step of the newest save started (it may still be writing)
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -336,6 +347,7 @@ class Checkpointer:
             raise
         if saved:
             self._pending = step
+            self.saving = step
         return bool(saved)
 
     def _settle(self, wait: bool) -> None:
@@ -474,10 +486,56 @@ class Checkpointer:
                                                                   data=args.JsonRestore()))
         return restored["state"], restored["data"] or None
 
-    def close(self) -> None:
-        self._settle(wait=True)
-        self.manager.wait_until_finished()
-        self.manager.close()
+    def close(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
+        """Wait for the last save (bounded); one that failed or did not finish is a one-line error naming it."""
+        finished, error = self._finish(timeout_s)
+        if finished and error is None:
+            return
+        if finished and isinstance(error, KitError):  # already one line naming the folder and the fix
+            raise error
+        why = self._unfinished(finished, error, timeout_s)
+        shutdown.expect_stuck(f"the checkpoint save of step {self.saving}")
+        raise KitError(f"{why}; the last complete checkpoint is {self._latest_text()}; rerun with --resume to "
+                       "continue from it once the folder is writable", EXIT_PROCESS_LOST) from None
+
+    def abandon(self, timeout_s: float = ABANDON_TIMEOUT_S) -> None:
+        """The run is failing: wait (bounded) for a save in flight, never raise (the run's own error is
+        the one to report); a save given up is one line naming its step."""
+        finished, error = self._finish(timeout_s)
+        if finished and error is None:
+            return
+        shutdown.expect_stuck(f"the checkpoint save of step {self.saving}")
+        progress.note(f"[alpa_job] {self._unfinished(finished, error, timeout_s)}; the last complete checkpoint "
+                      f"is {self._latest_text()}")
+
+    def _finish(self, timeout_s: float) -> Tuple[bool, Optional[BaseException]]:
+        """(finished, its error): orbax's wait for the saves in flight and its close, in a daemon thread
+        so that a save that never ends cannot hold this one."""
+        box: Dict[str, BaseException] = {}
+
+        def finish() -> None:
+            try:
+                self._settle(wait=True)  # a full disk or a failed commit: its one line, its partial save removed
+                self.manager.wait_until_finished()
+                self.manager.close()
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                box["error"] = err
+
+        thread = threading.Thread(target=finish, name="checkpoint-finish", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        return not thread.is_alive(), box.get("error")
+
+    def _unfinished(self, finished: bool, error: Optional[BaseException], timeout_s: float) -> str:
+        if not finished:
+            return (f"the checkpoint save of step {self.saving} in {self.directory} did not finish within "
+                    f"{timeout_s:.0f} s; abandoned it")
+        first = next((x.strip() for x in str(error).splitlines() if x.strip()), type(error).__name__)
+        return f"the checkpoint save of step {self.saving} in {self.directory} failed: {first[:300]}"
+
+    def _latest_text(self) -> str:
+        step = latest_complete_step(self.directory)
+        return f"step {step}" if step is not None else "none"
 
 
 def _leaves(tree: Any) -> List[Any]:

@@ -200,8 +200,13 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     evaluator = Evaluator(engine, data, config, shard)
     read_before = (data.source.rows_read, data.source.bytes_read)
     compiles_since = engine.watch_compiles()
-    state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
-                            evaluator=evaluator, stop=stop)
+    try:
+        state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
+                                evaluator=evaluator, stop=stop)
+    except BaseException:
+        if checkpointer is not None:
+            checkpointer.abandon()  # bounded; a save that cannot finish never holds the failing run
+        raise
     loop_compiles = compiles_since()
     stopped_at = stats.pop("stopped_at")
     if stopped_at is not None:

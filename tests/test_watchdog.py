@@ -1,0 +1,250 @@
+"""Never hang: every ending is bounded, and a process that is alive but silent is found (--hang-timeout).
+
+CPU part: the exit deadline ends a process whose non-daemon thread never ends; a checkpoint save that
+cannot finish (orbax's threads then wait for a signal that never comes: the exit used to wait with them)
+no longer holds the exit, and is named by its step; the --hang-timeout setting.
+
+Slow part: a JAX process SIGSTOPped on a local Ray (one node) is named by the watchdog; on the 3-host test
+bed (real hosts, tests/test_node_loss.py's cluster), the stopped process on w1 is named, the job restarts
+from the last checkpoint on all 3 hosts (the stopped actor is killed) and finishes, or, without restarts,
+fails within --hang-timeout plus a few seconds naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from alpa_job.cli import main
+from alpa_job.errors import KitError
+from alpa_job.settings.config import JobConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _python(code: str, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(cwd), env=env)
+
+
+# ============================================================================ CPU: bounded exits
+def test_the_exit_deadline_ends_a_process_held_by_a_thread_that_never_ends(tmp_path):
+    t0 = time.monotonic()
+    p = _python("""
+        import threading
+        from alpa_job.shutdown import exit_within
+        threading.Thread(target=threading.Event().wait, name="waits-forever").start()  # non-daemon
+        exit_within(3, deadline_s=1.0)
+    """, timeout=60, cwd=tmp_path)
+    assert p.returncode == 3, p.stderr
+    assert time.monotonic() - t0 < 30
+    lines = [x for x in p.stderr.splitlines() if "exiting without waiting" in x]
+    assert lines and "waits-forever" in lines[0] and "exit code 3" in lines[0], p.stderr
+
+
+def test_a_healthy_exit_is_not_cut_short(tmp_path):
+    p = _python("""
+        import atexit, threading, time
+        from alpa_job.shutdown import exit_within
+        threading.Thread(target=time.sleep, args=(0.5,), name="short").start()
+        atexit.register(lambda: print("atexit ran", flush=True))
+        exit_within(0, deadline_s=20.0)
+    """, timeout=60, cwd=tmp_path)
+    assert p.returncode == 0 and "atexit ran" in p.stdout and "exiting without" not in p.stderr, p.stderr
+
+
+# A real orbax save that cannot finish: the checkpoint folder is replaced by a file between two saves, so
+# the second save cannot create its step folder; orbax's threads of that save then wait (for up to its own
+# 10-minute timeout) for a signal from the creation that failed, and Python's exit joined them.
+BROKEN_SAVE = """
+    import os, time
+    import jax.numpy as jnp
+    from alpa_job.train.checkpoint import Checkpointer
+    from alpa_job.errors import KitError
+    from alpa_job.shutdown import exit_within
+    ck = Checkpointer("checkpoints", every=1)
+    state = {"w": jnp.arange(4.0)}
+    ck.maybe_save(1, state, {"position": 1})
+    ck.manager.wait_until_finished()
+    os.rename("checkpoints", "checkpoints.moved")
+    open("checkpoints", "w").write("not a folder")
+    ck.maybe_save(2, state, {"position": 2})
+    t0 = time.monotonic()
+    %s
+    print("ended in %%.1f s" %% (time.monotonic() - t0), flush=True)
+    exit_within(1)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "abandon"])
+def test_a_checkpoint_save_that_cannot_finish_does_not_hold_the_exit(tmp_path, how):
+    end = ("ck.abandon()" if how == "abandon" else
+           "try:\n        ck.close()\n    except KitError as err:\n        print('error: ' + str(err), flush=True)")
+    t0 = time.monotonic()
+    p = _python(BROKEN_SAVE % end, timeout=120, cwd=tmp_path)  # the hang lasted 10 minutes
+    seconds = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    assert seconds < 60, f"{seconds:.0f} s"
+    named = [x for x in out.splitlines() if "the checkpoint save of step 2" in x and "failed" in x]
+    assert named, out[-3000:]
+    if how == "close":  # the end of a run: a one-line error (exit 1) naming the step
+        assert named[0].startswith("error: ") and "rerun with --resume" in named[0]
+    assert "exiting without waiting longer for the checkpoint save of step 2" in out, out[-3000:]
+
+
+# ============================================================================ CPU: the setting
+def test_hang_timeout_defaults_to_a_few_minutes_and_is_checked():
+    assert JobConfig().hang_timeout == 300.0
+    assert JobConfig(hang_timeout=0).validated().hang_timeout == 0  # 0: the watchdog is off
+    with pytest.raises(KitError, match="--hang-timeout must be >= 0"):
+        JobConfig(hang_timeout=-5).validated()
+
+
+def test_hang_timeout_is_in_help_and_refused_where_no_driver_watches(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--hang-timeout S" in capsys.readouterr().out
+    assert main(["train", "--address", "none", "--hang-timeout", "30"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --hang-timeout does nothing here"), err
+    assert "--address none" in err[0]
+
+
+# ============================================================================ slow: a stopped process
+GONE_WAIT_S = 30.0  # Ray's kill of a stopped worker is asynchronous: the raylet ends it after the driver left
+
+
+def _stop_and_wait(argv, out: Path, find_victim, stop, cont, alive, timeout: float = 400, after_checkpoint: int = 20,
+                   popen=None):
+    """Train; SIGSTOP the victim once checkpoint `after_checkpoint` is complete; wait for the driver.
+    Returns (rc, output, seconds from the stop to the driver's exit, the stopped pid, whether that pid
+    was gone, still stopped, within GONE_WAIT_S of the exit). The victim is always continued in the end."""
+    from alpa_job.train.checkpoint import latest_complete_step
+
+    log = open(str(out) + ".driver.log", "w+")
+    p = (popen or subprocess.Popen)(argv, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    victim = stopped_at = None
+    gone = False
+    try:
+        while p.poll() is None and time.monotonic() < deadline:
+            if victim is None and (latest_complete_step(str(out / "checkpoints")) or 0) >= after_checkpoint:
+                victim = find_victim()
+                stop(victim)
+                stopped_at = time.monotonic()
+            time.sleep(0.1)
+        if p.poll() is None:
+            p.kill()
+            pytest.fail(f"the job did not end within {timeout} s")
+        ended = time.monotonic()
+        while victim is not None and alive(victim) and time.monotonic() - ended < GONE_WAIT_S:
+            time.sleep(0.5)
+        gone = victim is not None and not alive(victim)
+    finally:
+        if victim is not None:
+            cont(victim)  # never leave a stopped process behind on a shared bed
+        log.seek(0)
+        text = log.read()
+        log.close()
+    assert stopped_at is not None, f"the job ended before checkpoint {after_checkpoint}:\n{text[-4000:]}"
+    return p.returncode, text, ended - stopped_at, victim, gone
+
+
+def _local_signal(sig):
+    def send(pid: int) -> bool:
+        try:
+            os.kill(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+    return send
+
+
+@pytest.mark.slow
+def test_a_stopped_process_on_a_local_ray_is_named_by_the_watchdog(tmp_path):
+    """One node, one JAX process (a Ray actor): SIGSTOP it; the watchdog names it within --hang-timeout
+    plus a few seconds, the job fails with exit 1 and the report says it hung."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "alpa_job", "train", "--address", "local", "--hidden-dim", "32", "--steps", "5000",
+            "--num-samples", "6400", "--batch-size", "16", "--devices", "2", "--checkpoint-every", "10",
+            "--hang-timeout", "10", "--out", str(out)]
+    mine = {int(x) for x in subprocess.run(["pgrep", "-f", "^ray::JaxProcess"], capture_output=True,
+                                           text=True).stdout.split()}
+
+    def find_victim() -> int:  # the JAX process this test's Ray started (not another run's)
+        pids = [int(x) for x in subprocess.run(["pgrep", "-f", "^ray::JaxProcess"], capture_output=True,
+                                               text=True).stdout.split() if int(x) not in mine]
+        assert len(pids) == 1, pids
+        return pids[0]
+
+    rc, text, seconds, _pid, _gone = _stop_and_wait(argv, out, find_victim, _local_signal(signal.SIGSTOP),
+                                                    _local_signal(signal.SIGCONT), _local_signal(0),
+                                                    after_checkpoint=100,
+                                                    popen=lambda a, **kw: subprocess.Popen(a, cwd=str(REPO), **kw))
+    assert rc == 1, text[-4000:]
+    assert seconds < 10 + 25, f"{seconds:.0f} s from the stop to the exit:\n{text[-3000:]}"
+    line = [x for x in text.splitlines() if x.startswith("error: JAX process 0") and "hung at step" in x]
+    assert line and "stopped, frozen" in line[0] and "last complete checkpoint: step" in line[0], text[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "failed" and "hung at step" in report["error"]
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.testbed
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_stopped_process_on_the_test_bed_is_named_and_the_job_restarts_or_fails(testbed_factory, restarts):
+    """SIGSTOP w1's JAX process (inside w1's PID namespace) after checkpoint 20: with --max-restarts 1 the
+    job names it, kills every actor (the stopped one too: Ray's kill does not need its cooperation),
+    restarts from the last checkpoint on all 3 hosts (w1's node still answers) and finishes; without
+    restarts it fails within --hang-timeout plus a few seconds, naming w1's process as hung."""
+    import shutil
+
+    from test_node_loss import BATCH, EVERY, STEPS, _cluster, _out, _train_argv
+
+    hang = 20  # under JAX's 30 s heartbeat, so the watchdog, not the heartbeat, ends the job (both name w1)
+    cluster = _cluster(testbed_factory)
+    bed = cluster.testbed
+    out = _out("hang%d" % restarts)
+
+    def find_victim() -> str:
+        pids = bed.exec("w1", "pgrep", "-f", "^ray::JaxProcess").stdout.split()
+        assert len(pids) == 1, pids  # inside w1's PID namespace: only w1's JAX process matches
+        return pids[0]
+
+    def signal_in_w1(name):
+        return lambda pid: bed.exec("w1", "kill", "-" + name, pid, check=False).returncode == 0
+
+    extra = ["--hang-timeout", str(hang)] + (["--max-restarts", str(restarts)] if restarts else [])
+    argv = _train_argv(cluster, str(out), *extra)
+    rc, text, seconds, pid, gone = _stop_and_wait(
+        argv, out, find_victim, signal_in_w1("STOP"), signal_in_w1("CONT"), signal_in_w1("0"), timeout=500,
+        popen=lambda a, **kw: bed.popen("head", *a, env={"RAY_ADDRESS": cluster.address}, **kw))
+    assert "Traceback" not in text, text[-5000:]
+    named = [x for x in text.splitlines() if "JAX process 1 on host w1" in x and "hung" in x]
+    assert named and cluster.node_ips["w1"] in named[0] and "stopped, frozen" in named[0], text[-5000:]
+    assert gone, f"the stopped JAX process (pid {pid} in w1) outlived the job's teardown"
+    report = json.loads((out / "report.json").read_text())
+    if restarts:
+        assert rc == 0, text[-5000:]
+        assert report["steps"] == STEPS and report["samples_seen"] == STEPS * BATCH
+        assert report["summary"]["hosts"] == 3  # w1's node answers: it is used again
+        (r,) = report["restarts"]
+        assert r["host"] == "w1" and r["process"] == 1 and r["reason"].startswith("hung:")
+        assert r["resumed_from_step"] >= 20 and r["resumed_from_step"] % EVERY == 0 and r["processes_after"] == 3
+    else:
+        assert rc == 1, text[-5000:]
+        assert seconds < hang + 20, f"{seconds:.0f} s from the stop to the exit:\n{text[-3000:]}"
+        assert report["status"] == "failed" and "hung at step" in report["error"]
+        assert named[-1].startswith("error: ")
+    shutil.rmtree(out, ignore_errors=True)
