@@ -74,7 +74,7 @@ BROKEN_SAVE = """
     ck = Checkpointer("checkpoints", every=1)
     state = {"w": jnp.arange(4.0)}
     ck.maybe_save(1, state, {"position": 1})
-    ck.manager.wait_until_finished()
+    ck.wait()  # step 1 is complete and sealed
     os.rename("checkpoints", "checkpoints.moved")
     open("checkpoints", "w").write("not a folder")
     ck.maybe_save(2, state, {"position": 2})

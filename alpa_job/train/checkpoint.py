@@ -323,6 +323,10 @@ class Checkpointer:
             return False
         return self._save(step, state, data_state)
 
+    def wait(self) -> None:
+        """Wait for the save in flight and seal it (its errors, a full disk's included, are raised here)."""
+        self._settle(wait=True)
+
     def save_now(self, step: int, state: Any, data_state: Optional[Dict[str, Any]] = None) -> bool:
         """Save `step` whatever --checkpoint-every says (a preempted run's last step) and wait until it is on
         disk; every process calls it. False when that step is saved already."""
