@@ -43,7 +43,7 @@ import testbed_lib  # noqa: E402
 import testbed_ray  # noqa: E402
 from common import print_table, record  # noqa: E402
 
-from alpa_job.train.checkpoint import latest_complete_step  # noqa: E402
+from alpa_job.train.checkpoint_files import latest_complete_step  # noqa: E402
 
 EVERY = 10
 KILL_AT = 20

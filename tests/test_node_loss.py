@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from alpa_job.train.checkpoint import latest_complete_step
+from alpa_job.train.checkpoint_files import latest_complete_step
 from alpa_job.cluster import ray_api
 from alpa_job.launch import shared_out
 from alpa_job.errors import KitError

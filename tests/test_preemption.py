@@ -18,7 +18,7 @@ import pytest
 
 from alpa_job.errors import EXIT_PREEMPTED, KitError
 from alpa_job.launch.runner import run_in_process
-from alpa_job.train.checkpoint import latest_complete_step
+from alpa_job.train.checkpoint_files import latest_complete_step
 from alpa_job.train.stop import StopPoint, agree
 from helpers_report import assert_valid_report
 from helpers_train import tiny_config

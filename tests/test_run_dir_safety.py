@@ -16,7 +16,7 @@ import time
 import pytest
 
 from alpa_job.train import rundir
-from alpa_job.train.checkpoint import FILES, latest_complete_step, scan, verify_step
+from alpa_job.train.checkpoint_files import FILES, latest_complete_step, scan, verify_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--address", "none", "--hidden-dim", "32", "--num-samples", "64", "--batch-size", "16", "--epochs", "10",

@@ -129,7 +129,7 @@ def _stop_and_wait(argv, out: Path, find_victim, stop, cont, alive, timeout: flo
     """Train; SIGSTOP the victim once checkpoint `after_checkpoint` is complete; wait for the driver.
     Returns (rc, output, seconds from the stop to the driver's exit, the stopped pid, whether that pid
     was gone, still stopped, within GONE_WAIT_S of the exit). The victim is always continued in the end."""
-    from alpa_job.train.checkpoint import latest_complete_step
+    from alpa_job.train.checkpoint_files import latest_complete_step
 
     log = open(str(out) + ".driver.log", "w+")
     p = (popen or subprocess.Popen)(argv, stdout=log, stderr=subprocess.STDOUT)

@@ -37,7 +37,7 @@ from alpa_job.launch.failures import GroupLost, Lost
 from alpa_job.launch.recovery import Recovery, with_restarts
 from alpa_job.launch.worker_group import PlacementFailed, WorkerGroup, training_nodes
 from alpa_job.record.run_record import ProcessResult
-from alpa_job.train.checkpoint import latest_complete_step
+from alpa_job.train.checkpoint_files import latest_complete_step
 from alpa_job.train.rundir import checkpoint_dir
 
 GRACE_S = 3.0  # after the first failure: time for the others' to arrive (the dead one is the one to name)

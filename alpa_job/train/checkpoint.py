@@ -12,10 +12,8 @@ latest complete one (`latest_complete_step` reads that without importing orbax; 
 decide whether a restart resumes). Restoring to `engine.abstract_state` reshards onto the current mesh,
 so a run saved on 3 hosts resumes on 2 (after a lost node).
 
-A step folder counts as complete only when it verifies (`verify_step`): orbax's commit marker, its
-metadata files readable, and, once the save has finished, every file at the size the save wrote
-(FILES, written beside them by process 0), so a truncated array file is caught before anything
-restores it. A checkpoint that verifies and still fails to restore is skipped the same way: the
+A step folder counts as complete only when it verifies (`checkpoint_files.verify_step`). A checkpoint
+that verifies and still fails to restore is skipped the same way: the
 newest one that restores is used, each skipped one named (step, file, reason) and set aside under
 `OUT/checkpoints-skipped/` once an older one has restored (which proves the damage was the
 checkpoint's, not a model mismatch), so the run's own later saves never collide with it.
@@ -32,29 +30,22 @@ process's exit does not wait for them.
 """
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import errno
-import json
 import logging
 import os
 import shutil
-import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job import progress, shutdown
 from alpa_job.errors import EXIT_PROCESS_LOST, KitError
+from alpa_job.train.checkpoint_files import (FILES, TMP_MARK, Skipped, folder_bytes, latest_complete_step, scan,
+                                             seal, set_aside, step_folders)
+from alpa_job.train.disk_full import _QUIET, _REPORTED, _fmt_bytes, _install_unraisable_hook, is_disk_full
 
 FINISH_TIMEOUT_S = 600.0  # the end of a run waits this long for its last save (orbax's own async timeout)
 ABANDON_TIMEOUT_S = 20.0  # a failed run waits this long for a save in flight (a newer checkpoint to resume)
 
-COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, just before the rename to <step>
-STEP_METADATA = "_CHECKPOINT_METADATA"
-FILES = "alpa_job.files.json"  # every file of a finished save and its size
-TMP_MARK = ".orbax-checkpoint-tmp"
-SKIPPED_DIR = "checkpoints-skipped"  # beside the checkpoints folder: orbax never lists it
-ITEM_METADATA = {"state": "_METADATA", "default": "_METADATA", "data": "metadata"}
 SPACE_MARGIN = 1 / 20  # a save may grow a little (metadata, a larger step number)
 SPACE_SLACK_BYTES = 64 * 1024
 EXIT_SAVE_FAILED = 1  # the run stopped part-way: the report says how far it got
@@ -67,204 +58,9 @@ class DiskFullError(KitError):
         super().__init__(message, EXIT_SAVE_FAILED)
 
 
-@dataclasses.dataclass
-class Skipped:
-    """A checkpoint `--resume` could not use, and why."""
-
-    step: int
-    path: str  # the file (or folder) at fault
-    reason: str
-
-    def line(self) -> str:
-        return f"[alpa_job] checkpoint step {self.step} skipped: {self.path}: {self.reason}"
-
-
-def _read_json(path: str) -> Optional[str]:
-    """None when `path` holds JSON, else why not."""
-    try:
-        with open(path) as f:
-            json.load(f)
-    except FileNotFoundError:
-        return "missing"
-    except (OSError, ValueError, UnicodeDecodeError) as err:
-        return f"unreadable ({type(err).__name__}: {str(err)[:120]})" if not isinstance(err, ValueError) \
-            else f"not valid JSON ({os.path.getsize(path) if os.path.exists(path) else 0} bytes; truncated?)"
-    return None
-
-
-def verify_step(step_dir: str) -> Optional[Tuple[str, str]]:
-    """(file, reason) of the first thing that makes this step folder unusable, or None when it is complete."""
-    if not os.path.isfile(os.path.join(step_dir, COMMIT_MARKER)):
-        return os.path.join(step_dir, COMMIT_MARKER), "missing: the save never committed"
-    problem = _read_json(os.path.join(step_dir, STEP_METADATA))
-    if problem and problem != "missing":  # orbax before 0.5 wrote none
-        return os.path.join(step_dir, STEP_METADATA), problem
-    items = [name for name in ITEM_METADATA if os.path.isdir(os.path.join(step_dir, name))]
-    if "state" not in items and "default" not in items:
-        return os.path.join(step_dir, "state"), "missing: no train state in this checkpoint"
-    for item in items:
-        path = os.path.join(step_dir, item, ITEM_METADATA[item])
-        problem = _read_json(path)
-        if problem:
-            return path, problem
-    sizes = _saved_sizes(step_dir)
-    for rel, size in sizes.items():
-        path = os.path.join(step_dir, rel)
-        try:
-            now = os.path.getsize(path)
-        except OSError:
-            return path, "missing (listed in the save's file list)"
-        if now != size:
-            return path, f"{now} bytes, the save wrote {size} (truncated or overwritten)"
-    return None
-
-
-def _saved_sizes(step_dir: str) -> Dict[str, int]:
-    try:
-        with open(os.path.join(step_dir, FILES)) as f:
-            sizes = json.load(f)["files"]
-        return {str(k): int(v) for k, v in sizes.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}  # a save not sealed yet (or by an older kit): the metadata checks stand alone
-
-
-def step_folders(directory: str) -> List[int]:
-    """Every step folder under `directory`, newest first, complete or not (a save in flight or killed
-    mid-way is still a `*.orbax-checkpoint-tmp*` folder and is not listed)."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))), reverse=True)
-
-
-def scan(directory: str) -> Tuple[List[int], List[Skipped]]:
-    """(the complete steps, newest first; the step folders that do not verify, each with the reason)."""
-    good: List[int] = []
-    skipped: List[Skipped] = []
-    for step in step_folders(directory):
-        problem = verify_step(os.path.join(directory, str(step)))
-        if problem is None:
-            good.append(step)
-        else:
-            skipped.append(Skipped(step, *problem))
-    return good, skipped
-
-
-def latest_complete_step(directory: str) -> Optional[int]:
-    """The highest step saved completely under `directory` (verified as `verify_step` does), or None."""
-    good, _ = scan(directory)
-    return good[0] if good else None
-
-
-def set_aside(directory: str, step: int) -> str:
-    """Move a damaged step folder out of orbax's sight (kept for a look, never deleted); returns where."""
-    aside = os.path.join(os.path.dirname(os.path.abspath(directory)), SKIPPED_DIR)
-    os.makedirs(aside, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    target = os.path.join(aside, f"{step}-{stamp}")
-    n = 1
-    while os.path.exists(target):
-        n += 1
-        target = os.path.join(aside, f"{step}-{stamp}-{n}")
-    os.rename(os.path.join(directory, str(step)), target)
-    return target
-
-
-def folder_bytes(path: str) -> Dict[str, int]:
-    """Every file under `path` (relative) and its size."""
-    sizes: Dict[str, int] = {}
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            full = os.path.join(root, name)
-            try:
-                sizes[os.path.relpath(full, path)] = os.path.getsize(full)
-            except OSError:
-                pass
-    return sizes
-
-
-def seal(step_dir: str) -> int:
-    """Write FILES (every file of a finished save and its size) into the step folder; returns the save's bytes."""
-    sizes = {k: v for k, v in folder_bytes(step_dir).items() if k != FILES}
-    tmp = os.path.join(step_dir, FILES + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"files": sizes}, f)
-    os.replace(tmp, os.path.join(step_dir, FILES))
-    return sum(sizes.values())
-
-
-def is_disk_full(err: BaseException) -> bool:
-    """Whether `err` (or what caused it: orbax wraps TensorStore's error) is a full disk or quota."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(err)
-        if "No space left on device" in text or "os_error_code='28'" in text or "Disk quota exceeded" in text:
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-class _QuietDiskFull(logging.Filter):
-    """Orbax logs a full disk from each of its background threads with a traceback (dozens of lines per
-    save); the run reports it once, in one line, so those records are dropped here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and is_disk_full(exc):
-            return False
-        text = record.getMessage()
-        return not ("No space left on device" in text or "os_error_code='28'" in text)
-
-
-_QUIET = _QuietDiskFull()
-
-
-_REPORTED = {"failure": False}  # a save or restore failure was named in one line: orbax's echoes of it are noise
-
-
-def _late_callback(exc: BaseException, tb) -> bool:
-    """A TensorStore callback of a failed save reaching its asyncio loop after orbax closed it, or (once the
-    failure was reported) an orbax coroutine of the failed save or restore collected with its error."""
-    names, files = [], []
-    while tb is not None:
-        names.append(tb.tb_frame.f_code.co_name)
-        files.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in names:
-        return True
-    return _REPORTED["failure"] and any(f"{os.sep}orbax{os.sep}" in f for f in files)
-
-
-def _install_unraisable_hook() -> None:
-    """TensorStore reports each of those late callbacks' errors as unraisable (one bare traceback per chunk
-    in flight: hundreds after a full disk); they say nothing the save's own error does not."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_alpa_job_quiet", False):
-        return
-
-    def hook(unraisable):
-        if not _late_callback(unraisable.exc_value, unraisable.exc_traceback):
-            previous(unraisable)
-
-    hook._alpa_job_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
 def _short(err: BaseException) -> str:
     text = " ".join(str(err).split()).split(" See full TensorStore details")[0] or type(err).__name__
     return f"{type(err).__name__}: {text[:240]}"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _process_index() -> int:

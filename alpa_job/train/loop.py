@@ -246,7 +246,7 @@ def checkpoint_notes(config, total_steps: int) -> List[str]:
         return []
     start = 0
     if config.resume:
-        from alpa_job.train.checkpoint import latest_complete_step
+        from alpa_job.train.checkpoint_files import latest_complete_step
 
         start = latest_complete_step(checkpoint_dir(config.out)) or 0
     if start >= total_steps or total_steps // every > start // every:
@@ -424,7 +424,7 @@ def _saved_before(checkpointer, step: int) -> Optional[int]:
     save, so none at or after the diverged step exists; a save still in flight is waited for (bounded)."""
     if checkpointer is None:
         return None
-    from alpa_job.train.checkpoint import latest_complete_step
+    from alpa_job.train.checkpoint_files import latest_complete_step
 
     waiter = threading.Thread(target=checkpointer.manager.wait_until_finished, daemon=True)
     waiter.start()

@@ -94,7 +94,7 @@ def saved_config(out: str) -> Optional[Dict[str, Any]]:
 
 def check_out(config, explicit_out: bool) -> None:
     """Refuse an --out that would mix two runs, and a --resume with nothing (or another model) to resume."""
-    from alpa_job.train.checkpoint import step_folders
+    from alpa_job.train.checkpoint_files import step_folders
     from alpa_job.settings.catalog import MODEL_FIELDS
     from alpa_job.settings.setting import flag_of
 
@@ -150,7 +150,7 @@ def _usable_checkpoint(out: str) -> int:
     """The newest checkpoint that verifies; each newer one that does not is named and set aside (the
     loop then restores the same step, and this run's own saves never meet a damaged folder)."""
     from alpa_job import progress
-    from alpa_job.train.checkpoint import scan, set_aside
+    from alpa_job.train.checkpoint_files import scan, set_aside
 
     directory = checkpoint_dir(out)
     good, skipped = scan(directory)
@@ -181,7 +181,7 @@ def resolve_resume(config):
     fresh run; a plain --resume stays a must."""
     if config.resume != "auto":
         return config
-    from alpa_job.train.checkpoint import latest_complete_step
+    from alpa_job.train.checkpoint_files import latest_complete_step
 
     return config.replace(resume=latest_complete_step(checkpoint_dir(config.out)) is not None)
 

@@ -1,0 +1,149 @@
+"""What a checkpoints folder holds, read without orbax: which step folders are complete, and why not.
+
+A step folder counts as complete only when it verifies (`verify_step`): orbax's commit marker, its
+metadata files readable, and, once the save has finished, every file at the size the save wrote
+(FILES, written beside them by process 0 when the save is sealed), so a truncated array file is caught
+before anything restores it. The driver (before Ray, to decide whether a restart resumes) and the
+training loop (to restore) read the same verdict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, just before the rename to <step>
+STEP_METADATA = "_CHECKPOINT_METADATA"
+FILES = "alpa_job.files.json"  # every file of a finished save and its size
+TMP_MARK = ".orbax-checkpoint-tmp"
+SKIPPED_DIR = "checkpoints-skipped"  # beside the checkpoints folder: orbax never lists it
+ITEM_METADATA = {"state": "_METADATA", "default": "_METADATA", "data": "metadata"}
+
+
+@dataclasses.dataclass
+class Skipped:
+    """A checkpoint `--resume` could not use, and why."""
+
+    step: int
+    path: str  # the file (or folder) at fault
+    reason: str
+
+    def line(self) -> str:
+        return f"[alpa_job] checkpoint step {self.step} skipped: {self.path}: {self.reason}"
+
+
+def _read_json(path: str) -> Optional[str]:
+    """None when `path` holds JSON, else why not."""
+    try:
+        with open(path) as f:
+            json.load(f)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        return f"unreadable ({type(err).__name__}: {str(err)[:120]})" if not isinstance(err, ValueError) \
+            else f"not valid JSON ({os.path.getsize(path) if os.path.exists(path) else 0} bytes; truncated?)"
+    return None
+
+
+def verify_step(step_dir: str) -> Optional[Tuple[str, str]]:
+    """(file, reason) of the first thing that makes this step folder unusable, or None when it is complete."""
+    if not os.path.isfile(os.path.join(step_dir, COMMIT_MARKER)):
+        return os.path.join(step_dir, COMMIT_MARKER), "missing: the save never committed"
+    problem = _read_json(os.path.join(step_dir, STEP_METADATA))
+    if problem and problem != "missing":  # orbax before 0.5 wrote none
+        return os.path.join(step_dir, STEP_METADATA), problem
+    items = [name for name in ITEM_METADATA if os.path.isdir(os.path.join(step_dir, name))]
+    if "state" not in items and "default" not in items:
+        return os.path.join(step_dir, "state"), "missing: no train state in this checkpoint"
+    for item in items:
+        path = os.path.join(step_dir, item, ITEM_METADATA[item])
+        problem = _read_json(path)
+        if problem:
+            return path, problem
+    sizes = _saved_sizes(step_dir)
+    for rel, size in sizes.items():
+        path = os.path.join(step_dir, rel)
+        try:
+            now = os.path.getsize(path)
+        except OSError:
+            return path, "missing (listed in the save's file list)"
+        if now != size:
+            return path, f"{now} bytes, the save wrote {size} (truncated or overwritten)"
+    return None
+
+
+def _saved_sizes(step_dir: str) -> Dict[str, int]:
+    try:
+        with open(os.path.join(step_dir, FILES)) as f:
+            sizes = json.load(f)["files"]
+        return {str(k): int(v) for k, v in sizes.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # a save not sealed yet (or by an older kit): the metadata checks stand alone
+
+
+def step_folders(directory: str) -> List[int]:
+    """Every step folder under `directory`, newest first, complete or not (a save in flight or killed
+    mid-way is still a `*.orbax-checkpoint-tmp*` folder and is not listed)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))), reverse=True)
+
+
+def scan(directory: str) -> Tuple[List[int], List[Skipped]]:
+    """(the complete steps, newest first; the step folders that do not verify, each with the reason)."""
+    good: List[int] = []
+    skipped: List[Skipped] = []
+    for step in step_folders(directory):
+        problem = verify_step(os.path.join(directory, str(step)))
+        if problem is None:
+            good.append(step)
+        else:
+            skipped.append(Skipped(step, *problem))
+    return good, skipped
+
+
+def latest_complete_step(directory: str) -> Optional[int]:
+    """The highest step saved completely under `directory` (verified as `verify_step` does), or None."""
+    good, _ = scan(directory)
+    return good[0] if good else None
+
+
+def set_aside(directory: str, step: int) -> str:
+    """Move a damaged step folder out of orbax's sight (kept for a look, never deleted); returns where."""
+    aside = os.path.join(os.path.dirname(os.path.abspath(directory)), SKIPPED_DIR)
+    os.makedirs(aside, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    target = os.path.join(aside, f"{step}-{stamp}")
+    n = 1
+    while os.path.exists(target):
+        n += 1
+        target = os.path.join(aside, f"{step}-{stamp}-{n}")
+    os.rename(os.path.join(directory, str(step)), target)
+    return target
+
+
+def folder_bytes(path: str) -> Dict[str, int]:
+    """Every file under `path` (relative) and its size."""
+    sizes: Dict[str, int] = {}
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            try:
+                sizes[os.path.relpath(full, path)] = os.path.getsize(full)
+            except OSError:
+                pass
+    return sizes
+
+
+def seal(step_dir: str) -> int:
+    """Write FILES (every file of a finished save and its size) into the step folder; returns the save's bytes."""
+    sizes = {k: v for k, v in folder_bytes(step_dir).items() if k != FILES}
+    tmp = os.path.join(step_dir, FILES + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": sizes}, f)
+    os.replace(tmp, os.path.join(step_dir, FILES))
+    return sum(sizes.values())
