@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from alpa_job.train import rundir
+from alpa_job.train import rundir, run_lock
 from alpa_job.train.checkpoint_files import FILES, latest_complete_step, scan, verify_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def test_a_second_run_into_a_live_out_is_refused_and_a_dead_runs_lock_is_taken_o
                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        lock = out / rundir.LOCK
+        lock = out / run_lock.LOCK
         while not lock.exists() and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.2)
         holder = json.loads(lock.read_text())
@@ -75,19 +75,19 @@ def test_a_second_run_into_a_live_out_is_refused_and_a_dead_runs_lock_is_taken_o
 
 
 def test_stale_locks_are_judged_by_pid_here_and_by_heartbeat_elsewhere(tmp_path, capsys):
-    lock = tmp_path / rundir.LOCK
-    mine = rundir.RunLock.take(str(tmp_path))
+    lock = tmp_path / run_lock.LOCK
+    mine = run_lock.RunLock.take(str(tmp_path))
     try:
         with pytest.raises(Exception, match=rf"in use by another run: host {socket.gethostname()} PID {os.getpid()}"):
-            rundir.RunLock.take(str(tmp_path))  # a live holder (this very process)
+            run_lock.RunLock.take(str(tmp_path))  # a live holder (this very process)
     finally:
         mine.release()
     assert not lock.exists()
 
     gone = dead_pid()
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": gone, "pid_ns": rundir._pid_namespace(),
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": gone, "pid_ns": run_lock._pid_namespace(),
                                 "started": "earlier", "run_id": "x", "heartbeat": time.time()}))
-    taken = rundir.RunLock.take(str(tmp_path))
+    taken = run_lock.RunLock.take(str(tmp_path))
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     taken.release()
     assert f"PID {gone} (started earlier) is not running" in capsys.readouterr().err
@@ -95,7 +95,7 @@ def test_stale_locks_are_judged_by_pid_here_and_by_heartbeat_elsewhere(tmp_path,
     # Another host's run (a shared filesystem): its PID means nothing here, its heartbeat stopped long ago.
     lock.write_text(json.dumps({"host": "other-host", "pid": 1, "started": "earlier", "run_id": "y",
                                 "heartbeat": time.time() - 3600}))
-    taken = rundir.RunLock.take(str(tmp_path))
+    taken = run_lock.RunLock.take(str(tmp_path))
     taken.release()
     assert "host other-host PID 1 (started earlier): no heartbeat for 3600 s" in capsys.readouterr().err
 
@@ -111,7 +111,7 @@ def test_another_runs_reports_are_replaced_only_with_overwrite(tmp_path):
     assert refused.stderr.strip() == (f"error: --out {out} holds another run's report (report.json, train.log); "
                                       "pass --overwrite to replace it, or another --out")
     assert json.loads((out / "report.json").read_text())["steps"] == 7
-    assert not (out / rundir.LOCK).exists()  # a refused run leaves nothing behind
+    assert not (out / run_lock.LOCK).exists()  # a refused run leaves nothing behind
 
 
 # ----------------------------------------------------------------------------- damaged checkpoints
@@ -181,7 +181,7 @@ def test_a_failed_resume_keeps_the_earlier_runs_report(tmp_path):
     assert report["status"] == "failed" and "no checkpoint in" in report["error"] and "restores" in report["error"]
     assert f"report: {out / rundir.FAILED_REPORT} (the earlier run's report.json is kept)" in failed.stderr
     assert "Traceback" not in failed.stderr
-    assert not (out / rundir.LOCK).exists()
+    assert not (out / run_lock.LOCK).exists()
 
 
 # ----------------------------------------------------------------------------- a full disk
