@@ -8,29 +8,24 @@ data; it never formats a report.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
-
-import numpy as np
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from alpa_job import progress, versions
 from alpa_job.train import timing
-from alpa_job.data import EpochPlan, plan_epoch
 from alpa_job.data.pipeline import InputStream, Shard
-from alpa_job.data.sources import RowSource
 from alpa_job.engines.base import Engine
-from alpa_job.errors import Diverged, KitError
-from alpa_job.record.run_record import EvalPoint, InputRecord, ProcessResult
+from alpa_job.errors import KitError
+from alpa_job.record.run_record import ProcessResult
+from alpa_job.train.divergence import check_finite
+from alpa_job.train.evaluate import Evaluator
 from alpa_job.train.rundir import checkpoint_dir
+from alpa_job.train.train_data import TrainData, input_record, prepare_data  # noqa: F401 - callers import them here
 
-
-SAVE_WAIT_S = 60.0  # a diverged run waits this long for a save in flight before naming the last checkpoint
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -40,61 +35,6 @@ def ensure_cpu_devices(count: int) -> None:
     flag = f"--xla_force_host_platform_device_count={count}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
-
-
-# ----------------------------------------------------------------------------- data
-@dataclasses.dataclass
-class TrainData:
-    """The input: the row source, how its epochs split into fixed-shape batches, the eval split."""
-
-    source: RowSource
-    epoch: EpochPlan
-    batch_size: int
-    remainder: str
-    seed: int
-    example: Dict[str, np.ndarray]  # the first global batch: the one shape every step is compiled for
-    threads: int = 2
-    prefetch: int = 4
-    eval_source: Optional[RowSource] = None
-    tokens: bool = False  # token data: evaluations report perplexity too
-
-    def stream(self, total_steps: int, shard: Shard = Shard()) -> InputStream:
-        """This process's batches of the training stream (see alpa_job.data.pipeline)."""
-        return InputStream(self.source, self.epoch, self.batch_size, self.seed, total_steps, shard,
-                           threads=self.threads, prefetch=self.prefetch)
-
-    def first(self, n: int) -> List[Dict[str, np.ndarray]]:
-        whole = self.stream(n)
-        return [whole.local_batch(s) for s in range(n)]
-
-    def eval_stream(self, batches: Optional[int], shard: Shard = Shard()) -> Optional[InputStream]:
-        """The eval split's first `batches` batches (all of it when None), in file order, padded and masked."""
-        if self.eval_source is None:
-            return None
-        rows = len(self.eval_source)
-        available = -(-rows // self.batch_size)
-        steps = min(batches or available, available)
-        plan = plan_epoch(rows, self.batch_size, "pad")
-        return InputStream(self.eval_source, plan, self.batch_size, self.seed, steps, shard, shuffle=False,
-                           threads=self.threads, prefetch=self.prefetch)
-
-
-def prepare_data(config, model=None) -> TrainData:
-    """The dataset and its fixed-shape batches; `model` (a models.ModelSpec) makes synthetic data, decodes
-    records or gives its own dataset."""
-    from alpa_job.data.open import EVAL, TRAIN, open_source
-
-    source = open_source(config, TRAIN, model)
-    epoch = plan_epoch(len(source), config.batch_size, config.remainder)
-    example = InputStream(source, epoch, config.batch_size, config.seed, 1).local_batch(0)
-    if model is not None and model.input_key not in example:
-        fields = ", ".join(sorted(k for k in example if k != "mask"))
-        raise KitError(f"--dataset {config.dataset} gives the field(s) {fields}, and --model {config.model} reads "
-                       f"{model.input_key!r}; give the data that field or change the model's input_field")
-    eval_source = open_source(config, EVAL, model) if getattr(config, "eval_data_path", None) else None
-    return TrainData(source, epoch, config.batch_size, config.remainder, config.seed, example,
-                     threads=config.data_threads, prefetch=config.prefetch, eval_source=eval_source,
-                     tokens=config.dataset == "tokens")
 
 
 def _open_devices_early() -> None:
@@ -271,56 +211,6 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
     return state, 0, None
 
 
-class Evaluator:
-    """The eval split's loss every `--eval-every` steps and at the end (exact: sums over real rows)."""
-
-    def __init__(self, engine: Engine, data: TrainData, config, shard: Shard):
-        self.engine, self.data, self.shard = engine, data, shard
-        self.every = config.eval_every
-        self.batches = config.eval_batches
-        self.points: List[EvalPoint] = []
-
-    @property
-    def active(self) -> bool:
-        return self.data.eval_source is not None
-
-    def due(self, step: int, last: bool) -> bool:
-        return self.active and (last or (self.every and step % self.every == 0))
-
-    def __call__(self, step: int, state: Any) -> Optional[EvalPoint]:
-        stream = self.data.eval_stream(self.batches, self.shard)
-        sums: List[Any] = []
-        batches = 0
-        for batch, _ in stream.batches(0):
-            out = self.engine.eval_sums(state, self.engine.put_batch(batch))
-            if out is None:  # this engine does not evaluate
-                return None
-            sums.extend(out)
-            batches += 1
-        values = self.engine.to_floats(sums)  # one host sync for every eval batch
-        loss = sum(values[0::2]) / max(sum(values[1::2]), 1.0)
-        perplexity = math.exp(min(loss, 700.0)) if self.data.tokens else None
-        point = EvalPoint(step, round(loss, 6), round(perplexity, 4) if perplexity is not None else None, batches)
-        self.points.append(point)
-        return point
-
-
-def input_record(data: TrainData, stream: InputStream, read_before: Tuple[int, int], start_step: int,
-                 total_steps: int, loop_seconds: float) -> InputRecord:
-    """What this process's input did during the loop (the rows and bytes it read itself)."""
-    rows = data.source.rows_read - read_before[0]
-    size = data.source.bytes_read - read_before[1]
-    steps = max(total_steps - start_step, 0)
-    return InputRecord(
-        dataset=data.source.describe(), rows=len(data.source), steps_per_epoch=data.epoch.steps,
-        epochs=round(steps / data.epoch.steps, 4), rows_read=rows, bytes_read=size,
-        bytes_per_s=round(size / loop_seconds, 1) if loop_seconds else None,
-        data_wait_s=round(stream.wait_s, 4),
-        data_wait_per_step_s=round(stream.wait_s / steps, 6) if steps else None,
-        data_wait_fraction=round(stream.wait_s / loop_seconds, 4) if loop_seconds else None,
-        pipeline=stream.pipeline)
-
-
 def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
              checkpointer=None, on_step: Optional[Callable[[int], None]] = None,
              evaluator: Optional[Evaluator] = None, stop=None) -> Tuple[Any, Dict[str, Any]]:
@@ -401,36 +291,6 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s,
                  process_age_at_first_step=process_age, stopped_at=stopped_at)
     return state, stats
-
-
-def check_finite(values: List[float], first_step: int, at_step: int, checkpointer=None,
-                 losses: Optional[List[float]] = None) -> None:
-    """Raise `Diverged` at the first non-finite loss of `values` (the losses of steps first_step, ...),
-    read back at `at_step`: training on would only spend the rest of the run on NaN. `losses`: the run's
-    losses so far, carried to its report."""
-    for offset, value in enumerate(values):
-        if not math.isfinite(value):
-            step = first_step + offset
-            saved = _saved_before(checkpointer, step)
-            where = (f"last good checkpoint: step {saved} in {checkpointer.directory} (--resume continues "
-                     "from it)" if saved is not None else "no checkpoint was saved before it")
-            raise Diverged(f"the loss became {value} at step {step} (seen at step {at_step}, within one "
-                           f"read-back window); {where}; lower --learning-rate or check the data",
-                           step=step, checkpoint_step=saved, losses=losses)
-
-
-def _saved_before(checkpointer, step: int) -> Optional[int]:
-    """The newest complete checkpoint before `step` (None: none). The loop checks the losses before every
-    save, so none at or after the diverged step exists; a save still in flight is waited for (bounded)."""
-    if checkpointer is None:
-        return None
-    from alpa_job.train.checkpoint_files import latest_complete_step
-
-    waiter = threading.Thread(target=checkpointer.manager.wait_until_finished, daemon=True)
-    waiter.start()
-    waiter.join(SAVE_WAIT_S)
-    saved = latest_complete_step(checkpointer.directory)
-    return saved if saved is not None and saved < step else None
 
 
 def save_at_stop(config, checkpointer, step: int, state: Any, stream: InputStream):
