@@ -15,3 +15,20 @@ def tiny_config(model: str = "mlp", **overrides) -> JobConfig:
                 learning_rate=3e-3, out="/tmp/alpa-job-test", **TINY[model])
     base.update(overrides)
     return JobConfig(**base).validated()
+
+
+def signal_at_step(proc, step: int, sig: int, timeout: float = 120) -> str:
+    """Send `sig` to a training subprocess (stderr piped, text, `--progress-every 1`) once it prints step
+    `step`; returns all it printed on stderr. The process is killed if it outlives `timeout`."""
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith(f"[train] step {step}/"):
+                proc.send_signal(sig)
+                break
+        rest = proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return "".join(seen) + (rest or "")

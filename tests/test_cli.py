@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers_report import assert_valid_report
+from helpers_train import signal_at_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -315,18 +316,7 @@ def test_interrupted_run_still_writes_its_report(tmp_path):
                              "--progress-every", "1", "--out", str(out)],
                             cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"))
-    seen = []
-    try:
-        for line in proc.stderr:
-            seen.append(line)
-            if line.startswith("[train] step 5/"):
-                proc.send_signal(signal.SIGINT)
-                break
-        rest = proc.communicate(timeout=120)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stderr = "".join(seen) + rest
+    stderr = signal_at_step(proc, 5, signal.SIGINT)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert [l for l in stderr.splitlines() if l.startswith("error:")] == [

@@ -21,7 +21,7 @@ from alpa_job.launch.runner import run_in_process
 from alpa_job.train.checkpoint_files import latest_complete_step
 from alpa_job.train.stop import StopPoint, agree
 from helpers_report import assert_valid_report
-from helpers_train import tiny_config
+from helpers_train import signal_at_step, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200
@@ -43,18 +43,7 @@ def test_sigterm_saves_the_step_reached_and_resume_auto_continues_with_the_same_
     # First start: --resume auto on an empty --out starts fresh; no --checkpoint-every multiple is reached.
     proc = _cli("--resume", "auto", "--checkpoint-every", "1000", "--progress-every", "1", "--out", str(out),
                 cwd=tmp_path)
-    seen = []
-    try:
-        for line in proc.stderr:
-            seen.append(line)
-            if line.startswith("[train] step 5/"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        rest = proc.communicate(timeout=120)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stderr = "".join(seen) + rest
+    stderr = signal_at_step(proc, 5, signal.SIGTERM)
     assert proc.returncode == EXIT_PREEMPTED == 75, stderr[-3000:]
     assert "--resume auto: no complete checkpoint" in stderr and "starting fresh" in stderr
     assert "Traceback" not in stderr
