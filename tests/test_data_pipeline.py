@@ -269,3 +269,24 @@ def test_a_model_package_decodes_its_records_and_gives_its_own_grain_dataset(tmp
     assert by_records.input.rows == by_dataset.input.rows == 64
     assert by_records.losses == pytest.approx(by_dataset.losses, rel=1e-6)  # the same rows, the same order
     assert by_dataset.input.dataset.startswith("own_input:build dataset")
+
+
+def test_without_grain_the_same_batches_come_from_the_plain_iterator(tmp_path, monkeypatch):
+    """The Alpa image's Python 3.9 has no Grain: the stream falls back to a plain iterator with the same
+    batches, the same resume position and `pipeline: in-memory`."""
+    from alpa_job.data import pipeline
+
+    source = TokenWindows([_token_file(tmp_path / "t.bin")], "uint16", 17)
+    epoch = plan_epoch(len(source), 16, "pad")
+    with_grain = InputStream(source, epoch, 16, 5, 30)
+    assert with_grain.pipeline == "grain"
+    expected = _all_batches(with_grain, start=4)
+    monkeypatch.setattr(pipeline, "_grain", lambda: None)
+    plain = InputStream(source, epoch, 16, 5, 30)
+    assert plain.pipeline == "in-memory"
+    got = _all_batches(plain, start=4)
+    assert len(got) == len(expected) == 26
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+        np.testing.assert_array_equal(a["mask"], b["mask"])
+    assert plain.state(9)["grain"] == {"next_index": 9}
