@@ -51,6 +51,7 @@ def test_sigterm_saves_the_step_reached_and_resume_auto_continues_with_the_same_
     assert_valid_report(report)
     stop = report["stopped_at_step"]
     assert report["status"] == "preempted" and 5 <= stop < STEPS and report["steps"] == stop
+    assert [p["stopped_at_step"] for p in report["processes"]] == [stop]
     assert f"at step {stop}" in report["error"] and "--resume auto" in report["error"]
     assert [l for l in stderr.splitlines() if l.startswith("preempted (SIGTERM) at step")], stderr[-2000:]
     assert latest_complete_step(str(out / "checkpoints")) == stop  # saved although not a multiple of 1000

@@ -147,6 +147,9 @@ class ProcessInfo:
     # This process's share of the input: each process reads only its own rows of every global batch.
     rows_read: Optional[int] = None
     bytes_read: Optional[int] = None
+    # Preempted: the step this process stopped at (the run's stopped_at_step is process 0's; each one's own
+    # shows that none trained past the agreed step).
+    stopped_at_step: Optional[int] = None
 
 
 @dataclasses.dataclass

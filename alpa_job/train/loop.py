@@ -164,6 +164,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     result.evals = evaluator.points
     result.notes = notes
     result.stopped_at_step = stopped_at
+    result.process.stopped_at_step = stopped_at
     result.input = input_record(data, stream, read_before, start_step, total_steps, stats["loop_seconds"])
     result.process.rows_read, result.process.bytes_read = result.input.rows_read, result.input.bytes_read
     result.timing = timing.summary(
