@@ -20,13 +20,20 @@ ARGS = ("--model", "mlp", "--hidden-dim", "32", "--num-samples", "96", "--batch-
 
 
 def _damage_checkpoints(out: str) -> int:
-    """Overwrite every file of every saved step with garbage; returns how many files were damaged."""
+    """Damage every saved step so that only a restore finds it (the array data emptied, the sealed file list
+    removed: the driver's check before Ray passes, each process's restore then fails); returns how many
+    array files were damaged."""
+    from alpa_job.train.checkpoint_files import FILES
+
     damaged = 0
     for root, _dirs, files in os.walk(os.path.join(out, "checkpoints")):
-        for name in files:
-            with open(os.path.join(root, name), "wb") as f:
-                f.write(b"not a checkpoint")
-            damaged += 1
+        if FILES in files:
+            os.remove(os.path.join(root, FILES))
+        if os.sep + "state" + os.sep in root + os.sep and os.path.basename(root) == "d":
+            for name in files:
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.truncate(0)
+                damaged += 1
     return damaged
 
 
@@ -55,6 +62,8 @@ def test_failed_cluster_run_collects_every_nodes_logs_and_says_where(ray_cluster
     assert len(node_dirs) == len(ray_cluster.node_ips), node_dirs  # every node, not just the head
     assert any(name.startswith("raylet") for name in collected), collected
     assert any(name.startswith("worker-") for name in collected), collected  # where the traceback is
-    report = json.load(open(os.path.join(out, "report.json")))
+    # A resume that trained nothing keeps the earlier run's report and writes its own beside it.
+    assert json.load(open(os.path.join(out, "report.json")))["status"] == "ok"
+    report = json.load(open(os.path.join(out, "report.failed.json")))
     assert report["status"] == "failed" and report["error"]
     shutil.rmtree(out, ignore_errors=True)  # kept only when the test fails, to read
