@@ -69,7 +69,7 @@ class InputStream:
         self.threads, self.prefetch = threads, prefetch
         self._orders: Dict[int, np.ndarray] = {}
         self._orders_lock = threading.Lock()
-        self._iterator: Any = None
+        self._row_shapes: Optional[Dict[str, tuple]] = None  # an all-padding slice's field shapes, read once
         self.pipeline = "grain" if _grain() is not None else "in-memory"
         self.wait_s = 0.0
 
@@ -112,9 +112,9 @@ class InputStream:
             return self._orders[epoch]
 
     def _row_spec(self) -> Dict[str, tuple]:
-        if not hasattr(self, "_spec_cache"):
-            self._spec_cache = self.source.row_spec()
-        return self._spec_cache
+        if self._row_shapes is None:
+            self._row_shapes = self.source.row_spec()
+        return self._row_shapes
 
     # ----- the stream ---------------------------------------------------------------------------
     def batches(self, start_step: int = 0) -> Iterator[Tuple[Dict[str, np.ndarray], int]]:
@@ -126,9 +126,8 @@ class InputStream:
         else:
             dataset = grain.MapDataset.range(self.total_steps).map(self.local_batch)
             options = grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.prefetch)
-            self._iterator = iter(dataset.to_iter_dataset(options))
-            self._iterator.set_state({"next_index": start_step})
-            source = self._iterator
+            source = iter(dataset.to_iter_dataset(options))
+            source.set_state({"next_index": start_step})
         step = start_step
         while step < self.total_steps:
             waited = time.perf_counter()
@@ -138,14 +137,10 @@ class InputStream:
             step += 1
 
     def state(self, next_step: int) -> Dict[str, Any]:
-        """The stream's checkpointable state at global step `next_step` (the same on every process)."""
-        position = {"next_index": next_step}
-        if self._iterator is not None:
-            position = self._iterator.get_state()
-            # Grain's position counts batches handed out; the loop may have taken one more than it
-            # has stepped (a checkpoint is written after the step that consumed it): the step wins.
-            position = {**position, "next_index": next_step}
-        return {"grain": position, "stream": self.spec.fingerprint()}
+        """The stream's checkpointable state at global step `next_step` (the same on every process): Grain's
+        iterator position over global steps is the step itself, so it is written from the step, not read
+        from an iterator that may have handed out a prefetched batch more than the loop has stepped."""
+        return {"grain": {"next_index": next_step}, "stream": self.spec.fingerprint()}
 
     def check_state(self, saved: Optional[Dict[str, Any]], step: int) -> None:
         """Refuse to resume a stream over other data than the checkpoint's: the batches would differ."""

@@ -41,7 +41,8 @@ from alpa_job import progress, shutdown
 from alpa_job.errors import EXIT_PROCESS_LOST, KitError
 from alpa_job.train.checkpoint_files import (FILES, TMP_MARK, Skipped, folder_bytes, latest_complete_step, scan,
                                              seal, set_aside, step_folders)
-from alpa_job.train.disk_full import _QUIET, _REPORTED, _fmt_bytes, _install_unraisable_hook, is_disk_full
+from alpa_job.train.disk_full import _QUIET, _REPORTED, _install_unraisable_hook, is_disk_full
+from alpa_job.units import human_bytes
 
 FINISH_TIMEOUT_S = 600.0  # the end of a run waits this long for its last save (orbax's own async timeout)
 ABANDON_TIMEOUT_S = 20.0  # a failed run waits this long for a save in flight (a newer checkpoint to resume)
@@ -192,7 +193,7 @@ class Checkpointer:
         what = "the last save's size" if self.last_save_bytes else "the train state's size"
         latest = latest_complete_step(self.directory)
         kept = f"step {latest} stays the latest complete checkpoint" if latest is not None else "no checkpoint is kept"
-        needs = f"a save needs about {need} bytes ({_fmt_bytes(need)}, {what})" if need else "a save did not fit"
+        needs = f"a save needs about {need} bytes ({human_bytes(need)}, {what})" if need else "a save did not fit"
         has = f", {free} bytes free" if free is not None else ""
         removed = "the partial save was removed" if started else "the save was not started"
         return (f"checkpoint at step {step}: no space left in {self.directory}{has}; {needs}; {removed} "

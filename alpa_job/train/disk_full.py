@@ -69,11 +69,3 @@ def _install_unraisable_hook() -> None:
 
     hook._alpa_job_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
