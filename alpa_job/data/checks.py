@@ -52,7 +52,6 @@ def _check_split(config, split: str) -> None:
 def _check_tokens(config, split: str) -> None:
     from alpa_job.data.tokens import TokenWindows, expand_paths
 
-    _check_fields(config, {"tokens"}, split)
     window = token_window(config)
     source = TokenWindows(expand_paths(split_path(config, split), path_flag(split)), config.token_dtype, window)
     if len(source) < config.batch_size and split == TRAIN:

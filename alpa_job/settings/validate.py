@@ -92,9 +92,9 @@ def check_data(config: JobConfig, engine: str = "jax") -> None:
     from alpa_job.data.checks import check_input
     from alpa_job.models import check_data_fits, is_built_in
 
-    check_input(config, engine)
-    if is_built_in(config.model):
+    if is_built_in(config.model):  # a brought model was matched against the dataset when it was built
         check_data_fits(config, config.model)
+    check_input(config, engine)
     if config.dataset not in ("cifar10", "synthetic"):
         return
     if config.dataset == "cifar10":
