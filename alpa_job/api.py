@@ -45,21 +45,27 @@ names (GPT's convention: the model reads tokens[:, :-1] and predicts tokens[:, 1
 
 Sharding: parameters name *logical* axes with `logical(initializer, axes)`, using the names below;
 the strategies' rules map them to the device mesh (`data` needs none; `fsdp` and `tensor` need every
-large parameter to carry them).
+large parameter to carry them). Activations may name theirs too, with `constrain(x, axes)` where a
+layer's output leaves it (e.g. `constrain(x, (BATCH, SEQ, EMBED))` after each block): the engine pins
+them to the strategy's layout there (rows over the data axis; under `tensor`, the MLP's and
+attention's inner widths over the model axis), so XLA moves
+parameters to the activations instead of resharding activations between layers. Without a
+strategy engine around it (the Alpa engine, plain `apply`) `constrain` returns `x` unchanged.
 
 `API_VERSION` is recorded in every run's report (`versions["alpa_job_api"]`). Importing this module
 imports no jax: the kit reads a builder's declaration before it starts anything.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
 
-API_VERSION = "1.1"
+API_VERSION = "1.2"
 
-__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "logical", "mse", "cross_entropy", "Setting",
+__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "logical", "constrain", "mse", "cross_entropy", "Setting",
            "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
            "BATCH", "EMBED", "MLP", "HEADS", "KV", "VOCAB", "CHANNELS", "CONV_IN", "SEQ"]
 
@@ -83,6 +89,19 @@ def logical(init: Callable, axes: Tuple[Optional[str], ...]) -> Callable:
 
     with_partitioning = getattr(nn, "with_logical_partitioning", None)
     return init if with_partitioning is None else with_partitioning(init, axes)
+
+
+# Set by an engine while it traces a step: (activation, axes) -> the activation pinned to the
+# strategy's layout. A context variable, so tracing on another thread (a concurrent compile) sees its own.
+_ACTIVATION_LAYOUT: "contextvars.ContextVar[Optional[Callable[[Any, Tuple[Optional[str], ...]], Any]]]" = \
+    contextvars.ContextVar("alpa_job_activation_layout", default=None)
+
+
+def constrain(x, axes: Tuple[Optional[str], ...]):
+    """Name an activation's logical axes (one per dimension, None for one never split), so the
+    engine's strategy can pin its layout there; unchanged outside an engine's step."""
+    layout = _ACTIVATION_LAYOUT.get()
+    return x if layout is None else layout(x, tuple(axes))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import gpu_peer  # noqa: E402
-from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_case, gpt_flops, kit_loop, save_result  # noqa: E402
+from gpu_common import (GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_case, gpt_flops, kit_loop, park,  # noqa: E402
+                        save_result, unpark)
 
 CASES = GPT_CASES
 LABELS = {"gpt12": "GPT 12L d1024 h16 B16 S1024 V32768 bf16", "gpt24": "GPT 24L d2048 h16 B8 S1024 V32768 bf16",
@@ -54,6 +55,19 @@ def einsum_loop(config, model, batch):
     return Loop("einsum", *gpu_peer.jit_run(step, params, tx.init(params), jax.device_put(batch)))
 
 
+def trace_loops(loops, prefix: str, parked: bool) -> None:
+    """3 steps of each loop under the profiler, one trace folder per loop (after the timing: not timed)."""
+    for loop in loops:
+        if parked:
+            unpark(loop.holder, loop.sharding)
+        loop.run(1)  # warm after the move
+        jax.profiler.start_trace(f"{prefix}-{loop.name}", create_perfetto_trace=True)
+        loop.run(3)
+        jax.profiler.stop_trace()
+        if parked:
+            park(loop.holder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="gpt12,gpt24")
@@ -62,6 +76,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_H100, help="bf16 dense peak for MFU")
     parser.add_argument("--no-park", action="store_true", help="keep every loop's state on the device")
+    parser.add_argument("--trace", default=None, help="folder: a profiler trace of 3 steps of each loop, "
+                        "to compare their kernels (the trace of a loop lands in DIR/CASE-LOOP)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args()
     extras = {e.split(":")[0]: e.split(":")[1] for e in args.extras.split(",") if e}
@@ -84,6 +100,8 @@ def main() -> None:
             loops.append(einsum_loop(config, model, batch))
         print(f"# {name}: peer built in {t1 - t0:.1f}s, kit compile+init {t2 - t1:.1f}s", flush=True)
         medians = alternate(loops, args.steps, args.repeats, parked=not args.no_park)
+        if args.trace:
+            trace_loops(loops, os.path.join(args.trace, name), parked=not args.no_park)
         flops = gpt_flops(n_params, config.batch_size, config.seq_len, config.num_layers, config.d_model)
         peer_mem = peer_compiled.memory_analysis()
         row = {"case": name, "label": LABELS[name], "params": n_params, "flops_per_step": flops,

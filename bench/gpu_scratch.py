@@ -37,7 +37,7 @@ def kit(config, model, batch, donate: bool):
 
 def peer(config, model, batch, donate: bool):
     params = jax.eval_shape(lambda: gpu_peer.init_params(jax.random.PRNGKey(0), config.num_layers, config.d_model,
-                                                         config.vocab_size, config.seq_len))
+                                                         config.vocab_size, config.seq_len, config.num_heads))
     tx = optax.adam(1e-4)
     opt_state = jax.eval_shape(tx.init, params)
     jitted = jax.jit(gpu_peer.train_step(tx, config.num_heads), donate_argnums=(0, 1) if donate else ())

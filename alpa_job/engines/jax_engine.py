@@ -22,7 +22,9 @@ from alpa_job.engines import compile_cache, flops, memory_fit, model_checks
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
-from alpa_job.engines.sharding_rules import MESH_AXES, STRATEGY_RULES, batch_mesh_axis
+from alpa_job import api
+from alpa_job.engines.sharding_rules import (ACTIVATION_RULES, MAJOR_DIMENSION_FIRST, MESH_AXES, STRATEGY_RULES,
+                                            batch_mesh_axis)
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
@@ -54,6 +56,7 @@ class JaxEngine(Engine):
         self.config, self.model = config, model
         self.mesh = make_mesh(mesh_shape)
         self.rules = STRATEGY_RULES[strategy]
+        self.activation_rules = ACTIVATION_RULES.get(strategy, ACTIVATION_RULES["data"])
         # Before anything compiles: a second identical run loads the executables (compile_cache.py).
         self.stats.compile_cache_dir = compile_cache.enable(
             compile_cache.resolve(getattr(config, "compile_cache", None)))
@@ -70,7 +73,8 @@ class JaxEngine(Engine):
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
         self.state_sharding = jax.tree_util.tree_map(
-            lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(logical, leaf.shape, self.rules, self.mesh)),
+            lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(logical, leaf.shape, self.rules, self.mesh,
+                                                                        strategy in MAJOR_DIMENSION_FIRST)),
             self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
@@ -173,7 +177,8 @@ class JaxEngine(Engine):
                              in_shardings=(self.state_sharding, self.batch_sharding),
                              out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
                              donate_argnums=(0,))
-            lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
+            with self.activation_layout():
+                lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
             with compile_cache.writes_skipped() if store else contextlib.nullcontext():
                 self._compiled = lowered.compile()
             # Steps go through `jitted`: its C++ dispatch path costs less per call than calling the
@@ -241,7 +246,22 @@ class JaxEngine(Engine):
         if getattr(self, "_eval_jitted", None) is None:
             model = self.model
             self._eval_jitted = jax.jit(lambda st, b: model.eval_sums(st.params, st.batch_stats, b))
-        return self._eval_jitted(state, batch)
+        with self.activation_layout():  # traced on the first call
+            return self._eval_jitted(state, batch)
+
+    @contextlib.contextmanager
+    def activation_layout(self):
+        """While tracing: activations a model names with api.constrain are pinned to this strategy's
+        layout (sharding_rules.ACTIVATION_RULES), resolved like the parameters' (resolve_spec)."""
+        def pin(x, axes):
+            spec = resolve_spec(PartitionSpec(*axes), x.shape, self.activation_rules, self.mesh)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        token = api._ACTIVATION_LAYOUT.set(pin)
+        try:
+            yield
+        finally:
+            api._ACTIVATION_LAYOUT.reset(token)
 
     def step(self, state: TrainState, batch: Dict[str, jax.Array]):
         if self._compiled is None:
@@ -306,18 +326,22 @@ def _named(fn: Callable, name: str) -> Callable:
     return step
 
 
-def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Mesh) -> PartitionSpec:
+def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Mesh,
+                 major_first: bool = False) -> PartitionSpec:
     """Map a leaf's logical axis names to mesh axes: rules in order, each mesh axis used once,
     and only where the dimension divides evenly (a dim no mesh size divides stays whole, e.g.
-    10 classes or 4 heads on 8 devices) - so every strategy compiles for every model."""
+    10 classes or 4 heads on 8 devices) - so every strategy compiles for every model.
+    `major_first`: a mesh axis goes to the outermost dimension any of its rules names
+    (sharding_rules.MAJOR_DIMENSION_FIRST says why), not to the earliest rule's."""
     names = list(logical) + [None] * (len(shape) - len(logical))
     assigned: list = [None] * len(shape)
     used = set()
     for logical_name, mesh_axis in rules:
         if mesh_axis in used or mesh.shape[mesh_axis] == 1:
             continue
+        wanted = {n for n, axis in rules if axis == mesh_axis} if major_first else {logical_name}
         for dim, name in enumerate(names):
-            if name == logical_name and assigned[dim] is None and shape[dim] % mesh.shape[mesh_axis] == 0:
+            if name in wanted and assigned[dim] is None and shape[dim] % mesh.shape[mesh_axis] == 0:
                 assigned[dim] = mesh_axis
                 used.add(mesh_axis)
                 break

@@ -27,6 +27,27 @@ STRATEGY_RULES: Dict[str, LogicalRules] = {
 }
 
 
+# Activations (named by models with api.constrain): rows always over "data", and under `tensor`
+# the MLP's and attention's inner widths over "model" (Megatron: one all-reduce after each half of
+# a block). The sequence stays whole between blocks: splitting it there too (sequence parallelism)
+# turns each all-reduce into a reduce-scatter and an all-gather of the same bytes, which XLA could
+# not hide behind the matmuls either, and it measured slower on two GPUs. No strategy splits an
+# activation's model width: under `fsdp` that is what makes XLA gather each layer's parameters
+# rather than reshard the activations to match the split parameters.
+ACTIVATION_RULES: Dict[str, LogicalRules] = {
+    "data": [(BATCH, "data")],
+    "fsdp": [(BATCH, "data")],
+    "tensor": [(BATCH, "data"), (MLP, "model"), (HEADS, "model"), (VOCAB, "model")],
+}
+
+
+# Strategies that split a parameter's first (outermost) dimension among those their rules name,
+# rather than the one named by the earliest rule: FSDP gathers every parameter before its use and
+# reduce-scatters its gradient after, and along the outermost dimension both are contiguous copies;
+# along an inner one XLA transposes each parameter and gradient around the collective.
+MAJOR_DIMENSION_FIRST = frozenset({"fsdp"})
+
+
 def batch_mesh_axis(rules: LogicalRules) -> str:
     """The mesh axis a strategy splits the batch's rows over: its rule for the logical `batch` axis."""
     axis = next((mesh_axis for logical_name, mesh_axis in rules if logical_name == BATCH), None)

@@ -10,7 +10,7 @@ import numpy as np
 
 from alpa_job import api
 from alpa_job.models.gpt_settings import INPUT_FIELD
-from alpa_job.api import EMBED, HEADS, KV, MLP, SEQ, VOCAB, RepeatedBlocks, cross_entropy, logical
+from alpa_job.api import BATCH, EMBED, HEADS, KV, MLP, SEQ, VOCAB, RepeatedBlocks, constrain, cross_entropy, logical
 
 _normal = nn.initializers.normal(stddev=0.02)
 
@@ -59,8 +59,9 @@ class CausalSelfAttention(nn.Module):
             kernel_init=logical(_normal, (EMBED, None, HEADS, KV)),
             bias_init=logical(nn.initializers.zeros, (None, HEADS, KV)),
         )(x)
+        qkv = constrain(qkv, (BATCH, None, None, HEADS, KV))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        out = causal_attention(q, k, v, self.attention)
+        out = constrain(causal_attention(q, k, v, self.attention), (BATCH, None, HEADS, KV))
         return nn.DenseGeneral(
             d_model, axis=(-2, -1), dtype=self.dtype, name="out",
             kernel_init=logical(_normal, (HEADS, KV, EMBED)),
@@ -75,14 +76,16 @@ class DecoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention)(_layer_norm(self.dtype)(x))
+        x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention)(
+            constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         d_model = x.shape[-1]
         y = nn.Dense(4 * d_model, dtype=self.dtype, kernel_init=logical(_normal, (EMBED, MLP)),
-                     bias_init=logical(nn.initializers.zeros, (MLP,)))(_layer_norm(self.dtype)(x))
-        y = nn.gelu(y)
+                     bias_init=logical(nn.initializers.zeros, (MLP,)))(
+            constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
+        y = nn.gelu(constrain(y, (BATCH, SEQ, MLP)))
         y = nn.Dense(d_model, dtype=self.dtype, kernel_init=logical(_normal, (MLP, EMBED)),
                      bias_init=logical(nn.initializers.zeros, (EMBED,)))(y)
-        return x + y
+        return constrain(x + y, (BATCH, SEQ, EMBED))
 
 
 class GPT(nn.Module):
@@ -99,11 +102,11 @@ class GPT(nn.Module):
         embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=logical(_normal, (VOCAB, EMBED)),
                          name="wte")
         pos = self.param("wpe", logical(_normal, (SEQ, EMBED)), (self.seq_len, self.d_model))
-        x = (embed(tokens) + pos[: tokens.shape[1]]).astype(self.dtype)
+        x = constrain((embed(tokens) + pos[: tokens.shape[1]]).astype(self.dtype), (BATCH, SEQ, EMBED))
         for _ in range(self.num_layers):
             x = DecoderBlock(self.num_heads, self.dtype, self.attention)(x)
         x = _layer_norm(self.dtype)(x)
-        return tied_logits(x, embed.embedding, self.dtype)
+        return constrain(tied_logits(x, embed.embedding, self.dtype), (BATCH, SEQ, VOCAB))
 
 
 def tied_logits(x, embedding, dtype):

@@ -110,6 +110,9 @@ OUTPUT_AND_RESTARTS = (
     Setting("restart_wait", float, 0.0, "seconds a restart waits for a replacement node to join", OUTPUT,
             check=NON_NEGATIVE, metavar="S", default_help="0, go on with the survivors", decides_step=False),
     # The watchdog (launch/worker_group.py): alive but silent is a loss too, named and torn down.
+    Setting("profile", Optional[str], None, "jax engine: a JAX profiler trace of steps START..START+COUNT-1 in "
+            "OUT/profile (TensorBoard/XProf, Perfetto), and their communication share in the report", OUTPUT,
+            metavar="START:COUNT", decides_step=False),
     Setting("hang_timeout", float, 300.0, "jax engine on Ray: a process whose step has not advanced for S seconds "
             "is named as hung and the job torn down (restarted with --max-restarts); before its first step "
             "(start, compile, restore) it has 3 x S; 0 turns the watchdog off", OUTPUT, check=NON_NEGATIVE,

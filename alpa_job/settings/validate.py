@@ -11,7 +11,7 @@ runs right after the join with the alive nodes, before any actor starts.
 from __future__ import annotations
 
 import os
-from typing import Any, FrozenSet, Iterable, List, Optional
+from typing import Any, FrozenSet, Iterable, List, Optional, Tuple
 
 from alpa_job.data import cifar10_batch_files
 from alpa_job.data.open import FILE_DATASETS
@@ -205,6 +205,17 @@ def check_emulated_devices(devices: int, cores: int, where: str = "this host") -
                        "or GPUs")
 
 
+def parse_profile(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """'START:COUNT' -> (start, count): trace steps start..start+count-1 (global steps, 1 is the first)."""
+    if text is None:
+        return None
+    start, sep, count = str(text).partition(":")
+    if not sep or not start.strip().isdigit() or not count.strip().isdigit() or int(count) < 1 or int(start) < 1:
+        raise KitError(f"--profile {text!r} is not START:COUNT; give the first step to trace (1 or more) and how "
+                       "many, e.g. --profile 10:3 (start after the first steps: they are compile and warm-up)")
+    return int(start), int(count)
+
+
 def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[str] = ()) -> Optional[int]:
     """Every check the config allows, before Ray; returns the planned device count (None: the cluster's)."""
     check_inert(config, engine, given_fields(config, explicit), address)
@@ -217,6 +228,9 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
         if config.batch_size % config.micro_batches:
             raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches "
                            f"{config.micro_batches}; use a multiple of {config.micro_batches}")
+    parse_profile(config.profile)
+    if config.profile and engine == "alpa":
+        raise KitError("--profile traces the jax engine's steps; Alpa has its own (ALPA_PROF); drop it or use --engine jax")
     check_data(config, engine)
     devices = planned_devices(config, engine, address)
     if devices is not None:

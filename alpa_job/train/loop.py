@@ -23,6 +23,7 @@ from alpa_job.errors import KitError
 from alpa_job.record.run_record import ProcessResult
 from alpa_job.train.divergence import check_finite
 from alpa_job.train.evaluate import Evaluator
+from alpa_job.train.profile import StepProfile
 from alpa_job.train.rundir import checkpoint_dir
 from alpa_job.train.train_data import TrainData, input_record, prepare_data  # noqa: F401 - callers import them here
 
@@ -142,13 +143,14 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     compiles_since = engine.watch_compiles()
     try:
         state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
-                                evaluator=evaluator, stop=stop)
+                                evaluator=evaluator, stop=stop, config=config)
     except BaseException:
         if checkpointer is not None:
             checkpointer.abandon()  # bounded; a save that cannot finish never holds the failing run
         raise
     loop_compiles = compiles_since()
     stopped_at = stats.pop("stopped_at")
+    profiled = stats.pop("profile")
     if stopped_at is not None:
         checkpointer = save_at_stop(config, checkpointer, stopped_at, state, stream)
     if checkpointer is not None:
@@ -172,6 +174,8 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         result.devices.count or 1, engine.peak_memory_bytes(),
         (engine.stats.memory or {}).get("peak_estimate_bytes"))
     result.timing["compile_cache"] = engine.stats.cache_report()
+    if profiled is not None:
+        result.timing["profile"] = profiled
     if config.out:
         engine.finish(config.out)
     if return_state:
@@ -214,7 +218,7 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
 
 def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
              checkpointer=None, on_step: Optional[Callable[[int], None]] = None,
-             evaluator: Optional[Evaluator] = None, stop=None) -> Tuple[Any, Dict[str, Any]]:
+             evaluator: Optional[Evaluator] = None, stop=None, config=None) -> Tuple[Any, Dict[str, Any]]:
     """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches; returns
     (final state, loop statistics).
 
@@ -242,8 +246,13 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
         return values
     stopped_at = None
 
+    profile = StepProfile.from_config(config) if config is not None else None
     for batch, real in stream.batches(start_step):
+        if profile is not None:
+            profile.before_step(global_step + 1)
         state, loss = engine.step(state, engine.put_batch(batch))
+        if profile is not None:
+            profile.after_step(global_step + 1, engine, state)
         pending.append(loss)
         global_step += 1
         steps += 1
@@ -283,6 +292,8 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             stopped_at = global_step
             break
     read_back(len(pending))
+    if profile is not None:
+        profile.stop(engine, state)  # a run that ended (or stopped) inside the traced steps
     if first_done is not None and steps - mark_step == window:  # the last window ends with the run
         window_step_s.append((time.perf_counter() - mark) / window)
     engine.wait(state)
@@ -290,7 +301,8 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     bar.close()
     stats = loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
     stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s,
-                 process_age_at_first_step=process_age, stopped_at=stopped_at)
+                 process_age_at_first_step=process_age, stopped_at=stopped_at,
+                 profile=profile.summary() if profile is not None else None)
     return state, stats
 
 
