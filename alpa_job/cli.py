@@ -130,6 +130,8 @@ def _inspect_parser(sub) -> None:
                    help="table (terminal), json, md or html (default: table)")
     p.add_argument("--output", metavar="FILE", help="html/md: file to write (default: PATH/report.html, "
                                                     "compare.html for --compare, stdout for md)")
+    p.add_argument("--all-rows", action="store_true", help="table: every parameter/state leaf (default: at most "
+                                                             "60 rows, leaves grouped across layers and experts)")
 
 
 def _doctor_parser(sub) -> None:
@@ -299,7 +301,7 @@ def _inspect(args) -> int:
         raise KitError("inspect needs a run directory, an Alpa dump folder, or --compare RUN RUN")
     record = load_any(args.path)
     here = args.path if os.path.isdir(args.path) else os.path.dirname(args.path)
-    return _emit(args, {"json": lambda: report_json(record), "table": lambda: render.to_table(record),
+    return _emit(args, {"json": lambda: report_json(record), "table": lambda: render.to_table(record, all_rows=args.all_rows),
                         "md": lambda: render.to_markdown(record), "html": lambda: render.to_html(record)},
                  html_target=os.path.join(here, "report.html"))
 

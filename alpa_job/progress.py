@@ -132,8 +132,7 @@ class Display:
         if not self.tty or self.verbosity <= QUIET:
             return
         try:
-            from rich.progress import (BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
         except ImportError:
             return
         self.stop_bar()
@@ -141,11 +140,12 @@ class Display:
             TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eval]}"),
             TextColumn("{task.fields[rate]} samples/s"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
+            # the ETA the training process computed (rich's own would time the events' arrival on the driver)
+            TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"), transient=False,
             console=_rich_console(self.stream))
         self._rich.start()
         self._task = self._rich.add_task(event.get("desc", "train"), total=event.get("total"), loss="-", rate="-",
-                                         eval="", completed=0)
+                                         eval="", eta="-", completed=0)
 
     def stop_bar(self) -> None:
         """End the progress bar (the lines after it print below it); nothing when there is none."""
@@ -163,7 +163,8 @@ class Display:
         if self._rich is not None:
             self._rich.update(self._task, completed=event.get("done", 0),
                               loss="-" if loss is None else f"{loss:.4g}", eval=format_eval(event),
-                              rate="-" if rate is None else f"{rate:,.0f}")
+                              rate="-" if rate is None else f"{rate:,.0f}",
+                              eta="-" if event.get("eta") is None else _duration(event["eta"]))
         every = self.every or max(1, (self.total or 10) // 10)
         due = event.get("done", 0) % every == 0 or event.get("last")
         if due:  # formatted only when shown: in-process runs call this every training step
@@ -381,8 +382,15 @@ class Progress:
             self._shown_loss = _to_float(loss)
         self._prev_loss = loss
         elapsed = now - self.start
-        rate = self.samples / elapsed if self.samples and elapsed > 0 else None
-        eta = (self.total - self.n) * elapsed / self.n if self.total and self.n else None
+        step_s = postfix.get("step_s")
+        if step_s:
+            # The loop's steady-state step time (the median of its timed windows, the report's measure),
+            # measured where the steps run: the first step and the evals are not counted as steps.
+            rate = self.samples / self.n / step_s if self.samples else None
+            eta = (self.total - self.n) * step_s if self.total else None
+        else:  # before the first timed window (or a caller that times nothing): the run so far
+            rate = self.samples / elapsed if self.samples and elapsed > 0 else None
+            eta = (self.total - self.n) * elapsed / self.n if self.total and self.n else None
         emit("step", desc=self.desc, done=self.n, total=self.total, step=self.first + self.n,
              total_step=self.first + (self.total or 0), loss=self._shown_loss, rate=rate, eta=eta, last=last,
              epoch=postfix.get("epoch"), **self._eval)

@@ -311,6 +311,47 @@ def test_logs_through_rays_log_api(ray_cluster, tmp_path):
         assert not [w for w in (out / host).glob("worker-*.out") if w.name not in got]
 
 
+def test_logs_and_status_on_the_head_need_no_inventory(ray_cluster, tmp_path):
+    """With Ray up, `cluster logs|status --address HEAD:GCS` on the head, and no inventory at the default path:
+    Ray's node list names the hosts. With nothing answering there: one line naming --inventory, exit 2, fast."""
+    from alpa_job.cluster.control.inventory import DEFAULT_INVENTORY
+
+    if Path(DEFAULT_INVENTORY).exists():
+        pytest.skip("this checkout has an inventory at %s: the commands would read it" % DEFAULT_INVENTORY)
+    bed, ips = ray_cluster.testbed, ray_cluster.node_ips
+    env = {"ALPA_KIT_CLUSTER_SPEC": str(ray_cluster.spec_path)}  # the bed's ports
+    out = tmp_path / "logs"
+    p = cli(bed, "logs", "--address", ray_cluster.address, "--out", out, timeout=240, env=env)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-2000:])
+    collection = json.loads((out / "collection.json").read_text())
+    assert {h["host"]: h["how"] for h in collection["hosts"]} == {ip: "api" for ip in ips.values()}
+    for ip in ips.values():
+        assert ip in p.stdout and (out / ip / "raylet.out").stat().st_size > 0
+    assert (out / ray_cluster.head_ip / "gcs_server.out").exists()
+
+    p = cli(bed, "status", "--address", ray_cluster.address, "--format", "json", env=env, timeout=60)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-2000:])
+    result = json.loads(p.stdout)
+    assert result["compared"] is False and result["inventory"] is None and result["problems"] == []
+    alive = {n["ip"]: n for n in result["nodes"] if n["alive"]}
+    assert set(alive) == set(ips.values()) and [ip for ip, n in alive.items() if n["head"]] == [ray_cluster.head_ip]
+    table = cli(bed, "status", "--address", ray_cluster.address, env=env, timeout=60)
+    assert table.returncode == 0 and "not compared against an inventory" in table.stdout
+    assert all(ip in table.stdout for ip in ips.values()) and "3 alive node(s)" in table.stdout
+
+    # Ray down there (w1 runs no head): the inventory is asked for, in one line, within the request timeout
+    for action in ("logs", "status"):
+        t0 = time.monotonic()
+        p = cli(bed, action, "--address", ips["w1"], "--out" if action == "logs" else "--format",
+                tmp_path / "none" if action == "logs" else "json", env=env, timeout=60)
+        seconds = time.monotonic() - t0
+        assert p.returncode == 2, (action, p.stdout, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "did not answer within" in lines[0] and "pass --inventory FILE" in lines[0], lines
+        assert seconds < 30, (action, seconds)
+    assert not (tmp_path / "none").exists()
+
+
 # ---- the round trip: up / status / logs / a node dies / logs over SSH / down (ssh_bed, process runtime) --
 class Site:
     """The ssh bed as a site: the inventory site.yml needs (test_ansible.py's setup), commands run in the head."""

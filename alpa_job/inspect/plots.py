@@ -35,13 +35,18 @@ def bytes_by_strategy(record: RunRecord) -> Optional[bytes]:
         return None
     plt = _pyplot()
     groups = ["params", "opt_state", "other"]
-    labels = [s for s in STRATEGY_COLORS if any(r.strategy == s for r in rows)]
+    present = {r.strategy for r in rows}
+    labels = [s for s in STRATEGY_COLORS if s in present]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    sums: dict = {}  # (bytes field, strategy, group) -> bytes, in one pass over the leaves (10,000+ in a big model)
+    for r in rows:
+        for key in ("bytes", "bytes_per_device"):
+            where = (key, r.strategy, _group(r.path))
+            sums[where] = sums.get(where, 0) + getattr(r, key)
     for ax, key, title in ((axes[0], "bytes", "total bytes"), (axes[1], "bytes_per_device", "bytes per device")):
         bottom = [0.0] * len(groups)
         for label in labels:
-            heights = [sum(getattr(r, key) for r in rows if r.strategy == label and _group(r.path) == g) / 2**20
-                       for g in groups]
+            heights = [sums.get((key, label, g), 0) / 2**20 for g in groups]
             ax.bar(groups, heights, bottom=bottom, label=label, color=STRATEGY_COLORS[label])
             bottom = [b + h for b, h in zip(bottom, heights)]
         ax.set_title(title)

@@ -176,6 +176,59 @@ def _param_rows(record: RunRecord) -> List[List[str]]:
     return [[_cell(getattr(r, c)) for c in PARAM_COLUMNS] for r in record.params]
 
 
+# A terminal shows this many leaf rows at most: a large (mixture-of-experts) model has 10,000+ leaves, which
+# no one reads on a terminal and which take a rich table seconds to lay out. JSON, Markdown and HTML keep them all.
+TABLE_ROWS = 60
+GROUPED_COLUMNS = ("leaves",) + PARAM_COLUMNS
+_INDEX = re.compile(r"\d+(?=/|$)")
+
+
+def leaf_pattern(path: str) -> str:
+    """The path with each path component's trailing number as `*`: layer_3 / expert_12 / opt_state/0 -> *."""
+    return _INDEX.sub("*", path)
+
+
+def grouped_param_rows(record: RunRecord) -> List[List[str]]:
+    """One row per group of leaves that differ only in their layer / expert / chain index (same shape, dtype,
+    spec, meshes and strategy), first-seen order; `*` stands where the members' indices differ (an index all
+    share stays), and bytes are the group's sums."""
+    groups: dict = {}
+    for r in record.params:
+        key = (leaf_pattern(r.path), tuple(r.shape), r.dtype, r.spec, tuple(r.mesh_ids), r.strategy)
+        g = groups.get(key)
+        if g is None:
+            groups[key] = g = [r, 0, 0, 0, [set() for _ in _INDEX.findall(r.path)]]
+        g[1] += 1
+        g[2] += r.bytes
+        g[3] += r.bytes_per_device
+        for seen, index in zip(g[4], _INDEX.findall(r.path)):
+            seen.add(index)
+    rows = []
+    for first, count, size, per_device, indices in groups.values():
+        shown = iter([next(iter(seen)) if len(seen) == 1 else "*" for seen in indices])
+        path = _INDEX.sub(lambda _m: next(shown), first.path)
+        rows.append([f"{count:,}", path, _cell(first.shape), first.dtype, human_bytes(size), human_bytes(per_device),
+                     first.spec, _cell(first.mesh_ids), first.strategy])
+    return rows
+
+
+def terminal_param_table(record: RunRecord, all_rows: bool = False) -> tuple:
+    """(header, rows, note) of the terminal's parameter table: every leaf when they fit in TABLE_ROWS (or
+    `all_rows`), else the leaves grouped across layers/experts, capped at TABLE_ROWS with a line saying how
+    many more there are and where to see them all."""
+    n = len(record.params)
+    if all_rows or n <= TABLE_ROWS:
+        return PARAM_COLUMNS, _param_rows(record), ""
+    rows = grouped_param_rows(record)
+    note = (f"{n:,} leaves in {len(rows):,} groups of leaves identical but for their layer/expert index "
+            f"(* where they differ; bytes: the group's total)")
+    if len(rows) > TABLE_ROWS:
+        hidden = sum(int(r[0].replace(",", "")) for r in rows[TABLE_ROWS:])
+        note += (f"; ... {len(rows) - TABLE_ROWS:,} more groups ({hidden:,} leaves) not shown")
+        rows = rows[:TABLE_ROWS]
+    return GROUPED_COLUMNS, rows, note + "; every leaf: --all-rows, or --format json|md|html"
+
+
 # ----- Markdown ------------------------------------------------------------------------------------
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def esc(x: str) -> str:
@@ -216,8 +269,10 @@ def _input_markdown(record: RunRecord) -> List[str]:
 
 
 # ----- terminal table ------------------------------------------------------------------------------
-def to_table(record: RunRecord) -> str:
-    """A plain-text rendering (rich when available; the legacy image may not have it)."""
+def to_table(record: RunRecord, all_rows: bool = False) -> str:
+    """A plain-text rendering (rich when available; the legacy image may not have it). The parameter table is
+    capped (terminal_param_table) unless `all_rows`; then it is plain aligned columns, which lay out 10,000
+    rows in a fraction of the time a rich table takes."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -228,20 +283,43 @@ def to_table(record: RunRecord) -> str:
     for k, v in summary_pairs(record):
         summary.add_row(k, v)
     console.print(summary)
+    param_header, param_rows, param_note = terminal_param_table(record, all_rows)
+    full = all_rows and len(param_rows) > TABLE_ROWS
     tables = [(("item", "value"), input_pairs(record), "input"),
               (INPUT_PROCESS_HEADER, input_process_rows(record), "input per process"),
               (EVAL_HEADER, eval_rows(record), "eval"),
               (SEARCH_HEADER, _search_rows(record), "auto search"),
               (STAGE_HEADER, _stage_rows(record), "pipeline stages"),
-              (PARAM_COLUMNS, _param_rows(record), "parameters and optimizer state"),
+              (param_header, [] if full else param_rows, "parameters and optimizer state"),
               (("kind", "count", "bytes"), _collective_rows(record), "collectives")]
     for header, rows, title in tables:
+        if full and title == "parameters and optimizer state":
+            continue
         if rows or title in ("parameters and optimizer state", "collectives"):
-            t = Table(*header, title=title)
+            t = Table(title=title)
+            for h in header:  # a leaf's path is what the row is about: wrapped, never cut short
+                t.add_column(h, overflow="fold" if h == "path" else "ellipsis")
             for row in rows:
                 t.add_row(*row)
             console.print(t)
-    return console.export_text()
+            if param_note and title.startswith("parameters"):
+                console.print(param_note, markup=False, highlight=False, soft_wrap=True)
+    text = console.export_text()
+    if full:
+        text += "\nparameters and optimizer state (%d leaves)\n%s\n" % (len(param_rows),
+                                                                       _plain_columns(param_header, param_rows))
+    return text
+
+
+def _plain_columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [len(h) for h in header]
+    for row in rows:
+        for i, c in enumerate(row):
+            if len(c) > widths[i]:
+                widths[i] = len(c)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [list(header)] + list(rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 class _NullFile:
@@ -312,11 +390,17 @@ def _folded_params_html(record: RunRecord) -> str:
     follow their parameter, hidden until its toggle opens them; state of no parameter (step, count) last."""
     params = [r for r in record.params if r.path.startswith("params/")]
     others = [r for r in record.params if not r.path.startswith("params/")]
+    # every "/"-suffix of every state path -> those paths, so a parameter finds its state in one look-up
+    # (its path after "params/" is such a suffix), not by a scan of all state (10,000 leaves: 22 M compares)
+    by_tail: dict = {}
+    for o in others:
+        parts = o.path.split("/")
+        for i in range(1, len(parts)):
+            by_tail.setdefault("/".join(parts[i:]), []).append(o)
     used = set()
     body = []
     for n, p in enumerate(params):
-        tail = "/" + p.path[len("params/"):]
-        mine = [o for o in others if o.path.endswith(tail)]
+        mine = by_tail.get(p.path[len("params/"):], [])
         used.update(id(o) for o in mine)
         toggle = ""
         if mine:

@@ -8,6 +8,7 @@ data; it never formats a report.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import socket
 import sys
@@ -172,7 +173,8 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     result.timing = timing.summary(
         phases, stats["window_step_s"], engine.stats.flops_per_step, result.devices.kind, config.dtype,
         result.devices.count or 1, engine.peak_memory_bytes(),
-        (engine.stats.memory or {}).get("peak_estimate_bytes"))
+        (engine.stats.memory or {}).get("peak_estimate_bytes"),
+        samples_per_step=stats["samples_seen"] / stats["steps"] if stats["steps"] else None)
     result.timing["compile_cache"] = engine.stats.cache_report()
     if profiled is not None:
         result.timing["profile"] = profiled
@@ -231,6 +233,7 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     bar = progress.Progress("train", total_steps - start_step, first=start_step)
     # Timing without a per-step sync: the first step alone, then one sync per window (timing.py).
     window, window_step_s = timing.window_size(total_steps - start_step), []
+    ordered: List[float] = []  # window_step_s sorted: the steady median for every progress event, cheaply
     first_step_s = first_done = process_age = None
     mark_step = 0  # the step (counted in this run) whose completion `mark` timed
     loop_start = mark = time.perf_counter()
@@ -279,7 +282,15 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             fresh = read_back(len(pending) - 1) or fresh
             now = time.perf_counter()
             window_step_s.append((now - mark) / window)
+            bisect.insort(ordered, window_step_s[-1])
             mark, mark_step = now, steps - 1
+        if first_done is not None and global_step == total_steps and steps - mark_step == window:
+            # the last window ends with the run: closed here, so the last progress event's rate counts it too
+            fresh = read_back(len(pending)) or fresh
+            now = time.perf_counter()
+            window_step_s.append((now - mark) / window)
+            bisect.insort(ordered, window_step_s[-1])
+            mark, mark_step = now, steps
         if evaluator is not None and evaluator.due(global_step, global_step == total_steps):
             point = evaluator(global_step, state)
             if point is not None:
@@ -287,14 +298,15 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             if first_done is not None:  # the eval's time is not a step's: the timing window restarts here
                 mark, mark_step = time.perf_counter(), steps
         bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real,
-                   read_loss=fresh[-1] if fresh else None)
+                   read_loss=fresh[-1] if fresh else None,
+                   step_s=timing.percentile_sorted(ordered, 0.5) if ordered else None)
         if stop is not None and global_step < total_steps and stop.after_step(global_step):
             stopped_at = global_step
             break
     read_back(len(pending))
     if profile is not None:
         profile.stop(engine, state)  # a run that ended (or stopped) inside the traced steps
-    if first_done is not None and steps - mark_step == window:  # the last window ends with the run
+    if first_done is not None and steps - mark_step == window:  # a run stopped early: its last window ends here
         window_step_s.append((time.perf_counter() - mark) / window)
     engine.wait(state)
     loop_seconds = time.perf_counter() - loop_start

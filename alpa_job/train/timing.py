@@ -38,30 +38,48 @@ def window_size(steps: int) -> int:
 
 
 def percentile(values: List[float], q: float) -> float:
-    ordered = sorted(values)
+    return percentile_sorted(sorted(values), q)
+
+
+def percentile_sorted(ordered: List[float], q: float) -> float:
+    """`percentile` of values already in order (the loop keeps its windows sorted as they come)."""
     pos = (len(ordered) - 1) * q
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def steady_state(window_step_s: List[float]) -> Optional[Dict[str, float]]:
-    """Median, p10 and p90 of the per-step times of the windows after the first step."""
+def steady_state(window_step_s: List[float], samples_per_step: Optional[float] = None) -> Optional[Dict[str, float]]:
+    """Median, p10 and p90 of the per-step times of the windows after the first step, and the steady rate
+    (`samples_per_s`: samples per step over the median step time, what the progress line shows)."""
     if not window_step_s:
         return None
-    return {"median_s": round(percentile(window_step_s, 0.5), 6), "p10_s": round(percentile(window_step_s, 0.1), 6),
-            "p90_s": round(percentile(window_step_s, 0.9), 6), "windows": len(window_step_s)}
+    median = percentile(window_step_s, 0.5)
+    out = {"median_s": round(median, 6), "p10_s": round(percentile(window_step_s, 0.1), 6),
+           "p90_s": round(percentile(window_step_s, 0.9), 6), "windows": len(window_step_s)}
+    rate = steady_rate(samples_per_step, median)
+    if rate is not None:
+        out["samples_per_s"] = round(rate, 2)
+    return out
+
+
+def steady_rate(samples_per_step: Optional[float], median_step_s: Optional[float]) -> Optional[float]:
+    """Samples per second at the steady-state step time: the one rate the report and the progress line give.
+    (Samples over the loop's wall time counts the first step, evals and checkpoint saves as training.)"""
+    if not samples_per_step or not median_step_s or median_step_s <= 0:
+        return None
+    return samples_per_step / median_step_s
 
 
 def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flops_per_step: Optional[float],
             device_kind: Optional[str], dtype: str, device_count: int, peak_memory_bytes: Optional[int],
-            peak_estimate_bytes: Optional[int]) -> Dict[str, Any]:
+            peak_estimate_bytes: Optional[int], samples_per_step: Optional[float] = None) -> Dict[str, Any]:
     """The report's `timing`: phases (seconds), steady state, TFLOP/s and MFU, memory measured vs estimated.
 
     `flops_per_step` is XLA's count for the whole step over all `device_count` devices (cost analysis
     of the unpartitioned module); TFLOP/s is per device. MFU only for bf16 compute on a device whose
     peak is in PEAK_BF16_FLOPS."""
-    steady = steady_state(window_step_s)
+    steady = steady_state(window_step_s, samples_per_step)
     out: Dict[str, Any] = {"phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
                            "steady_step": steady, "flops_per_step": flops_per_step, "tflops_per_device": None,
                            "mfu": None, "peak_memory_bytes": peak_memory_bytes,

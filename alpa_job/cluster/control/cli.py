@@ -35,14 +35,16 @@ def add_parser(sub) -> None:
     q = actions.add_parser("status", help="the running cluster (Ray's state API) against the inventory; exit 3 if "
                                           "they differ")
     inventory(q)
-    q.add_argument("--address", help="the head's dashboard/jobs URL or host (default: the inventory's head)")
+    q.add_argument("--address", help="the head's dashboard/jobs URL or host (default: the inventory's head; "
+                                     "without an inventory: Ray's view only, not compared)")
     q.add_argument("--timeout", type=float, default=10.0, help="seconds per request to the head")
     q.add_argument("--format", default="table", choices=("table", "json"))
     q = actions.add_parser("logs", help="collect every node's Ray logs into DIR/<host>/ (Ray's log API, else SSH)")
     inventory(q)
     q.add_argument("--job", help="only this job's worker/driver logs (submission id or Ray job id) + node-wide logs")
     q.add_argument("--out", help="folder (default runs/cluster-logs-<time>)")
-    q.add_argument("--address", help="the head's dashboard URL or host (default: the inventory's head)")
+    q.add_argument("--address", help="the head's dashboard URL or host (default: the inventory's head; without "
+                                     "an inventory, Ray's node list names the hosts)")
     q.add_argument("--ssh-only", action="store_true", help="skip Ray's log API: copy every node's log dir over SSH")
     q.add_argument("--tail", type=int, default=-1, help="log API: only the last N lines of each file")
     q.add_argument("--deadline", type=float, default=300.0, help="overall seconds before giving up")
@@ -59,7 +61,7 @@ def main(args) -> int:
 
     if args.action in ("up", "down"):
         return _playbook(args)
-    inv = load_inventory(args.inventory)
+    inv = _inventory_unless_ray(args) if args.action in ("status", "logs") else load_inventory(args.inventory)
     if args.action == "status":
         from alpa_job.cluster.control import status
 
@@ -84,6 +86,26 @@ def main(args) -> int:
 
     return _verdict(preflight, preflight.run_preflight(inv, deadline_s=args.deadline,
                                                        connect_timeout_s=args.connect_timeout), args)
+
+
+def _inventory_unless_ray(args):
+    """status / logs: the inventory when one is given or at the default path; else None, and Ray's own node
+    list names the hosts (the commands then ask Ray at --address, or $RAY_ADDRESS, and say so if it is silent)."""
+    from alpa_job.errors import KitError
+    from alpa_job.cluster.control.inventory import DEFAULT_INVENTORY, load_inventory
+
+    if args.inventory or os.path.exists(DEFAULT_INVENTORY):
+        return load_inventory(args.inventory)
+    if getattr(args, "ssh_only", False):
+        raise KitError("cluster logs --ssh-only reaches the nodes over SSH, which needs the inventory (none at %s); "
+                       "pass --inventory FILE, or leave out --ssh-only to collect through Ray's log API"
+                       % DEFAULT_INVENTORY)
+    args.address = args.address or os.environ.get("RAY_ADDRESS") or None
+    if not args.address or args.address in ("auto", "local"):
+        raise KitError("cluster %s: no inventory at %s and no --address; with Ray up, pass --address HEAD (the head's "
+                       "IP, HEAD:GCS_PORT or its dashboard URL); else pass --inventory FILE" % (args.action,
+                                                                                                DEFAULT_INVENTORY))
+    return None
 
 
 def _verdict(check, result, args) -> int:

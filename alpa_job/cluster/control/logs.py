@@ -30,10 +30,11 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from alpa_job.errors import KitError
-from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError
+from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError, token_from_env
 from alpa_job import strict_json
 
 DEFAULT_DEADLINE_S = 300.0
+API_TIMEOUT_S = 10.0  # each request to the head's dashboard
 COLLECTION_FILE = "collection.json"
 # Ray's per-worker files carry the job: worker-<worker id>-<job id hex>-<pid>.{out,err}
 _WORKER_FILE = re.compile(r"^(?:.*/)?worker-[0-9a-f]+-([0-9a-f]+)-\d+\.(?:out|err)$")
@@ -177,25 +178,30 @@ def _extract(tar: tarfile.TarFile, members, dest: str) -> None:
 # ---- the command ------------------------------------------------------------------------------------
 def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional[str] = None,
                  deadline_s: float = DEFAULT_DEADLINE_S, lines: int = -1, use_api: bool = True) -> Dict[str, Any]:
-    """Every inventory node's logs into out_dir/<host>/ (plus any alive node the inventory lacks, by IP)."""
-    from alpa_job.cluster.control.status import head_url
+    """Every inventory node's logs into out_dir/<host>/ (plus any alive node the inventory lacks, by IP).
+    `inv` None: Ray's alive nodes (the node list a failed job's collect_job_logs reads) into out_dir/<node IP>/;
+    a Ray that does not answer is then a KitError saying to pass the inventory."""
+    from alpa_job.cluster.control.status import client_token, head_url, ray_silent
 
     t0 = time.monotonic()
     deadline = t0 + deadline_s
-    os.makedirs(out_dir, exist_ok=True)
     api, alive, api_error = None, {}, None
     if use_api:
+        url = head_url(inv, address)
         try:
-            api = RayHttp(head_url(inv, address), token=inv.auth_token(), timeout_s=10.0)
+            api = RayHttp(url, token=client_token(inv), timeout_s=API_TIMEOUT_S)
             from alpa_job.cluster import ray_api
 
             alive = {n.ip: n for n in ray_api.alive_nodes(api.nodes())}
         except KitError as err:
+            if inv is None:
+                raise ray_silent(url, API_TIMEOUT_S, err, "to collect logs over SSH instead") from None
             api, api_error = None, str(err)
+    os.makedirs(out_dir, exist_ok=True)
     job_ref = resolve_job(api, job)
-    names = inv.by_ip()
+    names = inv.by_ip() if inv is not None else {}
     targets: List[Tuple[str, Optional[str], Any]] = []  # (dir name, Ray IP or None, inventory node or None)
-    for node in inv.nodes:
+    for node in (inv.nodes if inv is not None else []):
         ip = node.ip()
         targets.append((node.name, ip if ip in alive else None, node))
     for ip in sorted(set(alive) - set(names)):
@@ -275,7 +281,7 @@ def collect_job_logs(out_dir: str, job_id: Optional[str] = None, deadline_s: flo
         url = _dashboard_of_connected_ray()
         if not url:
             return None
-        api = RayHttp(url, token=_token_from_env(), timeout_s=10.0)
+        api = RayHttp(url, token=token_from_env(), timeout_s=10.0)
         from alpa_job.cluster import ray_api
 
         ref = JobRef(job_id, job_id=job_id, submission_id=os.environ.get("RAY_JOB_SUBMISSION_ID") or None)
@@ -308,12 +314,3 @@ def _dashboard_of_connected_ray() -> Optional[str]:
         return ray_address_to_api_server_url(ray.get_runtime_context().gcs_address)
     except Exception:
         return None
-
-
-def _token_from_env() -> Optional[str]:
-    token = os.environ.get("RAY_AUTH_TOKEN")
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if not token and path and os.path.isfile(path):
-        with open(path) as f:
-            token = f.read().strip()
-    return token or None

@@ -123,3 +123,15 @@ def _short(value: Any) -> str:
 def dashboard_url(spec, head_ip: str) -> str:
     """The jobs API / dashboard URL of a head: http://HEAD_IP:<spec's dashboard port>."""
     return "http://%s:%d" % (head_ip, spec.ports["dashboard"])
+
+
+def token_from_env() -> Optional[str]:
+    """The token a client without an inventory sends: RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names."""
+    import os
+
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if not token and path and os.path.isfile(path):
+        with open(path) as f:
+            token = f.read().strip()
+    return token or None

@@ -12,23 +12,32 @@ IPs always do). A host whose SSH address is elsewhere (a management network) is 
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from alpa_job.cluster import ray_api
 from alpa_job.cluster.doctor.render import grid
 from alpa_job.cluster.node_ip import ips_in_cidr
-from alpa_job.errors import KitError
+from alpa_job.errors import EXIT_TIMEOUT, KitError
 from alpa_job.cluster.control.inventory import Inventory
-from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError, dashboard_url
+from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError, dashboard_url, token_from_env
 from alpa_job import strict_json
 
 RESOURCE_COLUMNS = ("CPU", "GPU", "memory", "object_store_memory")
 
 
-def head_url(inv: Inventory, address: Optional[str] = None) -> str:
-    """The jobs API URL: `address` (a URL, or a host given the spec's dashboard port), else the inventory head's."""
-    spec = inv.spec()
+def head_url(inv: Optional[Inventory], address: Optional[str] = None) -> str:
+    """The jobs API URL: `address` (a URL, or a host given the spec's dashboard port), else the inventory head's.
+    Without an inventory the spec is cluster.yaml (+ $ALPA_KIT_CLUSTER_SPEC)."""
+    if inv is None:
+        from alpa_job.cluster.spec import load_spec
+
+        spec = load_spec()
+        if not address:
+            raise KitError("no inventory and no --address: pass --address HEAD or --inventory FILE")
+    else:
+        spec = inv.spec()
     if address:
         if "://" in address:
             return address.rstrip("/")
@@ -41,15 +50,37 @@ def head_url(inv: Inventory, address: Optional[str] = None) -> str:
     return dashboard_url(spec, ip)
 
 
-def cluster_status(inv: Inventory, address: Optional[str] = None, timeout_s: float = 10.0) -> Dict[str, Any]:
-    """The JSON-ready status: jobs_api, auth, ray_version, nodes, problems, ok."""
+def client_token(inv: Optional[Inventory]) -> Optional[str]:
+    """The Ray token: the inventory's (RAY_AUTH_TOKEN, else the play's file), without one RAY_AUTH_TOKEN(_PATH)."""
+    return inv.auth_token() if inv is not None else token_from_env()
+
+
+def ray_silent(url: str, timeout_s: float, err: KitError, instead: str) -> KitError:
+    """Without an inventory, Ray is the only source: when it cannot be reached, one line saying so and what to
+    pass instead. An answer that is an error (a refused token, HTTP 500) stays that error: its fix is not an
+    inventory."""
+    from alpa_job.cluster.control.inventory import DEFAULT_INVENTORY
+
+    if err.exit_code != EXIT_TIMEOUT:  # the dashboard answered: ray_http's message names the fix
+        return err
+    errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", str(err))  # requests' chained text: the socket's own words
+    why = errno.group(1).strip() if errno else "no answer"
+    return KitError("Ray at %s did not answer within %.0f s (%s); %s, pass --inventory FILE (there is none at %s)"
+                    % (url, timeout_s, why[:200], instead, DEFAULT_INVENTORY))
+
+
+def cluster_status(inv: Optional[Inventory], address: Optional[str] = None, timeout_s: float = 10.0) -> Dict[str, Any]:
+    """The JSON-ready status: jobs_api, auth, ray_version, nodes, problems, ok. `inv` None: Ray's view alone
+    (`compared` false: no inventory to hold it against)."""
     t0 = time.monotonic()
     url = head_url(inv, address)
-    api = RayHttp(url, token=inv.auth_token(), timeout_s=timeout_s)
+    api = RayHttp(url, token=client_token(inv), timeout_s=timeout_s)
     found_elsewhere = None
     try:
         auth = api.auth_mode()  # public endpoint: also the first "is the head there" probe
     except RayHttpError as err:
+        if inv is None:
+            raise ray_silent(url, timeout_s, err, "to compare the cluster with your hosts") from None
         if address:
             raise
         api, auth = _head_elsewhere(inv, timeout_s, err)
@@ -57,17 +88,20 @@ def cluster_status(inv: Inventory, address: Optional[str] = None, timeout_s: flo
         url = api.url
     version = api.version()
     rows = ray_api.parse_nodes(api.nodes())
-    names = inv.by_ip()
+    names = inv.by_ip() if inv is not None else {}
     nodes = []
     for n in sorted(rows, key=lambda n: (not n.alive, n.ip)):
         nodes.append({"ip": n.ip, "host": names.get(n.ip), "alive": n.alive, "head": bool(n.is_head),
                       "node_id": n.node_id, "state_message": _field(n.row, "state_message"),
+                      "node_name": _field(n.row, "node_name"),
                       "resources": {k: n.resources[k] for k in RESOURCE_COLUMNS if k in n.resources}})
-    result = {"inventory": inv.path, "jobs_api": url, "auth": auth, "token_given": bool(api.token),
+    result = {"inventory": inv.path if inv is not None else None, "compared": inv is not None, "jobs_api": url,
+              "auth": auth, "token_given": bool(api.token),
               "ray_version": version.get("ray_version"), "ray_commit": version.get("ray_commit"),
               "session": version.get("session_name"), "nodes": nodes,
-              "expected": {"head": inv.head.name, "workers": [w.name for w in inv.workers]}}
-    result["problems"] = compare(inv, nodes)
+              "expected": {"head": inv.head.name, "workers": [w.name for w in inv.workers]} if inv is not None
+              else None}
+    result["problems"] = compare(inv, nodes) if inv is not None else []
     if found_elsewhere:
         result["problems"].insert(0, {"node": inv.head.name, "problem": "the inventory's head %s (%s) serves no Ray "
                                       "dashboard; Ray's head answers at %s" % (inv.head.name, inv.head.address,
@@ -144,14 +178,16 @@ def render_table(result: Mapping[str, Any]) -> str:
     lines = ["cluster: %s  Ray %s  auth %s%s  session %s: %s" % (
         result["jobs_api"], result["ray_version"], result["auth"],
         "" if result["auth"] != "token" else (" (token given)" if result["token_given"] else " (NO token given)"),
-        result["session"], "OK" if result["ok"] else "DIFFERS FROM THE INVENTORY"), ""]
+        result["session"], ("OK" if result["ok"] else "DIFFERS FROM THE INVENTORY") if result.get("compared", True)
+        else "Ray's view; not compared against an inventory (none given: pass --inventory FILE to compare)"), ""]
     rows = []
     for n in result["nodes"]:
         r = n["resources"]
-        rows.append((n["ip"] + (" (head)" if n["head"] else ""), n["host"] or "-", "alive" if n["alive"] else "DEAD",
+        rows.append((n["ip"] + (" (head)" if n["head"] else ""), n["host"] or "-", n.get("node_name") or "-",
+                     "alive" if n["alive"] else "DEAD",
                      _num(r.get("CPU")), _num(r.get("GPU")), _bytes(r.get("memory")),
                      _bytes(r.get("object_store_memory"))))
-    lines += grid(("node", "inventory host", "state", "CPU", "GPU", "memory", "object store"), rows)
+    lines += grid(("node", "inventory host", "Ray node name", "state", "CPU", "GPU", "memory", "object store"), rows)
     lines.append("")
     lines.append("%d alive node(s); jobs: RAY_ADDRESS=%s ray job submit -- ..." % (len(alive), result["jobs_api"]))
     for p in result["problems"]:
