@@ -156,3 +156,20 @@ def test_track_mlflow_logs_the_same_losses_and_settings_offline(tmp_path, monkey
     assert [s for s, _ in history] == list(range(1, 13))
     assert all(close_to(v, r) for (_, v), r in zip(history, report.losses))
     assert {"train/learning_rate", "perf/step_time_s", "perf/samples_per_s"} <= set(found.data.metrics)
+
+
+def test_without_tensorboardx_the_run_says_so_and_trains(tmp_path):
+    """The Alpa image may lack the writer: one line, the run goes on, the report names no folder."""
+    out = tmp_path / "run"
+    script = ("import sys, runpy; sys.modules['tensorboardX'] = None; "  # None in sys.modules: the import fails
+              "sys.argv = ['alpa_job'] + sys.argv[1:]; runpy.run_module('alpa_job', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", script, "train", "--address", "none", "--steps", "2", "--hidden-dim",
+                           "32", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if "TensorBoard" in x]
+    assert lines == ["[alpa_job] no TensorBoard event files: tensorboardX does not import (import of tensorboardX "
+                     "halted; None in sys.modules); pip install tensorboardX, or pass --no-tensorboard to silence "
+                     "this"], proc.stderr
+    assert not (out / "tensorboard").exists()
+    assert json.loads((out / "report.json").read_text())["tensorboard"] is None
