@@ -1,7 +1,8 @@
 """Progress a trainer can watch: events from the training process, one display on the driver.
 
-Producers (train.run_loop, the auto search, compile timers) call `Progress`, `phase`, `note` and
-`timed`; each makes an event (a small dict) and hands it to this process's sink:
+Producers (train.run_loop, the auto search, compile timers) call `Progress`, `phase`, `note`,
+`timed` and `metrics` (numbers for the run's metrics log, which the driver's display hands on); each
+makes an event (a small dict) and hands it to this process's sink:
   - on the driver (in-process training, the Alpa engine): the `Display` itself;
   - in process 0's Ray actor: the driver's `ProgressChannel` (see its docstring: the one public way
     across Ray), fed in batches (a fire-and-forget call at most every 0.5 s, plus one per phase). No
@@ -55,6 +56,8 @@ class Display:
         self._rich = None
         self._task = None
         self._status = None  # a TTY spinner while a phase ("compiling ... ...") runs
+        # The run's metrics log (train/metrics_log.py) when the driver opened one: "metrics" events go there.
+        self.metrics: Optional[Callable[[Event], None]] = None
         if log_path:
             self.open_log(log_path)
 
@@ -108,6 +111,8 @@ class Display:
             self.stop_bar()
         elif kind in ("phase", "note"):
             self._phase(event["text"], important=event.get("important", False))
+        elif kind == "metrics" and self.metrics is not None:
+            self.metrics(event)
 
     def _phase(self, text: str, important: bool) -> None:
         """A phase that starts ("... ...") spins on a TTY until the next line; everything else is a line."""
@@ -307,6 +312,9 @@ def _channel_actor_class():
     return ProgressChannelActor
 
 
+BATCHED = ("step", "metrics")  # events that wait for the next batch (the others go at once)
+
+
 class _ChannelSink:
     """Process 0's sink inside a Ray actor: batches events into its `ProgressChannel`."""
 
@@ -318,7 +326,7 @@ class _ChannelSink:
     def __call__(self, event: Event) -> None:
         self.pending.append(event)
         now = time.monotonic()
-        if event["kind"] != "step" or event.get("last") or now - self.last_flush >= FLUSH_INTERVAL_S:
+        if event["kind"] not in BATCHED or event.get("last") or now - self.last_flush >= FLUSH_INTERVAL_S:
             self.flush()
 
     def flush(self) -> None:
@@ -410,6 +418,13 @@ def _to_float(value: Any) -> Optional[float]:
         return float(value)
     except Exception:  # noqa: BLE001 - an engine's loss type float() cannot read: show no loss
         return None
+
+
+def metrics(step: int, scalars: Optional[Dict[str, Optional[float]]] = None,
+            series: Optional[Dict[str, List[float]]] = None) -> None:
+    """Numbers for the run's metrics log (TensorBoard, --track): `scalars` at global step `step`, and
+    `series` of one value a step from `step` on (the losses the loop read back in one sync)."""
+    emit("metrics", step=step, scalars=scalars or {}, series=series or {})
 
 
 def phase(text: str) -> None:

@@ -127,6 +127,20 @@ def test_no_arguments_trains_the_mlp_on_local_ray(default_run):
     assert (out / "report.md").exists() and (out / "plot_bytes_by_strategy.png").exists()
 
 
+def test_default_run_writes_tensorboard_events_on_the_driver(default_run):
+    """Through local Ray process 0 trains in an actor; its losses reach the driver, the one writer."""
+    from test_metrics_log import close_to, read_events
+
+    out, _ = default_run
+    report = json.loads((out / "report.json").read_text())
+    assert report["tensorboard"] == str(out / "tensorboard")
+    scalars, texts = read_events(out / "tensorboard")
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 22))
+    assert all(close_to(v, r) for (_, v), r in zip(scalars["train/loss"], report["losses"]))
+    assert {"train/learning_rate", "perf/step_time_s", "perf/samples_per_s", "setup/compile_s"} <= set(scalars)
+    assert "| address | None |" in texts["settings"] and texts["status"].startswith("**ok**")
+
+
 def test_inspect_formats(default_run):
     out, _ = default_run
     as_json = run_cli("inspect", str(out), "--format", "json")

@@ -12,6 +12,7 @@ Python 3.9; optax imported lazily (optax 0.1.x in the Alpa image has these sched
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 MAX_WARMUP_STEPS = 1000
@@ -44,6 +45,21 @@ def learning_rate_schedule(peak: float, total_steps: Optional[int]):
                                     [warmup])
     return optax.warmup_cosine_decay_schedule(init_value=start, peak_value=peak, warmup_steps=warmup,
                                               decay_steps=total_steps, end_value=peak * END_FRACTION)
+
+
+def learning_rate_at(peak: float, total_steps: Optional[int], count: int) -> float:
+    """`learning_rate_schedule(peak, total_steps)(count)` in plain Python: the rate of the update made
+    with optax's step count `count` (the update that ends global step count + 1). For the run's metrics:
+    the host reads it without a device computation (the schedule itself is a jax function)."""
+    warmup = warmup_steps(total_steps)
+    start = peak / (warmup + 1)
+    if count < warmup:
+        return start + (peak - start) * count / warmup
+    if not total_steps or total_steps <= warmup:
+        return peak
+    done = min(count - warmup, total_steps - warmup) / (total_steps - warmup)
+    end = peak * END_FRACTION
+    return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * done))
 
 
 def default_optimizer(peak_learning_rate: float, total_steps: Optional[int]):

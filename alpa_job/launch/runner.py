@@ -16,7 +16,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 from alpa_job import progress
 from alpa_job.settings import validate
-from alpa_job.train import rundir
+from alpa_job.train import metrics_log, rundir, trackers
 from alpa_job.launch import preemption
 from alpa_job.launch.connect import NO_RAY, connect, resolve_address
 from alpa_job.cluster.spec import load_spec
@@ -50,6 +50,7 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     address = resolve_address(config.address)
     config = _resolve_model(config, engine, address)
     validate.preflight(config, engine, address, explicit)
+    trackers.check_installed(config.track)
     auto = config.resume == "auto"
     config = rundir.prepare(config, explicit_out=bool(config.out))
     shown = progress.display()
@@ -60,21 +61,45 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
                    f"no complete checkpoint in {rundir.checkpoint_dir(config.out)}, starting fresh"))
     if capture_native and shown.verbosity < progress.VERBOSE:
         progress.NativeStderr(os.path.join(config.out, "ray.log")).start()  # for the rest of this process
+    metrics = _open_metrics(config, shown)
     try:
         with preemption.watch(can_stop=engine != "alpa"):  # the Alpa engine cannot checkpoint: SIGTERM stops at once
             results = _train(engine, config, address, spec, shown)
     except BaseException as err:
-        _write_failed(config, engine, address, err, shown)
+        _write_failed(config, engine, address, err, shown, metrics)
         rundir.release(config.out)
         raise
-    report = build_report(config, results, address=address)
-    if report.stopped_at_step is not None:
-        report.status = "preempted"
-        report.error = preemption.stopped_message(report.stopped_at_step, rundir.checkpoint_dir(config.out))
-    paths = write_report(report, config.out)
+    report = None
+    try:
+        report = build_report(config, results, address=address)
+        if report.stopped_at_step is not None:
+            report.status = "preempted"
+            report.error = preemption.stopped_message(report.stopped_at_step, rundir.checkpoint_dir(config.out))
+        report.tensorboard = metrics.tensorboard_dir if metrics is not None else None
+        paths = write_report(report, config.out)
+    finally:
+        _finish_metrics(metrics, report, shown)
     shown.close_log()
     rundir.release(config.out)
     return report, paths
+
+
+def _open_metrics(config, shown) -> Optional[metrics_log.RunMetrics]:
+    """The run's metrics log (TensorBoard, --track), fed by the display's metrics events; None when off."""
+    metrics = metrics_log.open_for_run(config, shown.line)
+    shown.metrics = metrics
+    return metrics
+
+
+def _finish_metrics(metrics: Optional[metrics_log.RunMetrics], record, shown) -> None:
+    """The report's numbers into the metrics log, then it is flushed and closed (`record` None: just closed)."""
+    shown.metrics = None
+    if metrics is None:
+        return
+    if record is None:
+        metrics.close("failed")
+    else:
+        metrics.finish(record)
 
 
 def _resolve_model(config, engine: str, address: str):
@@ -120,15 +145,18 @@ def _check_model_on_abstract_shapes(config) -> None:
     check_model(model, prepare_data(config, model).example, strategy)
 
 
-def _write_failed(config, engine: str, address: str, err: BaseException, shown) -> None:
-    """The report of a run that stopped part-way: status, the error, the steps done (never masks `err`)."""
+def _write_failed(config, engine: str, address: str, err: BaseException, shown, metrics=None) -> None:
+    """The report of a run that stopped part-way: status, the error, the steps done (never masks `err`);
+    the metrics log gets the same and is closed."""
     status = "interrupted" if isinstance(err, KeyboardInterrupt) else "diverged" if isinstance(err, Diverged) \
         else "failed"
     message = str(err) if isinstance(err, KitError) else \
         (traceback.format_exception_only(type(err), err)[-1].strip() or type(err).__name__)
+    record = None
     try:
         record = failed_report(config, engine, status, message, shown.last_step, address=address,
                                losses=getattr(err, "losses", None))
+        record.tensorboard = metrics.tensorboard_dir if metrics is not None else None
         kept = _kept_report(config, shown.last_step)
         if kept:  # a resume that trained nothing: the earlier run's report still says what that run did
             with open(kept, "w") as f:
@@ -144,6 +172,7 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown) 
     except Exception as report_err:  # noqa: BLE001 - the training error is the one to show
         shown.line(f"[alpa_job] could not write the failed run's report ({report_err})", important=True)
     finally:
+        _finish_metrics(metrics, record, shown)
         shown.close()
 
 

@@ -317,6 +317,7 @@ class RunRecord(ProcessResult):
     status: str = "ok"  # ok | failed | interrupted | diverged | preempted (a failed run still writes its report)
     error: Optional[str] = None  # why it stopped (one line), for failed/interrupted runs
     summary: Summary = dataclasses.field(default_factory=Summary)
+    tensorboard: Optional[str] = None  # the run's TensorBoard event files (OUT/tensorboard); None: none written
 
     @classmethod
     def from_processes(cls, results: Iterable[Any], config: Optional[Dict[str, Any]] = None,

@@ -22,6 +22,7 @@ STRATEGIES = ("data", "fsdp", "tensor", "auto")  # --engine jax
 ALPA_STRATEGIES = ("data", "shard", "pipeshard-manual", "pipeshard-auto")  # --engine alpa
 DTYPES = ("float32", "bfloat16")
 REMAINDER_POLICIES = ("drop", "pad")
+TRACKERS = ("none", "mlflow", "wandb")  # --track
 
 WHAT_TO_TRAIN = (
     # Checked by models.check_model_name: a built-in, an installed model, or PACKAGE.MODULE:FUNCTION.
@@ -97,6 +98,12 @@ OUTPUT_AND_RESTARTS = (
     Setting("out", Optional[str], None, "run directory for report, train.log and checkpoints", OUTPUT,
             metavar="DIR", default_help="runs/<time>-<model>-<strategy>, runs/latest -> the newest",
             decides_step=False),
+    # Written by the driver, the one writer (train/metrics_log.py); runs under one folder compare in one TensorBoard.
+    Setting("tensorboard", bool, True, "TensorBoard event files in OUT/tensorboard", OUTPUT, decides_step=False,
+            switches=(Switch("--tensorboard", True, "write TensorBoard event files into OUT/tensorboard (default)"),
+                      Switch("--no-tensorboard", False, "write no TensorBoard event files"))),
+    Setting("track", str, "none", "also log the metrics and settings to MLflow or W&B (offline unless configured; "
+            "the package must be installed)", OUTPUT, choices=TRACKERS, decides_step=False),
     Setting("checkpoint_every", int, 0, "save an orbax checkpoint every N steps (a run stopped by SIGTERM also "
             "saves the step it stopped at, into OUT/checkpoints, without it)", OUTPUT, check=NON_NEGATIVE,
             default_help="none", decides_step=False),

@@ -24,6 +24,7 @@ from alpa_job.errors import KitError
 from alpa_job.record.run_record import ProcessResult
 from alpa_job.train.divergence import check_finite
 from alpa_job.train.evaluate import Evaluator
+from alpa_job.train.loop_metrics import LoopMetrics
 from alpa_job.train.profile import StepProfile
 from alpa_job.train.rundir import checkpoint_dir
 from alpa_job.train.train_data import TrainData, input_record, prepare_data  # noqa: F401 - callers import them here
@@ -140,11 +141,13 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     stream = data.stream(total_steps, shard)
     stream.check_state(data_state, start_step)
     evaluator = Evaluator(engine, data, config, shard)
+    metrics = _loop_metrics(config, engine, data)
+    metrics.setup(start_step, phases)
     read_before = (data.source.rows_read, data.source.bytes_read)
     compiles_since = engine.watch_compiles()
     try:
         state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
-                                evaluator=evaluator, stop=stop, config=config)
+                                evaluator=evaluator, stop=stop, metrics=metrics, config=config)
     except BaseException:
         if checkpointer is not None:
             checkpointer.abandon()  # bounded; a save that cannot finish never holds the failing run
@@ -185,6 +188,13 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     return result
 
 
+def _loop_metrics(config, engine: Engine, data: TrainData) -> LoopMetrics:
+    from alpa_job.data.open import model_setting
+
+    seq_len = model_setting(config, "seq_len")
+    return LoopMetrics.for_run(config, engine, data, int(seq_len) if isinstance(seq_len, int) else None)
+
+
 def checkpoint_notes(config, total_steps: int) -> List[str]:
     """A warning, printed now (before the compile) and kept for the report, when --checkpoint-every
     names no step this run reaches: the user asked for checkpoints and would otherwise find none."""
@@ -220,9 +230,11 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
 
 def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
              checkpointer=None, on_step: Optional[Callable[[int], None]] = None,
-             evaluator: Optional[Evaluator] = None, stop=None, config=None) -> Tuple[Any, Dict[str, Any]]:
+             evaluator: Optional[Evaluator] = None, stop=None,
+             metrics: Optional[LoopMetrics] = None, config=None) -> Tuple[Any, Dict[str, Any]]:
     """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches; returns
-    (final state, loop statistics).
+    (final state, loop statistics). `metrics` gets the numbers the loop has on the host anyway (the
+    losses it reads back, each timing window) for the run's metrics log.
 
     The stream is a pure function of (seed, step), and its position is saved with every checkpoint, so
     a resumed run continues the exact batch sequence."""
@@ -238,6 +250,7 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     mark_step = 0  # the step (counted in this run) whose completion `mark` timed
     loop_start = mark = time.perf_counter()
     pending: List[Any] = []  # losses still on the device, oldest first
+    mark_samples = 0  # samples_seen when `mark` was taken (a window's throughput)
 
     def read_back(count: int) -> List[float]:
         # The oldest `count` pending losses in one host sync, checked: a non-finite one stops the run.
@@ -245,6 +258,8 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
         values = engine.to_floats(pending[:count])
         del pending[:count]
         losses.extend(values)
+        if metrics is not None:  # before the check: a diverged run's curve ends with its non-finite loss
+            metrics.losses(first, values)
         check_finite(values, first, global_step, checkpointer, losses)
         return values
     stopped_at = None
@@ -273,7 +288,9 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             fresh = read_back(len(pending)) or fresh  # sync: the first step is done
             now = time.perf_counter()
             first_step_s, first_done, process_age = now - loop_start, now, timing.process_age_s()
-            mark, mark_step = now, steps
+            mark, mark_step, mark_samples = now, steps, samples_seen
+            if metrics is not None:
+                metrics.first_step(global_step, first_step_s)
         elif steps - 1 - mark_step == window:
             # Sync on the step before this one: this one is already queued, so the device does not
             # idle while the host reads the clock and dispatches again (a sync on the newest step
@@ -283,20 +300,26 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             now = time.perf_counter()
             window_step_s.append((now - mark) / window)
             bisect.insort(ordered, window_step_s[-1])
-            mark, mark_step = now, steps - 1
+            if metrics is not None:
+                metrics.window(global_step - 1, window, now - mark, samples_seen - real - mark_samples)
+            mark, mark_step, mark_samples = now, steps - 1, samples_seen - real
         if first_done is not None and global_step == total_steps and steps - mark_step == window:
             # the last window ends with the run: closed here, so the last progress event's rate counts it too
             fresh = read_back(len(pending)) or fresh
             now = time.perf_counter()
             window_step_s.append((now - mark) / window)
             bisect.insort(ordered, window_step_s[-1])
-            mark, mark_step = now, steps
+            if metrics is not None:
+                metrics.window(global_step, window, now - mark, samples_seen - mark_samples)
+            mark, mark_step, mark_samples = now, steps, samples_seen
         if evaluator is not None and evaluator.due(global_step, global_step == total_steps):
             point = evaluator(global_step, state)
             if point is not None:
                 bar.set_eval(point.loss, point.perplexity)
+                if metrics is not None:
+                    metrics.evaluation(point)
             if first_done is not None:  # the eval's time is not a step's: the timing window restarts here
-                mark, mark_step = time.perf_counter(), steps
+                mark, mark_step, mark_samples = time.perf_counter(), steps, samples_seen
         bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real,
                    read_loss=fresh[-1] if fresh else None,
                    step_s=timing.percentile_sorted(ordered, 0.5) if ordered else None)
@@ -308,6 +331,8 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
         profile.stop(engine, state)  # a run that ended (or stopped) inside the traced steps
     if first_done is not None and steps - mark_step == window:  # a run stopped early: its last window ends here
         window_step_s.append((time.perf_counter() - mark) / window)
+        if metrics is not None:
+            metrics.window(global_step, window, window_step_s[-1] * window, samples_seen - mark_samples)
     engine.wait(state)
     loop_seconds = time.perf_counter() - loop_start
     bar.close()

@@ -33,6 +33,10 @@ RUN_META = "run.json"
 CHECKPOINTS = "checkpoints"
 SKIPPED = "checkpoints-skipped"  # damaged checkpoints set aside (train/checkpoint.py names it too)
 FAILED_REPORT = "report.failed.json"
+TENSORBOARD = "tensorboard"  # the run's TensorBoard event files (train/metrics_log.py)
+# The metrics folders a run writes: an earlier run's go with its reports (--overwrite, --resume auto
+# starting fresh), so a new run's curves never join the old ones in one TensorBoard run.
+METRICS_DIRS = (TENSORBOARD, "mlruns", "wandb")
 
 
 def checkpoint_dir(out: str) -> str:
@@ -172,6 +176,7 @@ def keep_earlier_reports(out: str) -> Optional[str]:
         return None
     kept = os.path.join(out, f"earlier-{utc_stamp()}")
     os.makedirs(kept, exist_ok=True)
+    present += [n for n in METRICS_DIRS if os.path.isdir(os.path.join(out, n))]
     for name in present:
         os.replace(os.path.join(out, name), os.path.join(kept, name))
     print(f"[alpa_job] --resume auto: no checkpoint in {out}, starting fresh; the earlier run's "
@@ -209,6 +214,8 @@ def prepare(config, explicit_out: bool, root: str = RUNS_ROOT):
     if config.overwrite and not config.resume:
         shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
         shutil.rmtree(os.path.join(out, SKIPPED), ignore_errors=True)
+        for name in METRICS_DIRS:
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
         for name in REPORT_FILES + (RUN_META, FAILED_REPORT):
             if os.path.isfile(os.path.join(out, name)):
                 os.remove(os.path.join(out, name))

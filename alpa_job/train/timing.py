@@ -10,7 +10,7 @@ large model). Plain Python (Python 3.9).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 # Dense bf16 matmul rates measured on these devices (an 8192^3 product on random data, not the
 # datasheet's peak), keyed by jax's device_kind; MFU is reported only for these.
@@ -84,10 +84,19 @@ def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flop
                            "steady_step": steady, "flops_per_step": flops_per_step, "tflops_per_device": None,
                            "mfu": None, "peak_memory_bytes": peak_memory_bytes,
                            "peak_estimate_bytes": peak_estimate_bytes, "devices": device_count}
-    if steady and flops_per_step:
-        rate = flops_per_step / device_count / steady["median_s"]
-        out["tflops_per_device"] = round(rate / 1e12, 1)
-        peak = PEAK_BF16_FLOPS.get(device_kind or "")
-        if peak and dtype == "bfloat16":
-            out["mfu"] = round(rate / peak, 3)
+    if steady:
+        tflops, mfu = device_rate(flops_per_step, device_count, steady["median_s"], device_kind, dtype)
+        out["tflops_per_device"] = round(tflops, 1) if tflops is not None else None
+        out["mfu"] = round(mfu, 3) if mfu is not None else None
     return out
+
+
+def device_rate(flops_per_step: Optional[float], device_count: int, step_s: float, device_kind: Optional[str],
+                dtype: str) -> Tuple[Optional[float], Optional[float]]:
+    """(TFLOP/s per device, MFU) of a step taking `step_s`; None where unknown (MFU: bf16 on a device
+    whose peak is in PEAK_BF16_FLOPS)."""
+    if not flops_per_step or not step_s or step_s <= 0:
+        return None, None
+    rate = flops_per_step / max(device_count, 1) / step_s
+    peak = PEAK_BF16_FLOPS.get(device_kind or "")
+    return rate / 1e12, (rate / peak if peak and dtype == "bfloat16" else None)
