@@ -17,8 +17,7 @@ Nothing is trained and no GPU is needed: each candidate's train step is compiled
 CPU devices. Writes OUT/plan.json (schema: alpa_job/record/plan.schema.json) and OUT/plan.html.
 """
 
-# The job settings a plan reads: what model, its sizes, the batch and the compute dtype.
-MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype")
+from alpa_job.planner.plan import MODEL_SETTINGS  # the job settings a plan reads
 
 
 def add_parser(sub) -> None:
@@ -59,14 +58,14 @@ def run(args) -> int:
     from alpa_job import progress
     from alpa_job.planner import gpus, render
     from alpa_job.planner.plan import make_plan
-    from alpa_job.settings import catalog, config as config_lib
+    from alpa_job.planner.plan import model_values
+    from alpa_job.settings import config as config_lib
 
     progress.configure(progress.DEFAULT)
     gpu = gpus.resolve(args.gpu, args.gpu_memory_gb, args.gpu_tflops, args.nvlink_gbps)
     if args.model_parallel < 0 or args.timeout <= 0:
         raise KitError("--model-parallel must be >= 0 and --timeout > 0")
-    cli_values = {k: v for k, v in vars(args).items() if v is not None and k in config_lib.FIELD_NAMES
-                  and (k in MODEL_SETTINGS or catalog.BY_NAME[k].model)}
+    cli_values = model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES})
     strategies = ("data", "fsdp", "tensor") if args.strategy == "all" else (args.strategy,)
     record = make_plan(args.preset, args.config, cli_values, args.nodes, args.gpus_per_node, gpu,
                        args.network_gbps, strategies, args.model_parallel, args.timeout)

@@ -40,14 +40,14 @@ DEVICE_KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
 def resolve(name: Optional[str], memory_gb: Optional[float] = None, tflops: Optional[float] = None,
             nvlink_gbps: Optional[float] = None) -> Gpu:
     """A catalogue GPU with any of its numbers overridden, or (unknown name) one the flags describe fully."""
-    given = {"memory_gb": memory_gb, "tflops": tflops, "nvlink_gbps": nvlink_gbps}
-    for key, value in given.items():
+    given = {"--gpu-memory-gb": memory_gb, "--gpu-tflops": tflops, "--nvlink-gbps": nvlink_gbps}
+    for flag, value in given.items():
         if value is not None and value <= 0:
-            raise KitError(f"--gpu-{key.replace('_', '-')} must be > 0, got {value}")
+            raise KitError(f"{flag} must be > 0, got {value}")
     key = (name or "h100").lower()
     base = CATALOGUE.get(key)
     if base is None:
-        missing = [f"--gpu-{k.replace('_', '-')}" for k, v in given.items() if v is None]
+        missing = [flag for flag, value in given.items() if value is None]
         if missing:
             raise KitError(not_known("--gpu", name, CATALOGUE) + f"; or describe it with {', '.join(missing)}")
         return Gpu(key, int(memory_gb * 1e9), tflops * 1e12, nvlink_gbps * 1e9, "described by the flags")

@@ -139,9 +139,22 @@ def _leaves(compiled: List[Dict[str, Any]], row: PlanCandidate) -> List[Leaf]:
     return []
 
 
-def _model_settings(config) -> Dict[str, Any]:
+MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype")
+
+
+def model_values(values: Dict[str, Any]) -> Dict[str, Any]:
+    """The settings that decide the model and its step (what a plan compiles): the model, its own sizes
+    and args, the batch, the dtype; plain values (JSON), None left out."""
     from alpa_job.settings import catalog
 
-    keep = {"model", "batch_size", "dtype", "model_args"} | {s.name for s in catalog.SETTINGS if s.model == config.model}
-    data = config.as_dict()
-    return {k: (dict(v) if k == "model_args" else v) for k, v in data.items() if k in keep}
+    model = values.get("model")
+
+    def wanted(key: str) -> bool:
+        owner = catalog.BY_NAME[key].model if key in catalog.BY_NAME else None
+        return key in MODEL_SETTINGS or (owner is not None and model in (None, owner))
+
+    return {k: (dict(v) if k == "model_args" else v) for k, v in values.items() if v is not None and wanted(k)}
+
+
+def _model_settings(config) -> Dict[str, Any]:
+    return model_values(config.as_dict())

@@ -17,6 +17,9 @@ def compile_in_worker(request: Dict[str, Any], timeout_s: float) -> Dict[str, An
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={request['devices']}"])
     env["JAX_PLATFORMS"] = "cpu"
+    # The worker imports this very alpa_job (a checkout beside an installed copy must not mix the two).
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="alpa-plan-") as tmp:
         req, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         with open(req, "w") as f:
