@@ -164,3 +164,17 @@ def test_prefilter_drops_what_cannot_fit_or_is_slow():
     assert all("planner: predicted" in d["note"] for d in dropped)
     tight, dropped_tight = drop_candidates(config, None, example, candidates, budget_bytes=1, nodes=2, gpus_per_node=4)
     assert tight == [] and all("budget" in d["note"] for d in dropped_tight)
+
+
+def test_plan_schema_matches_the_record_and_shares_the_report_leaf():
+    import dataclasses
+
+    from alpa_job.record import plan_record
+    from alpa_job.record.run_record import load_schema
+
+    schema = load_plan_schema()
+    assert schema["$defs"]["leaf"]["properties"] == load_schema()["$defs"]["leaf"]["properties"]
+    assert set(schema["required"]) == {f.name for f in dataclasses.fields(plan_record.PlanRecord)}
+    for name, cls in (("candidate", plan_record.PlanCandidate), ("cluster", plan_record.PlanCluster),
+                      ("gpu", plan_record.PlanGpu), ("collective", plan_record.PlanCollective)):
+        assert set(schema["$defs"][name]["properties"]) == {f.name for f in dataclasses.fields(cls)}, name
