@@ -183,7 +183,7 @@ def _data_parser(sub) -> None:
 def _plan_parser(sub) -> None:
     from alpa_job.planner.cli import add_parser  # flags and output: alpa_job/planner/cli.py
 
-    add_parser(sub)
+    add_parser(sub, _add_setting)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,8 +20,9 @@ CPU devices. Writes OUT/plan.json (schema: alpa_job/record/plan.schema.json) and
 from alpa_job.planner.plan import MODEL_SETTINGS  # the job settings a plan reads
 
 
-def add_parser(sub) -> None:
-    from alpa_job.cli import _add_setting
+def add_parser(sub, add_setting) -> None:
+    """The `plan` parser under `sub`; `add_setting(group, setting)` adds a catalogue setting's flags the way
+    `train` has them."""
     from alpa_job.settings import catalog
 
     p = sub.add_parser("plan", help="plan a cluster you don't have: memory, traffic and step time per strategy",
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
     g.add_argument("--config", metavar="FILE", help="YAML file of job settings; flags override it")
     for setting in catalog.SETTINGS:
         if setting.name in MODEL_SETTINGS or setting.model:
-            _add_setting(g, setting)
+            add_setting(g, setting)
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes")
     c.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
