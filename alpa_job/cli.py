@@ -1,4 +1,4 @@
-"""`python -m alpa_job [train|inspect|doctor|cluster|data] ...`: argument parsing and dispatch only.
+"""`python -m alpa_job [train|inspect|doctor|cluster|data|plan] ...`: argument parsing and dispatch only.
 
 No arguments = `train` with the defaults: the tutorial MLP on the embedded default (a local Ray
 and emulated CPU devices), or on the cluster when run under `ray job submit`.
@@ -16,7 +16,7 @@ from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, EXIT_PREEMPTED, KitError
 from alpa_job.settings.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
 
-SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data")
+SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data", "plan")
 
 
 EXIT_CODES = ("exit codes: 0 done; 1 training failed or diverged (the report in the run directory says how far it "
@@ -182,6 +182,12 @@ def _data_parser(sub) -> None:
     q.add_argument("--no-eot", action="store_true", help="no end-of-text id after each document")
 
 
+def _plan_parser(sub) -> None:
+    from alpa_job.planner.cli import add_parser  # flags and output: alpa_job/planner/cli.py
+
+    add_parser(sub, _add_setting)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = KitArgumentParser(prog="python -m alpa_job", description=__doc__.splitlines()[0],
                                epilog=EXIT_CODES)
@@ -191,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _doctor_parser(sub)
     _cluster_parser(sub)
     _data_parser(sub)
+    _plan_parser(sub)
     return parser
 
 
@@ -250,6 +257,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from alpa_job.data import cli as data_cli
 
             return data_cli.run(args)
+        if args.command == "plan":
+            from alpa_job.planner import cli as plan_cli
+
+            return plan_cli.run(args)
         return _train(args)
     except KitError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

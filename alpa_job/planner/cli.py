@@ -1,0 +1,83 @@
+"""`python -m alpa_job plan`: its flags and what it prints and writes."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from alpa_job.errors import EXIT_OK, KitError
+
+EPILOG = """examples:
+  python -m alpa_job plan --preset gpt-24l --nodes 4 --gpus-per-node 8 --gpu h100
+  python -m alpa_job plan --preset gpt-small --nodes 2 --gpus-per-node 4 --batch-size 64 --out plans/small
+  python -m alpa_job plan --preset gpt-12l --nodes 2 --gpus-per-node 8 --gpu l40s --gpu-memory-gb 48 \\
+      --gpu-tflops 362 --nvlink-gbps 32 --network-gbps 200
+
+Nothing is trained and no GPU is needed: each candidate's train step is compiled for NODES x GPUS emulated
+CPU devices. Writes OUT/plan.json (schema: alpa_job/record/plan.schema.json) and OUT/plan.html.
+"""
+
+from alpa_job.planner.plan import MODEL_SETTINGS  # the job settings a plan reads
+
+
+def add_parser(sub, add_setting) -> None:
+    """The `plan` parser under `sub`; `add_setting(group, setting)` adds a catalogue setting's flags the way
+    `train` has them."""
+    from alpa_job.settings import catalog
+
+    p = sub.add_parser("plan", help="plan a cluster you don't have: memory, traffic and step time per strategy",
+                       description="Compile every strategy x mesh for N nodes x G GPUs on emulated CPU devices and "
+                                   "estimate memory, NVLink/network bytes and step time on the GPUs.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model (as for train)")
+    g.add_argument("--preset", metavar="NAME", help="named settings from alpa_job/settings/presets (gpt-24l, ...)")
+    g.add_argument("--config", metavar="FILE", help="YAML file of job settings; flags override it")
+    for setting in catalog.SETTINGS:
+        if setting.name in MODEL_SETTINGS or setting.model:
+            add_setting(g, setting)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes")
+    c.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
+    c.add_argument("--gpu", default="h100", metavar="NAME", help="h100, h200 or a100, or any name with "
+                   "--gpu-memory-gb, --gpu-tflops and --nvlink-gbps (default: h100)")
+    c.add_argument("--gpu-memory-gb", type=float, metavar="GB", help="memory of one GPU")
+    c.add_argument("--gpu-tflops", type=float, metavar="T", help="dense bf16 peak of one GPU, TFLOP/s")
+    c.add_argument("--nvlink-gbps", type=float, metavar="GB/S", help="NVLink bandwidth of one GPU, one direction, GB/s")
+    c.add_argument("--network-gbps", type=float, default=400.0, metavar="Gb/S",
+                   help="network bandwidth per GPU across nodes, one direction, Gbit/s (default: 400, one NDR NIC a GPU)")
+    o = p.add_argument_group("plan")
+    o.add_argument("--strategy", default="all", choices=("all", "data", "fsdp", "tensor"),
+                   help="which strategies to plan (default: all)")
+    o.add_argument("--model-parallel", type=int, default=0, metavar="M", help="tensor: only this model axis size")
+    o.add_argument("--out", metavar="DIR", default="plans/latest", help="where plan.json and plan.html go "
+                                                                       "(default: plans/latest)")
+    o.add_argument("--timeout", type=float, default=1800.0, metavar="S",
+                   help="seconds the compiling may take in all (default: 1800)")
+
+
+def run(args) -> int:
+    from alpa_job import progress
+    from alpa_job.planner import gpus, render
+    from alpa_job.planner.plan import make_plan
+    from alpa_job.planner.plan import model_values
+    from alpa_job.settings import config as config_lib
+
+    progress.configure(progress.DEFAULT)
+    gpu = gpus.resolve(args.gpu, args.gpu_memory_gb, args.gpu_tflops, args.nvlink_gbps)
+    if args.model_parallel < 0 or args.timeout <= 0:
+        raise KitError("--model-parallel must be >= 0 and --timeout > 0")
+    cli_values = model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES})
+    strategies = ("data", "fsdp", "tensor") if args.strategy == "all" else (args.strategy,)
+    record = make_plan(args.preset, args.config, cli_values, args.nodes, args.gpus_per_node, gpu,
+                       args.network_gbps, strategies, args.model_parallel, args.timeout)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "plan.json"), "w") as f:
+            json.dump(record.to_dict(), f, indent=1)
+        with open(os.path.join(args.out, "plan.html"), "w") as f:
+            f.write(render.to_html(record))
+    except OSError as err:
+        raise KitError(f"cannot write the plan to {args.out} ({err.strerror}); pass --out a writable folder") from None
+    print(render.to_table(record), flush=True)
+    print(f"plan: {os.path.join(args.out, 'plan.html')}  (also plan.json)", flush=True)
+    return EXIT_OK

@@ -1,0 +1,55 @@
+"""One candidate of a plan: the train step compiled for N x G emulated CPU devices, nothing allocated.
+
+The JAX engine builds the abstract sharded state and lowers and compiles the step exactly as a run
+would (only its check that the state fits this host's RAM is off: the plan checks against the GPU).
+Read from it: state bytes per device (the shardings), XLA's memory analysis, the step's model FLOPs
+(its jaxpr) and every collective of the compiled HLO with its replica groups (placement.py).
+Runs in the worker process (worker.py), whose device count was set before jax was imported.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Tuple
+
+from alpa_job.engines import memory_fit
+from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.planner import placement
+from alpa_job.record import hlo
+
+
+class PlanEngine(JaxEngine):
+    """The JAX engine for devices this host does not have: their memory is checked by the plan."""
+
+    check_memory = False
+
+
+def compile_candidate(config, model, example: Dict[str, Any], strategy: str, mesh_shape: Tuple[int, int],
+                      gpus_per_node: int) -> Dict[str, Any]:
+    """Plain data (JSON-able) about one compiled candidate."""
+    start = time.perf_counter()
+    engine = PlanEngine(config, model, example, strategy, tuple(mesh_shape))
+    stats = engine.compile_step()
+    text = stats.hlo_texts[0]
+    num_devices = mesh_shape[0] * mesh_shape[1]
+    rows = placement.step_traffic(text, num_devices, gpus_per_node)
+    by_kind: Dict[str, Dict[str, Any]] = {k: {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0}
+                                          for k in hlo.COLLECTIVE_KINDS}
+    for row in rows:
+        slot = by_kind[row.kind]
+        slot["count"] += 1
+        slot["bytes"] += row.output_bytes
+        slot["nvlink_bytes"] += row.nvlink_bytes
+        slot["network_bytes"] += row.network_bytes
+    plan = engine.plan()
+    return {
+        "strategy": strategy, "mesh_shape": list(mesh_shape),
+        "state_bytes_per_device": memory_fit.state_bytes_per_device(engine.abstract_state),
+        "memory": stats.memory, "flops_per_step": stats.flops_per_step,
+        "collectives": by_kind, "groups_read": all(r.groups_read for r in rows),
+        "compile_s": round(time.perf_counter() - start, 2),
+        "params": [leaf.__dict__ for leaf in plan.leaf_records() if leaf.path.startswith("params/")],
+    }
+
+
+def candidate_leaves(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return list(result.get("params") or [])

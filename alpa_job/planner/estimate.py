@@ -1,0 +1,113 @@
+"""Step time and memory of a compiled candidate on real GPUs, with constants fitted to measured runs.
+
+    step = compute + communication
+    compute = FLOPs per device / (GPU peak x efficiency)
+    communication = factor[strategy] x (NVLink bytes / NVLink bandwidth + network bytes / network bandwidth)
+
+Overlap assumption: the model adds communication to compute. Whatever part of it the measured runs hid
+behind compute (or lost to small messages and launch latency) is in `factor`, fitted per strategy from
+the multi-GPU runs (factor < 1: partly hidden; > 1: slower than the links' bandwidth). The efficiency is
+the geometric mean of the one-GPU runs' measured FLOP rate over the GPU's peak. A strategy with no
+multi-GPU run takes the median factor of those that have one.
+
+Memory: XLA's CPU compile keeps far more scratch (temp) than the GPU's (no fused attention, other
+fusion); the state part (arguments + outputs - aliased) is exact. The GPU peak is estimated as the
+state part + temp x `temp_ratio`, the ratio measured on the calibration runs with a known GPU peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from typing import Any, Dict, List, Optional
+
+from alpa_job.errors import KitError
+from alpa_job.planner import gpus
+
+CALIBRATION_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
+
+
+@dataclasses.dataclass
+class Constants:
+    efficiency: float  # of the GPU's peak, for the model FLOPs
+    comm_factor: Dict[str, float]  # per strategy
+    default_comm_factor: float
+    temp_ratio: float  # GPU scratch / CPU scratch
+    fitted_from: List[str]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load(path: str = CALIBRATION_PATH) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise KitError(f"cannot read the planner's calibration {path} ({err}); restore it from the repository")
+
+
+def _cpu(entry: Dict[str, Any]) -> Dict[str, Any]:
+    cpu = entry.get("cpu")
+    if not cpu:
+        raise KitError(f"calibration entry {entry.get('id')!r} has no cpu block; run "
+                       "python -m alpa_job.planner.calibrate")
+    return cpu
+
+
+def link_seconds(collectives: Dict[str, Dict[str, float]], gpu: gpus.Gpu, network_bytes_s: float) -> float:
+    """Seconds on the links if every byte went at full bandwidth, one collective after the other."""
+    nvlink = sum(c["nvlink_bytes"] for c in collectives.values())
+    network = sum(c["network_bytes"] for c in collectives.values())
+    return nvlink / gpu.nvlink_bytes_s + network / network_bytes_s
+
+
+def state_part(memory: Dict[str, int]) -> int:
+    return memory["argument_size_in_bytes"] + memory["output_size_in_bytes"] - memory["alias_size_in_bytes"]
+
+
+def fit(calibration: Dict[str, Any]) -> Constants:
+    entries = calibration["entries"]
+    single = [e for e in entries if e["nodes"] * e["gpus_per_node"] == 1]
+    if not single:
+        raise KitError("the planner's calibration has no one-GPU run, so no compute efficiency; add one")
+    rates = [_cpu(e)["flops_per_step"] / (gpus.CATALOGUE[e["gpu"]].peak_flops * e["measured_step_ms"] / 1e3)
+             for e in single]
+    efficiency = math.exp(statistics.mean(math.log(r) for r in rates))
+    factors: Dict[str, List[float]] = {}
+    for e in entries:
+        devices = e["nodes"] * e["gpus_per_node"]
+        if devices == 1:
+            continue
+        cpu, gpu = _cpu(e), gpus.CATALOGUE[e["gpu"]]
+        compute = cpu["flops_per_step"] / devices / (gpu.peak_flops * efficiency)
+        links = link_seconds(cpu["collectives"], gpu, e.get("network_gbps", 400) * 1e9 / 8)
+        if links > 0:
+            factors.setdefault(e["strategy"], []).append(max(e["measured_step_ms"] / 1e3 - compute, 0.0) / links)
+    comm_factor = {s: statistics.median(v) for s, v in factors.items()}
+    default = statistics.median(comm_factor.values()) if comm_factor else 1.0
+    ratios = []
+    for e in entries:
+        memory = _cpu(e).get("memory") or {}
+        if e.get("measured_peak_gb") and memory.get("temp_size_in_bytes"):
+            ratios.append((e["measured_peak_gb"] * 1e9 - state_part(memory)) / memory["temp_size_in_bytes"])
+    temp_ratio = statistics.median(ratios) if ratios else 1.0
+    return Constants(efficiency, comm_factor, default, temp_ratio, [e["id"] for e in entries])
+
+
+def gpu_peak_bytes(memory: Optional[Dict[str, int]], constants: Constants) -> Optional[int]:
+    if not memory:
+        return None
+    return int(state_part(memory) + constants.temp_ratio * memory["temp_size_in_bytes"])
+
+
+def predict(row: Dict[str, Any], devices: int, gpu: gpus.Gpu, network_bytes_s: float,
+            constants: Constants) -> Dict[str, Any]:
+    """compute_s, communication_s, step_s and the corrected peak for one compiled candidate."""
+    compute = (row["flops_per_step"] or 0.0) / devices / (gpu.peak_flops * constants.efficiency)
+    links = link_seconds(row["collectives"], gpu, network_bytes_s)
+    factor = constants.comm_factor.get(row["strategy"], constants.default_comm_factor)
+    return {"compute_s": compute, "link_s": links, "comm_factor": factor, "communication_s": factor * links,
+            "step_s": compute + factor * links, "gpu_peak_bytes": gpu_peak_bytes(row.get("memory"), constants)}

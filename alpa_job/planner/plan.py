@@ -1,0 +1,160 @@
+"""A plan, end to end: settings -> candidates -> compiled on emulated devices -> estimated -> ranked record."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from alpa_job.errors import KitError
+from alpa_job.planner import candidates as candidates_lib, estimate, gpus, placement
+from alpa_job.planner.calibrate import plan_values
+from alpa_job.planner.run_worker import compile_in_worker
+from alpa_job.record.plan_record import PlanCandidate, PlanCluster, PlanCollective, PlanGpu, PlanRecord
+from alpa_job.record.run_record import Leaf
+
+# JAX's GPU client takes this share of a card by default (XLA_PYTHON_CLIENT_MEM_FRACTION); the kit's
+# memory checks then keep memory_fit.FRACTION of what JAX took.
+JAX_GPU_MEM_FRACTION = 0.75
+DEFAULT_NETWORK_GBPS = 400.0  # one 400 Gb/s NIC per GPU (InfiniBand NDR, as in DGX H100 nodes)
+
+
+def usable_bytes(gpu: gpus.Gpu) -> int:
+    from alpa_job.engines.memory_fit import FRACTION
+
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_MEM_FRACTION))
+    return int(FRACTION * fraction * gpu.memory_bytes)
+
+
+def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], devices: int):
+    """(validated JobConfig, the values the worker rebuilds it from, how the batch was chosen)."""
+    from alpa_job.settings import config as config_lib
+
+    layers = config_lib.load_layers(preset, config_path)
+    given = {k: v for k, v in cli_values.items() if v is not None}
+    base = config_lib.build_config(config_lib.merge_layers(layers), given)
+    if "batch_size" in given:
+        batch, how = base.batch_size, f"--batch-size {base.batch_size} (global)"
+    else:
+        batch = base.batch_size * devices
+        how = f"{base.batch_size} per GPU (the settings' batch) x {devices} GPUs; --batch-size sets the global batch"
+    values = {**given, **plan_values(batch)}
+    return config_lib.build_config(config_lib.merge_layers(layers), values), values, how
+
+
+def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], nodes: int,
+              gpus_per_node: int, gpu: gpus.Gpu, network_gbps: float = DEFAULT_NETWORK_GBPS,
+              strategies: Tuple[str, ...] = ("data", "fsdp", "tensor"), model_parallel: int = 0,
+              timeout_s: float = 1800.0, calibration: Optional[Dict[str, Any]] = None) -> PlanRecord:
+    if nodes < 1 or gpus_per_node < 1:
+        raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
+    if network_gbps <= 0:
+        raise KitError(f"--network-gbps must be > 0, got {network_gbps}")
+    devices = nodes * gpus_per_node
+    config, values, batch_how = settings(preset, config_path, cli_values, devices)
+    constants = estimate.fit(calibration or estimate.load())
+    kept, skipped = candidates_lib.plan_candidates(nodes, gpus_per_node, config.batch_size, strategies)
+    if model_parallel:
+        if devices % model_parallel:
+            raise KitError(f"--model-parallel {model_parallel} does not divide the {nodes} x {gpus_per_node} = "
+                           f"{devices} devices; use a divisor of {devices}")
+        kept = [(s, m) for s, m in kept if s != "tensor" or m[1] == model_parallel]
+    request = {"preset": preset, "config": config_path, "devices": devices, "gpus_per_node": gpus_per_node,
+               "candidates": [[s, list(m)] for s, m in kept], "cli_values": values}
+    result = compile_in_worker(request, timeout_s)
+    network_bytes_s = network_gbps * 1e9 / 8
+    usable = usable_bytes(gpu)
+    rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants)
+            for r in result["candidates"]]
+    rows += [PlanCandidate(strategy=s["strategy"], mesh_shape=s["mesh_shape"], note=s["note"]) for s in skipped]
+    compiled = [r for r in rows if r.step_s is not None]
+    if not compiled:
+        notes = "; ".join(f"{r.strategy} {tuple(r.mesh_shape)}: {r.note}" for r in rows[:3])
+        raise KitError(f"no candidate compiles for {devices} devices ({notes}); plan fewer devices or change the "
+                       "model's sizes so its dimensions divide the mesh")
+    best = _rank(rows)
+    if best is not None:
+        rows[best].params = _leaves(result["candidates"], rows[best])
+    assumptions = [
+        f"global batch {config.batch_size}: {batch_how}",
+        "step = compute + communication, added (no overlap beyond what the fitted factor absorbs): compute = "
+        f"FLOPs per GPU / ({gpu.peak_flops / 1e12:.0f} TFLOP/s x efficiency {constants.efficiency:.3f}); "
+        "communication = factor[strategy] x (NVLink bytes / NVLink bandwidth + network bytes / network bandwidth)",
+        "factors fitted to measured multi-GPU runs: " + ", ".join(
+            f"{s} {f:.3f}" for s, f in sorted(constants.comm_factor.items())) +
+        f" (a factor < 1: the measured runs hid part of it behind compute); efficiency from the one-GPU runs",
+        f"devices are placed node-major: device i on node i // {gpus_per_node}; each collective's nodes come from "
+        "its replica groups in the compiled HLO (ring / hierarchical traffic per device)",
+        f"GPU peak memory = state part of XLA's CPU estimate + its scratch x {constants.temp_ratio:.3f} (the GPU/CPU "
+        f"scratch ratio measured on the calibration runs); fits = at most {usable / 1e9:.1f} GB "
+        "(JAX's default share of the card x the kit's usable fraction)",
+        "not verified on a multi-node GPU cluster: the network term is the model above, unmeasured",
+    ]
+    return PlanRecord(
+        model=config.model, preset=preset, settings=_model_settings(config), cluster=PlanCluster(
+            nodes, gpus_per_node, devices, PlanGpu(gpu.name, gpu.memory_bytes, gpu.peak_flops, gpu.nvlink_bytes_s,
+                                                   gpu.source), network_bytes_s, usable),
+        constants=constants.to_dict(), assumptions=assumptions, candidates=rows, best=best,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        versions={"jax (compiling)": result.get("jax")})
+
+
+def _candidate(row: Dict[str, Any], devices: int, gpus_per_node: int, gpu: gpus.Gpu, network_bytes_s: float,
+               usable: int, constants: estimate.Constants) -> PlanCandidate:
+    mesh = tuple(row["mesh_shape"])
+    out = PlanCandidate(strategy=row["strategy"], mesh_shape=list(mesh),
+                        axes=placement.node_axes(mesh, gpus_per_node))
+    if "error" in row:
+        out.note = f"does not compile for {devices} devices: {row['error']}"
+        return out
+    p = estimate.predict(row, devices, gpu, network_bytes_s, constants)
+    memory = row.get("memory") or {}
+    out.state_bytes_per_device = row["state_bytes_per_device"]
+    out.cpu_peak_bytes = memory.get("peak_estimate_bytes")
+    out.gpu_peak_bytes = p["gpu_peak_bytes"]
+    out.flops_per_step = row["flops_per_step"]
+    out.collectives = {k: PlanCollective(**v) for k, v in row["collectives"].items() if v["count"]}
+    out.nvlink_bytes = sum(c.nvlink_bytes for c in out.collectives.values())
+    out.network_bytes = sum(c.network_bytes for c in out.collectives.values())
+    out.compute_s, out.communication_s, out.step_s = p["compute_s"], p["communication_s"], p["step_s"]
+    out.compile_s = row.get("compile_s")
+    out.fits = out.gpu_peak_bytes is not None and out.gpu_peak_bytes <= usable
+    if not out.fits:
+        out.note = f"needs {out.gpu_peak_bytes / 1e9:.1f} GB per GPU, {usable / 1e9:.1f} GB usable"
+    if not row.get("groups_read", True):
+        out.note = (out.note + "; " if out.note else "") + "some replica groups unreadable: assumed to span all devices"
+    return out
+
+
+def _rank(rows: List[PlanCandidate]) -> Optional[int]:
+    fitting = sorted((i for i, r in enumerate(rows) if r.fits and r.step_s is not None), key=lambda i: rows[i].step_s)
+    for rank, i in enumerate(fitting, 1):
+        rows[i].rank = rank
+    return fitting[0] if fitting else None
+
+
+def _leaves(compiled: List[Dict[str, Any]], row: PlanCandidate) -> List[Leaf]:
+    for r in compiled:
+        if r["strategy"] == row.strategy and list(r["mesh_shape"]) == row.mesh_shape:
+            return [Leaf(**leaf) for leaf in r.get("params") or []]
+    return []
+
+
+MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype")
+
+
+def model_values(values: Dict[str, Any]) -> Dict[str, Any]:
+    """The settings that decide the model and its step (what a plan compiles): the model, its own sizes
+    and args, the batch, the dtype; plain values (JSON), None left out."""
+    from alpa_job.settings import catalog
+
+    model = values.get("model")
+
+    def wanted(key: str) -> bool:
+        owner = catalog.BY_NAME[key].model if key in catalog.BY_NAME else None
+        return key in MODEL_SETTINGS or (owner is not None and model in (None, owner))
+
+    return {k: (dict(v) if k == "model_args" else v) for k, v in values.items() if v is not None and wanted(k)}
+
+
+def _model_settings(config) -> Dict[str, Any]:
+    return model_values(config.as_dict())

@@ -1,0 +1,76 @@
+"""The plan's compiling process: `python -m alpa_job.planner.worker REQUEST.json RESULT.json`.
+
+Started by the plan command with XLA_FLAGS naming N x G CPU devices and JAX_PLATFORMS=cpu (a device count
+can only be set before jax is imported, and the command's own process may already hold jax). Each
+candidate is compiled in turn with a progress line; a candidate that does not compile is a row with the
+error's first line, not the end of the plan.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any, Dict
+
+from alpa_job import progress
+from alpa_job.errors import KitError
+
+
+def build(request: Dict[str, Any]):
+    """(config, model, example batch) from the request's settings: the same layers `train` reads."""
+    from alpa_job.models import get_model
+    from alpa_job.settings import config as config_lib
+    from alpa_job.train.train_data import prepare_data
+
+    layers = config_lib.load_layers(request.get("preset"), request.get("config"))
+    config = config_lib.build_config(config_lib.merge_layers(layers), request["cli_values"])
+    model = get_model(config)
+    return config, model, prepare_data(config, model).example
+
+
+def run(request: Dict[str, Any]) -> Dict[str, Any]:
+    import jax
+
+    from alpa_job.planner.compile_plan import compile_candidate
+
+    config, model, example = build(request)
+    found = len(jax.devices())
+    if found != request["devices"]:
+        raise KitError(f"the plan's worker sees {found} devices, not {request['devices']}; unset XLA_FLAGS and "
+                       "JAX_PLATFORMS in the environment and run the plan again")
+    candidates = request["candidates"]
+    bar = progress.Progress("plan", len(candidates), unit="candidate")
+    out = []
+    for number, (strategy, mesh_shape) in enumerate(candidates, 1):
+        progress.phase(f"[plan] candidate {number}/{len(candidates)}: {strategy} on mesh {tuple(mesh_shape)}: "
+                       f"compiling for {found} emulated devices ...")
+        try:
+            row = compile_candidate(config, model, example, strategy, tuple(mesh_shape), request["gpus_per_node"])
+            bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", compile_s=row["compile_s"])
+        except Exception as err:  # noqa: BLE001 - one candidate XLA cannot compile is a row, not the plan's end
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            row = {"strategy": strategy, "mesh_shape": list(mesh_shape), "error": f"{type(err).__name__}: {first}"}
+            bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", result="does not compile")
+        out.append(row)
+    bar.close()
+    return {"candidates": out, "jax": jax.__version__}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        request = json.load(f)
+    try:
+        result = run(request)
+    except KitError as err:
+        result = {"error": str(err)}
+    except Exception as err:  # noqa: BLE001 - handed to the command, which prints one line and the log's path
+        result = {"error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}",
+                  "traceback": traceback.format_exc()}
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""`python -m alpa_job plan`: the planner against real emulated runs, its calibration, its CLI and its bad input.
+
+All on CPU: real JAX on 8 emulated devices (subprocesses), the real plan command, the shipped calibration file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+from alpa_job import cli
+from alpa_job.planner import estimate, gpus, placement
+from alpa_job.planner.calibrate import cpu_features, request_for
+from alpa_job.planner.run_worker import compile_in_worker
+from alpa_job.record.plan_record import load_plan_schema
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_GPT = {"model": "gpt", "num_layers": 2, "d_model": 64, "num_heads": 4, "seq_len": 32, "vocab_size": 256,
+            "batch_size": 16, "num_samples": 16, "dataset": "synthetic", "compile_cache": "none"}
+
+
+def test_state_bytes_collectives_and_flops_equal_a_real_engine_on_8_devices():
+    """Per strategy: the planner's state bytes = what device 0 really holds after init_state; its collective
+    counts = the real engine's compiled HLO's; its FLOPs = the engine's."""
+    request = {"preset": None, "config": None, "devices": 8, "gpus_per_node": 4, "cli_values": TINY_GPT,
+               "candidates": [["data", [8, 1]], ["fsdp", [8, 1]], ["tensor", [4, 2]], ["tensor", [2, 4]]]}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "planner_engine_check.py"), json.dumps(request)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(result) == 4
+    for name, row in result.items():
+        assert row["planned_state_bytes"] == row["real_state_bytes_device0"], name
+        assert row["planned_collectives"] == row["real_collectives"], name
+        assert row["planned_flops"] == row["real_flops"], name
+    assert result["fsdp(8, 1)"]["planned_state_bytes"] < result["data(8, 1)"]["planned_state_bytes"] / 4
+    assert result["data(8, 1)"]["real_collectives"]["all-reduce"] > 0
+
+
+def test_replica_group_formats_and_traffic_split():
+    assert placement.replica_groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
+    assert placement.replica_groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert placement.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, x"
+    assert placement.replica_groups(mesh, 8) == [[0, 1], [4, 5], [2, 3], [6, 7]] or \
+        sorted(map(sorted, placement.replica_groups(mesh, 8))) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert placement.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # 8 devices, 4 a node: a group inside a node uses NVLink only; one device a node uses the network only.
+    inside = placement.traffic("all-reduce", 1000, [[0, 1, 2, 3], [4, 5, 6, 7]], 8, 4)
+    assert (inside.nvlink_bytes, inside.network_bytes) == (1500.0, 0.0)
+    across = placement.traffic("all-reduce", 1000, [[0, 4], [1, 5], [2, 6], [3, 7]], 8, 4)
+    assert (across.nvlink_bytes, across.network_bytes) == (0.0, 1000.0)
+    both = placement.traffic("all-gather", 800, [list(range(8))], 8, 4)
+    assert (both.nvlink_bytes, both.network_bytes) == (600.0, 100.0)
+    assert placement.node_axes((2, 4), 4) == {"model": "inside a node", "data": "across nodes"}
+
+
+def test_calibration_predicts_every_measured_run_within_20_percent_and_the_same_winner():
+    """Reads calibration.json: holds for whatever measured runs it holds."""
+    data = estimate.load()
+    constants = estimate.fit(data)
+    groups = {}
+    for entry in data["entries"]:
+        devices = entry["nodes"] * entry["gpus_per_node"]
+        row = {**entry["cpu"], "strategy": entry["strategy"]}
+        predicted = estimate.predict(row, devices, gpus.CATALOGUE[entry["gpu"]], 50e9, constants)["step_s"] * 1e3
+        error = abs(predicted - entry["measured_step_ms"]) / entry["measured_step_ms"]
+        assert error <= 0.20, (entry["id"], predicted, entry["measured_step_ms"])
+        key = (entry["gpu"], entry["preset"], entry["batch_size"], devices)
+        groups.setdefault(key, []).append((entry, predicted))
+    for key, rows in groups.items():
+        if len(rows) < 2:
+            continue
+        measured = min(rows, key=lambda r: r[0]["measured_step_ms"])[0]["strategy"]
+        planned = min(rows, key=lambda r: r[1])[0]["strategy"]
+        assert planned == measured, key
+        for entry, _ in rows:
+            assert entry.get("auto_chose") in (None, measured), entry["id"]
+    known = [e for e in data["entries"] if e.get("measured_peak_gb")]
+    for entry in known:
+        peak = estimate.gpu_peak_bytes(entry["cpu"]["memory"], constants) / 1e9
+        assert abs(peak - entry["measured_peak_gb"]) / entry["measured_peak_gb"] <= 0.10, entry["id"]
+
+
+def test_calibration_cpu_block_is_current():
+    """The cheapest entry recompiled now gives the FLOPs, collectives and memory stored for it (else:
+    python -m alpa_job.planner.calibrate)."""
+    data = estimate.load()
+    entry = min(data["entries"], key=lambda e: (e["nodes"] * e["gpus_per_node"], e["preset"] != "gpt-12l"))
+    row = compile_in_worker(request_for(entry), 600)["candidates"][0]
+    fresh, stored = cpu_features(row), entry["cpu"]
+    assert fresh["flops_per_step"] == stored["flops_per_step"]
+    assert fresh["state_bytes_per_device"] == stored["state_bytes_per_device"]
+    assert {k: v["count"] for k, v in fresh["collectives"].items()} == \
+        {k: v["count"] for k, v in stored["collectives"].items()}
+    assert abs(fresh["memory"]["temp_size_in_bytes"] - stored["memory"]["temp_size_in_bytes"]) <= \
+        0.02 * stored["memory"]["temp_size_in_bytes"]
+
+
+def test_plan_2_nodes_x_4_end_to_end(tmp_path):
+    out = tmp_path / "plan"
+    proc = subprocess.run([sys.executable, "-m", "alpa_job", "plan", "--preset", "gpt-small", "--nodes", "2",
+                           "--gpus-per-node", "4", "--num-layers", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "candidate 5/5" in proc.stderr  # progress per candidate
+    plan = json.loads((out / "plan.json").read_text())
+    jsonschema.validate(plan, load_plan_schema())
+    rows = plan["candidates"]
+    assert {(r["strategy"], tuple(r["mesh_shape"])) for r in rows} == {
+        ("data", (8, 1)), ("fsdp", (8, 1)), ("tensor", (4, 2)), ("tensor", (2, 4)), ("tensor", (1, 8))}
+    ranked = sorted((r for r in rows if r["rank"]), key=lambda r: r["rank"])
+    assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
+    assert plan["best"] is not None and plan["candidates"][plan["best"]]["rank"] == 1
+    by = {(r["strategy"], tuple(r["mesh_shape"])): r for r in rows}
+    # data: the gradient all-reduce crosses nodes; tensor 2x4 keeps model in a node, 1x8 crosses nodes.
+    assert by[("data", (8, 1))]["network_bytes"] > 0
+    assert by[("tensor", (2, 4))]["axes"]["model"] == "inside a node"
+    assert by[("tensor", (1, 8))]["axes"]["model"] == "across nodes"
+    assert plan["candidates"][plan["best"]]["params"]
+    page = (out / "plan.html").read_text()
+    assert "<svg" in page and "overlap" in page
+    assert "rank" in proc.stdout and "plan.html" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpu", "h10"], "(did you mean h100?)"),
+    (["--gpu", "l40s", "--gpu-memory-gb", "48"], "--gpu-tflops, --nvlink-gbps"),
+    (["--strategy", "data", "--batch-size", "3"], "not divisible by the data axis of any candidate"),
+    (["--gpu-tflops", "-1"], "--gpu-tflops must be > 0"),
+    (["--model-parallel", "3"], "--model-parallel 3 does not divide"),
+    (["--nodes", "0"], "must be >= 1"),
+    (["--network-gbps", "0"], "--network-gbps must be > 0"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
+    base = ["plan", "--preset", "gpt-small", "--nodes", "2", "--gpus-per-node", "4", "--out", str(tmp_path)]
+    args = base + argv
+    if "--nodes" in argv:
+        args = ["plan", "--preset", "gpt-small", "--gpus-per-node", "4", "--out", str(tmp_path)] + argv
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_prefilter_drops_what_cannot_fit_or_is_slow():
+    from alpa_job.engines.sharding_rules import auto_candidates
+    from alpa_job.planner.prefilter import drop_candidates
+    from alpa_job.settings import config as config_lib
+
+    values = {k: v for k, v in TINY_GPT.items() if k not in ("num_samples", "dataset", "compile_cache")}
+    config = config_lib.build_config({}, values)
+    import numpy as np
+
+    example = {"tokens": np.zeros((16, 33), np.int32), "mask": np.ones((16,), np.float32)}
+    candidates = auto_candidates(8)
+    kept, dropped = drop_candidates(config, None, example, candidates, budget_bytes=10 ** 12, nodes=2,
+                                    gpus_per_node=4)
+    assert kept and len(kept) + len(dropped) == len(candidates)
+    assert all("planner: predicted" in d["note"] for d in dropped)
+    tight, dropped_tight = drop_candidates(config, None, example, candidates, budget_bytes=1, nodes=2, gpus_per_node=4)
+    assert tight == [] and all("budget" in d["note"] for d in dropped_tight)
+
+
+def test_plan_schema_matches_the_record_and_shares_the_report_leaf():
+    import dataclasses
+
+    from alpa_job.record import plan_record
+    from alpa_job.record.run_record import load_schema
+
+    schema = load_plan_schema()
+    assert schema["$defs"]["leaf"]["properties"] == load_schema()["$defs"]["leaf"]["properties"]
+    assert set(schema["required"]) == {f.name for f in dataclasses.fields(plan_record.PlanRecord)}
+    for name, cls in (("candidate", plan_record.PlanCandidate), ("cluster", plan_record.PlanCluster),
+                      ("gpu", plan_record.PlanGpu), ("collective", plan_record.PlanCollective)):
+        assert set(schema["$defs"][name]["properties"]) == {f.name for f in dataclasses.fields(cls)}, name
