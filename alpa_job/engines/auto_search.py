@@ -1,20 +1,31 @@
-"""`--strategy auto`: an honest small version of Alpa's profile-guided search.
+"""`--strategy auto`: an honest small version of Alpa's profile-guided search, in about one compile.
 
-Compile every candidate strategy x mesh shape, drop those whose XLA memory estimate does not fit
-a device, time a few real steps of the rest, keep the fastest. The whole table goes in the report.
+Every candidate strategy x mesh shape is built abstractly first (no compile): one whose state alone
+exceeds a device's budget is dropped there, and on a cluster of several processes the planner
+(alpa_job.planner) drops those it predicts cannot fit or are far slower than the best. The rest
+compile at the same time (XLA compiles outside the GIL, so N compiles take about as long as the
+slowest), those whose XLA memory estimate fits are timed over a few real steps, and the fastest
+wins. The table of every candidate goes in the report, and the result is kept beside the compile
+cache, so a second identical run trains its winner straight away.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 
-from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.engines import compile_cache, memory_fit
+from alpa_job.engines.executable_store import _digest, step_key
+from alpa_job.engines.jax_engine import JaxEngine, make_mesh
 from alpa_job.engines.sharding_rules import auto_candidates
 from alpa_job.errors import KitError
 from alpa_job.progress import Progress, phase
+
+SEARCH_DIR = "auto-search"
 
 
 def device_memory_budget(limit_gb: Optional[float]) -> int:
@@ -38,38 +49,30 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     `schedule_steps`: the learning-rate schedule's horizon (JaxEngine)."""
     budget = device_memory_budget(config.memory_limit_gb)
     candidates = auto_candidates(len(jax.devices()))
-    table: List[Dict[str, object]] = []
-    best: Optional[JaxEngine] = None
-    best_time = float("inf")
-    bar = Progress("auto search", len(candidates), unit="candidate")
+    saved = SavedSearch.open(config, schedule_steps, candidates, example_batch, budget)
+    reused = saved.load() if saved is not None else None
+    if reused is not None:
+        return _rebuild_winner(config, model, example_batch, schedule_steps, reused, saved.path)
+
+    table: List[Dict[str, object]] = [_row(strategy, mesh) for strategy, mesh in candidates]
     phase(f"[auto] searching {len(candidates)} candidates (strategy x mesh), budget {budget / 2**30:.1f} GiB/device")
-    for number, (strategy, mesh_shape) in enumerate(candidates, 1):
-        phase(f"[auto] candidate {number}/{len(candidates)}: {strategy} on mesh {mesh_shape}: "
-              "compiling and timing ...")  # " ...": a spinner on a terminal until its result line
-        row: Dict[str, object] = {"strategy": strategy, "mesh_shape": list(mesh_shape), "fits": None,
-                                  "peak_bytes_per_device": None, "compile_s": None, "step_time_s": None,
-                                  "chosen": False, "note": ""}
-        table.append(row)
-        try:
-            engine = JaxEngine(config, model, example_batch, strategy, mesh_shape, schedule_steps=schedule_steps)
-            stats = engine.compile_step()
-        except KitError as err:
-            row["note"] = str(err)
-            bar.update(1, candidate=f"{strategy}{mesh_shape}", result="skipped")
-            continue
-        row["compile_s"] = round(stats.compile_seconds, 3)
-        peak = (stats.memory or {}).get("peak_estimate_bytes")
-        row["peak_bytes_per_device"] = peak
+    _ask_planner(config, model, example_batch, candidates, budget, table)
+    engines = _build_abstract(config, model, example_batch, schedule_steps, budget, table)
+    _compile_together(engines, table)
+    best, best_time = None, float("inf")
+    timed_bar = Progress("auto search: timing", max(len(engines), 1), unit="candidate")
+    for row, engine in engines:
+        peak = row["peak_bytes_per_device"]
         row["fits"] = peak is None or peak <= budget
         if not row["fits"]:
             row["note"] = f"needs {peak} B per device, budget {budget} B"
-            bar.update(1, candidate=f"{strategy}{mesh_shape}", result="does not fit")
+            timed_bar.update(1, candidate=_name(row), result="does not fit")
             continue
         row["step_time_s"] = _time_steps(engine, config, batches)
-        bar.update(1, candidate=f"{strategy}{mesh_shape}", step_ms=round(row["step_time_s"] * 1e3, 2))
+        timed_bar.update(1, candidate=_name(row), step_ms=round(row["step_time_s"] * 1e3, 2))
         if row["step_time_s"] < best_time:
             best, best_time = engine, row["step_time_s"]
-    bar.close()
+    timed_bar.close()
     if best is None:
         raise KitError("--strategy auto: no candidate fits (see the notes above); lower --batch-size or the "
                        "model size, or raise --memory-limit-gb")
@@ -80,7 +83,86 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
                  f"{timed[1]['step_time_s'] * 1e3:.2f} ms") if len(timed) > 1 else ""
     phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: fastest step "
           f"({best_time * 1e3:.2f} ms) of the {len(timed)} candidate(s) that fit, out of {len(table)}{runner_up}")
+    if saved is not None:
+        best.keep_step()
+        saved.save(table)
     return best, table
+
+
+def _row(strategy: str, mesh: Tuple[int, int]) -> Dict[str, object]:
+    return {"strategy": strategy, "mesh_shape": list(mesh), "fits": None, "peak_bytes_per_device": None,
+            "compile_s": None, "step_time_s": None, "chosen": False, "note": ""}
+
+
+def _name(row: Dict[str, object]) -> str:
+    return f"{row['strategy']}{tuple(row['mesh_shape'])}"
+
+
+def _ask_planner(config, model, example_batch, candidates, budget: int, table: List[Dict[str, object]]) -> None:
+    """Several processes (a real cluster): drop what the planner, compiling on CPU devices in a worker
+    process, predicts cannot fit or is far slower, before the GPUs compile anything. One process
+    skips it: its candidates compile together in about the time the planner would take."""
+    if jax.process_count() == 1 or jax.devices()[0].platform == "cpu":
+        return
+    from alpa_job.planner import gpus
+    from alpa_job.planner.prefilter import drop_candidates
+
+    gpu = gpus.DEVICE_KINDS.get(jax.devices()[0].device_kind)
+    if gpu is None:
+        phase(f"[auto] planner skipped: it has no figures for {jax.devices()[0].device_kind}")
+        return
+    try:
+        _, dropped = drop_candidates(config, model, example_batch, candidates, budget, jax.process_count(),
+                                     jax.local_device_count(), gpu)
+    except Exception as err:  # noqa: BLE001 - the planner only narrows the search; without it all are compiled
+        phase(f"[auto] planner skipped ({type(err).__name__}: {err}); compiling every candidate")
+        return
+    for drop in dropped:
+        for row in table:
+            if row["strategy"] == drop["strategy"] and list(row["mesh_shape"]) == list(drop["mesh_shape"]):
+                row["note"], row["fits"] = drop["note"], False
+
+
+def _build_abstract(config, model, example_batch, schedule_steps, budget: int, table) -> List[Tuple[dict, JaxEngine]]:
+    """Each remaining candidate's engine, built abstractly; one whose state alone exceeds the budget is
+    dropped before compiling (its shardings already decide it)."""
+    engines = []
+    for row in table:
+        if row["note"]:
+            continue
+        try:
+            engine = JaxEngine(config, model, example_batch, row["strategy"], tuple(row["mesh_shape"]),
+                               schedule_steps=schedule_steps)
+        except KitError as err:
+            row["note"] = str(err)
+            continue
+        state = memory_fit.state_bytes_per_device(engine.abstract_state)
+        if state > budget:
+            row["fits"], row["note"] = False, f"its state alone needs {state} B per device, budget {budget} B"
+            continue
+        engines.append((row, engine))
+    return engines
+
+
+def _compile_together(engines: List[Tuple[dict, JaxEngine]], table) -> None:
+    """Compile every candidate's step at once; a failure becomes that candidate's note."""
+    bar = Progress("auto search: compiling together", max(len(engines), 1), unit="candidate")
+    with concurrent.futures.ThreadPoolExecutor(max(len(engines), 1), thread_name_prefix="auto-compile") as pool:
+        futures = {pool.submit(engine.compile_step): (row, engine) for row, engine in engines}
+        for future in concurrent.futures.as_completed(futures):
+            row, engine = futures[future]
+            try:
+                stats = future.result()
+            except KitError as err:
+                row["note"] = str(err)
+                bar.update(1, candidate=_name(row), result="failed")
+                continue
+            # Compiled concurrently, so each one's wall time overlaps the others'.
+            row["compile_s"] = round(stats.compile_seconds, 3)
+            row["peak_bytes_per_device"] = (stats.memory or {}).get("peak_estimate_bytes")
+            bar.update(1, candidate=_name(row), compile_s=row["compile_s"])
+    bar.close()
+    engines[:] = [(row, engine) for row, engine in engines if not row["note"]]
 
 
 def _time_steps(engine: JaxEngine, config, batches) -> float:
@@ -96,4 +178,51 @@ def _time_steps(engine: JaxEngine, config, batches) -> float:
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - start)
     times.sort()
+    del state
     return times[len(times) // 2]
+
+
+def _rebuild_winner(config, model, example_batch, schedule_steps, table, path: str):
+    row = next(r for r in table if r.get("chosen"))
+    phase(f"[auto] reusing the search in {path}: {row['strategy']} on mesh {tuple(row['mesh_shape'])} "
+          "(delete the file to search again)")
+    engine = JaxEngine(config, model, example_batch, row["strategy"], tuple(row["mesh_shape"]),
+                       schedule_steps=schedule_steps)
+    engine.compile()
+    for r in table:
+        r["note"] = (r.get("note") or "") + (" " if r.get("note") else "") + "(from the saved search)"
+    return engine, table
+
+
+class SavedSearch:
+    """A search's table beside the compile cache, keyed by everything the steps depend on (the step
+    store's key with the strategy 'auto') plus the candidates and the memory budget."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def open(cls, config, schedule_steps, candidates, example_batch, budget: int) -> Optional["SavedSearch"]:
+        directory = compile_cache.resolve(getattr(config, "compile_cache", None))
+        if directory is None:
+            return None
+        example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
+        key = step_key(config, schedule_steps, "auto", make_mesh(candidates[0][1]), example)
+        key.update(candidates=[[s, list(m)] for s, m in candidates], budget=budget,
+                   trial_steps=config.auto_trial_steps)
+        return cls(os.path.join(directory, SEARCH_DIR, _digest(key) + ".json"))
+
+    def load(self) -> Optional[List[Dict[str, Any]]]:
+        try:
+            with open(self.path) as f:
+                table = json.load(f)["table"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return table if any(r.get("chosen") for r in table) else None
+
+    def save(self, table: List[Dict[str, Any]]) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"table": table}, f, indent=1, default=str)
+        os.replace(tmp, self.path)  # whole or absent: a crash mid-write never leaves half a search

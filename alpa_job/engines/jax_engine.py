@@ -204,6 +204,14 @@ class JaxEngine(Engine):
         return StepStore(self.stats.compile_cache_dir,
                          step_key(self.config, self._horizon, self.strategy, self.mesh, self._example))
 
+    def keep_step(self) -> None:
+        """Put the step compiled by compile_step() in the step store (auto search's winner), so an
+        identical run that reuses the search loads it instead of compiling."""
+        store = self._step_store()
+        if store is not None and self._compiled is not None and self._store is None:
+            self._store = store
+            self._store_step()
+
     def _store_step(self) -> None:
         if self._store is not None:
             self._store.save_in_background(self._compiled, {"flops_per_step": self.stats.flops_per_step})

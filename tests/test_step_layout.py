@@ -1,0 +1,109 @@
+"""Several devices: the profile of chosen steps, activations pinned by api.constrain, and fsdp's
+outer-dimension split - on emulated CPU devices, through the real engine and CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from jax.sharding import PartitionSpec
+
+from alpa_job import api
+from alpa_job.engines.jax_engine import resolve_spec
+from alpa_job.record.trace_summary import collective_kind, summarise_events
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(tmp_path, *extra, expect_ok=True):
+    cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--model", "gpt", "--num-layers", "2",
+           "--d-model", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "128", "--devices", "2",
+           "--num-samples", "32", "--batch-size", "8", "--steps", "6", "--compile-cache", "none",
+           "--out", str(tmp_path / "run"), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                          timeout=300)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_profile_traces_the_named_steps_and_reports_their_communication(tmp_path):
+    _train(tmp_path, "--strategy", "fsdp", "--profile", "3:2")
+    with open(tmp_path / "run" / "report.json") as f:
+        profile = json.load(f)["timing"]["profile"]
+    assert profile["steps"] == [3, 4]
+    assert os.path.isfile(profile["trace"]) and profile["trace"].endswith(".trace.json.gz")
+    assert [n for n in os.listdir(os.path.dirname(profile["trace"])) if n.endswith(".xplane.pb")]  # TensorBoard/XProf
+    # fsdp over 2 devices gathers parameters and reduces gradients: the trace holds collectives.
+    assert 0 < profile["comm_share"] <= 1 and 0 <= profile["exposed_comm_share"] <= profile["comm_share"]
+    assert {"all-gather"} <= set(profile["collective_ms_per_step"])
+
+
+@pytest.mark.parametrize("value", ["3", "0:2", "a:b", "3:0"])
+def test_a_bad_profile_value_is_one_line_before_anything_runs(tmp_path, value):
+    proc = _train(tmp_path, "--profile", value, expect_ok=False)
+    assert proc.returncode == 2 and "--profile" in proc.stderr and "START:COUNT" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_exposed_communication_is_what_no_compute_covers():
+    def span(pid, name, ts, dur):
+        return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": ts, "dur": dur}
+
+    meta = {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}}
+    # 0-100 compute; 50-150 all-reduce: 100 of comm, 50 of it exposed, over a 150 window of 1 step.
+    out = summarise_events([meta, span(7, "gemm_fusion", 0, 100), span(7, "ncclDevKernel_AllReduce_Sum_bf16", 50, 100)], 1)
+    assert out["platform"] == "gpu" and out["comm_share"] == round(100 / 150, 4)
+    assert out["exposed_comm_share"] == round(50 / 150, 4)
+    assert collective_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "reduce-scatter"
+    assert collective_kind("loop_add_fusion") is None
+
+
+class _Mesh:
+    shape = {"data": 2, "model": 1}
+
+
+def test_fsdp_splits_the_outermost_named_dimension():
+    rules = [("batch", "data"), ("embed", "data"), ("mlp", "data")]
+    down = PartitionSpec("mlp", "embed")  # [mlp, embed]: the earliest rule (embed) would split the inner dim
+    assert resolve_spec(down, (256, 64), rules, _Mesh()) == PartitionSpec(None, "data")
+    assert resolve_spec(down, (256, 64), rules, _Mesh(), major_first=True) == PartitionSpec("data", None)
+    # A dimension the mesh does not divide is skipped for the next one the rules name.
+    assert resolve_spec(down, (255, 64), rules, _Mesh(), major_first=True) == PartitionSpec(None, "data")
+
+
+def test_constrain_is_the_identity_outside_an_engine():
+    marker = object()
+    assert api.constrain(marker, (api.BATCH, api.EMBED)) is marker
+
+
+def test_fsdp_gathers_parameters_not_activations():
+    """Under fsdp no collective moves more than the largest parameter (fp32): activations stay split by
+    rows, parameters are gathered to them (the model's api.constrain calls pin that)."""
+    code = r"""
+import os, sys, json
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"; os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, %r)
+import jax, numpy as np
+from alpa_job.settings.config import JobConfig
+from alpa_job.models import get_model
+from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.record.hlo import collective_instances
+# GPT 24L's widths (2 of its layers): at these sizes XLA, left alone, resharded activations (gigabytes a step).
+config = JobConfig(model="gpt", num_layers=2, d_model=2048, num_heads=16, seq_len=1024, vocab_size=32768,
+                   batch_size=16, num_samples=16, dtype="bfloat16", address="none", compile_cache="none").validated()
+model = get_model(config)
+batch = {"tokens": np.zeros((16, 1025), np.int32), "mask": np.ones((16,), np.float32)}
+engine = JaxEngine(config, model, batch, "fsdp", (2, 1))
+stats = engine.compile_step()
+largest = max(int(np.prod(l.shape)) * 4 for l in jax.tree_util.tree_leaves(engine.abstract_state.params))
+print(json.dumps({"largest_param": largest,
+                  "collectives": [[k, b] for k, _, b in collective_instances(stats.hlo_texts[0])]}))
+""" % REPO
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    moved = [(kind, size) for kind, size in result["collectives"] if kind != "all-reduce"]
+    assert moved and max(size for _, size in moved) <= result["largest_param"], result
