@@ -73,7 +73,7 @@ SEQUENCE_PARALLEL = ("import runpy, sys; import alpa_job.engines.sharding_rules 
 
 
 def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, gpus: str = None,
-            variant: str = "") -> dict:
+            variant: str = "", more_args=()) -> dict:
     out = os.path.join(args.scratch, name)
     shutil.rmtree(out, ignore_errors=True)
     env = dict(env)
@@ -87,7 +87,7 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
            "--steps", str(args.steps), "--out", out]
     if args.profile and gpus is None:
         cmd += ["--profile", args.profile]
-    cmd += args.kit_args
+    cmd += args.kit_args + list(more_args)
     proc, wall = run(cmd, env, args.timeout)
     if proc.returncode != 0:
         return {"run": name, "wall_s": wall, "error": (proc.stdout + proc.stderr)[-3000:]}
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile", default="30:3", help="START:COUNT for the kit runs ('' for none)")
     parser.add_argument("--runs", nargs="*", default=["data", "fsdp", "tensor"],
-                        help="STRATEGY or NAME=STRATEGY[+xla:FLAG,FLAG][+env:K=V,K=V]")
+                        help="STRATEGY or NAME=STRATEGY[+xla:FLAG,FLAG][+env:K=V,K=V][+args:--flag,value][+seq-parallel]")
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1-GPU run")
     parser.add_argument("--peer", choices=("none", "plain", "donate", "both"), default="plain")
     parser.add_argument("--kit-args", nargs="*", default=[], help="extra train flags for every kit run")
@@ -173,7 +173,9 @@ def main() -> None:
         run_env = dict(env, **dict(kv.split("=", 1) for e in extras if e.startswith("env:")
                                    for kv in e[len("env:"):].split(",")))
         variant = "seq-parallel" if "seq-parallel" in extras else ""
-        rows.append(kit_run(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env, variant=variant))
+        more = [a for e in extras if e.startswith("args:") for a in e[len("args:"):].split(",")]
+        rows.append(kit_run(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env, variant=variant,
+                            more_args=more))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("search", "collectives")}), flush=True)
     base = next((r["step_ms"] for r in rows if r["run"] == "1gpu" and "step_ms" in r), None)
     print(f"\n{n} x {kind}, {args.preset}, {args.per_gpu_batch} sequences per GPU")

@@ -136,7 +136,7 @@ def test_checking_a_model_name_does_not_import_jax():
 
 # ----------------------------------------------------------------------------- presets
 def test_the_shipped_presets():
-    assert preset_names() == ["gpt-12l", "gpt-24l", "gpt-small", "mlp-tutorial", "wide-resnet-16"]
+    assert preset_names() == ["gpt-12l", "gpt-24l", "gpt-4b", "gpt-small", "mlp-tutorial", "wide-resnet-16"]  # gpt-4b: added for fsdp
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -206,7 +206,7 @@ def test_a_base_config_loop_is_one_line(tmp_path):
 def test_unknown_preset_lists_presets_with_did_you_mean():
     with pytest.raises(KitError) as err:
         load_preset("gpt-25l")
-    assert str(err.value) == ("--preset 'gpt-25l' is not known; use one of: gpt-12l, gpt-24l, gpt-small, "
+    assert str(err.value) == ("--preset 'gpt-25l' is not known; use one of: gpt-12l, gpt-24l, gpt-4b, gpt-small, "
                               "mlp-tutorial, wide-resnet-16 (did you mean gpt-24l?)")
     with pytest.raises(KitError, match="--preset '../cluster/cluster' is not known"):
         load_preset("../cluster/cluster")  # only names, never paths out of the presets folder
