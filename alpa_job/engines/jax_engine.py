@@ -157,10 +157,12 @@ class JaxEngine(Engine):
         return stats
 
     def compile_step(self) -> CompileStats:
-        """The step alone: auto search's candidates, most of which never initialise (a fitting one's
-        init_state compiles the initialiser then). Through JAX's cache, not the step store: a second
-        auto search then finds every candidate there, not only the one that won."""
+        """The step for auto search's candidates, its initialiser compiling beside it (every candidate
+        that fits is initialised and timed next). Through JAX's cache, not the step store: only the
+        winner is put in the store (keep_step)."""
         self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0
+        if self._init_compiled is None:  # beside the step, as compile() does: a timed candidate needs it next
+            self._start_init_compile()
         return self._compile_step(use_store=False)
 
     def _compile_step(self, use_store: bool = True) -> CompileStats:
