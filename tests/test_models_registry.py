@@ -40,7 +40,8 @@ def test_default_sizes_are_the_configs_defaults():
     defaults = JobConfig()
     declared = {name: {s.name: s.default for s in model_settings(name)} for name in BUILT_IN}
     assert declared == {"mlp": {"hidden_dim": 256}, "wide_resnet": {"depth": 10, "width": 2},
-                        "gpt": {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256}}
+                        "gpt": {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256,
+                                "remat": "none"}}
     for sizes in declared.values():
         assert all(getattr(defaults, k) == v for k, v in sizes.items())
 

@@ -99,7 +99,7 @@ def test_each_model_declares_its_own_settings():
     from alpa_job.models import BUILT_IN, builder_of, model_settings
 
     assert catalog.MODEL_FIELDS == {"mlp": ("hidden_dim",), "wide_resnet": ("depth", "width"),
-                                    "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size")}
+                                    "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "remat")}
     for name in BUILT_IN:
         declared = model_settings(name)
         assert all(catalog.setting(s.name).model == name for s in declared)

@@ -58,7 +58,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     phase(f"[auto] searching {len(candidates)} candidates (strategy x mesh), budget {budget / 2**30:.1f} GiB/device")
     _ask_planner(config, model, example_batch, candidates, budget, table)
     engines = _build_abstract(config, model, example_batch, schedule_steps, budget, table)
-    _compile_together(engines, table)
+    _compile_together(engines, config.auto_compile_workers or len(engines))
     best, best_time = None, float("inf")
     timed_bar = Progress("auto search: timing", max(len(engines), 1), unit="candidate")
     for row, engine in engines:
@@ -144,10 +144,10 @@ def _build_abstract(config, model, example_batch, schedule_steps, budget: int, t
     return engines
 
 
-def _compile_together(engines: List[Tuple[dict, JaxEngine]], table) -> None:
-    """Compile every candidate's step at once; a failure becomes that candidate's note."""
+def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int) -> None:
+    """Compile the candidates' steps, `workers` at a time; a failure becomes that candidate's note."""
     bar = Progress("auto search: compiling together", max(len(engines), 1), unit="candidate")
-    with concurrent.futures.ThreadPoolExecutor(max(len(engines), 1), thread_name_prefix="auto-compile") as pool:
+    with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="auto-compile") as pool:
         futures = {pool.submit(engine.compile_step): (row, engine) for row, engine in engines}
         for future in concurrent.futures.as_completed(futures):
             row, engine = futures[future]

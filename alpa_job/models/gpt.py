@@ -62,11 +62,38 @@ class CausalSelfAttention(nn.Module):
         qkv = constrain(qkv, (BATCH, None, None, HEADS, KV))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         out = constrain(causal_attention(q, k, v, self.attention), (BATCH, None, HEADS, KV))
+        out = _name_for_remat(out, "attention")
         return nn.DenseGeneral(
             d_model, axis=(-2, -1), dtype=self.dtype, name="out",
             kernel_init=logical(_normal, (HEADS, KV, EMBED)),
             bias_init=logical(nn.initializers.zeros, (EMBED,)),
         )(out)
+
+
+def _name_for_remat(x, name: str):
+    """Tag `x` so the `dots` remat policy keeps it (jax without checkpoint_name: unchanged)."""
+    checkpoint_name = getattr(getattr(jax, "ad_checkpoint", None), "checkpoint_name", None)
+    return x if checkpoint_name is None else checkpoint_name(x, name)
+
+
+def block_class(remat: str):
+    """DecoderBlock, or DecoderBlock under jax.checkpoint with the `remat` policy (gpt_settings.REMAT_POLICIES).
+
+    `dots` keeps every matmul's output and the attention's (its fused kernel is the costliest to
+    rerun) and recomputes the norms, GELU and residual adds; under fsdp the weights a block uses
+    are then gathered again in the backward instead of held from the forward. `full` keeps only
+    each block's input."""
+    if remat == "none":
+        return DecoderBlock
+    policies = jax.checkpoint_policies
+    if remat == "dots":
+        both = getattr(policies, "save_from_both_policies", None)
+        names = getattr(policies, "save_only_these_names", None)
+        policy = (both(policies.checkpoint_dots, names("attention")) if both and names
+                  else policies.checkpoint_dots)
+    else:
+        policy = policies.nothing_saveable
+    return nn.remat(DecoderBlock, policy=policy)
 
 
 class DecoderBlock(nn.Module):
@@ -96,6 +123,7 @@ class GPT(nn.Module):
     vocab_size: int = 256
     dtype: Any = jnp.float32
     attention: str = "auto"
+    remat: str = "none"  # gpt_settings.REMAT_POLICIES
 
     @nn.compact
     def __call__(self, tokens):
@@ -103,8 +131,9 @@ class GPT(nn.Module):
                          name="wte")
         pos = self.param("wpe", logical(_normal, (SEQ, EMBED)), (self.seq_len, self.d_model))
         x = constrain((embed(tokens) + pos[: tokens.shape[1]]).astype(self.dtype), (BATCH, SEQ, EMBED))
-        for _ in range(self.num_layers):
-            x = DecoderBlock(self.num_heads, self.dtype, self.attention)(x)
+        block = block_class(self.remat)
+        for i in range(self.num_layers):  # named as without remat: checkpoints and the initialiser see one tree
+            x = block(self.num_heads, self.dtype, self.attention, name=f"DecoderBlock_{i}")(x)
         x = _layer_norm(self.dtype)(x)
         return constrain(tied_logits(x, embed.embedding, self.dtype), (BATCH, SEQ, VOCAB))
 
@@ -161,7 +190,7 @@ def build(config, dtype) -> api.Model:
     """The built-in GPT through the public API (alpa_job/api.py), its identical blocks declared for the
     fast initialiser."""
     module = _InputsOnly(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
-                             config.vocab_size, dtype))
+                             config.vocab_size, dtype, remat=getattr(config, "remat", "none")))
     return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=config.num_layers, layer_class=DecoderBlock)

@@ -8,12 +8,17 @@ from alpa_job.settings.setting import POSITIVE, Setting
 # The batch field the model reads: the checks before Ray match a dataset against it without building it.
 INPUT_FIELD = "tokens"
 
+REMAT_POLICIES = ("none", "dots", "full")
+
 SETTINGS = (
     Setting("num_layers", int, 2, "transformer blocks", check=POSITIVE),
     Setting("d_model", int, 128, "embedding width", check=POSITIVE),
     Setting("num_heads", int, 4, "attention heads (divide --d-model)", check=POSITIVE),
     Setting("seq_len", int, 64, "tokens per sequence", check=POSITIVE),
     Setting("vocab_size", int, 256, "vocabulary", check=POSITIVE),
+    Setting("remat", str, "none", "recompute each block's activations in the backward pass instead of keeping "
+            "them: none, dots (keep the matmuls' and attention's outputs, recompute the rest; under fsdp the "
+            "parameters are gathered again) or full (keep only each block's input)", choices=REMAT_POLICIES),
 )
 
 
