@@ -184,8 +184,9 @@ def _alive(pid: int) -> bool:
 
 # ---- the two nodes ------------------------------------------------------------------------------------
 class Cluster:
-    def __init__(self, args, env: Dict[str, str], workdir: str):
+    def __init__(self, args, env: Dict[str, str], workdir: str, sockets: bool):
         self.args, self.env, self.workdir = args, env, workdir
+        self.sockets = sockets  # NCCL held to sockets (GPU mode), else NCCL's own choice of transports
         self.tag = "tw2n-" + uuid.uuid4().hex[:8]
         self.port = args.port
         self.address = f"127.0.0.1:{self.port}"
@@ -199,7 +200,9 @@ class Cluster:
     def node_env(self, which: str) -> Dict[str, str]:
         env = dict(self.env, **{TAG_VAR: f"{self.tag}-{which}"})
         if not self.args.cpu:
-            env.update(NCCL_OVER_SOCKETS, **NCCL_DEBUG, CUDA_VISIBLE_DEVICES="0" if which == "a" else "1")
+            env.update(NCCL_DEBUG, CUDA_VISIBLE_DEVICES="0" if which == "a" else "1", NCCL_NVLS_ENABLE="0")
+            if self.sockets:
+                env.update(NCCL_OVER_SOCKETS)
         return env
 
     def start(self, deadline: Deadline) -> None:
@@ -361,6 +364,16 @@ def shown(argv: List[str]) -> str:
     return " ".join(["python3", *map(shlex.quote, argv[1:])])
 
 
+def nccl_mode(args, cluster: Cluster) -> str:
+    return "-" if args.cpu else "sockets" if cluster.sockets else "default"
+
+
+def nccl_suspect(row: dict) -> bool:
+    """A failed run that NCCL may have caused: NCCL named in its output, or no step before the timeout."""
+    text = "\n".join(row.get("driver_tail", []) + row.get("ray_log_tail", [])).lower()
+    return "nccl" in text or (row.get("rc") is None and not STEP_LINE.search(text))
+
+
 def file_tail(path: str, n: int) -> List[str]:
     try:
         with open(path, errors="replace") as f:
@@ -386,13 +399,14 @@ def progress_rate(driver: Driver) -> Optional[float]:
     return None
 
 
-def short_run(args, cluster: Cluster, strategy: str, scratch: str, deadline: Deadline) -> dict:
-    out = os.path.join(scratch, f"run-{strategy}")
+def short_run(args, cluster: Cluster, strategy: str, scratch: str, deadline: Deadline, name: str = "") -> dict:
+    name = name or strategy
+    out = os.path.join(scratch, f"run-{name}")
     argv = train_argv(args, cluster, strategy, args.steps, out)
     log(f"{strategy}: {shown(argv)}")
     driver = Driver(argv, cluster.env)
     rc = driver.wait(deadline.phase())
-    row = {"run": strategy, "strategy": strategy, "command": shown(argv), "rc": rc,
+    row = {"run": name, "strategy": strategy, "command": shown(argv), "rc": rc, "nccl": nccl_mode(args, cluster),
            "wall_s": round(time.monotonic() - driver.started, 1), "driver_tail": driver.tail()}
     if rc != 0:
         row["error"] = "timed out" if rc is None else f"exit {rc}"
@@ -431,7 +445,7 @@ def kill_run(args, cluster: Cluster, scratch: str, deadline: Deadline) -> dict:
     log(f"kill: {shown(argv)}")
     driver = Driver(argv, cluster.env)
     limit = deadline.phase()
-    row = {"run": "kill", "strategy": args.kill_strategy, "command": shown(argv)}
+    row = {"run": "kill", "strategy": args.kill_strategy, "command": shown(argv), "nccl": nccl_mode(args, cluster)}
     try:
         end = driver.started + limit
         while driver.proc.poll() is None and driver.last_step() < args.kill_after and time.monotonic() < end:
@@ -493,7 +507,7 @@ def fmt(v, spec: str = "") -> str:
 
 
 def table(rows: List[dict]) -> str:
-    header = ["run", "strategy", "proc", "hosts", "host IPs", "step ms", "MFU", "loss first->last", "samples/s progress",
+    header = ["run", "strategy", "nccl", "proc", "hosts", "host IPs", "step ms", "MFU", "loss first->last", "samples/s progress",
               "samples/s report", "ratio", "killed: s to named", "ok"]
     cells = [header]
     for r in rows:
@@ -501,7 +515,7 @@ def table(rows: List[dict]) -> str:
                 and r.get("loss_last") is not None else "-")
         killed = (f"{r['named_s']:.2f} (exit {r.get('rc')} at {fmt(r.get('exit_s'))} s)" if r.get("named_s")
                   is not None else "-")
-        cells.append([r["run"], r.get("strategy") or "-", fmt(r.get("processes")), fmt(r.get("hosts")),
+        cells.append([r["run"], r.get("strategy") or "-", r.get("nccl") or "-", fmt(r.get("processes")), fmt(r.get("hosts")),
                       " ".join(r.get("ips") or []) or "-", fmt(r.get("step_ms"), ".2f"), fmt(r.get("mfu"), ".3f"), loss,
                       fmt(r.get("samples_per_s_progress"), ",.0f"), fmt(r.get("samples_per_s_report"), ",.1f"),
                       fmt(r.get("progress_over_report"), ".3f"), killed, "yes" if not r.get("error") else "NO"])
@@ -558,12 +572,23 @@ def main() -> int:
     failure = None
     try:
         payload["ray_site"] = ensure_ray(args.whl, env)
-        cluster = Cluster(args, env, scratch)
+        cluster = Cluster(args, env, scratch, sockets=not args.cpu)
         cluster.start(deadline)
         payload.update(node_commands=cluster.commands, nodes=cluster.nodes, head_ip=cluster.head_ip)
         for strategy in args.strategies:
             rows.append(short_run(args, cluster, strategy, scratch, deadline))
             r = rows[-1]
+            if r.get("error") and cluster.sockets and nccl_suspect(r):
+                # One call on the GPU machine: rather than lose it to the socket-only setting, the nodes
+                # start again with NCCL's default transports and the run is repeated (the table says so).
+                log(f"{strategy} failed with NCCL held to sockets ({r['error']}); nodes again with NCCL's defaults")
+                print("\n".join(r["driver_tail"][-20:]), flush=True)
+                payload["left_alive"] = cluster.stop()
+                cluster = Cluster(args, env, scratch, sockets=False)
+                cluster.start(deadline)
+                payload.update(fallback_node_commands=cluster.commands, nccl_fallback=r["error"])
+                rows.append(short_run(args, cluster, strategy, scratch, deadline, name=f"{strategy}-nccl-default"))
+                r = rows[-1]
             log(f"{strategy}: " + (f"ERROR {r['error']}" if r.get("error") else
                                    f"{r['processes']} processes on {r['hosts']} hosts {r['ips']}, "
                                    f"{r['step_ms']} ms/step, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}"))
@@ -583,7 +608,7 @@ def main() -> int:
     finally:
         if cluster is not None:
             if not args.cpu:
-                payload["nccl"] = cluster.nccl_transports()
+                payload["nccl"] = dict(cluster.nccl_transports(), mode=nccl_mode(args, cluster))
                 log(f"NCCL channels by transport (workers' logs): {payload['nccl']['channels_by_transport']}")
             payload["left_alive"] = cluster.stop()
     payload.update(rows=rows, failure=failure, wall_s=round(time.monotonic() - started, 1))
