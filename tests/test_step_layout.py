@@ -39,6 +39,8 @@ def test_profile_traces_the_named_steps_and_reports_their_communication(tmp_path
     # fsdp over 2 devices gathers parameters and reduces gradients: the trace holds collectives.
     assert 0 < profile["comm_share"] <= 1 and 0 <= profile["exposed_comm_share"] <= profile["comm_share"]
     assert {"all-gather"} <= set(profile["collective_ms_per_step"])
+    markdown = (tmp_path / "run" / "report.md").read_text()
+    assert "communication share (profiled)" in markdown and profile["trace"] in markdown
 
 
 @pytest.mark.parametrize("value", ["3", "0:2", "a:b", "3:0"])

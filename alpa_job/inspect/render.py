@@ -46,6 +46,7 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         ("memory", _memory_text(record.memory)),
     ]
     pairs += _eval_pairs(record)
+    pairs += _profile_pairs(record)
     pairs += [("note", note) for note in record.notes]
     if record.source:
         pairs.append(("source", record.source))
@@ -58,6 +59,21 @@ def _eval_pairs(record: RunRecord) -> List[tuple]:
     point = record.evals[-1]
     ppl = f", perplexity {_cell(point.perplexity)}" if point.perplexity is not None else ""
     return [("eval loss (final)", f"{_cell(point.loss)}{ppl} at step {point.step} ({point.batches} batches)")]
+
+
+def _profile_pairs(record: RunRecord) -> List[tuple]:
+    """--profile's trace: where it is, and how much of the traced steps was communication."""
+    profile = (record.timing or {}).get("profile")
+    if not profile:
+        return []
+    first, last = profile.get("steps") or (None, None)
+    pairs = [("profile (steps %s-%s)" % (first, last), profile.get("trace") or profile.get("dir"))]
+    if profile.get("comm_share") is not None:
+        kinds = ", ".join(f"{k} {v} ms" for k, v in (profile.get("collective_ms_per_step") or {}).items())
+        pairs.append(("communication share (profiled)",
+                      f"{profile['comm_share']:.1%} of the step, {profile['exposed_comm_share']:.1%} not "
+                      f"overlapped with compute ({profile.get('platform')}; per step: {kinds})"))
+    return pairs
 
 
 def _exact(n: int) -> str:

@@ -21,7 +21,7 @@ class StepProfile:
 
     def __init__(self, start: int, count: int, out_dir: str):
         self.start, self.count = start, count
-        self.directory = os.path.join(out_dir, PROFILE_DIR)
+        self.directory = os.path.join(os.path.abspath(out_dir), PROFILE_DIR)
         self.tracing = False
         self.done = False
 
