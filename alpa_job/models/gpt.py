@@ -72,8 +72,11 @@ class CausalSelfAttention(nn.Module):
 
 def _name_for_remat(x, name: str):
     """Tag `x` so the `dots` remat policy keeps it (jax without checkpoint_name: unchanged)."""
-    checkpoint_name = getattr(getattr(jax, "ad_checkpoint", None), "checkpoint_name", None)
-    return x if checkpoint_name is None else checkpoint_name(x, name)
+    try:
+        from jax.ad_checkpoint import checkpoint_name  # a submodule: not an attribute of `jax` until imported
+    except ImportError:
+        return x
+    return checkpoint_name(x, name)
 
 
 def block_class(remat: str):
