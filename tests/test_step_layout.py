@@ -145,4 +145,5 @@ def test_remat_dots_keeps_the_attention_output():
         print_saved_residuals(lambda p: block.apply(p, x).sum(), params)
     saved = printed.getvalue().splitlines()
     assert any("named 'attention'" in s for s in saved), saved
-    assert not any("gelu" in s or "LayerNorm" in s for s in saved), saved
+    computed = [s for s in saved if "from the argument" not in s and "from a constant" not in s]
+    assert computed and all("dot_general" in s or "named 'attention'" in s for s in computed), computed
