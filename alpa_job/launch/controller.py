@@ -191,6 +191,8 @@ class JobController:
             while group.running:
                 group.poll()
                 channel.deliver()
+                if signalled is not None:
+                    signalled.stop.check_interrupted()  # a Ctrl-C whose KeyboardInterrupt was swallowed
                 if signalled is not None and signalled.requested and stop_at is None and not group.errors:
                     stop_at = group.stop_at_one_step(self.resumed)
                     progress.note(f"[alpa_job] SIGTERM: every JAX process stops after step {stop_at} and saves a "

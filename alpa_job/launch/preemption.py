@@ -34,8 +34,14 @@ class Preemption:
         # in the middle of printing; the loop and the controller say what they do.
         self.signals += 1
         if self.signals > 1 or not self.can_stop:
-            raise KeyboardInterrupt  # the Ctrl-C path: an `interrupted` report, at once
+            self.interrupt()  # the Ctrl-C path: an `interrupted` report, at once
         self.stop.request_now()
+
+    def interrupt(self, _signum=None, _frame=None) -> None:
+        """SIGINT (Ctrl-C): KeyboardInterrupt now, and again at the next step boundary or controller poll in
+        case this one lands where Python only prints it (a `__del__`, a runtime callback)."""
+        self.stop.interrupt()
+        raise KeyboardInterrupt
 
 
 _CURRENT: Optional[Preemption] = None
@@ -54,6 +60,9 @@ def watch(can_stop: bool = True) -> Iterator[Preemption]:
     preemption = Preemption(can_stop)
     installed = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, preemption.handle) if installed else None
+    # A process started with SIGINT ignored (nohup, `&` in a script) keeps ignoring it.
+    catch_int = installed and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    previous_int = signal.signal(signal.SIGINT, preemption.interrupt) if catch_int else None
     _CURRENT = preemption
     try:
         yield preemption
@@ -61,6 +70,8 @@ def watch(can_stop: bool = True) -> Iterator[Preemption]:
         _CURRENT = None
         if installed:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if catch_int:
+            signal.signal(signal.SIGINT, previous_int if previous_int is not None else signal.default_int_handler)
 
 
 def take_back_sigterm() -> None:

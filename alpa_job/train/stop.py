@@ -31,6 +31,7 @@ class StopPoint:
         self._at: Optional[int] = None  # the proposed step
         self._confirmed = False
         self._now = False  # one process: stop at the next boundary, no agreement needed
+        self._interrupted = False  # Ctrl-C: end now, even if its KeyboardInterrupt was swallowed
         self.stopped_at: Optional[int] = None  # the step this process stopped at
         self.confirm_timeout_s = confirm_timeout_s
 
@@ -45,6 +46,16 @@ class StopPoint:
     def request_now(self) -> None:
         """Stop at the next step boundary (one process: no other process to agree with)."""
         self._now = True
+
+    def interrupt(self) -> None:
+        """Ctrl-C (or a second SIGTERM) came: the next step boundary raises KeyboardInterrupt. The signal
+        handler raises one too, but one that lands inside a `__del__` or a callback the runtime calls
+        is printed as "Exception ignored" and lost, and the run would train on."""
+        self._interrupted = True
+
+    def check_interrupted(self) -> None:
+        if self._interrupted:
+            raise KeyboardInterrupt
 
     def propose(self, at: int) -> Optional[int]:
         """Stop after step `at`, once confirmed. None: accepted (this process has not finished step `at`
@@ -65,6 +76,7 @@ class StopPoint:
 
     def after_step(self, step: int) -> bool:
         """The loop finished step `step`: True means stop here (save, then end the run)."""
+        self.check_interrupted()
         if self._now:
             self.stopped_at = step
             return True
