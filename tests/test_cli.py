@@ -329,7 +329,10 @@ def test_interrupted_run_still_writes_its_report(tmp_path):
                              "--batch-size", "16", "--num-samples", "64", "--epochs", "100000",
                              "--progress-every", "1", "--out", str(out)],
                             cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"))
+                            env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"),
+                            # A suite started with `&` from a script runs with SIGINT ignored, which a child
+                            # inherits (and then rightly keeps): give the child Ctrl-C as a terminal would.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     stderr = signal_at_step(proc, 5, signal.SIGINT)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
