@@ -262,6 +262,17 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             metrics.losses(first, values)
         check_finite(values, first, global_step, checkpointer, losses)
         return values
+
+    def close_window(steps_at: int, timed_step: int, samples_at: int) -> None:
+        # A timing window ends now (its last step synced): its per-step time, the sorted copy the
+        # progress line's median reads, the metrics log; the next window starts here.
+        nonlocal mark, mark_step, mark_samples
+        now = time.perf_counter()
+        window_step_s.append((now - mark) / window)
+        bisect.insort(ordered, window_step_s[-1])
+        if metrics is not None:
+            metrics.window(timed_step, window, now - mark, samples_at - mark_samples)
+        mark, mark_step, mark_samples = now, steps_at, samples_at
     stopped_at = None
 
     profile = StepProfile.from_config(config) if config is not None else None
@@ -297,21 +308,11 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
             # drains the queue every window: ~3 ms a step on GPT 24L, one H100). The losses up to
             # that step come back in the same sync.
             fresh = read_back(len(pending) - 1) or fresh
-            now = time.perf_counter()
-            window_step_s.append((now - mark) / window)
-            bisect.insort(ordered, window_step_s[-1])
-            if metrics is not None:
-                metrics.window(global_step - 1, window, now - mark, samples_seen - real - mark_samples)
-            mark, mark_step, mark_samples = now, steps - 1, samples_seen - real
+            close_window(steps - 1, global_step - 1, samples_seen - real)
         if first_done is not None and global_step == total_steps and steps - mark_step == window:
             # the last window ends with the run: closed here, so the last progress event's rate counts it too
             fresh = read_back(len(pending)) or fresh
-            now = time.perf_counter()
-            window_step_s.append((now - mark) / window)
-            bisect.insort(ordered, window_step_s[-1])
-            if metrics is not None:
-                metrics.window(global_step, window, now - mark, samples_seen - mark_samples)
-            mark, mark_step, mark_samples = now, steps, samples_seen
+            close_window(steps, global_step, samples_seen)
         if evaluator is not None and evaluator.due(global_step, global_step == total_steps):
             point = evaluator(global_step, state)
             if point is not None:
@@ -330,9 +331,7 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     if profile is not None:
         profile.stop(engine, state)  # a run that ended (or stopped) inside the traced steps
     if first_done is not None and steps - mark_step == window:  # a run stopped early: its last window ends here
-        window_step_s.append((time.perf_counter() - mark) / window)
-        if metrics is not None:
-            metrics.window(global_step, window, window_step_s[-1] * window, samples_seen - mark_samples)
+        close_window(steps, global_step, samples_seen)
     engine.wait(state)
     loop_seconds = time.perf_counter() - loop_start
     bar.close()
