@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 
 from alpa_job.engines import compile_cache, memory_fit
-from alpa_job.engines.executable_store import _digest, step_key
+from alpa_job.engines.executable_store import key_digest, step_key
 from alpa_job.engines.jax_engine import JaxEngine, make_mesh
 from alpa_job.engines.sharding_rules import auto_candidates
 from alpa_job.errors import KitError
@@ -218,7 +218,7 @@ class SavedSearch:
         key = step_key(config, schedule_steps, "auto", make_mesh(candidates[0][1]), example)
         key.update(candidates=[[s, list(m)] for s, m in candidates], budget=budget,
                    trial_steps=config.auto_trial_steps)
-        return cls(os.path.join(directory, SEARCH_DIR, _digest(key) + ".json"))
+        return cls(os.path.join(directory, SEARCH_DIR, key_digest(key) + ".json"))
 
     def load(self) -> Optional[List[Dict[str, Any]]]:
         try:

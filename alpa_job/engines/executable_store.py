@@ -79,7 +79,8 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
     }
 
 
-def _digest(key: Dict[str, Any]) -> str:
+def key_digest(key: Dict[str, Any]) -> str:
+    """The name of the entry a key (step_key, or a search's key built on it) gets."""
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:40]
 
 
@@ -89,7 +90,7 @@ class StepStore:
     def __init__(self, cache_dir: str, key: Dict[str, Any]):
         self.key = key
         self.folder = os.path.join(cache_dir, FOLDER)
-        self.digest = _digest(key)
+        self.digest = key_digest(key)
         self.path = os.path.join(self.folder, self.digest)
         self._saving: Optional[threading.Thread] = None
 
