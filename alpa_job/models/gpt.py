@@ -8,7 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:
+    from flax.linen import dtypes as flax_dtypes
+except ImportError:  # flax 0.6.2 (the Alpa image), where dense_options refuses `weights`
+    flax_dtypes = None
+
 from alpa_job import api
+from alpa_job.errors import KitError
 from alpa_job.models.gpt_settings import INPUT_FIELD
 from alpa_job.api import BATCH, EMBED, HEADS, KV, MLP, SEQ, VOCAB, RepeatedBlocks, constrain, cross_entropy, logical
 
@@ -49,13 +55,14 @@ class CausalSelfAttention(nn.Module):
     num_heads: int
     dtype: Any = jnp.float32
     attention: str = "auto"  # "auto" | "cudnn" | "einsum" (see causal_attention)
+    remat: str = "none"  # only `weights` changes anything here (dense_options)
 
     @nn.compact
     def __call__(self, x):
         d_model = x.shape[-1]
         head_dim = d_model // self.num_heads
         qkv = nn.DenseGeneral(
-            (3, self.num_heads, head_dim), dtype=self.dtype, name="qkv",
+            (3, self.num_heads, head_dim), dtype=self.dtype, name="qkv", **dense_options(self.remat),
             kernel_init=logical(_normal, (EMBED, None, HEADS, KV)),
             bias_init=logical(nn.initializers.zeros, (None, HEADS, KV)),
         )(x)
@@ -64,7 +71,7 @@ class CausalSelfAttention(nn.Module):
         out = constrain(causal_attention(q, k, v, self.attention), (BATCH, None, HEADS, KV))
         out = _name_for_remat(out, "attention")
         return nn.DenseGeneral(
-            d_model, axis=(-2, -1), dtype=self.dtype, name="out",
+            d_model, axis=(-2, -1), dtype=self.dtype, name="out", **dense_options(self.remat),
             kernel_init=logical(_normal, (HEADS, KV, EMBED)),
             bias_init=logical(nn.initializers.zeros, (EMBED,)),
         )(out)
@@ -85,8 +92,9 @@ def block_class(remat: str):
     `dots` keeps every matmul's output and the attention's (its fused kernel is the costliest to
     rerun) and recomputes the norms, GELU and residual adds; under fsdp the weights a block uses
     are then gathered again in the backward instead of held from the forward. `full` keeps only
-    each block's input."""
-    if remat == "none":
+    each block's input. `weights` is no checkpoint of the block: its dense layers recompute their
+    weights' compute-dtype copies (dense_options)."""
+    if remat in ("none", "weights"):
         return DecoderBlock
     policies = jax.checkpoint_policies
     if remat == "dots":
@@ -99,21 +107,48 @@ def block_class(remat: str):
     return nn.remat(DecoderBlock, policy=policy)
 
 
+def dense_options(remat: str) -> dict:
+    """Extra dense-layer arguments for `remat`. `weights`: the kernel stays fp32 up to the matmul, which
+    casts it inside a checkpoint that keeps nothing, so the backward casts (under fsdp: gathers) each
+    weight again instead of holding its compute-dtype copy from the forward (under fsdp every block's
+    gathered weights at once); every activation is kept, nothing else is recomputed."""
+    if remat != "weights":
+        return {}
+    if "promote_dtype" not in getattr(nn.Dense, "__dataclass_fields__", {}):
+        raise KitError("--remat weights needs flax 0.8 or later (dense layers without a promote_dtype hook); "
+                       "use --remat dots or full")
+    return {"promote_dtype": _promote_all_but_the_kernel, "dot_general": _dot_casting_the_kernel_again}
+
+
+def _promote_all_but_the_kernel(inputs, kernel, bias, dtype=None, inexact=True):
+    inputs, _, bias = flax_dtypes.promote_dtype(inputs, kernel, bias, dtype=dtype, inexact=inexact)
+    return inputs, kernel, bias
+
+
+def _dot_casting_the_kernel_again(inputs, kernel, dimension_numbers, precision=None, **kwargs):
+    def dot(x, k):
+        return jax.lax.dot_general(x, k.astype(x.dtype), dimension_numbers, precision=precision, **kwargs)
+
+    # The backward needs only x and the cast kernel: the rerun matmul is dead and dropped.
+    return jax.checkpoint(dot, policy=jax.checkpoint_policies.nothing_saveable)(inputs, kernel)
+
+
 class DecoderBlock(nn.Module):
     num_heads: int
     dtype: Any = jnp.float32
     attention: str = "auto"
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, x):
-        x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention)(
+        x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention, self.remat)(
             constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         d_model = x.shape[-1]
-        y = nn.Dense(4 * d_model, dtype=self.dtype, kernel_init=logical(_normal, (EMBED, MLP)),
+        y = nn.Dense(4 * d_model, dtype=self.dtype, **dense_options(self.remat), kernel_init=logical(_normal, (EMBED, MLP)),
                      bias_init=logical(nn.initializers.zeros, (MLP,)))(
             constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         y = nn.gelu(constrain(y, (BATCH, SEQ, MLP)))
-        y = nn.Dense(d_model, dtype=self.dtype, kernel_init=logical(_normal, (MLP, EMBED)),
+        y = nn.Dense(d_model, dtype=self.dtype, **dense_options(self.remat), kernel_init=logical(_normal, (MLP, EMBED)),
                      bias_init=logical(nn.initializers.zeros, (EMBED,)))(y)
         return constrain(x + y, (BATCH, SEQ, EMBED))
 
@@ -127,6 +162,7 @@ class GPT(nn.Module):
     dtype: Any = jnp.float32
     attention: str = "auto"
     remat: str = "none"  # gpt_settings.REMAT_POLICIES
+    batch_chunks: int = 1
 
     @nn.compact
     def __call__(self, tokens):
@@ -135,10 +171,33 @@ class GPT(nn.Module):
         pos = self.param("wpe", logical(_normal, (SEQ, EMBED)), (self.seq_len, self.d_model))
         x = constrain((embed(tokens) + pos[: tokens.shape[1]]).astype(self.dtype), (BATCH, SEQ, EMBED))
         block = block_class(self.remat)
+        chunks = split_rows(x, self.batch_chunks)
         for i in range(self.num_layers):  # named as without remat: checkpoints and the initialiser see one tree
-            x = block(self.num_heads, self.dtype, self.attention, name=f"DecoderBlock_{i}")(x)
-        x = _layer_norm(self.dtype)(x)
+            layer = block(self.num_heads, self.dtype, self.attention, self.remat, name=f"DecoderBlock_{i}")
+            chunks = [layer(chunk) for chunk in chunks]  # one layer, its parameters shared by every chunk
+        x = _layer_norm(self.dtype)(join_rows(chunks))
         return constrain(tied_logits(x, embed.embedding, self.dtype), (BATCH, SEQ, VOCAB))
+
+
+def split_rows(x, chunks: int):
+    """`x` as `chunks` independent slices of its rows: row r goes to slice r % chunks, so each slice
+    takes an equal share of every device's rows and splitting moves nothing between devices.
+
+    Why slices: under tensor parallelism every block ends its attention and its MLP in an all-reduce
+    the next matmul waits for; with two slices in flight, XLA runs one slice's all-reduce while the
+    other's matmuls compute."""
+    if chunks == 1:
+        return [x]
+    by_slice = x.reshape((x.shape[0] // chunks, chunks) + x.shape[1:])
+    return [constrain(by_slice[:, c], (BATCH, SEQ, EMBED)) for c in range(chunks)]
+
+
+def join_rows(chunks):
+    """split_rows undone: the rows back in their order."""
+    if len(chunks) == 1:
+        return chunks[0]
+    stacked = jnp.stack(chunks, axis=1)
+    return constrain(stacked.reshape((-1,) + stacked.shape[2:]), (BATCH, SEQ, EMBED))
 
 
 def tied_logits(x, embedding, dtype):
@@ -175,7 +234,7 @@ def repeated_blocks(model: _InputsOnly, tokens) -> RepeatedBlocks:
     gpt = model.module
     return RepeatedBlocks(
         shell=_InputsOnly(gpt.clone(num_layers=0)),
-        block=DecoderBlock(gpt.num_heads, gpt.dtype, gpt.attention),
+        block=DecoderBlock(gpt.num_heads, gpt.dtype, gpt.attention, gpt.remat),
         block_input=jax.ShapeDtypeStruct((tokens.shape[0], tokens.shape[1] - 1, gpt.d_model), gpt.dtype),
         names=tuple(f"DecoderBlock_{i}" for i in range(gpt.num_layers)))
 
@@ -193,7 +252,8 @@ def build(config, dtype) -> api.Model:
     """The built-in GPT through the public API (alpa_job/api.py), its identical blocks declared for the
     fast initialiser."""
     module = _InputsOnly(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
-                             config.vocab_size, dtype, remat=getattr(config, "remat", "none")))
+                             config.vocab_size, dtype, remat=getattr(config, "remat", "none"),
+                             batch_chunks=getattr(config, "batch_chunks", 1)))
     return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=config.num_layers, layer_class=DecoderBlock)
