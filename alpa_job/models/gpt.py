@@ -162,7 +162,6 @@ class GPT(nn.Module):
     dtype: Any = jnp.float32
     attention: str = "auto"
     remat: str = "none"  # gpt_settings.REMAT_POLICIES
-    batch_chunks: int = 1
 
     @nn.compact
     def __call__(self, tokens):
@@ -171,33 +170,10 @@ class GPT(nn.Module):
         pos = self.param("wpe", logical(_normal, (SEQ, EMBED)), (self.seq_len, self.d_model))
         x = constrain((embed(tokens) + pos[: tokens.shape[1]]).astype(self.dtype), (BATCH, SEQ, EMBED))
         block = block_class(self.remat)
-        chunks = split_rows(x, self.batch_chunks)
         for i in range(self.num_layers):  # named as without remat: checkpoints and the initialiser see one tree
-            layer = block(self.num_heads, self.dtype, self.attention, self.remat, name=f"DecoderBlock_{i}")
-            chunks = [layer(chunk) for chunk in chunks]  # one layer, its parameters shared by every chunk
-        x = _layer_norm(self.dtype)(join_rows(chunks))
+            x = block(self.num_heads, self.dtype, self.attention, self.remat, name=f"DecoderBlock_{i}")(x)
+        x = _layer_norm(self.dtype)(x)
         return constrain(tied_logits(x, embed.embedding, self.dtype), (BATCH, SEQ, VOCAB))
-
-
-def split_rows(x, chunks: int):
-    """`x` as `chunks` independent slices of its rows: row r goes to slice r % chunks, so each slice
-    takes an equal share of every device's rows and splitting moves nothing between devices.
-
-    Why slices: under tensor parallelism every block ends its attention and its MLP in an all-reduce
-    the next matmul waits for; with two slices in flight, XLA runs one slice's all-reduce while the
-    other's matmuls compute."""
-    if chunks == 1:
-        return [x]
-    by_slice = x.reshape((x.shape[0] // chunks, chunks) + x.shape[1:])
-    return [constrain(by_slice[:, c], (BATCH, SEQ, EMBED)) for c in range(chunks)]
-
-
-def join_rows(chunks):
-    """split_rows undone: the rows back in their order."""
-    if len(chunks) == 1:
-        return chunks[0]
-    stacked = jnp.stack(chunks, axis=1)
-    return constrain(stacked.reshape((-1,) + stacked.shape[2:]), (BATCH, SEQ, EMBED))
 
 
 def tied_logits(x, embedding, dtype):
@@ -252,8 +228,7 @@ def build(config, dtype) -> api.Model:
     """The built-in GPT through the public API (alpa_job/api.py), its identical blocks declared for the
     fast initialiser."""
     module = _InputsOnly(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
-                             config.vocab_size, dtype, remat=getattr(config, "remat", "none"),
-                             batch_chunks=getattr(config, "batch_chunks", 1)))
+                             config.vocab_size, dtype, remat=getattr(config, "remat", "none")))
     return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=config.num_layers, layer_class=DecoderBlock)

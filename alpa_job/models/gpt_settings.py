@@ -16,22 +16,15 @@ SETTINGS = (
     Setting("num_heads", int, 4, "attention heads (divide --d-model)", check=POSITIVE),
     Setting("seq_len", int, 64, "tokens per sequence", check=POSITIVE),
     Setting("vocab_size", int, 256, "vocabulary", check=POSITIVE),
-    Setting("remat", str, "none", "recompute each block's activations in the backward pass instead of keeping "
-            "them: none, weights (keep every activation, recompute only the bf16 copies of the weights: under fsdp "
-            "they are gathered again in the backward instead of held), dots (keep the matmuls' and attention's outputs, recompute the rest; under fsdp the "
-            "parameters are gathered again) or full (keep only each block's input)", choices=REMAT_POLICIES),
-    Setting("batch_chunks", int, 1, "run the blocks on this many slices of each batch side by side, so that under "
-            "--strategy tensor one slice's all-reduces overlap another's matmuls (2 is the usual choice there; it "
-            "must divide the batch on each device)", check=POSITIVE),
+    Setting("remat", str, "none", "recompute in the backward pass instead of keeping: none; weights (keep every "
+            "activation, recompute only the weights' bf16 copies: under fsdp each block's weights are gathered again "
+            "instead of all held at once); dots (keep the matmuls' and attention's outputs, recompute the rest; under "
+            "fsdp the weights are gathered again too); full (keep only each block's input)", choices=REMAT_POLICIES),
 )
 
 
 def check(config) -> None:
-    """Heads split the embedding evenly; the batch splits into --batch-chunks slices."""
+    """Heads split the embedding evenly."""
     if config.d_model % config.num_heads != 0:
         raise KitError(f"--d-model {config.d_model} is not divisible by --num-heads {config.num_heads}; "
                        f"use a multiple of {config.num_heads}")
-    batch = getattr(config, "batch_size", None)
-    if batch and batch % config.batch_chunks != 0:
-        raise KitError(f"--batch-chunks {config.batch_chunks} does not divide --batch-size {batch}; "
-                       f"use a divisor of {batch} (1 turns chunking off)")
