@@ -97,6 +97,18 @@ def test_auto_measures_candidates_and_keeps_the_fastest():
     assert result.compiles == 1  # the winner's compile is reused for training
 
 
+def test_auto_compiles_the_first_candidate_alone_on_gpus_only():
+    """GPUs: the first candidate compiles alone (its autotuning then serves the rest), the rest together;
+    CPU devices (nothing to autotune): all together. --auto-compile-workers 1 stays one at a time."""
+    from alpa_job.engines.auto_search import compile_schedule
+
+    three = ["data", "fsdp", "tensor"]
+    assert compile_schedule(three, 3, "gpu") == [(["data"], 1), (["fsdp", "tensor"], 3)]
+    assert compile_schedule(three, 3, "cpu") == [(three, 3)]
+    assert compile_schedule(three, 1, "gpu") == [(three, 1)]
+    assert compile_schedule(["data"], 3, "gpu") == [(["data"], 3)]
+
+
 def test_auto_skips_candidates_over_the_memory_budget():
     from alpa_job.errors import KitError
 

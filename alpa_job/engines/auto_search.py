@@ -3,9 +3,8 @@
 Every candidate strategy x mesh shape is built abstractly first (no compile): one whose state alone
 exceeds a device's budget is dropped there, and on a cluster of several processes the planner
 (alpa_job.planner) drops those it predicts cannot fit or are far slower than the best. The rest
-compile (on CPU devices all at once, XLA compiling outside the GIL; on GPUs one at a time, where
-together they measured slower: default_compile_workers), those whose XLA memory estimate fits are
-timed over a few real steps, and the fastest wins. The table of every candidate goes in the report,
+compile together, XLA compiling outside the GIL (on GPUs after the first alone: compile_schedule),
+those whose XLA memory estimate fits are timed over a few real steps, and the fastest wins. The table of every candidate goes in the report,
 and the result is kept beside the compile cache, so a second identical run trains its winner
 straight away.
 """
@@ -146,29 +145,38 @@ def _build_abstract(config, model, example_batch, schedule_steps, budget: int, t
 
 
 def default_compile_workers(candidates: int) -> int:
-    """All candidates at once on CPU devices; one at a time on GPUs, where XLA's compiles (each
-    autotunes its kernels on the devices) slowed each other down: three GPT 24L candidates
-    compiled together took longer than one after another."""
-    return candidates if jax.devices()[0].platform == "cpu" else 1
+    """All candidates at once (after the first, on GPUs: compile_schedule)."""
+    return candidates
+
+
+def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[list, int]]:
+    """[(candidates, how many compile at once)] in order. On GPUs the first compiles alone: XLA autotunes
+    each new kernel shape on the devices, and cold compiles autotuning together slowed each other far
+    past one after another; once the first's results are in the process, the rest (sharing most
+    kernel shapes, or autotuning only their own) compile together, outside the GIL."""
+    if platform == "cpu" or len(engines) < 2 or workers < 2:
+        return [(engines, workers)]
+    return [(engines[:1], 1), (engines[1:], workers)]
 
 
 def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int) -> None:
-    """Compile the candidates' steps, `workers` at a time; a failure becomes that candidate's note."""
-    bar = Progress("auto search: compiling together", max(len(engines), 1), unit="candidate")
-    with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="auto-compile") as pool:
-        futures = {pool.submit(engine.compile_step): (row, engine) for row, engine in engines}
-        for future in concurrent.futures.as_completed(futures):
-            row, engine = futures[future]
-            try:
-                stats = future.result()
-            except KitError as err:
-                row["note"] = str(err)
-                bar.update(1, candidate=_name(row), result="failed")
-                continue
-            # Compiled concurrently, so each one's wall time overlaps the others'.
-            row["compile_s"] = round(stats.compile_seconds, 3)
-            row["peak_bytes_per_device"] = (stats.memory or {}).get("peak_estimate_bytes")
-            bar.update(1, candidate=_name(row), compile_s=row["compile_s"])
+    """Compile the candidates' steps in compile_schedule's order; a failure becomes that candidate's note."""
+    bar = Progress("auto search: compiling", max(len(engines), 1), unit="candidate")
+    for group, at_once in compile_schedule(engines, workers, jax.devices()[0].platform):
+        with concurrent.futures.ThreadPoolExecutor(max(at_once, 1), thread_name_prefix="auto-compile") as pool:
+            futures = {pool.submit(engine.compile_step): (row, engine) for row, engine in group}
+            for future in concurrent.futures.as_completed(futures):
+                row, engine = futures[future]
+                try:
+                    stats = future.result()
+                except KitError as err:
+                    row["note"] = str(err)
+                    bar.update(1, candidate=_name(row), result="failed")
+                    continue
+                # Compiled concurrently, so each one's wall time overlaps the others'.
+                row["compile_s"] = round(stats.compile_seconds, 3)
+                row["peak_bytes_per_device"] = (stats.memory or {}).get("peak_estimate_bytes")
+                bar.update(1, candidate=_name(row), compile_s=row["compile_s"])
     bar.close()
     engines[:] = [(row, engine) for row, engine in engines if not row["note"]]
 

@@ -77,8 +77,8 @@ HOW_TO_RUN = (
             default_help="every alive node", decides_step=False),
     Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE,
             decides_step=False),
-    Setting("auto_compile_workers", int, 0, "auto: candidates compiled at once (0: one at a time on GPUs, all "
-            "at once on CPU devices)", PARALLELISM,
+    Setting("auto_compile_workers", int, 0, "auto: candidates compiled at once (0: all; on GPUs the first "
+            "always compiles alone)", PARALLELISM,
             check=NON_NEGATIVE, metavar="N", decides_step=False),
     Setting("memory_limit_gb", Optional[float], None, "auto: per-device memory budget", PARALLELISM, metavar="GB",
             default_help="the device's own", decides_step=False),
