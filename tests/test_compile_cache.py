@@ -132,6 +132,8 @@ def test_a_second_identical_auto_run_reuses_the_search_and_loads_its_winner(tmp_
     first, _ = search(str(tmp_path / "a"))
     timed = [row for row in first["search"] if row.get("step_time_s")]
     assert len(timed) >= 2, first["search"]
+    # No candidate's step went into JAX's cache (writing the losers only lengthens the search).
+    assert not [n for n in os.listdir(str(tmp_path / "cache")) if "train_step" in n]
     assert first["timing"]["compile_cache"]["step"] == "compiled"
     second, log = search(str(tmp_path / "b"))
     assert "reusing the search" in log, log[-2000:]

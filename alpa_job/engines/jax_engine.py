@@ -184,7 +184,9 @@ class JaxEngine(Engine):
                              donate_argnums=(0,))
             with self.activation_layout():
                 lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
-            with compile_cache.writes_skipped() if store else contextlib.nullcontext():
+            # Not into JAX's cache where the step store keeps it, nor for auto's candidates: only the
+            # winner is kept (keep_step), and writing every loser would lengthen the search.
+            with compile_cache.writes_skipped() if store or not use_store else contextlib.nullcontext():
                 self._compiled = lowered.compile()
             # Steps go through `jitted`: its C++ dispatch path costs less per call than calling the
             # Compiled object from Python, and its cache already holds this
