@@ -109,6 +109,29 @@ def test_auto_compiles_the_first_candidate_alone_on_gpus_only():
     assert compile_schedule(["data"], 3, "gpu") == [(["data"], 3)]
 
 
+def test_a_candidate_lowered_ahead_compiles_and_trains_the_same():
+    """auto lowers the next candidates while the first compiles: compile_step then only compiles, and the
+    step it gives trains the same numbers as one traced, lowered and compiled in one go."""
+    from alpa_job.data import epoch_batches, synthetic
+    from alpa_job.engines.jax_engine import JaxEngine
+    from alpa_job.models import get_model
+
+    config = tiny_config("mlp")
+    model = get_model(config)
+    batch, _ = next(epoch_batches(synthetic(config), 16, "pad", 0, 0))
+    losses = []
+    for ahead in (False, True):
+        engine = JaxEngine(config, model, batch, "fsdp", (8, 1))
+        if ahead:
+            engine.lower_step()
+            assert engine._lowered_ahead is not None
+        stats = engine.compile_step()
+        assert stats.compile_seconds > 0 and stats.flops_per_step
+        _, loss = engine.step(engine.init_state(0), engine.put_batch(batch))
+        losses.append(float(loss))
+    assert engine._lowered_ahead is None and losses[0] == losses[1]
+
+
 def test_auto_skips_candidates_over_the_memory_budget():
     from alpa_job.errors import KitError
 

@@ -162,9 +162,12 @@ def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[l
 def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int) -> None:
     """Compile the candidates' steps in compile_schedule's order; a failure becomes that candidate's note."""
     bar = Progress("auto search: compiling", max(len(engines), 1), unit="candidate")
-    for group, at_once in compile_schedule(engines, workers, jax.devices()[0].platform):
+    schedule = compile_schedule(engines, workers, jax.devices()[0].platform)
+    for index, (group, at_once) in enumerate(schedule):
         with concurrent.futures.ThreadPoolExecutor(max(at_once, 1), thread_name_prefix="auto-compile") as pool:
-            futures = {pool.submit(engine.compile_step): (row, engine) for row, engine in group}
+            futures = {pool.submit(engine.compile_step): (row, engine) for row, engine in group if not row["note"]}
+            if index + 1 < len(schedule):  # lowering (Python) overlaps this group's XLA compiles
+                _lower_ahead(schedule[index + 1][0])
             for future in concurrent.futures.as_completed(futures):
                 row, engine = futures[future]
                 try:
@@ -179,6 +182,14 @@ def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int) -> No
                 bar.update(1, candidate=_name(row), compile_s=row["compile_s"])
     bar.close()
     engines[:] = [(row, engine) for row, engine in engines if not row["note"]]
+
+
+def _lower_ahead(group: List[Tuple[dict, JaxEngine]]) -> None:
+    for row, engine in group:
+        try:
+            engine.lower_step()
+        except KitError as err:
+            row["note"] = str(err)
 
 
 def _time_steps(engine: JaxEngine, config, batches) -> float:

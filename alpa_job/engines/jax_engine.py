@@ -88,6 +88,7 @@ class JaxEngine(Engine):
         self._init_compiled: Optional[concurrent.futures.Future] = None
         self._hits_before = 0
         self._store: Optional[StepStore] = None  # set while a freshly compiled step waits to be stored
+        self._lowered_ahead = None  # (jitted, lowered) from lower_step(), for auto's candidates
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
@@ -178,12 +179,11 @@ class JaxEngine(Engine):
             self.stats.flops_per_step = saved.get("flops_per_step")
             self.stats.step_source = "stored"
         else:
-            jitted = jax.jit(_named(self._train_step, store.step_name if store else "train_step"),
-                             in_shardings=(self.state_sharding, self.batch_sharding),
-                             out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
-                             donate_argnums=(0,))
-            with self.activation_layout():
-                lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
+            if self._lowered_ahead is not None and not store:
+                jitted, lowered = self._lowered_ahead
+                self._lowered_ahead = None
+            else:
+                jitted, lowered = self._lower(store.step_name if store else "train_step", abstract_batch)
             # Not into JAX's cache where the step store keeps it, nor for auto's candidates: only the
             # winner is kept (keep_step), and writing every loser would lengthen the search.
             with compile_cache.writes_skipped() if store or not use_store else contextlib.nullcontext():
@@ -201,6 +201,24 @@ class JaxEngine(Engine):
         self.stats.hlo_texts = [self._compiled.as_text() or ""]
         self.stats.memory = jax_program.memory_analysis(self._compiled)
         return self.stats
+
+    def lower_step(self) -> None:
+        """Trace and lower auto's candidate step now (Python, under the GIL) so that its compile_step()
+        only compiles: the search lowers the next candidates while the first one's XLA compile runs."""
+        start = time.perf_counter()
+        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
+                          for k, v in self._example.items()}
+        self._lowered_ahead = self._lower("train_step", abstract_batch)
+        self.stats.compile_seconds += time.perf_counter() - start
+
+    def _lower(self, name: str, abstract_batch):
+        jitted = jax.jit(_named(self._train_step, name),
+                         in_shardings=(self.state_sharding, self.batch_sharding),
+                         out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
+                         donate_argnums=(0,))
+        with self.activation_layout():
+            lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
+        return jitted, lowered
 
     def _step_store(self) -> Optional[StepStore]:
         if not self.stats.compile_cache_dir or not StepStore.supported():
