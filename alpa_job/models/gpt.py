@@ -92,9 +92,9 @@ def block_class(remat: str):
     `dots` keeps every matmul's output and the attention's (its fused kernel is the costliest to
     rerun) and recomputes the norms, GELU and residual adds; under fsdp the weights a block uses
     are then gathered again in the backward instead of held from the forward. `full` keeps only
-    each block's input. `weights` is no checkpoint of the block: its dense layers recompute their
-    weights' compute-dtype copies (dense_options)."""
-    if remat in ("none", "weights"):
+    each block's input. `weights` and `mlp-weights` are no checkpoint of the block: its dense layers
+    recompute their weights' compute-dtype copies (dense_options)."""
+    if remat in ("none", "weights", "mlp-weights"):
         return DecoderBlock
     policies = jax.checkpoint_policies
     if remat == "dots":
@@ -107,15 +107,16 @@ def block_class(remat: str):
     return nn.remat(DecoderBlock, policy=policy)
 
 
-def dense_options(remat: str) -> dict:
-    """Extra dense-layer arguments for `remat`. `weights`: the kernel stays fp32 up to the matmul, which
-    casts it inside a checkpoint that keeps nothing, so the backward casts (under fsdp: gathers) each
-    weight again instead of holding its compute-dtype copy from the forward (under fsdp every block's
-    gathered weights at once); every activation is kept, nothing else is recomputed."""
-    if remat != "weights":
+def dense_options(remat: str, mlp: bool = False) -> dict:
+    """Extra dense-layer arguments for `remat` (`mlp`: for the MLP's two layers). `weights` (every dense
+    layer) and `mlp-weights` (the MLP's, two thirds of a block's weights): the kernel stays fp32 up to
+    the matmul, which casts it inside a checkpoint that keeps nothing, so the backward casts (under
+    fsdp: gathers) the weight again instead of holding its compute-dtype copy from the forward (under
+    fsdp every block's gathered weights at once); every activation is kept, nothing else is recomputed."""
+    if not (remat == "weights" or (remat == "mlp-weights" and mlp)):
         return {}
     if "promote_dtype" not in getattr(nn.Dense, "__dataclass_fields__", {}):
-        raise KitError("--remat weights needs flax 0.8 or later (dense layers without a promote_dtype hook); "
+        raise KitError(f"--remat {remat} needs flax 0.8 or later (dense layers without a promote_dtype hook); "
                        "use --remat dots or full")
     return {"promote_dtype": _promote_all_but_the_kernel, "dot_general": _dot_casting_the_kernel_again}
 
@@ -144,11 +145,11 @@ class DecoderBlock(nn.Module):
         x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention, self.remat)(
             constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         d_model = x.shape[-1]
-        y = nn.Dense(4 * d_model, dtype=self.dtype, **dense_options(self.remat), kernel_init=logical(_normal, (EMBED, MLP)),
+        y = nn.Dense(4 * d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True), kernel_init=logical(_normal, (EMBED, MLP)),
                      bias_init=logical(nn.initializers.zeros, (MLP,)))(
             constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         y = nn.gelu(constrain(y, (BATCH, SEQ, MLP)))
-        y = nn.Dense(d_model, dtype=self.dtype, **dense_options(self.remat), kernel_init=logical(_normal, (MLP, EMBED)),
+        y = nn.Dense(d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True), kernel_init=logical(_normal, (MLP, EMBED)),
                      bias_init=logical(nn.initializers.zeros, (EMBED,)))(y)
         return constrain(x + y, (BATCH, SEQ, EMBED))
 

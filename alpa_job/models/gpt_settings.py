@@ -8,7 +8,7 @@ from alpa_job.settings.setting import POSITIVE, Setting
 # The batch field the model reads: the checks before Ray match a dataset against it without building it.
 INPUT_FIELD = "tokens"
 
-REMAT_POLICIES = ("none", "weights", "dots", "full")
+REMAT_POLICIES = ("none", "mlp-weights", "weights", "dots", "full")
 
 SETTINGS = (
     Setting("num_layers", int, 2, "transformer blocks", check=POSITIVE),
@@ -16,10 +16,11 @@ SETTINGS = (
     Setting("num_heads", int, 4, "attention heads (divide --d-model)", check=POSITIVE),
     Setting("seq_len", int, 64, "tokens per sequence", check=POSITIVE),
     Setting("vocab_size", int, 256, "vocabulary", check=POSITIVE),
-    Setting("remat", str, "none", "recompute in the backward pass instead of keeping: none; weights (keep every "
-            "activation, recompute only the weights' bf16 copies: under fsdp each block's weights are gathered again "
-            "instead of all held at once); dots (keep the matmuls' and attention's outputs, recompute the rest; under "
-            "fsdp the weights are gathered again too); full (keep only each block's input)", choices=REMAT_POLICIES),
+    Setting("remat", str, "none", "recompute in the backward pass instead of keeping: none; mlp-weights (keep "
+            "every activation, recompute only the MLP weights' bf16 copies: under fsdp they are gathered again "
+            "instead of all held at once); weights (the same for every weight); dots (keep the matmuls' and "
+            "attention's outputs, recompute the rest; under fsdp the weights are gathered again too); full "
+            "(keep only each block's input)", choices=REMAT_POLICIES),
 )
 
 
