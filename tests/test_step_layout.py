@@ -187,9 +187,9 @@ def test_remat_weights_keeps_activations_but_not_the_weights_bf16_copies():
 
 def test_remat_weights_gathers_each_weight_again_under_fsdp():
     """Under fsdp, `weights` turns the forward's one all-gather per weight into two (forward and backward),
-    `mlp-weights` only the MLP's: the compiled step on 2 CPU devices shows it."""
+    `mlp-weights` only the MLP's, and no matmul is run again: the compiled step on 2 CPU devices shows it."""
     code = r"""
-import os, sys, json
+import os, re, sys, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"; os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, %r)
 import numpy as np
@@ -203,7 +203,9 @@ for remat in ("none", "mlp-weights", "weights"):
                        num_samples=8, dtype="bfloat16", address="none", compile_cache="none", remat=remat).validated()
     batch = {"tokens": np.zeros((8, 33), np.int32), "mask": np.ones((8,), np.float32)}
     stats = JaxEngine(config, get_model(config), batch, "fsdp", (2, 1)).compile_step()
-    counts[remat] = sum(1 for kind, _, _ in collective_instances(stats.hlo_texts[0]) if kind == "all-gather")
+    hlo = stats.hlo_texts[0]
+    counts[remat] = sum(1 for kind, _, _ in collective_instances(hlo) if kind == "all-gather")
+    counts[remat + " dots"] = len(re.findall(r"= [a-z0-9\[\]{},]+ dot\(", hlo))
 print(json.dumps(counts))
 """ % REPO
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -211,3 +213,5 @@ print(json.dumps(counts))
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["none"] > 0 and counts["weights"] == counts["none"] + 8, counts  # 2 blocks x 4 kernels again
     assert counts["mlp-weights"] == counts["none"] + 4, counts  # 2 blocks x the MLP's 2 kernels
+    # The matmul rerun inside each checkpoint is dead (the backward needs only its inputs) and dropped.
+    assert counts["none dots"] == counts["mlp-weights dots"] == counts["weights dots"] > 0, counts

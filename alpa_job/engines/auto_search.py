@@ -4,9 +4,9 @@ Every candidate strategy x mesh shape is built abstractly first (no compile): on
 exceeds a device's budget is dropped there, and on a cluster of several processes the planner
 (alpa_job.planner) drops those it predicts cannot fit or are far slower than the best. The rest
 compile together, XLA compiling outside the GIL (on GPUs after the first alone: compile_schedule),
-those whose XLA memory estimate fits are timed over a few real steps, and the fastest wins. The table of every candidate goes in the report,
-and the result is kept beside the compile cache, so a second identical run trains its winner
-straight away.
+those whose XLA memory estimate fits are timed over a few real steps, and the fastest wins. The
+table of every candidate goes in the report, and the result is kept beside the compile cache, so a
+second identical run trains its winner straight away.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     phase(f"[auto] searching {len(candidates)} candidates (strategy x mesh), budget {budget / 2**30:.1f} GiB/device")
     _ask_planner(config, model, example_batch, candidates, budget, table)
     engines = _build_abstract(config, model, example_batch, schedule_steps, budget, table)
-    _compile_together(engines, config.auto_compile_workers or default_compile_workers(len(engines)))
+    _compile_together(engines, config.auto_compile_workers or len(engines))
     best, best_time = None, float("inf")
     timed_bar = Progress("auto search: timing", max(len(engines), 1), unit="candidate")
     for row, engine in engines:
@@ -142,11 +142,6 @@ def _build_abstract(config, model, example_batch, schedule_steps, budget: int, t
             continue
         engines.append((row, engine))
     return engines
-
-
-def default_compile_workers(candidates: int) -> int:
-    """All candidates at once (after the first, on GPUs: compile_schedule)."""
-    return candidates
 
 
 def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[list, int]]:

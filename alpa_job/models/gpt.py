@@ -145,12 +145,12 @@ class DecoderBlock(nn.Module):
         x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention, self.remat)(
             constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         d_model = x.shape[-1]
-        y = nn.Dense(4 * d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True), kernel_init=logical(_normal, (EMBED, MLP)),
-                     bias_init=logical(nn.initializers.zeros, (MLP,)))(
+        y = nn.Dense(4 * d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True),
+                     kernel_init=logical(_normal, (EMBED, MLP)), bias_init=logical(nn.initializers.zeros, (MLP,)))(
             constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         y = nn.gelu(constrain(y, (BATCH, SEQ, MLP)))
-        y = nn.Dense(d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True), kernel_init=logical(_normal, (MLP, EMBED)),
-                     bias_init=logical(nn.initializers.zeros, (EMBED,)))(y)
+        y = nn.Dense(d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True),
+                     kernel_init=logical(_normal, (MLP, EMBED)), bias_init=logical(nn.initializers.zeros, (EMBED,)))(y)
         return constrain(x + y, (BATCH, SEQ, EMBED))
 
 
