@@ -142,3 +142,51 @@ def test_a_second_identical_auto_run_reuses_the_search_and_loads_its_winner(tmp_
     assert all("from the saved search" in row["note"] for row in second["search"])
     saved = os.listdir(os.path.join(str(tmp_path / "cache"), "auto-search"))
     assert len(saved) == 1 and saved[0].endswith(".json")
+
+
+def test_auto_never_keeps_a_winner_jax_loaded_from_its_own_cache(tmp_path):
+    """An older kit wrote auto's candidate steps into JAX's cache under one shared name. A candidate JAX
+    then loads from there, re-serialised as the kept winner, fails to run when loaded (XLA:CPU: "Function
+    ... not found"). Candidates are named after their own key, so such entries never match: with one
+    written for every candidate, a search and the run that reuses it both train."""
+    cache = str(tmp_path / "cache")
+    flags = ["--model", "mlp", "--hidden-dim", "32", "--num-samples", "64", "--batch-size", "16",
+             "--auto-trial-steps", "1", "--compile-cache", cache]
+    old_kit_entries = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"; os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, %r)
+import jax
+from alpa_job.settings.config import JobConfig
+from alpa_job.models import get_model
+from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.engines.optimizer import schedule_steps
+from alpa_job.engines.sharding_rules import auto_candidates
+from alpa_job.train.loop import prepare_data
+config = JobConfig(model="mlp", hidden_dim=32, num_samples=64, batch_size=16, steps=2, strategy="auto",
+                   auto_trial_steps=1, compile_cache=%r, address="none").validated()
+model = get_model(config)
+data = prepare_data(config, model)
+for strategy, mesh in auto_candidates(8):
+    engine = JaxEngine(config, model, data.example, strategy, mesh,
+                       schedule_steps=schedule_steps(config, data.epoch.steps))
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=engine.batch_sharding) for k, v in data.example.items()}
+    engine._lower("train_step", abstract)[1].compile()  # the older kit's name, written to JAX's cache
+print("written", len([n for n in os.listdir(%r) if n.startswith("jit_train_step-")]))
+""" % (REPO, cache, cache)
+    proc = subprocess.run([sys.executable, "-c", old_kit_entries], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "written" in proc.stdout, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) >= 3, proc.stdout
+
+    def train(out: str) -> dict:
+        cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--strategy", "auto", "--steps", "2",
+               *flags, "--out", out]
+        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(os.path.join(out, "report.json")) as f:
+            return json.load(f)
+
+    first, second = train(str(tmp_path / "a")), train(str(tmp_path / "b"))
+    assert second["timing"]["compile_cache"]["step"] == "stored"  # the kept winner loaded, and it ran
+    assert second["losses"] == first["losses"] and len(second["losses"]) == 2

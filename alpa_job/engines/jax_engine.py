@@ -183,7 +183,7 @@ class JaxEngine(Engine):
                 jitted, lowered = self._lowered_ahead
                 self._lowered_ahead = None
             else:
-                jitted, lowered = self._lower(store.step_name if store else "train_step", abstract_batch)
+                jitted, lowered = self._lower(self._step_name(), abstract_batch)
             # Not into JAX's cache where the step store keeps it, nor for auto's candidates: only the
             # winner is kept (keep_step), and writing every loser would lengthen the search.
             with compile_cache.writes_skipped() if store or not use_store else contextlib.nullcontext():
@@ -208,8 +208,15 @@ class JaxEngine(Engine):
         start = time.perf_counter()
         abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
                           for k, v in self._example.items()}
-        self._lowered_ahead = self._lower("train_step", abstract_batch)
+        self._lowered_ahead = self._lower(self._step_name(), abstract_batch)
         self.stats.compile_seconds += time.perf_counter() - start
+
+    def _step_name(self) -> str:
+        """The step store's name for this step wherever a store could keep it, auto's candidates
+        included: keep_step() may serialise a candidate, and one JAX loaded from its own cache (an
+        entry an older kit wrote under a shared name) serialises into a step that fails to run."""
+        store = self._step_store()
+        return store.step_name if store else "train_step"
 
     def _lower(self, name: str, abstract_batch):
         jitted = jax.jit(_named(self._train_step, name),
