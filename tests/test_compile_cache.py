@@ -53,6 +53,16 @@ def _stored(cache_home: str) -> list:
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
+
+def _train(out: str, *args: str):
+    """`python -m alpa_job train --address none ARGS --out OUT`: (its report, what it printed); it must succeed."""
+    cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", *args, "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(out, "report.json")) as f:
+        return json.load(f), proc.stderr + proc.stdout
+
 def test_second_identical_run_loads_the_stored_step_and_the_initialiser_from_the_default_cache(tmp_path):
     cold = _run(str(tmp_path))
     expected = os.path.join(str(tmp_path), "alpa_job", "jax")
@@ -92,14 +102,9 @@ def test_an_unreadable_entry_is_deleted_and_the_step_compiled(tmp_path):
 
 def test_cli_second_identical_run_trains_the_same_from_the_stored_step(tmp_path):
     def train(out: str) -> dict:
-        cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--model", "gpt", "--num-layers", "2",
-               "--d-model", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "128", "--num-samples", "64",
-               "--batch-size", "8", "--steps", "6", "--compile-cache", str(tmp_path / "cache"), "--out", out]
-        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        with open(os.path.join(out, "report.json")) as f:
-            return json.load(f)
+        return _train(out, "--model", "gpt", "--num-layers", "2", "--d-model", "64", "--num-heads", "4", "--seq-len",
+                      "32", "--vocab-size", "128", "--num-samples", "64", "--batch-size", "8", "--steps", "6",
+                      "--compile-cache", str(tmp_path / "cache"))[0]
 
     cold, warm = train(str(tmp_path / "cold")), train(str(tmp_path / "warm"))
     cold_cache, warm_cache = (r["timing"]["compile_cache"] for r in (cold, warm))
@@ -119,15 +124,10 @@ def test_compile_cache_setting_resolves(tmp_path, monkeypatch):
 def test_a_second_identical_auto_run_reuses_the_search_and_loads_its_winner(tmp_path):
     """The first auto run compiles every candidate together and keeps its table and its winner's step
     beside the compile cache; an identical second run searches nothing: it loads the winner's step."""
-    def search(out: str) -> dict:
-        cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--model", "mlp", "--hidden-dim", "32",
-               "--num-samples", "64", "--batch-size", "16", "--steps", "2", "--strategy", "auto",
-               "--auto-trial-steps", "1", "--compile-cache", str(tmp_path / "cache"), "--out", out]
-        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        with open(os.path.join(out, "report.json")) as f:
-            return json.load(f), proc.stderr + proc.stdout
+    def search(out: str):
+        return _train(out, "--model", "mlp", "--hidden-dim", "32", "--num-samples", "64", "--batch-size", "16",
+                      "--steps", "2", "--strategy", "auto", "--auto-trial-steps", "1",
+                      "--compile-cache", str(tmp_path / "cache"))
 
     first, _ = search(str(tmp_path / "a"))
     timed = [row for row in first["search"] if row.get("step_time_s")]
@@ -178,15 +178,6 @@ print("written", len([n for n in os.listdir(%r) if n.startswith("jit_train_step-
     assert proc.returncode == 0 and "written" in proc.stdout, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) >= 3, proc.stdout
 
-    def train(out: str) -> dict:
-        cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--strategy", "auto", "--steps", "2",
-               *flags, "--out", out]
-        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        with open(os.path.join(out, "report.json")) as f:
-            return json.load(f)
-
-    first, second = train(str(tmp_path / "a")), train(str(tmp_path / "b"))
+    first, second = (_train(str(tmp_path / run), "--strategy", "auto", "--steps", "2", *flags)[0] for run in "ab")
     assert second["timing"]["compile_cache"]["step"] == "stored"  # the kept winner loaded, and it ran
     assert second["losses"] == first["losses"] and len(second["losses"]) == 2
