@@ -167,8 +167,7 @@ class JaxEngine(Engine):
         return self._compile_step(use_store=False)
 
     def _compile_step(self, use_store: bool = True) -> CompileStats:
-        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
-                          for k, v in self._example.items()}
+        abstract_batch = self._abstract_batch()
         start = time.perf_counter()
         store = self._step_store() if use_store else None
         loaded = store.load(jax.tree_util.tree_structure(((self.abstract_state, abstract_batch), {})),
@@ -179,11 +178,11 @@ class JaxEngine(Engine):
             self.stats.flops_per_step = saved.get("flops_per_step")
             self.stats.step_source = "stored"
         else:
-            if self._lowered_ahead is not None and not store:
+            if self._lowered_ahead is not None:
                 jitted, lowered = self._lowered_ahead
                 self._lowered_ahead = None
             else:
-                jitted, lowered = self._lower(self._step_name(), abstract_batch)
+                jitted, lowered = self._lower(self._step_name(store), abstract_batch)
             # Not into JAX's cache where the step store keeps it, nor for auto's candidates: only the
             # winner is kept (keep_step), and writing every loser would lengthen the search.
             with compile_cache.writes_skipped() if store or not use_store else contextlib.nullcontext():
@@ -206,16 +205,18 @@ class JaxEngine(Engine):
         """Trace and lower auto's candidate step now (Python, under the GIL) so that its compile_step()
         only compiles: the search lowers the next candidates while the first one's XLA compile runs."""
         start = time.perf_counter()
-        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
-                          for k, v in self._example.items()}
-        self._lowered_ahead = self._lower(self._step_name(), abstract_batch)
+        self._lowered_ahead = self._lower(self._step_name(), self._abstract_batch())
         self.stats.compile_seconds += time.perf_counter() - start
 
-    def _step_name(self) -> str:
+    def _abstract_batch(self) -> Dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
+                for k, v in self._example.items()}
+
+    def _step_name(self, store: Optional[StepStore] = None) -> str:
         """The step store's name for this step wherever a store could keep it, auto's candidates
         included: keep_step() may serialise a candidate, and one JAX loaded from its own cache (an
         entry an older kit wrote under a shared name) serialises into a step that fails to run."""
-        store = self._step_store()
+        store = store or self._step_store()
         return store.step_name if store else "train_step"
 
     def _lower(self, name: str, abstract_batch):
