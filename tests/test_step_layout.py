@@ -128,28 +128,14 @@ def test_gpt_remat_trains_the_same_numbers(tmp_path):
 def test_remat_dots_keeps_the_attention_output():
     """The `dots` policy keeps matmul outputs and the tagged attention output (its fused kernel is the costliest
     to rerun); the norms and GELU are recomputed."""
-    import contextlib
-    import io
-
-    import jax
-    import jax.numpy as jnp
-    from jax.ad_checkpoint import print_saved_residuals
-
-    from alpa_job.models import gpt
-
-    block = gpt.block_class("dots")(4, jnp.float32, "einsum")
-    x = jnp.ones((2, 8, 16))
-    params = block.init(jax.random.PRNGKey(0), x)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        print_saved_residuals(lambda p: block.apply(p, x).sum(), params)
-    saved = printed.getvalue().splitlines()
+    saved = _saved_residuals("dots", "float32")
     assert any("named 'attention'" in s for s in saved), saved
     computed = [s for s in saved if "from the argument" not in s and "from a constant" not in s]
     assert computed and all("dot_general" in s or "named 'attention'" in s for s in computed), computed
 
 
-def _saved_residuals(policy: str):
+def _saved_residuals(policy: str, dtype: str = "bfloat16"):
+    """What the backward of one GPT block under `policy` keeps, one line per value (jax's own listing)."""
     import contextlib
     import io
 
@@ -159,8 +145,8 @@ def _saved_residuals(policy: str):
 
     from alpa_job.models import gpt
 
-    block = gpt.block_class(policy)(4, jnp.bfloat16, "einsum", policy)
-    x = jnp.ones((2, 8, 16), jnp.bfloat16)
+    block = gpt.block_class(policy)(4, jnp.dtype(dtype), "einsum", policy)
+    x = jnp.ones((2, 8, 16), jnp.dtype(dtype))
     params = block.init(jax.random.PRNGKey(0), x)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
