@@ -20,9 +20,10 @@ print("NODES " + json.dumps([n.ip for n in ray_api.alive_nodes()]))
 _JOBS = {}  # submitting host -> (report, seconds, CompletedProcess): each job runs once per session
 
 
-def _submit(ray_cluster, host: str):
-    if host in _JOBS:
-        return _JOBS[host]
+def _submit(ray_cluster, host: str, *train_flags: str):
+    key = (host,) + train_flags
+    if key in _JOBS:
+        return _JOBS[key]
     bed = ray_cluster.testbed
     # /tmp outside /tmp/ray is the machine's /tmp, shared by every host: the driver (on the head
     # under `ray job submit`) writes the report there and the test reads it from outside.
@@ -31,14 +32,14 @@ def _submit(ray_cluster, host: str):
     p = bed.exec(host, "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
                  ray_cluster.spec.ports["dashboard"]), "--",
                  "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "5", "--devices", "2",
-                 "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--out", str(out),
+                 "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--out", str(out), *train_flags,
                  timeout=400, check=False)
     seconds = time.monotonic() - t0
     assert p.returncode == 0, "ray job submit from %s failed:\n%s\n%s" % (host, p.stdout[-5000:], p.stderr[-3000:])
     report = json.loads((out / "report.json").read_text())
     assert_valid_report(report)  # a multi-process report too matches the shipped schema
-    _JOBS[host] = (report, seconds, p)
-    return _JOBS[host]
+    _JOBS[key] = (report, seconds, p)
+    return _JOBS[key]
 
 
 def _check_report(ray_cluster, report):
@@ -67,6 +68,25 @@ def test_job_submit_from_a_worker(ray_cluster):
     report, seconds, p = _submit(ray_cluster, "w1")
     _check_report(ray_cluster, report)  # asserts the 3-host, 3-process, one-compile run
     assert "succeeded" in p.stdout + p.stderr  # ray job submit itself reported success from w1
+
+
+def test_auto_on_three_hosts_refuses_meshes_that_split_the_batch_across_processes_and_agrees_on_one_winner(
+        ray_cluster):
+    """Six devices in three processes, each reading its own third of the batch: a mesh whose data-parallel
+    size is 1 or 2 would need rows another process read, so auto drops it before compiling (it used to
+    fail the run: "Invalid host data"). The other three are timed, and every process takes process 0's
+    times, so all train the one winner (processes on different programs would hang each other)."""
+    report, _, _ = _submit(ray_cluster, "head", "--strategy", "auto", "--auto-trial-steps", "1",
+                           "--compile-cache", "none")
+    table = report["search"]
+    assert report["summary"]["processes"] == 3 and report["steps"] == 5
+    timed = [row for row in table if row["step_time_s"]]
+    assert sorted(tuple(row["mesh_shape"]) for row in timed) == [(3, 2), (6, 1), (6, 1)], table
+    refused = [row for row in table if row not in timed]
+    assert len(refused) == 2 and all("multiple of 3" in row["note"] for row in refused), table
+    chosen = [row for row in table if row["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["step_time_s"] == min(row["step_time_s"] for row in timed)
+    assert report["strategy"] == chosen[0]["strategy"] and report["mesh"]["shape"] == chosen[0]["mesh_shape"]
 
 
 def test_every_address_the_job_used_is_its_hosts_own(ray_cluster):

@@ -66,6 +66,7 @@ class JaxEngine(Engine):
         self.batch_axis = batch_mesh_axis(self.rules)
         self._check_batch_divisible(example_batch)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(self.batch_axis))
+        self._check_batch_rows_per_process()
         self._horizon = schedule_steps if schedule_steps is not None else config.steps
         self.tx = self.make_optimizer(config.learning_rate, self._horizon)
         start = time.perf_counter()
@@ -350,12 +351,39 @@ class JaxEngine(Engine):
         return {"search": self.search_table}
 
     # ----- checks that turn XLA errors into one-line fixes ---------------------------------------
+    def _check_batch_rows_per_process(self) -> None:
+        """Each process reads only its own share of the batch (the input pipeline's Shard), so its
+        devices must hold exactly those rows: a mesh whose data-parallel size does not split into the
+        processes would need rows another process read."""
+        processes = jax.process_count()
+        if processes == 1:
+            return
+        rows = self._example["mask"].shape[0]
+        share = rows // processes
+        for process, span in sorted(rows_by_process(self.batch_sharding, rows).items()):
+            if span != (process * share, (process + 1) * share):
+                data = self.mesh.shape[self.batch_axis]
+                raise KitError(f"{self.strategy} on mesh {tuple(self.mesh.devices.shape)}: its data-parallel size "
+                               f"{data} does not give each of the {processes} processes its own rows of the batch "
+                               f"(process {process}'s devices hold rows {span[0]}-{span[1] - 1}); use a mesh whose "
+                               f"data-parallel size is a multiple of {processes} (a smaller --model-parallel)")
+
     def _check_batch_divisible(self, batch: Dict[str, np.ndarray]) -> None:
         data = self.mesh.shape[self.batch_axis]
         size = len(batch["mask"])
         if size % data:
             raise KitError(f"batch size {size} is not divisible by the data-parallel size {data}; "
                            f"use a multiple of {data}")
+
+
+def rows_by_process(sharding: NamedSharding, global_rows: int) -> Dict[int, Tuple[int, int]]:
+    """{process: (first row, end row)} of the batch rows its devices hold under `sharding`."""
+    spans: Dict[int, Tuple[int, int]] = {}
+    for device, index in sharding.devices_indices_map((global_rows,)).items():
+        lo, hi, _ = index[0].indices(global_rows)
+        old = spans.get(device.process_index, (lo, hi))
+        spans[device.process_index] = (min(old[0], lo), max(old[1], hi))
+    return spans
 
 
 def _named(fn: Callable, name: str) -> Callable:
