@@ -17,6 +17,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
+import numpy as np
 
 from alpa_job.engines import compile_cache, memory_fit
 from alpa_job.engines.executable_store import key_digest, step_key
@@ -59,7 +60,6 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     _ask_planner(config, model, example_batch, candidates, budget, table)
     engines = _build_abstract(config, model, example_batch, schedule_steps, budget, table)
     _compile_together(engines, config.auto_compile_workers or len(engines))
-    best, best_time = None, float("inf")
     timed_bar = Progress("auto search: timing", max(len(engines), 1), unit="candidate")
     for row, engine in engines:
         peak = row["peak_bytes_per_device"]
@@ -70,9 +70,8 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
             continue
         row["step_time_s"] = _time_steps(engine, config, batches)
         timed_bar.update(1, candidate=_name(row), step_ms=round(row["step_time_s"] * 1e3, 2))
-        if row["step_time_s"] < best_time:
-            best, best_time = engine, row["step_time_s"]
     timed_bar.close()
+    best, best_time = _fastest([(row, engine) for row, engine in engines if row["fits"]])
     if best is None:
         raise KitError("--strategy auto: no candidate fits (see the notes above); lower --batch-size or the "
                        "model size, or raise --memory-limit-gb")
@@ -87,6 +86,22 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
         best.keep_step()
         saved.save(table)
     return best, table
+
+
+def _fastest(timed: List[Tuple[dict, JaxEngine]]) -> Tuple[Optional[JaxEngine], float]:
+    """The fastest candidate by process 0's times, on every process: each process's own clock differs
+    a little, and processes that chose different winners would run different programs and hang."""
+    times = [row["step_time_s"] for row, _ in timed]
+    if jax.process_count() > 1 and times:
+        from jax.experimental import multihost_utils
+
+        times = [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(times, np.float32))]
+    for (row, _), agreed in zip(timed, times):
+        row["step_time_s"] = agreed
+    if not timed:
+        return None, float("inf")
+    best = min(range(len(timed)), key=times.__getitem__)
+    return timed[best][1], times[best]
 
 
 def _row(strategy: str, mesh: Tuple[int, int]) -> Dict[str, object]:
