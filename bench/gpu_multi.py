@@ -60,8 +60,15 @@ print("RESULT", json.dumps({"step_ms": statistics.median(times) * 1e3, "compile_
 
 
 def run(cmd, env, timeout) -> tuple:
+    """(the finished process, seconds); one that outlives `timeout` comes back as a failed process, so
+    one stuck run costs its own row, not the rows of every run before it."""
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                         for x in (err.stdout, err.stderr))
+        proc = subprocess.CompletedProcess(cmd, 124, output, f"timed out after {timeout} s")
     return proc, round(time.perf_counter() - start, 1)
 
 
@@ -102,12 +109,20 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
            "to_first_step_s": timing["phases_s"].get("to_first_step"), "wall_s": wall,
            "comm_share": profile.get("comm_share"), "exposed_comm_share": profile.get("exposed_comm_share"),
            "collective_ms_per_step": profile.get("collective_ms_per_step"), "xla_flags": extra_flags,
-           "search": report.get("search"), "collectives": report.get("collectives")}
+           "search": report.get("search"), "collectives": report.get("collectives"),
+           # Start to the last step's end: the whole run's cost, not only its start.
+           "to_end_s": _to_end(timing["phases_s"], report["loop_seconds"]), "steps": report["steps"]}
     if args.keep_traces and profile.get("trace"):
         dest = os.path.join(args.out, "traces", f"{name}.trace.json.gz")
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         shutil.copy(profile["trace"], dest)
     return row
+
+
+def _to_end(phases: dict, loop_seconds: float):
+    if phases.get("to_first_step") is None or phases.get("first_step") is None:
+        return None
+    return round(phases["to_first_step"] - phases["first_step"] + loop_seconds, 2)
 
 
 def peer_run(args, batch: int, env, donate: bool) -> dict:
@@ -180,7 +195,7 @@ def main() -> None:
     base = next((r["step_ms"] for r in rows if r["run"] == "1gpu" and "step_ms" in r), None)
     print(f"\n{n} x {kind}, {args.preset}, {args.per_gpu_batch} sequences per GPU")
     print(f"{'run':28s} {'step ms':>8s} {'scaling':>8s} {'peak GB':>8s} {'est GB':>7s} {'MFU':>6s} "
-          f"{'comm':>6s} {'exposed':>8s} {'first s':>8s}")
+          f"{'comm':>6s} {'exposed':>8s} {'first s':>8s} {'end s':>7s}")
     for r in rows:
         if "error" in r:
             print(f"{r['run']:28s} ERROR {r['error'][-300:]!r}")
@@ -192,7 +207,8 @@ def main() -> None:
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
         print(f"{r['run']:28s} {f(r['step_ms'], '8.2f')} {f(scaling, '8.3f')} {f(r.get('peak_gb'), '8.2f')} "
               f"{f(r.get('estimate_gb'), '7.2f')} {f(r.get('mfu'), '6.3f')} {f(r.get('comm_share'), '6.3f')} "
-              f"{f(r.get('exposed_comm_share'), '8.3f')} {f(r.get('to_first_step_s'), '8.1f')}")
+              f"{f(r.get('exposed_comm_share'), '8.3f')} {f(r.get('to_first_step_s'), '8.1f')} "
+              f"{f(r.get('to_end_s'), '7.1f')}")
     from gpu_common import save_result
 
     print("saved", save_result("gpu_multi", args.out, {"preset": args.preset, "devices": n, "rows": rows,
