@@ -17,7 +17,7 @@ ray_api.join_ray(os.environ["RAY_ADDRESS"], log_to_driver=False)
 print("NODES " + json.dumps([n.ip for n in ray_api.alive_nodes()]))
 """
 
-_JOBS = {}  # submitting host -> (report, seconds, CompletedProcess): each job runs once per session
+_JOBS = {}  # (host, extra train flags) -> (report, seconds, CompletedProcess): each job runs once a session
 
 
 def _submit(ray_cluster, host: str, *train_flags: str):
