@@ -40,6 +40,8 @@ def device_memory_budget(limit_gb: Optional[float]) -> int:
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
+    # All the RAM, not what is available now (memory_fit.budget's figure for its check): this budget is
+    # part of the saved search's key, which must not move between two identical runs.
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ram // max(len(jax.local_devices()), 1)
 
