@@ -206,7 +206,9 @@ def test_validate_mirrors_the_engines_rules():
         for mp in (0, 1, 2, 4):
             if mp and devices % mp:
                 continue
-            assert tensor_model_size(devices, mp) == mesh_shape_for("tensor", devices, mp)[1]
+            for per_process in (None, *(p for p in (1, 2, 3, 4) if devices % p == 0)):
+                assert tensor_model_size(devices, mp, per_process) == mesh_shape_for("tensor", devices, mp,
+                                                                                     per_process)[1]
 
 
 @pytest.fixture(scope="module")

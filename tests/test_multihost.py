@@ -89,6 +89,25 @@ def test_auto_on_three_hosts_refuses_meshes_that_split_the_batch_across_processe
     assert report["strategy"] == chosen[0]["strategy"] and report["mesh"]["shape"] == chosen[0]["mesh_shape"]
 
 
+def test_tensor_on_three_hosts_keeps_its_model_axis_inside_each_host(ray_cluster):
+    """Each process reads only its own batch rows, so tensor's default model axis divides one host's
+    devices: 3 hosts x 2 devices train on mesh 3x2. A --model-parallel that would span hosts is refused
+    in one line before any JAX process starts."""
+    report, _, _ = _submit(ray_cluster, "head", "--strategy", "tensor")
+    assert report["strategy"] == "tensor" and report["mesh"]["shape"] == [3, 2], report["mesh"]
+    assert report["summary"]["processes"] == 3 and report["steps"] == 5
+    bed = ray_cluster.testbed
+    p = bed.exec("head", "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
+                 ray_cluster.spec.ports["dashboard"]), "--",
+                 "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "5", "--devices", "2",
+                 "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--strategy", "tensor",
+                 "--model-parallel", "3", "--out", "/tmp/akt-multihost-mp3-%s" % uuid.uuid4().hex[:8],
+                 timeout=400, check=False)
+    assert p.returncode != 0
+    assert "does not give each of the 3 processes its own rows of the batch" in p.stdout + p.stderr, p.stdout[-3000:]
+    assert "JAX process" not in p.stdout + p.stderr  # refused before any started
+
+
 def test_every_address_the_job_used_is_its_hosts_own(ray_cluster):
     """The seed failure was a worker binding the head's IP (errno 99, asserted in test_testbed's
     test_binding_another_hosts_ip_fails). Here, on a job that ran: the coordinator address is the

@@ -36,3 +36,18 @@ def test_the_engine_reads_the_batch_rule(monkeypatch):
     engine = _mlp_engine("tensor", (2, 4))
     assert engine.batch_sharding.spec == PartitionSpec("model")
     assert _mlp_engine("data", (8, 1)).batch_sharding.spec == PartitionSpec("data")
+
+
+def test_tensor_keeps_its_default_model_axis_inside_one_process():
+    """Each process reads only its own batch rows, so tensor's default model axis divides one process's
+    devices: 3 hosts x 2 GPUs get 3x2 (2x3 would need rows another process read); one process keeps the
+    largest of 4, 3, 2 that divides all its devices; an explicit --model-parallel is taken as given."""
+    from alpa_job.engines.sharding_rules import mesh_shape_for
+
+    assert mesh_shape_for("tensor", 6) == (2, 3)
+    assert mesh_shape_for("tensor", 6, devices_per_process=2) == (3, 2)
+    assert mesh_shape_for("tensor", 16, devices_per_process=8) == (4, 4)
+    assert mesh_shape_for("tensor", 12, devices_per_process=6) == (4, 3)
+    assert mesh_shape_for("tensor", 4, devices_per_process=1) == (4, 1)  # one device a process: no model axis
+    assert mesh_shape_for("tensor", 6, model_parallel=3, devices_per_process=2) == (2, 3)
+    assert mesh_shape_for("fsdp", 6, devices_per_process=2) == (6, 1)

@@ -6,7 +6,7 @@ of a parameter a strategy splits.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from alpa_job.errors import KitError
 from alpa_job.models.axes import BATCH, CHANNELS, CONV_IN, EMBED, HEADS, KV, MLP, SEQ, VOCAB
@@ -57,12 +57,16 @@ def batch_mesh_axis(rules: LogicalRules) -> str:
     return axis
 
 
-def mesh_shape_for(strategy: str, num_devices: int, model_parallel: int = 0) -> Tuple[int, int]:
-    """(data, model) sizes. `tensor` defaults to the largest model size <= 4 that divides."""
+def mesh_shape_for(strategy: str, num_devices: int, model_parallel: int = 0,
+                   devices_per_process: Optional[int] = None) -> Tuple[int, int]:
+    """(data, model) sizes. `tensor` defaults to the largest model size <= 4 that divides one process's
+    devices (`devices_per_process`, default all): each process reads only its own rows of the batch, so
+    the model axis must not span processes (and inside one node it runs over the fastest links)."""
     if strategy != "tensor":
         return (num_devices, 1)
     if model_parallel == 0:
-        model_parallel = max(m for m in (1, 2, 3, 4) if num_devices % m == 0)
+        per_process = devices_per_process or num_devices
+        model_parallel = max(m for m in (1, 2, 3, 4) if num_devices % m == 0 and per_process % m == 0)
     if num_devices % model_parallel != 0:
         raise KitError(f"--model-parallel {model_parallel} does not divide the {num_devices} devices; "
                        f"use one of: {', '.join(str(d) for d in divisors(num_devices))}")

@@ -137,11 +137,12 @@ def planned_devices(config: JobConfig, engine: str, address: str) -> Optional[in
     return None  # a cluster: known after the join (check_cluster_size)
 
 
-def tensor_model_size(devices: int, model_parallel: int) -> int:
+def tensor_model_size(devices: int, model_parallel: int, devices_per_process: Optional[int] = None) -> int:
     """The model axis of `tensor` on `devices` devices: engines/sharding_rules.mesh_shape_for's rule, here
     without its flax import (a test keeps the two in step)."""
     if model_parallel == 0:
-        return max(m for m in (1, 2, 3, 4) if devices % m == 0)
+        per_process = devices_per_process or devices
+        return max(m for m in (1, 2, 3, 4) if devices % m == 0 and per_process % m == 0)
     if devices % model_parallel:
         options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
         raise KitError(f"--model-parallel {model_parallel} does not divide the {devices} devices; "
@@ -149,13 +150,20 @@ def tensor_model_size(devices: int, model_parallel: int) -> int:
     return model_parallel
 
 
-def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: Optional[int] = None) -> None:
-    """The mesh the strategy builds on `devices` devices, and the batch split over its data axis.
-    `rows`: the dataset's size where the config alone says it (then only batches it can fill are
-    suggested, and --devices it can emulate: advice that then fails is worse than none)."""
+def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: Optional[int] = None,
+                       devices_per_process: Optional[int] = None) -> None:
+    """The mesh the strategy builds on `devices` devices (`devices_per_process` each, default all in one),
+    and the batch split over its data axis. `rows`: the dataset's size where the config alone says it (then
+    only batches it can fill are suggested, and --devices it can emulate: advice that then fails is worse
+    than none)."""
     if config.strategy == "auto":
         return  # the search tries every mesh and skips the ones the batch does not divide
-    data = _data_size(config, devices)
+    data = _data_size(config, devices, devices_per_process)
+    processes = devices // devices_per_process if devices_per_process else 1
+    if data % processes:  # the engine's own check, here before any actor starts
+        raise KitError(f"tensor with --model-parallel {config.model_parallel}: its data-parallel size {data} does not "
+                       f"give each of the {processes} processes its own rows of the batch; use a --model-parallel "
+                       f"that divides one process's {devices_per_process} devices{where}")
     if config.batch_size % data:
         lower = config.batch_size // data * data
         near = [b for b in (lower, lower + data) if b > 0 and (rows is None or b <= rows)]
@@ -168,8 +176,9 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
                        f"data-parallel size divides the batch){where}")
 
 
-def _data_size(config: JobConfig, devices: int) -> int:
-    model = tensor_model_size(devices, config.model_parallel) if config.strategy == "tensor" else 1
+def _data_size(config: JobConfig, devices: int, devices_per_process: Optional[int] = None) -> int:
+    model = tensor_model_size(devices, config.model_parallel, devices_per_process) \
+        if config.strategy == "tensor" else 1
     return devices // model
 
 
@@ -255,4 +264,5 @@ def check_cluster_size(config: JobConfig, nodes: List[Any]) -> None:
         if not int(node.gpus()):
             check_emulated_devices(config.devices, int(node.cpus()), f"node {node.ip}")
     per_node = [int(n.gpus()) or config.devices for n in chosen]
-    check_divisibility(config, sum(per_node), f"; the cluster gives {count} node(s) x {per_node[0]} devices")
+    check_divisibility(config, sum(per_node), f"; the cluster gives {count} node(s) x {per_node[0]} devices",
+                       devices_per_process=per_node[0])

@@ -78,7 +78,8 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
         engine.search_table = table
     else:
         engine = JaxEngine(config, model, data.example, config.strategy,
-                           mesh_shape_for(config.strategy, len(devices), config.model_parallel),
+                           mesh_shape_for(config.strategy, len(devices), config.model_parallel,
+                                          jax.local_device_count()),
                            schedule_steps=horizon)
         with progress.timed(f"compiling train step ({config.model}, {config.strategy}, "
                             f"mesh {engine.mesh.devices.shape})"):
