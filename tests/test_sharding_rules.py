@@ -51,3 +51,19 @@ def test_tensor_keeps_its_default_model_axis_inside_one_process():
     assert mesh_shape_for("tensor", 4, devices_per_process=1) == (4, 1)  # one device a process: no model axis
     assert mesh_shape_for("tensor", 6, model_parallel=3, devices_per_process=2) == (2, 3)
     assert mesh_shape_for("fsdp", 6, devices_per_process=2) == (6, 1)
+
+
+def test_the_driver_refuses_a_tensor_model_axis_across_processes_before_any_actor():
+    """The cluster check (settings/validate.py, import-free) applies the engine's rule first: 3 nodes x 2
+    devices with --model-parallel 3 is refused naming the fix; the default and other strategies pass,
+    nodes with unequal device counts included."""
+    from alpa_job.settings.validate import check_divisibility
+
+    def config(batch_size=96, **overrides):
+        return JobConfig(model="mlp", batch_size=batch_size, steps=1, address="none", **overrides).validated()
+
+    with pytest.raises(KitError, match=r"data-parallel size 2 does not give each of the 3 processes its own rows.*"
+                                       r"--model-parallel that divides one process's 2 devices"):
+        check_divisibility(config(strategy="tensor", model_parallel=3), 6, devices_per_process=2)
+    check_divisibility(config(strategy="tensor"), 6, devices_per_process=2)  # default: 3x2
+    check_divisibility(config(strategy="data", batch_size=100), 5, devices_per_process=2)  # nodes of 2, 2 and 1
