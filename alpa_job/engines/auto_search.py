@@ -51,7 +51,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     """Return the fastest fitting engine (compiled) and the table of every candidate.
     `schedule_steps`: the learning-rate schedule's horizon (JaxEngine)."""
     budget = device_memory_budget(config.memory_limit_gb)
-    candidates = auto_candidates(len(jax.devices()))
+    candidates = auto_candidates(len(jax.devices()), jax.local_device_count())
     saved = SavedSearch.open(config, schedule_steps, candidates, example_batch, budget)
     reused = saved.load() if saved is not None else None
     if reused is not None:

@@ -77,8 +77,9 @@ def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def auto_candidates(num_devices: int) -> List[Tuple[str, Tuple[int, int]]]:
-    """Every strategy x mesh shape the `auto` search tries."""
+def auto_candidates(num_devices: int, devices_per_process: Optional[int] = None) -> List[Tuple[str, Tuple[int, int]]]:
+    """Every strategy x mesh shape the `auto` search (and the planner) tries: tensor's model axis only
+    inside one process's devices (`devices_per_process`, default all), as mesh_shape_for says why."""
     out = [("data", (num_devices, 1)), ("fsdp", (num_devices, 1))]
-    out += [("tensor", (num_devices // m, m)) for m in divisors(num_devices) if m > 1]
+    out += [("tensor", (num_devices // m, m)) for m in divisors(devices_per_process or num_devices) if m > 1]
     return out

@@ -1,5 +1,6 @@
-"""The candidates of a plan: every strategy x mesh shape `--strategy auto` would try on N x G devices,
-less those whose data axis does not divide the global batch (each kept as a row saying so)."""
+"""The candidates of a plan: every strategy x mesh shape `--strategy auto` would try on N x G devices (one
+process a node, so tensor's model axis inside a node), less those whose data axis does not divide the
+global batch (each kept as a row saying so)."""
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -16,7 +17,7 @@ def plan_candidates(nodes: int, gpus_per_node: int, batch_size: int,
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
     devices = nodes * gpus_per_node
-    every = [(s, m) for s, m in auto_candidates(devices) if s in strategies]
+    every = [(s, m) for s, m in auto_candidates(devices, gpus_per_node) if s in strategies]
     kept = [(s, m) for s, m in every if batch_size % m[0] == 0]
     skipped = [{"strategy": s, "mesh_shape": list(m),
                 "note": f"batch {batch_size} is not divisible by the data axis {m[0]}"} for s, m in every
