@@ -53,7 +53,6 @@ def _stored(cache_home: str) -> list:
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
-
 def _train(out: str, *args: str):
     """`python -m alpa_job train --address none ARGS --out OUT`: (its report, what it printed); it must succeed."""
     cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", *args, "--out", out]
@@ -62,6 +61,7 @@ def _train(out: str, *args: str):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "report.json")) as f:
         return json.load(f), proc.stderr + proc.stdout
+
 
 def test_second_identical_run_loads_the_stored_step_and_the_initialiser_from_the_default_cache(tmp_path):
     cold = _run(str(tmp_path))

@@ -20,20 +20,26 @@ print("NODES " + json.dumps([n.ip for n in ray_api.alive_nodes()]))
 _JOBS = {}  # (host, extra train flags) -> (report, seconds, CompletedProcess): each job runs once a session
 
 
+def _job(ray_cluster, host: str, *train_flags: str):
+    """`ray job submit` from `host` of a 5-step MLP run over the cluster: (its run folder, the finished
+    submit). /tmp outside /tmp/ray is the machine's /tmp, shared by every host: the driver (on the head
+    under `ray job submit`) writes the report there and the test reads it from outside."""
+    out = Path("/tmp") / ("akt-multihost-%s-%s" % (host, uuid.uuid4().hex[:8]))
+    p = ray_cluster.testbed.exec(
+        host, "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
+        ray_cluster.spec.ports["dashboard"]), "--",
+        "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "5", "--devices", "2",
+        "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--out", str(out), *train_flags,
+        timeout=400, check=False)
+    return out, p
+
+
 def _submit(ray_cluster, host: str, *train_flags: str):
     key = (host,) + train_flags
     if key in _JOBS:
         return _JOBS[key]
-    bed = ray_cluster.testbed
-    # /tmp outside /tmp/ray is the machine's /tmp, shared by every host: the driver (on the head
-    # under `ray job submit`) writes the report there and the test reads it from outside.
-    out = Path("/tmp") / ("akt-multihost-%s-%s" % (host, uuid.uuid4().hex[:8]))
     t0 = time.monotonic()
-    p = bed.exec(host, "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
-                 ray_cluster.spec.ports["dashboard"]), "--",
-                 "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "5", "--devices", "2",
-                 "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--out", str(out), *train_flags,
-                 timeout=400, check=False)
+    out, p = _job(ray_cluster, host, *train_flags)
     seconds = time.monotonic() - t0
     assert p.returncode == 0, "ray job submit from %s failed:\n%s\n%s" % (host, p.stdout[-5000:], p.stderr[-3000:])
     report = json.loads((out / "report.json").read_text())
@@ -95,13 +101,7 @@ def test_tensor_on_three_hosts_keeps_its_model_axis_inside_each_host(ray_cluster
     report, _, _ = _submit(ray_cluster, "head", "--strategy", "tensor")
     assert report["strategy"] == "tensor" and report["mesh"]["shape"] == [3, 2], report["mesh"]
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
-    bed = ray_cluster.testbed
-    p = bed.exec("head", "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
-                 ray_cluster.spec.ports["dashboard"]), "--",
-                 "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "5", "--devices", "2",
-                 "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--strategy", "tensor",
-                 "--model-parallel", "3", "--out", "/tmp/akt-multihost-mp3-%s" % uuid.uuid4().hex[:8],
-                 timeout=400, check=False)
+    _, p = _job(ray_cluster, "head", "--strategy", "tensor", "--model-parallel", "3")
     assert p.returncode != 0
     assert "does not give each of the 3 processes its own rows of the batch" in p.stdout + p.stderr, p.stdout[-3000:]
     assert "JAX process" not in p.stdout + p.stderr  # refused before any started

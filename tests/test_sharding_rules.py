@@ -42,8 +42,7 @@ def test_tensor_keeps_its_default_model_axis_inside_one_process():
     """Each process reads only its own batch rows, so tensor's default model axis divides one process's
     devices: 3 hosts x 2 GPUs get 3x2 (2x3 would need rows another process read); one process keeps the
     largest of 4, 3, 2 that divides all its devices; an explicit --model-parallel is taken as given."""
-    from alpa_job.engines.sharding_rules import mesh_shape_for
-
+    mesh_shape_for = sharding_rules.mesh_shape_for
     assert mesh_shape_for("tensor", 6) == (2, 3)
     assert mesh_shape_for("tensor", 6, devices_per_process=2) == (3, 2)
     assert mesh_shape_for("tensor", 16, devices_per_process=8) == (4, 4)
