@@ -159,7 +159,7 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
     if config.strategy == "auto":
         return  # the search tries every mesh and skips the ones the batch does not divide
     data = _data_size(config, devices, devices_per_process)
-    processes = devices // devices_per_process if devices_per_process else 1
+    processes = devices // (devices_per_process or devices)
     if config.strategy == "tensor" and data % processes:  # the engine's own check, before any actor starts
         raise KitError(f"tensor with --model-parallel {config.model_parallel}: its data-parallel size {data} does not "
                        f"give each of the {processes} processes its own rows of the batch; use a --model-parallel "
