@@ -37,7 +37,10 @@ What a builder returns, `Model`:
   one row, and the kit shuffles, batches, shards and prefetches it like its own sources;
 - `repeated_blocks(example_input) -> RepeatedBlocks`: for a model made of identical layers, so the
   kit initialises one block once instead of the whole model (the fast initialiser);
-- `layer_count` / `layer_class`: the repeated layers and their flax class, for Alpa's pipelines.
+- `layer_count` / `layer_class`: the repeated layers and their flax class, for Alpa's pipelines;
+- `depth_setting`: the name of the builder setting that counts those layers (e.g. "num_layers"), so
+  `--strategy auto` can time its candidates on copies of the model with 1 and 2 layers and predict
+  the whole model's step time and memory from them, compiling only the winner whole.
 
 Token data (`--dataset tokens`): the kit cuts windows of `seq_len + 1` tokens into the field
 `tokens` and checks the ids against `vocab_size`, both read from the builder's settings of those
@@ -63,7 +66,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
 
-API_VERSION = "1.2"
+API_VERSION = "1.3"
 
 __all__ = ["API_VERSION", "Model", "RepeatedBlocks", "logical", "constrain", "mse", "cross_entropy", "Setting",
            "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
@@ -135,6 +138,7 @@ class Model:
     repeated_blocks: Optional[Callable[[Any], RepeatedBlocks]] = None
     layer_count: Optional[int] = None
     layer_class: Optional[type] = None
+    depth_setting: Optional[str] = None
 
 
 def mse(outputs, batch):

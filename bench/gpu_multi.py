@@ -111,7 +111,8 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
            "collective_ms_per_step": profile.get("collective_ms_per_step"), "xla_flags": extra_flags,
            "search": report.get("search"), "collectives": report.get("collectives"),
            # Start to the last step's end: the whole run's cost, not only its start.
-           "to_end_s": _to_end(timing["phases_s"], report["loop_seconds"]), "steps": report["steps"]}
+           "to_end_s": _to_end(timing["phases_s"], report["loop_seconds"]), "steps": report["steps"],
+           "phases_s": timing["phases_s"]}
     if args.keep_traces and profile.get("trace"):
         dest = os.path.join(args.out, "traces", f"{name}.trace.json.gz")
         os.makedirs(os.path.dirname(dest), exist_ok=True)

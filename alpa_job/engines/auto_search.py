@@ -19,12 +19,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import numpy as np
 
-from alpa_job.engines import compile_cache, memory_fit
+from alpa_job.engines import compile_cache, memory_fit, shallow_ranking
 from alpa_job.engines.executable_store import key_digest, step_key
 from alpa_job.engines.jax_engine import JaxEngine, make_mesh
 from alpa_job.engines.sharding_rules import auto_candidates
 from alpa_job.errors import KitError
-from alpa_job.progress import Progress, phase
+from alpa_job.progress import Progress, phase, timed
 
 SEARCH_DIR = "auto-search"
 
@@ -61,7 +61,44 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     phase(f"[auto] searching {len(candidates)} candidates (strategy x mesh), budget {budget / 2**30:.1f} GiB/device")
     _ask_planner(config, model, example_batch, candidates, budget, table)
     engines = _build_abstract(config, model, example_batch, schedule_steps, budget, table)
-    _compile_together(engines, config.auto_compile_workers or len(engines))
+    copies = shallow_ranking.copies_for(config, model)
+    started = time.perf_counter()
+    if copies is None:
+        _compile_together(engines, config.auto_compile_workers or len(engines))
+        _time_whole(engines, config, batches, budget)
+        ranked = _ranked([(row, engine) for row, engine in engines if row["fits"]])
+        best = ranked[0][1] if ranked else None
+    else:
+        phase(f"[auto] timing each candidate on copies of the model with "
+              f"{' and '.join(map(str, shallow_ranking.DEPTHS))} of its {copies.full_depth} layers")
+        predicted, background = _rank_on_copies(config, copies, engines, example_batch, schedule_steps, budget,
+                                                batches)
+        ranked = _ranked(predicted)
+        ranking_s = time.perf_counter() - started
+        best = _compile_whole_winner(ranked, budget, background)
+        if best is not None:
+            best.stats.setup_phases["auto_ranking_on_copies"] = ranking_s
+    if best is None:
+        raise KitError("--strategy auto: no candidate fits (see the notes above); lower --batch-size or the "
+                       "model size, or raise --memory-limit-gb")
+    best_time = next(row["step_time_s"] for row, engine in ranked if engine is best)
+    best.stats.setup_phases["auto_search"] = time.perf_counter() - started
+    for row in table:
+        row["chosen"] = row["strategy"] == best.strategy and tuple(row["mesh_shape"]) == tuple(best.mesh.devices.shape)
+    by_time = sorted((r for r in table if r["step_time_s"]), key=lambda r: r["step_time_s"])
+    runner_up = (f"; next {by_time[1]['strategy']} {tuple(by_time[1]['mesh_shape'])} at "
+                 f"{by_time[1]['step_time_s'] * 1e3:.2f} ms") if len(by_time) > 1 else ""
+    how = "predicted " if copies is not None else ""
+    phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: fastest {how}step "
+          f"({best_time * 1e3:.2f} ms) of the {len(by_time)} candidate(s) that fit, out of {len(table)}{runner_up}")
+    if saved is not None:
+        best.keep_step()
+        saved.save(table)
+    return best, table
+
+
+def _time_whole(engines: List[Tuple[dict, JaxEngine]], config, batches, budget: int) -> None:
+    """Each compiled candidate whose XLA memory estimate fits, timed over a few real steps."""
     timed_bar = Progress("auto search: timing", max(len(engines), 1), unit="candidate")
     for row, engine in engines:
         peak = row["peak_bytes_per_device"]
@@ -73,42 +110,142 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
         row["step_time_s"] = _time_steps(engine, config, batches)
         timed_bar.update(1, candidate=_name(row), step_ms=round(row["step_time_s"] * 1e3, 2))
     timed_bar.close()
-    best, best_time = _fastest([(row, engine) for row, engine in engines if row["fits"]])
-    if best is None:
-        raise KitError("--strategy auto: no candidate fits (see the notes above); lower --batch-size or the "
-                       "model size, or raise --memory-limit-gb")
-    for row in table:
-        row["chosen"] = row["strategy"] == best.strategy and tuple(row["mesh_shape"]) == tuple(best.mesh.devices.shape)
-    timed = sorted((r for r in table if r["step_time_s"]), key=lambda r: r["step_time_s"])
-    runner_up = (f"; next {timed[1]['strategy']} {tuple(timed[1]['mesh_shape'])} at "
-                 f"{timed[1]['step_time_s'] * 1e3:.2f} ms") if len(timed) > 1 else ""
-    phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: fastest step "
-          f"({best_time * 1e3:.2f} ms) of the {len(timed)} candidate(s) that fit, out of {len(table)}{runner_up}")
-    if saved is not None:
-        best.keep_step()
-        saved.save(table)
-    return best, table
 
 
-def _fastest(timed: List[Tuple[dict, JaxEngine]]) -> Tuple[Optional[JaxEngine], float]:
-    """The fastest candidate by process 0's times, on every process: each process's own clock differs
-    a little, and processes that chose different winners would run different programs and hang."""
-    times = [row["step_time_s"] for row, _ in timed]
+def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[dict, JaxEngine]], example_batch,
+                    schedule_steps, budget: int, batches) -> Tuple[List[Tuple[dict, JaxEngine]], Optional[WholeCompile]]:
+    """Compile and time each candidate's shallow copies; its row gets the whole model's predicted step time
+    and peak. Returns the candidates predicted to fit, with their whole-model engines, and the whole compile
+    of the likeliest winner, started in the background once the deeper copies were timed."""
+    parts: List[Tuple[dict, JaxEngine]] = []  # one row per copy, for _compile_together
+    owners: Dict[int, Tuple[dict, JaxEngine]] = {}
+    for row, engine in engines:
+        try:
+            shallow = shallow_ranking.copy_engines(copies, row["strategy"], tuple(row["mesh_shape"]), example_batch,
+                                                   schedule_steps)
+        except KitError as err:
+            row["note"] = str(err)
+            continue
+        for depth, copy in zip(shallow_ranking.DEPTHS, shallow):
+            part = _row(row["strategy"], tuple(row["mesh_shape"]))
+            part["depth"] = depth
+            owners[id(part)] = (row, engine)
+            parts.append((part, copy))
+    deeper = [p for p in parts if p[0]["depth"] == shallow_ranking.DEPTHS[-1]]
+    shallower = [p for p in parts if p[0]["depth"] != shallow_ranking.DEPTHS[-1]]
+    # One initialiser per depth: the copies of one depth hold the same state in other shardings (state_like).
+    initialised = {id(group[0][1]) for group in (deeper, shallower) if group}
+    workers = config.auto_compile_workers or len(parts)
+    platform = jax.devices()[0].platform
+    # The whole candidates lower while the first copy compiles: the winner's whole compile then only compiles.
+    _compile_together(list(deeper), workers, compile_schedule(deeper, workers, platform), lower_meanwhile=engines,
+                      initialised=initialised)
+    deeper_times = _time_copies([p for p in deeper if not p[0]["note"]], config, batches, budget)
+    guess = _likeliest(deeper_times, owners)
+    background = WholeCompile(guess) if guess is not None else None
+    _compile_together(list(shallower), workers, [(shallower, workers)], initialised=initialised)
+    shallower_times = _time_copies([p for p in shallower if not p[0]["note"]], config, batches, budget)
+    fitting = []
+    for row, engine in engines:
+        done = sorted((p for p in parts if owners[id(p[0])][0] is row), key=lambda p: p[0]["depth"])
+        failed = next((p["note"] for p, _ in done if p["note"]), "")
+        measured = [deeper_times.get(id(p)) or shallower_times.get(id(p)) for p, _ in done]
+        if row["note"] or failed or len(done) != len(shallow_ranking.DEPTHS) or None in measured:
+            row["note"] = row["note"] or failed or "a copy was not timed (it does not fit)"
+            continue
+        row["compile_s"] = round(sum(p["compile_s"] for p, _ in done), 3)
+        row["predicted_from"] = list(shallow_ranking.DEPTHS)
+        peaks = [p["peak_bytes_per_device"] for p, _ in done]
+        row["peak_bytes_per_device"] = (None if None in peaks
+                                        else int(shallow_ranking.extrapolate(peaks, copies.full_depth)))
+        peak = row["peak_bytes_per_device"]
+        row["fits"] = peak is None or peak <= budget
+        if not row["fits"]:
+            row["note"] = f"{copies.note()}: needs {peak} B per device, budget {budget} B"
+            continue
+        row["copy_step_time_s"] = measured
+        row["step_time_s"] = shallow_ranking.extrapolate(measured, copies.full_depth)
+        row["note"] = copies.note()
+        fitting.append((row, engine))
+    return fitting, background
+
+
+def _time_copies(parts: List[Tuple[dict, JaxEngine]], config, batches, budget: int) -> Dict[int, float]:
+    """{id(copy's row): its step time} for the copies whose XLA memory estimate fits, timed together."""
+    fitting = [(p, c) for p, c in parts if p["peak_bytes_per_device"] is None or p["peak_bytes_per_device"] <= budget]
+    if not fitting:
+        return {}
+    bar = Progress("auto search: timing copies", 1, unit="depth")
+    times = _agreed(shallow_ranking.time_interleaved([c for _, c in fitting], config.seed, batches,
+                                                     config.auto_trial_steps))
+    bar.update(1, depth=fitting[0][0]["depth"], step_ms=" ".join(f"{t * 1e3:.2f}" for t in times))
+    bar.close()
+    return {id(p): t for (p, _), t in zip(fitting, times)}
+
+
+def _likeliest(deeper_times: Dict[int, float], owners) -> Optional[JaxEngine]:
+    """The candidate whose deeper copy was fastest: its whole compile starts while the shallower copies
+    compile and run. Every process has the same times (_agreed), so they all start the same one."""
+    if not deeper_times:
+        return None
+    return owners[min(deeper_times, key=deeper_times.get)][1]
+
+
+class WholeCompile:
+    """A whole candidate's compile (its initialiser's beside it) on a thread, outside the GIL."""
+
+    def __init__(self, engine: JaxEngine):
+        self.engine = engine
+        phase(f"[auto] compiling {engine.strategy} on mesh {tuple(engine.mesh.devices.shape)} whole in the "
+              "background: its deeper copy was the fastest")
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="auto-whole")
+        self.future = pool.submit(engine.compile)
+        pool.shutdown(wait=False)
+
+
+def _compile_whole_winner(ranked: List[Tuple[dict, JaxEngine]], budget: int,
+                          background: Optional[WholeCompile] = None) -> Optional[JaxEngine]:
+    """The fastest predicted candidate compiled whole (the step store keeps it, as a fixed run's), or the
+    background compile when it is that one; one whose whole step turns out not to fit gives way to the next."""
+    for row, engine in ranked:
+        try:
+            with timed(f"compiling train step ({engine.strategy}, mesh {engine.mesh.devices.shape}, the "
+                       "predicted fastest)"):
+                stats = (background.future.result() if background is not None and background.engine is engine
+                         else engine.compile())
+        except KitError as err:
+            row["fits"], row["note"] = False, f"{row['note']}; compiled whole: {err}"
+            continue
+        peak = (stats.memory or {}).get("peak_estimate_bytes")
+        row["whole_compile_s"] = round(stats.compile_seconds, 3)
+        if peak is not None and peak > budget:
+            row["fits"], row["note"] = False, f"{row['note']}; compiled whole it needs {peak} B, budget {budget} B"
+            continue
+        row["peak_bytes_per_device"] = peak if peak is not None else row["peak_bytes_per_device"]
+        return engine
+    return None
+
+
+def _agreed(times: List[float]) -> List[float]:
+    """Process 0's times, on every process: each process's own clock differs a little, and processes that
+    chose different winners would run different programs and hang."""
     if jax.process_count() > 1 and times:
         from jax.experimental import multihost_utils
 
-        times = [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(times, np.float32))]
-    for (row, _), agreed in zip(timed, times):
+        return [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(times, np.float32))]
+    return list(times)
+
+
+def _ranked(timed: List[Tuple[dict, JaxEngine]]) -> List[Tuple[dict, JaxEngine]]:
+    """The candidates fastest first, by process 0's times on every process (_agreed)."""
+    for (row, _), agreed in zip(timed, _agreed([row["step_time_s"] for row, _ in timed])):
         row["step_time_s"] = agreed
-    if not timed:
-        return None, float("inf")
-    best = min(range(len(timed)), key=times.__getitem__)
-    return timed[best][1], times[best]
+    return sorted(timed, key=lambda pair: pair[0]["step_time_s"])
 
 
 def _row(strategy: str, mesh: Tuple[int, int]) -> Dict[str, object]:
     return {"strategy": strategy, "mesh_shape": list(mesh), "fits": None, "peak_bytes_per_device": None,
-            "compile_s": None, "step_time_s": None, "chosen": False, "note": ""}
+            "compile_s": None, "step_time_s": None, "chosen": False, "note": "", "predicted_from": None}
 
 
 def _name(row: Dict[str, object]) -> str:
@@ -171,15 +308,30 @@ def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[l
     return [(engines[:1], 1), (engines[1:], workers)]
 
 
-def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int) -> None:
-    """Compile the candidates' steps in compile_schedule's order; a failure becomes that candidate's note."""
+def copies_schedule(deeper: list, shallower: list, workers: int, platform: str) -> List[Tuple[list, int]]:
+    """The shallow copies' order: the deeper ones as compile_schedule orders candidates, then every
+    shallower one together (on GPUs their kernel shapes are all autotuned by then)."""
+    if platform == "cpu" or workers < 2:
+        return [(deeper + shallower, workers)]
+    return compile_schedule(deeper, workers, platform) + [(shallower, workers)]
+
+
+def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,
+                      schedule: Optional[List[Tuple[list, int]]] = None, lower_meanwhile=(),
+                      initialised: Optional[set] = None) -> None:
+    """Compile the candidates' steps in `schedule`'s order (default: compile_schedule's); a failure becomes
+    that candidate's note. `lower_meanwhile`: more (row, engine) to lower during the first group's
+    compiles; `initialised`: ids of the only engines whose initialiser compiles (default: all)."""
     bar = Progress("auto search: compiling", max(len(engines), 1), unit="candidate")
-    schedule = compile_schedule(engines, workers, jax.devices()[0].platform)
+    schedule = schedule or compile_schedule(engines, workers, jax.devices()[0].platform)
     for index, (group, at_once) in enumerate(schedule):
         with concurrent.futures.ThreadPoolExecutor(max(at_once, 1), thread_name_prefix="auto-compile") as pool:
-            futures = {pool.submit(engine.compile_step): (row, engine) for row, engine in group if not row["note"]}
+            futures = {pool.submit(engine.compile_step, initialised is None or id(engine) in initialised):
+                       (row, engine) for row, engine in group if not row["note"]}
             if index + 1 < len(schedule):  # lowering (Python) overlaps this group's XLA compiles
                 _lower_ahead(schedule[index + 1][0])
+            if index == 0:
+                _lower_ahead(lower_meanwhile)
             for future in concurrent.futures.as_completed(futures):
                 row, engine = futures[future]
                 try:
@@ -248,7 +400,7 @@ class SavedSearch:
         example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
         key = step_key(config, schedule_steps, "auto", make_mesh(candidates[0][1]), example)
         key.update(candidates=[[s, list(m)] for s, m in candidates], budget=budget,
-                   trial_steps=config.auto_trial_steps)
+                   trial_steps=config.auto_trial_steps, rank_on=getattr(config, "auto_rank_on", "auto"))
         return cls(os.path.join(directory, SEARCH_DIR, key_digest(key) + ".json"))
 
     def load(self) -> Optional[List[Dict[str, Any]]]:

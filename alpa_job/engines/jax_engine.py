@@ -158,14 +158,24 @@ class JaxEngine(Engine):
         self._store_step()
         return stats
 
-    def compile_step(self) -> CompileStats:
+    def compile_step(self, with_initializer: bool = True) -> CompileStats:
         """The step for auto search's candidates, its initialiser compiling beside it (every candidate
-        that fits is initialised and timed next). Through JAX's cache, not the step store: only the
-        winner is put in the store (keep_step)."""
+        that fits is initialised and timed next) unless `with_initializer` is off (its state then comes
+        from state_like). Through JAX's cache, not the step store: only the winner is put in the store
+        (keep_step)."""
         self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0
-        if self._init_compiled is None:  # beside the step, as compile() does: a timed candidate needs it next
+        if with_initializer and self._init_compiled is None:  # beside the step, as compile() does
             self._start_init_compile()
         return self._compile_step(use_store=False)
+
+    def state_like(self, state: TrainState) -> TrainState:
+        """Another engine's state of the same model and optimizer moved into this engine's shardings: an
+        initialiser compiles for one sharding, and a reshard costs far less than compiling another."""
+        leaves = jax.tree_util.tree_leaves(state)
+        shardings = jax.tree_util.tree_leaves(self.state_sharding)
+        # A copy even where the shardings match: each engine's step donates (deletes) the state it is given.
+        moved = [jax.device_put(leaf, sharding, may_alias=False) for leaf, sharding in zip(leaves, shardings)]
+        return jax.tree_util.tree_structure(self.abstract_state).unflatten(moved)
 
     def _compile_step(self, use_store: bool = True) -> CompileStats:
         abstract_batch = self._abstract_batch()

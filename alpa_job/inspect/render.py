@@ -162,7 +162,8 @@ def _collective_rows(record: RunRecord, fmt_bytes=None) -> List[List[str]]:
 
 def _search_rows(record: RunRecord) -> List[List[str]]:
     return [[r.strategy, _cell(r.mesh_shape), _cell(r.fits), _cell(r.peak_bytes_per_device),
-             _cell(r.compile_s), _cell(r.step_time_s), "yes" if r.chosen else "", r.note]
+             _cell(r.compile_s), _cell(r.step_time_s) + (" (predicted)" if r.predicted_from else ""),
+             "yes" if r.chosen else "", r.note]
             for r in (record.search or [])]
 
 
@@ -523,9 +524,11 @@ def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None)
         why = ""
         if chosen:
             fitting = [r for r in record.search if r.step_time_s]
+            how = (f" predicted from copies of the model with {' and '.join(map(str, chosen.predicted_from))} "
+                   "layers, then compiled whole" if chosen.predicted_from else "")
             why = (f"<p>Chosen: <b>{html.escape(chosen.strategy)} {html.escape(_cell(chosen.mesh_shape))}</b>, the "
                    f"fastest of {len(fitting)} candidate(s) that fit ({len(record.search) - len(fitting)} skipped or "
-                   "did not fit).</p>")
+                   f"did not fit){how}.</p>")
         sections += ["<h2>Auto search</h2>", why, _html_table(SEARCH_HEADER, _search_rows(record), "search")]
     if record.processes:
         sections += ["<h2>Processes</h2>", _html_table(PROCESS_HEADER, _process_rows(record), "processes")]

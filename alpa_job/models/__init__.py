@@ -54,6 +54,7 @@ class ModelSpec:
     dataset: Optional[Callable] = None  # dataset(path, split) -> grain.MapDataset, the builder's args bound
     layer_count: Optional[int] = None  # the repeated layers (Alpa's pipeline boundaries count them)
     layer_class: Optional[type] = None  # the flax class whose calls are those layers
+    depth_setting: Optional[str] = None  # the builder setting that counts those layers (api.Model)
 
     def apply_train(self, variables: Dict[str, Any], batch: Dict[str, Any]):
         """Forward pass in training mode; returns (outputs, new batch_stats or None)."""
@@ -222,7 +223,28 @@ def get_model(config) -> ModelSpec:
                      synthetic=(lambda rng, n: synthetic(args, rng, n)) if synthetic is not None else None,
                      decode=model.decode,
                      dataset=(lambda path, split: dataset(args, path, split)) if dataset is not None else None,
-                     layer_count=model.layer_count, layer_class=model.layer_class)
+                     layer_count=model.layer_count, layer_class=model.layer_class,
+                     depth_setting=model.depth_setting)
+
+
+def depth_of(config, model: ModelSpec) -> Optional[int]:
+    """How many repeated layers `config` gives the model (None: its builder declares no depth_setting)."""
+    if model.depth_setting is None:
+        return None
+    if is_built_in(config.model):
+        value = getattr(config, model.depth_setting, None)
+    else:
+        value = builders.typed_args(builder_of(config.model), config.model_args).get(model.depth_setting)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def at_depth(config, model: ModelSpec, depth: int) -> Tuple[Any, ModelSpec]:
+    """(config, model) for a copy of `model` with `depth` repeated layers, everything else the same."""
+    if is_built_in(config.model):
+        shallow = config.replace(**{model.depth_setting: depth})
+    else:
+        shallow = config.replace(model_args={**dict(config.model_args), model.depth_setting: depth})
+    return shallow, get_model(shallow)
 
 
 def source_digest(config) -> Optional[str]:
@@ -241,4 +263,4 @@ def _dtype(config):
 
 __all__ = ["BUILT_IN", "ModelSpec", "RepeatedBlocks", "mse", "cross_entropy",
            "is_built_in", "model_names", "check_model_name", "model_settings", "check_model_sizes",
-           "built_in_args", "builder_of", "resolve", "build_model", "get_model", "source_digest"]
+           "built_in_args", "builder_of", "resolve", "build_model", "get_model", "depth_of", "at_depth", "source_digest"]

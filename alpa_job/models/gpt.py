@@ -232,4 +232,4 @@ def build(config, dtype) -> api.Model:
                              config.vocab_size, dtype, remat=getattr(config, "remat", "none")))
     return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
-                     layer_count=config.num_layers, layer_class=DecoderBlock)
+                     layer_count=config.num_layers, layer_class=DecoderBlock, depth_setting="num_layers")

@@ -185,9 +185,12 @@ class SearchCandidate:
     fits: Optional[bool] = None
     peak_bytes_per_device: Optional[int] = None
     compile_s: Optional[float] = None
-    step_time_s: Optional[float] = None
+    step_time_s: Optional[float] = None  # predicted for the whole model where predicted_from is set
     chosen: bool = False
     note: str = ""
+    predicted_from: Optional[List[int]] = None  # the layer counts of the copies it was timed on
+    copy_step_time_s: Optional[List[float]] = None  # those copies' measured step times
+    whole_compile_s: Optional[float] = None  # the winner's compile at full depth
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ from alpa_job.settings.config import JobConfig
 from alpa_job.settings.setting import flag_of
 
 ALPA_ONLY = ("micro_batches", "pipeline_stages", "pipeline_layers", "plan_cache")
-JAX_AUTO_ONLY = ("auto_trial_steps", "auto_compile_workers", "memory_limit_gb")
+JAX_AUTO_ONLY = ("auto_trial_steps", "auto_rank_on", "auto_compile_workers", "memory_limit_gb")
 
 
 def given_fields(config: JobConfig, explicit: Iterable[str] = ()) -> FrozenSet[str]:

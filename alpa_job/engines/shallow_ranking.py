@@ -1,0 +1,93 @@
+"""auto's candidates ranked on shallow copies of the model, so that only the winner compiles whole.
+
+A model of N identical layers costs about t(1) + (N - 1) x (t(2) - t(1)) a step: every layer does the
+same work and moves the same bytes, the rest (embeddings, head, optimizer over those) is paid once.
+Its peak memory grows the same way. So each candidate is compiled and timed on copies of the model
+with 1 and 2 layers, which compile in a fraction of the whole model's time, and the whole model's
+step time and peak are predicted from the two. Only the predicted winner is then compiled whole: the
+one compile a fixed strategy pays anyway. Alpa's own search profiles slices of a model's layers
+instead of the whole model for the same reason.
+
+A copy is the model rebuilt with its builder's `depth_setting` (api.Model) changed, so a model that
+declares none, or one too shallow for copies to save time, is searched whole (auto_search).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import jax
+
+from alpa_job import models
+from alpa_job.engines.jax_engine import JaxEngine
+
+DEPTHS = (1, 3)
+# Below this depth, compiling two copies per candidate costs about as much as compiling it whole.
+MIN_DEPTH = 2 * DEPTHS[-1]
+STEPS_PER_ROUND = 5
+
+
+@dataclasses.dataclass
+class Copies:
+    full_depth: int
+    configs_and_models: List[Tuple[Any, Any]]  # (config, ModelSpec) for each of DEPTHS
+
+    def note(self) -> str:
+        return f"predicted for {self.full_depth} layers from copies with {' and '.join(map(str, DEPTHS))}"
+
+
+def copies_for(config, model) -> Optional[Copies]:
+    """The shallow copies to rank on, or None: the search then compiles and times candidates whole.
+    `--auto-rank-on auto` ranks on copies on GPUs only: there a compile costs about a second a layer
+    (autotuning, ptxas); on CPU devices a small model's compile is mostly fixed cost, which two copies
+    per candidate would pay twice."""
+    rank_on = getattr(config, "auto_rank_on", "auto")
+    if rank_on == "whole" or (rank_on == "auto" and jax.devices()[0].platform == "cpu"):
+        return None
+    full = models.depth_of(config, model)
+    if full is None or full < MIN_DEPTH:
+        return None
+    return Copies(full, [models.at_depth(config, model, depth) for depth in DEPTHS])
+
+
+def extrapolate(values: Sequence[float], full_depth: int) -> float:
+    """The whole model's figure from the copies' (one per DEPTHS), linear in the layer count."""
+    (d1, v1), (d2, v2) = zip(DEPTHS, values)  # 1 and 3 layers apart: a timing error grows (N - 1) / 2-fold
+    return v1 + (full_depth - d1) * (v2 - v1) / (d2 - d1)
+
+
+def copy_engines(copies: Copies, strategy: str, mesh_shape: Tuple[int, int], example_batch,
+                 schedule_steps: Optional[int]) -> List[JaxEngine]:
+    return [JaxEngine(config, model, example_batch, strategy, mesh_shape, schedule_steps=schedule_steps)
+            for config, model in copies.configs_and_models]
+
+
+def time_interleaved(engines: List[JaxEngine], seed: int, batches, rounds: int) -> List[float]:
+    """Each engine's median step time over `rounds` turns of STEPS_PER_ROUND steps. The engines take
+    turns, in a rotated order each round, and each turn starts with one untimed step: a drift of the
+    devices' clocks then moves every engine alike, and switching programs costs no engine its time."""
+    states, first_of_depth = [], {}
+    for engine in engines:  # every state before any step: a step donates (deletes) the state it is given
+        depth = models.depth_of(engine.config, engine.model)
+        source = first_of_depth.get(depth)
+        states.append(engine.init_state(seed) if source is None else engine.state_like(source))
+        first_of_depth.setdefault(depth, states[-1])
+    first_of_depth.clear()
+    runs = [[engine, state, [engine.put_batch(b) for b in batches]] for engine, state in zip(engines, states)]
+    states.clear()
+    per_step: List[List[float]] = [[] for _ in engines]
+    for round_index in range(rounds):
+        for offset in range(len(runs)):
+            index = (round_index + offset) % len(runs)
+            engine, state, device_batches = runs[index]
+            state, loss = engine.step(state, device_batches[0])
+            jax.block_until_ready(loss)
+            start = time.perf_counter()
+            for i in range(STEPS_PER_ROUND):
+                state, loss = engine.step(state, device_batches[i % len(device_batches)])
+            jax.block_until_ready(loss)
+            per_step[index].append((time.perf_counter() - start) / STEPS_PER_ROUND)
+            runs[index][1] = state
+    runs.clear()  # the copies' states go before the winner's is made
+    return [sorted(times)[len(times) // 2] for times in per_step]
