@@ -98,6 +98,14 @@ def build_module(*, dtype):
 
 def build_untyped(config, dtype):
     return build(Args(), dtype)
+
+
+def build_deep(*, dtype, width: int = 8, layers: int = 6, noise: float = 0.1):
+    return dataclasses.replace(build(Args(width, layers, noise), dtype), depth_setting="layers")
+
+
+def build_bad_depth(*, dtype, width: int = 8):
+    return dataclasses.replace(build(Args(width), dtype), depth_setting="depth")
 '''
 
 BROKEN = '''
@@ -194,6 +202,24 @@ def test_the_in_process_runner_trains_a_user_model(packages, tmp_path, monkeypat
             del sys.modules[name]
 
 
+def test_auto_ranks_a_user_model_on_copies_built_from_its_depth_setting(packages, tmp_path, monkeypatch):
+    from alpa_job.launch.runner import run_job
+
+    monkeypatch.syspath_prepend(packages)
+    try:
+        config = build_config({}, {"model": f"{PACKAGE}.net:build_deep", "model_args": ["layers=8"], "steps": 2,
+                                   "num_samples": 32, "batch_size": 16, "address": "none", "compile_cache": "none",
+                                   "strategy": "auto", "auto_rank_on": "copies", "auto_trial_steps": 1,
+                                   "out": str(tmp_path / "run")})
+        record, _paths = run_job(config)
+        timed = [r for r in record.search if r.step_time_s]
+        assert timed and all(r.predicted_from == [1, 3] and "for 8 layers" in r.note for r in timed)
+        assert record.steps == 2 and dict(record.config["model_args"])["layers"] == 8  # the copies left it whole
+    finally:
+        for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
+            del sys.modules[name]
+
+
 def test_checkpoints_resume_a_user_model_only_with_its_settings(packages, tmp_path):
     out = tmp_path / "run"
     model = ["--model", f"{PACKAGE}.net:build", "--checkpoint-every", "2"]
@@ -242,6 +268,9 @@ BAD = [
      r"example, shape \(16,\).*"),
     (["--model", f"{PACKAGE}.net:build", "--num-layers", "2"],
      r"--num-layers does nothing here: it sizes --model gpt, and --model .* takes its settings as --model-arg.*"),
+    (["--model", f"{PACKAGE}.net:build_bad_depth"],
+     r"--model .*build_bad_depth: its Model's depth_setting 'depth' is not one of its int settings \(width\); "
+     r"name the setting that counts its repeated layers, or drop depth_setting"),
     (["--model", "gpt", "--model-arg", "num_layer=2"],
      r"--model-arg num_layer: --model gpt has no setting 'num_layer' \(did you mean num_layers\?\); .*"),
 ]

@@ -251,6 +251,12 @@ def check_model(builder: Builder, result: Any) -> None:
     if not isinstance(result.input_field, str) or not result.input_field:
         raise KitError(f"{where}: its Model's input_field is {_describe(result.input_field)}; name the batch "
                        "field the module reads, e.g. input_field=\"tokens\"")
+    if result.depth_setting is not None:
+        ints = [s.name for s in builder.declaration.settings if plain_type(s.type) is int]
+        if result.depth_setting not in ints:
+            raise KitError(f"{where}: its Model's depth_setting {result.depth_setting!r} is not one of its int "
+                           f"settings ({', '.join(ints) or 'none'}); name the setting that counts its repeated "
+                           "layers, or drop depth_setting")
     for part in ("loss", "synthetic", "repeated_blocks"):
         value = getattr(result, part)
         if (value is not None or part == "loss") and not callable(value):

@@ -1,0 +1,85 @@
+"""`--strategy auto` ranking its candidates on shallow copies of the model (engines/shallow_ranking.py), on
+emulated CPU devices: which models get copies, the prediction, and a real search that compiles only its
+winner whole."""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from alpa_job import models
+from alpa_job.engines import shallow_ranking
+from alpa_job.launch.runner import run_in_process
+from helpers_train import tiny_config
+
+
+def test_a_figure_is_extrapolated_linearly_from_the_copies_to_the_whole_depth():
+    assert shallow_ranking.DEPTHS == (1, 3)
+    assert shallow_ranking.extrapolate([10.0, 30.0], 6) == pytest.approx(60.0)  # 10 + 5 layers x 10
+    assert shallow_ranking.extrapolate([10.0, 30.0], 3) == pytest.approx(30.0)
+    assert shallow_ranking.extrapolate([5.0, 5.0], 48) == pytest.approx(5.0)  # layers that cost nothing
+
+
+@pytest.mark.parametrize("model, overrides, expected", [
+    ("gpt", dict(num_layers=6, auto_rank_on="copies"), 6),
+    ("gpt", dict(num_layers=5, auto_rank_on="copies"), None),  # copies would cost about a whole compile
+    ("gpt", dict(num_layers=6, auto_rank_on="whole"), None),
+    ("gpt", dict(num_layers=6, auto_rank_on="auto"), None),  # CPU devices: whole
+    ("mlp", dict(auto_rank_on="copies"), None),  # declares no depth_setting
+])
+def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_copies(model, overrides, expected):
+    config = tiny_config(model, strategy="auto", **overrides)
+    copies = shallow_ranking.copies_for(config, models.get_model(config))
+    if expected is None:
+        assert copies is None
+        return
+    assert copies.full_depth == expected
+    assert [c.num_layers for c, _ in copies.configs_and_models] == list(shallow_ranking.DEPTHS)
+    assert [m.layer_count for _, m in copies.configs_and_models] == list(shallow_ranking.DEPTHS)
+
+
+def test_state_like_copies_a_state_into_another_sharding_and_each_engine_can_donate_its_own():
+    from alpa_job.engines.jax_engine import JaxEngine
+
+    config = tiny_config("gpt", num_layers=2, steps=1)
+    model = models.get_model(config)
+    batch = model.synthetic(np.random.default_rng(0), 16)
+    batch["mask"] = np.ones(16, np.float32)
+    data = JaxEngine(config, model, batch, "data", (8, 1))
+    fsdp = JaxEngine(config, model, batch, "fsdp", (8, 1))
+    data.compile()
+    fsdp.compile_step(with_initializer=False)
+    original = data.init_state(0)
+    moved = fsdp.state_like(original)
+    for a, b, sharding in zip(jax.tree_util.tree_leaves(original), jax.tree_util.tree_leaves(moved),
+                              jax.tree_util.tree_leaves(fsdp.state_sharding)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding == sharding
+    _, moved_loss = fsdp.step(moved, fsdp.put_batch(batch))  # donates `moved`, not `original`
+    _, loss = data.step(original, data.put_batch(batch))
+    assert float(loss) == pytest.approx(float(moved_loss), rel=1e-4)
+
+
+def test_auto_on_copies_predicts_each_candidate_and_compiles_only_the_winner_whole(tmp_path):
+    config = tiny_config("gpt", num_layers=6, steps=2, strategy="auto", auto_rank_on="copies", auto_trial_steps=1,
+                         compile_cache=str(tmp_path / "cache"), out=str(tmp_path / "a"))
+    result = run_in_process(config)
+    timed = [r for r in result.search if r.step_time_s]
+    assert len(timed) >= 3
+    for row in timed:
+        assert row.predicted_from == [1, 3] and len(row.copy_step_time_s) == 2
+        assert row.step_time_s == pytest.approx(shallow_ranking.extrapolate(row.copy_step_time_s, 6))
+        assert "predicted for 6 layers from copies with 1 and 3" in row.note
+    chosen = [r for r in result.search if r.chosen]
+    assert len(chosen) == 1 and chosen[0].step_time_s == min(r.step_time_s for r in timed)
+    assert chosen[0].whole_compile_s and all(r.whole_compile_s is None for r in result.search if not r.chosen)
+    assert (result.strategy, result.mesh.shape) == (chosen[0].strategy, chosen[0].mesh_shape)
+    assert result.compiles == 1 and result.steps == 2 and all(math.isfinite(x) for x in result.losses)
+    # The memory predicted from the copies against XLA's estimate for the whole step that trained.
+    assert chosen[0].peak_bytes_per_device == pytest.approx(result.memory.peak_estimate_bytes, rel=0.1)
+
+    again = run_in_process(config.replace(out=str(tmp_path / "b")))
+    assert (again.strategy, again.mesh.shape) == (result.strategy, result.mesh.shape)
+    assert all("(from the saved search)" in r.note for r in again.search)
