@@ -94,6 +94,22 @@ def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_
     assert report["strategy"] == chosen[0]["strategy"] and report["mesh"]["shape"] == chosen[0]["mesh_shape"]
 
 
+def test_auto_on_copies_on_three_hosts_every_process_ranks_alike_and_trains_one_winner(ray_cluster):
+    """Ranking on shallow copies across processes: the copies' steps run in one order on every process,
+    the likeliest winner compiles in the background on each, and the predictions are process 0's, so all
+    three train the same winner (a disagreement would hang the run, not fail it)."""
+    report, _, _ = _submit(ray_cluster, "head", "--model", "gpt", "--num-layers", "6", "--d-model", "32",
+                           "--num-heads", "4", "--seq-len", "16", "--vocab-size", "64", "--strategy", "auto",
+                           "--auto-rank-on", "copies", "--auto-trial-steps", "1", "--compile-cache", "none")
+    assert report["summary"]["processes"] == 3 and report["steps"] == 5
+    timed = [row for row in report["search"] if row["step_time_s"]]
+    assert len(timed) == 3 and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
+    chosen = [row for row in report["search"] if row["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["step_time_s"] == min(row["step_time_s"] for row in timed)
+    assert chosen[0]["whole_compile_s"] is not None
+    assert report["strategy"] == chosen[0]["strategy"] and report["mesh"]["shape"] == chosen[0]["mesh_shape"]
+
+
 def test_tensor_on_three_hosts_keeps_its_model_axis_inside_each_host(ray_cluster):
     """Each process reads only its own batch rows, so tensor's default model axis divides one host's
     devices: 3 hosts x 2 devices train on mesh 3x2. A --model-parallel that would span hosts is refused
