@@ -2,11 +2,14 @@
 
 Every candidate strategy x mesh shape is built abstractly first (no compile): one whose state alone
 exceeds a device's budget is dropped there, and on a cluster of several processes the planner
-(alpa_job.planner) drops those it predicts cannot fit or are far slower than the best. The rest
-compile together, XLA compiling outside the GIL (on GPUs after the first alone: compile_schedule),
-those whose XLA memory estimate fits are timed over a few real steps, and the fastest wins. The
-table of every candidate goes in the report, and the result is kept beside the compile cache, so a
-second identical run trains its winner straight away.
+(alpa_job.planner) drops those it predicts cannot fit or are far slower than the best. The rest are
+ranked one of two ways. On shallow copies of the model (shallow_ranking: the default on GPUs for a
+model that declares its depth): each candidate's copies compile and run, the whole model's step time
+and memory are predicted from them, and only the predicted winner compiles whole. Or whole: the
+candidates compile together, XLA compiling outside the GIL (on GPUs after the first alone:
+compile_schedule), and those whose XLA memory estimate fits are timed over a few real steps. The
+fastest wins. The table of every candidate goes in the report, and the result is kept beside the
+compile cache, so a second identical run trains its winner straight away.
 """
 from __future__ import annotations
 
@@ -221,8 +224,7 @@ def _compile_whole_winner(ranked: List[Tuple[dict, JaxEngine]], budget: int,
         if peak is not None and peak > budget:
             row["fits"], row["note"] = False, f"{row['note']}; compiled whole it needs {peak} B, budget {budget} B"
             continue
-        row["peak_bytes_per_device"] = peak if peak is not None else row["peak_bytes_per_device"]
-        return engine
+        return engine  # its row keeps the predicted peak: the report's memory section has the whole step's
     return None
 
 
@@ -306,14 +308,6 @@ def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[l
     if platform == "cpu" or len(engines) < 2 or workers < 2:
         return [(engines, workers)]
     return [(engines[:1], 1), (engines[1:], workers)]
-
-
-def copies_schedule(deeper: list, shallower: list, workers: int, platform: str) -> List[Tuple[list, int]]:
-    """The shallow copies' order: the deeper ones as compile_schedule orders candidates, then every
-    shallower one together (on GPUs their kernel shapes are all autotuned by then)."""
-    if platform == "cpu" or workers < 2:
-        return [(deeper + shallower, workers)]
-    return compile_schedule(deeper, workers, platform) + [(shallower, workers)]
 
 
 def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,

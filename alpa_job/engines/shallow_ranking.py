@@ -1,9 +1,9 @@
 """auto's candidates ranked on shallow copies of the model, so that only the winner compiles whole.
 
-A model of N identical layers costs about t(1) + (N - 1) x (t(2) - t(1)) a step: every layer does the
-same work and moves the same bytes, the rest (embeddings, head, optimizer over those) is paid once.
+A model of N identical layers costs about t(1) + (N - 1) x (t(3) - t(1)) / 2 a step: every layer does
+the same work and moves the same bytes, the rest (embeddings, head, optimizer over those) is paid once.
 Its peak memory grows the same way. So each candidate is compiled and timed on copies of the model
-with 1 and 2 layers, which compile in a fraction of the whole model's time, and the whole model's
+with 1 and 3 layers, which compile in a fraction of the whole model's time, and the whole model's
 step time and peak are predicted from the two. Only the predicted winner is then compiled whole: the
 one compile a fixed strategy pays anyway. Alpa's own search profiles slices of a model's layers
 instead of the whole model for the same reason.
@@ -39,7 +39,7 @@ class Copies:
 
 def copies_for(config, model) -> Optional[Copies]:
     """The shallow copies to rank on, or None: the search then compiles and times candidates whole.
-    `--auto-rank-on auto` ranks on copies on GPUs only: there a compile costs about a second a layer
+    `--auto-rank-on auto` ranks on copies on GPUs only: there a compile grows with the layer count
     (autotuning, ptxas); on CPU devices a small model's compile is mostly fixed cost, which two copies
     per candidate would pay twice."""
     rank_on = getattr(config, "auto_rank_on", "auto")

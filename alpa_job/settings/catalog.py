@@ -78,7 +78,7 @@ HOW_TO_RUN = (
     Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE,
             decides_step=False),
     Setting("auto_rank_on", str, "auto", "auto: where candidates are timed: copies (a model that declares its "
-            "depth_setting, as gpt does, of 6 layers or more: copies with 1 and 2 of its layers, the whole model's "
+            "depth_setting, as gpt does, of 6 layers or more: copies with 1 and 3 of its layers, the whole model's "
             "step time and memory predicted from them, and only the winner compiled whole); whole (every "
             "candidate compiled and timed at full depth); auto: copies on GPUs, whole on CPU devices",
             PARALLELISM, choices=("auto", "copies", "whole"), decides_step=False),
