@@ -40,26 +40,36 @@ def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_co
     assert [m.layer_count for _, m in copies.configs_and_models] == list(shallow_ranking.DEPTHS)
 
 
-def test_state_like_copies_a_state_into_another_sharding_and_each_engine_can_donate_its_own():
+def test_state_like_reshards_a_state_and_cuts_a_deeper_copys_to_its_own_layers():
     from alpa_job.engines.jax_engine import JaxEngine
 
-    config = tiny_config("gpt", num_layers=2, steps=1)
+    config = tiny_config("gpt", num_layers=3, steps=1)
     model = models.get_model(config)
     batch = model.synthetic(np.random.default_rng(0), 16)
     batch["mask"] = np.ones(16, np.float32)
     data = JaxEngine(config, model, batch, "data", (8, 1))
     fsdp = JaxEngine(config, model, batch, "fsdp", (8, 1))
+    shallow_config, shallow_model = models.at_depth(config, model, 1)
+    shallow = JaxEngine(shallow_config, shallow_model, batch, "tensor", (4, 2))
     data.compile()
-    fsdp.compile_step(with_initializer=False)
+    for engine in (fsdp, shallow):
+        engine.compile_step(with_initializer=False)
     original = data.init_state(0)
     moved = fsdp.state_like(original)
     for a, b, sharding in zip(jax.tree_util.tree_leaves(original), jax.tree_util.tree_leaves(moved),
                               jax.tree_util.tree_leaves(fsdp.state_sharding)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert b.sharding == sharding
+    cut = shallow.state_like(original)
+    assert set(cut.params) == {"wte", "wpe", "DecoderBlock_0", "LayerNorm_0"}
+    np.testing.assert_array_equal(np.asarray(cut.params["DecoderBlock_0"]["Dense_0"]["kernel"]),
+                                  np.asarray(original.params["DecoderBlock_0"]["Dense_0"]["kernel"]))
+    with pytest.raises(ValueError, match="DecoderBlock_1"):
+        data.state_like(cut)  # a shallower state has no layers to give a deeper one
     _, moved_loss = fsdp.step(moved, fsdp.put_batch(batch))  # donates `moved`, not `original`
+    _, cut_loss = shallow.step(cut, shallow.put_batch(batch))
     _, loss = data.step(original, data.put_batch(batch))
-    assert float(loss) == pytest.approx(float(moved_loss), rel=1e-4)
+    assert float(loss) == pytest.approx(float(moved_loss), rel=1e-4) and math.isfinite(float(cut_loss))
 
 
 def test_auto_on_copies_predicts_each_candidate_and_compiles_only_the_winner_whole(tmp_path):

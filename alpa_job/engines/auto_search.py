@@ -136,18 +136,23 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
             parts.append((part, copy))
     deeper = [p for p in parts if p[0]["depth"] == shallow_ranking.DEPTHS[-1]]
     shallower = [p for p in parts if p[0]["depth"] != shallow_ranking.DEPTHS[-1]]
-    # One initialiser per depth: the copies of one depth hold the same state in other shardings (state_like).
-    initialised = {id(group[0][1]) for group in (deeper, shallower) if group}
     workers = config.auto_compile_workers or len(parts)
-    platform = jax.devices()[0].platform
-    # The whole candidates lower while the first copy compiles: the winner's whole compile then only compiles.
-    _compile_together(list(deeper), workers, compile_schedule(deeper, workers, platform), lower_meanwhile=engines,
-                      initialised=initialised)
-    deeper_times = _time_copies([p for p in deeper if not p[0]["note"]], config, batches, budget)
+    # The whole candidates lower (Python, under the GIL) on a thread while the copies' XLA compiles run, so
+    # the winner's whole compile only compiles.
+    lowering = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="auto-lower")
+    lowered = lowering.submit(_lower_ahead, engines)
+    lowering.shutdown(wait=False)
+    # One initialiser in all: every copy's state is the first deeper copy's, resharded and cut (state_like).
+    _compile_together(list(deeper), workers, compile_schedule(deeper, workers, jax.devices()[0].platform),
+                      initialised={id(deeper[0][1])} if deeper else set())
+    lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
+    template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
+    deeper_times = _time_copies([p for p in deeper if not p[0]["note"]], template, config, batches, budget)
     guess = _likeliest(deeper_times, owners)
     background = WholeCompile(guess) if guess is not None else None
-    _compile_together(list(shallower), workers, [(shallower, workers)], initialised=initialised)
-    shallower_times = _time_copies([p for p in shallower if not p[0]["note"]], config, batches, budget)
+    _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())
+    shallower_times = _time_copies([p for p in shallower if not p[0]["note"]], template, config, batches, budget)
+    del template
     fitting = []
     for row, engine in engines:
         done = sorted((p for p in parts if owners[id(p[0])][0] is row), key=lambda p: p[0]["depth"])
@@ -173,13 +178,14 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     return fitting, background
 
 
-def _time_copies(parts: List[Tuple[dict, JaxEngine]], config, batches, budget: int) -> Dict[int, float]:
-    """{id(copy's row): its step time} for the copies whose XLA memory estimate fits, timed together."""
+def _time_copies(parts: List[Tuple[dict, JaxEngine]], template, config, batches, budget: int) -> Dict[int, float]:
+    """{id(copy's row): its step time} for the copies whose XLA memory estimate fits, timed together, each
+    from `template` (shallow_ranking.time_interleaved)."""
     fitting = [(p, c) for p, c in parts if p["peak_bytes_per_device"] is None or p["peak_bytes_per_device"] <= budget]
-    if not fitting:
+    if not fitting or template is None:
         return {}
     bar = Progress("auto search: timing copies", 1, unit="depth")
-    times = _agreed(shallow_ranking.time_interleaved([c for _, c in fitting], config.seed, batches,
+    times = _agreed(shallow_ranking.time_interleaved([c for _, c in fitting], template, config.seed, batches,
                                                      config.auto_trial_steps))
     bar.update(1, depth=fitting[0][0]["depth"], step_ms=" ".join(f"{t * 1e3:.2f}" for t in times))
     bar.close()
@@ -311,11 +317,9 @@ def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[l
 
 
 def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,
-                      schedule: Optional[List[Tuple[list, int]]] = None, lower_meanwhile=(),
-                      initialised: Optional[set] = None) -> None:
+                      schedule: Optional[List[Tuple[list, int]]] = None, initialised: Optional[set] = None) -> None:
     """Compile the candidates' steps in `schedule`'s order (default: compile_schedule's); a failure becomes
-    that candidate's note. `lower_meanwhile`: more (row, engine) to lower during the first group's
-    compiles; `initialised`: ids of the only engines whose initialiser compiles (default: all)."""
+    that candidate's note. `initialised`: ids of the only engines whose initialiser compiles (default: all)."""
     bar = Progress("auto search: compiling", max(len(engines), 1), unit="candidate")
     schedule = schedule or compile_schedule(engines, workers, jax.devices()[0].platform)
     for index, (group, at_once) in enumerate(schedule):
@@ -324,8 +328,6 @@ def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,
                        (row, engine) for row, engine in group if not row["note"]}
             if index + 1 < len(schedule):  # lowering (Python) overlaps this group's XLA compiles
                 _lower_ahead(schedule[index + 1][0])
-            if index == 0:
-                _lower_ahead(lower_meanwhile)
             for future in concurrent.futures.as_completed(futures):
                 row, engine = futures[future]
                 try:

@@ -169,12 +169,20 @@ class JaxEngine(Engine):
         return self._compile_step(use_store=False)
 
     def state_like(self, state: TrainState) -> TrainState:
-        """Another engine's state of the same model and optimizer moved into this engine's shardings: an
-        initialiser compiles for one sharding, and a reshard costs far less than compiling another."""
-        leaves = jax.tree_util.tree_leaves(state)
-        shardings = jax.tree_util.tree_leaves(self.state_sharding)
-        # A copy even where the shardings match: each engine's step donates (deletes) the state it is given.
-        moved = [jax.device_put(leaf, sharding, may_alias=False) for leaf, sharding in zip(leaves, shardings)]
+        """Another engine's state of the same model and optimizer moved into this engine's shardings, or of a
+        deeper copy of it (auto's shallow copies): its leaves that this state's tree names, with the same
+        shapes (the shell and the first layers). An initialiser compiles for one sharding and one depth; a
+        reshard costs far less than compiling another. ValueError where the trees do not match."""
+        source = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+        wanted = jax.tree_util.tree_leaves_with_path(self.abstract_state)
+        moved = []
+        for (path, abstract), sharding in zip(wanted, jax.tree_util.tree_leaves(self.state_sharding)):
+            leaf = source.get(jax.tree_util.keystr(path))
+            if leaf is None or leaf.shape != abstract.shape or leaf.dtype != abstract.dtype:
+                raise ValueError(f"the given state has no {abstract.dtype}{list(abstract.shape)} at "
+                                 f"{jax.tree_util.keystr(path)}")
+            # A copy even where the shardings match: each engine's step donates (deletes) the state it is given.
+            moved.append(jax.device_put(leaf, sharding, may_alias=False))
         return jax.tree_util.tree_structure(self.abstract_state).unflatten(moved)
 
     def _compile_step(self, use_store: bool = True) -> CompileStats:

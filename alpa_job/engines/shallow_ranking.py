@@ -63,17 +63,17 @@ def copy_engines(copies: Copies, strategy: str, mesh_shape: Tuple[int, int], exa
             for config, model in copies.configs_and_models]
 
 
-def time_interleaved(engines: List[JaxEngine], seed: int, batches, rounds: int) -> List[float]:
+def time_interleaved(engines: List[JaxEngine], template, seed: int, batches, rounds: int) -> List[float]:
     """Each engine's median step time over `rounds` turns of STEPS_PER_ROUND steps. The engines take
     turns, in a rotated order each round, and each turn starts with one untimed step: a drift of the
-    devices' clocks then moves every engine alike, and switching programs costs no engine its time."""
-    states, first_of_depth = [], {}
+    devices' clocks then moves every engine alike, and switching programs costs no engine its time.
+    Every state is `template` (the deepest copy's initial state) resharded and cut to the engine's depth."""
+    states = []
     for engine in engines:  # every state before any step: a step donates (deletes) the state it is given
-        depth = models.depth_of(engine.config, engine.model)
-        source = first_of_depth.get(depth)
-        states.append(engine.init_state(seed) if source is None else engine.state_like(source))
-        first_of_depth.setdefault(depth, states[-1])
-    first_of_depth.clear()
+        try:
+            states.append(engine.state_like(template))
+        except ValueError:  # a model whose shallower copy's names are not a subset of the deeper one's
+            states.append(engine.init_state(seed))
     runs = [[engine, state, [engine.put_batch(b) for b in batches]] for engine, state in zip(engines, states)]
     states.clear()
     per_step: List[List[float]] = [[] for _ in engines]
