@@ -26,7 +26,7 @@ def test_a_figure_is_extrapolated_linearly_from_the_copies_to_the_whole_depth():
     ("gpt", dict(num_layers=6, auto_rank_on="copies"), 6),
     ("gpt", dict(num_layers=5, auto_rank_on="copies"), None),  # copies would cost about a whole compile
     ("gpt", dict(num_layers=6, auto_rank_on="whole"), None),
-    ("gpt", dict(num_layers=6, auto_rank_on="auto"), None),  # CPU devices: whole
+    ("gpt", dict(num_layers=6), None),  # the default: whole
     ("mlp", dict(auto_rank_on="copies"), None),  # declares no depth_setting
 ])
 def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_copies(model, overrides, expected):

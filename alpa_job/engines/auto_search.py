@@ -3,13 +3,13 @@
 Every candidate strategy x mesh shape is built abstractly first (no compile): one whose state alone
 exceeds a device's budget is dropped there, and on a cluster of several processes the planner
 (alpa_job.planner) drops those it predicts cannot fit or are far slower than the best. The rest are
-ranked one of two ways. On shallow copies of the model (shallow_ranking: the default on GPUs for a
-model that declares its depth): each candidate's copies compile and run, the whole model's step time
-and memory are predicted from them, and only the predicted winner compiles whole. Or whole: the
-candidates compile together, XLA compiling outside the GIL (on GPUs after the first alone:
-compile_schedule), and those whose XLA memory estimate fits are timed over a few real steps. The
-fastest wins. The table of every candidate goes in the report, and the result is kept beside the
-compile cache, so a second identical run trains its winner straight away.
+ranked one of two ways. Whole (the default): the candidates compile together, XLA compiling outside
+the GIL (on GPUs after the first alone: compile_schedule), and those whose XLA memory estimate fits
+are timed over a few real steps. Or on shallow copies of the model (shallow_ranking, for a model
+that declares its depth): each candidate's copies compile and run, the whole model's step time and
+memory are predicted from them, and only the predicted winner compiles whole. The fastest wins. The
+table of every candidate goes in the report, and the result is kept beside the compile cache, so a
+second identical run trains its winner straight away.
 """
 from __future__ import annotations
 
@@ -396,7 +396,7 @@ class SavedSearch:
         example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
         key = step_key(config, schedule_steps, "auto", make_mesh(candidates[0][1]), example)
         key.update(candidates=[[s, list(m)] for s, m in candidates], budget=budget,
-                   trial_steps=config.auto_trial_steps, rank_on=getattr(config, "auto_rank_on", "auto"))
+                   trial_steps=config.auto_trial_steps, rank_on=getattr(config, "auto_rank_on", "whole"))
         return cls(os.path.join(directory, SEARCH_DIR, key_digest(key) + ".json"))
 
     def load(self) -> Optional[List[Dict[str, Any]]]:

@@ -38,12 +38,10 @@ class Copies:
 
 
 def copies_for(config, model) -> Optional[Copies]:
-    """The shallow copies to rank on, or None: the search then compiles and times candidates whole.
-    `--auto-rank-on auto` ranks on copies on GPUs only: there a compile grows with the layer count
-    (autotuning, ptxas); on CPU devices a small model's compile is mostly fixed cost, which two copies
-    per candidate would pay twice."""
-    rank_on = getattr(config, "auto_rank_on", "auto")
-    if rank_on == "whole" or (rank_on == "auto" and jax.devices()[0].platform == "cpu"):
+    """The shallow copies to rank on (`--auto-rank-on copies`), or None: the search then compiles and times
+    candidates whole. Not the default: copies see little of how layers overlap each other's communication,
+    so candidates within a few percent of each other can rank either way."""
+    if getattr(config, "auto_rank_on", "whole") != "copies":
         return None
     full = models.depth_of(config, model)
     if full is None or full < MIN_DEPTH:
