@@ -29,11 +29,15 @@ def test_a_figure_is_extrapolated_linearly_from_the_copies_to_the_whole_depth():
     ("gpt", dict(num_layers=6), None),  # the default: whole
     ("mlp", dict(auto_rank_on="copies"), None),  # declares no depth_setting
 ])
-def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_copies(model, overrides, expected):
+def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_copies(model, overrides, expected,
+                                                                                       capfd):
     config = tiny_config(model, strategy="auto", **overrides)
     copies = shallow_ranking.copies_for(config, models.get_model(config))
     if expected is None:
         assert copies is None
+        said = capfd.readouterr().err
+        asked = config.auto_rank_on == "copies"
+        assert ("--auto-rank-on copies: ranking whole instead" in said) == asked, said  # asked for, so told why
         return
     assert copies.full_depth == expected
     assert [c.num_layers for c, _ in copies.configs_and_models] == list(shallow_ranking.DEPTHS)

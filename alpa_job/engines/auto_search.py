@@ -116,7 +116,8 @@ def _time_whole(engines: List[Tuple[dict, JaxEngine]], config, batches, budget: 
 
 
 def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[dict, JaxEngine]], example_batch,
-                    schedule_steps, budget: int, batches) -> Tuple[List[Tuple[dict, JaxEngine]], Optional[WholeCompile]]:
+                    schedule_steps, budget: int, batches
+                    ) -> Tuple[List[Tuple[dict, JaxEngine]], Optional[WholeCompile]]:
     """Compile and time each candidate's shallow copies; its row gets the whole model's predicted step time
     and peak. Returns the candidates predicted to fit, with their whole-model engines, and the whole compile
     of the likeliest winner, started in the background once the deeper copies were timed."""

@@ -21,6 +21,7 @@ import jax
 
 from alpa_job import models
 from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.progress import phase
 
 DEPTHS = (1, 3)
 # Below this depth, compiling two copies per candidate costs about as much as compiling it whole.
@@ -45,6 +46,9 @@ def copies_for(config, model) -> Optional[Copies]:
         return None
     full = models.depth_of(config, model)
     if full is None or full < MIN_DEPTH:
+        why = (f"--model {config.model} declares no depth_setting (alpa_job.api.Model)" if full is None
+               else f"its {full} layers are too few (copies pay off from {MIN_DEPTH})")
+        phase(f"[auto] --auto-rank-on copies: ranking whole instead, {why}")
         return None
     return Copies(full, [models.at_depth(config, model, depth) for depth in DEPTHS])
 

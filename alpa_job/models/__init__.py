@@ -263,4 +263,5 @@ def _dtype(config):
 
 __all__ = ["BUILT_IN", "ModelSpec", "RepeatedBlocks", "mse", "cross_entropy",
            "is_built_in", "model_names", "check_model_name", "model_settings", "check_model_sizes",
-           "built_in_args", "builder_of", "resolve", "build_model", "get_model", "depth_of", "at_depth", "source_digest"]
+           "built_in_args", "builder_of", "resolve", "build_model", "get_model", "depth_of", "at_depth",
+           "source_digest"]
