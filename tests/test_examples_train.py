@@ -109,6 +109,17 @@ def test_llama_trains_with_every_strategy(strategy, label, tmp_path):
         assert found["params/layer_0/attention/out/kernel"] == "ZeRO"
 
 
+def test_llama_declares_its_depth_so_auto_can_rank_on_copies(tmp_path):
+    out = str(tmp_path / "run")
+    deep = [a for a in TINY_LLAMA if not a.startswith("num_layers=")] + ["num_layers=6"]
+    proc, report = train("llama", deep, "--strategy", "auto", "--auto-rank-on", "copies", "--auto-trial-steps", "1",
+                         "--devices", "2", "--steps", "2", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    timed = [row for row in report["search"] if row["step_time_s"]]
+    assert timed and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
+    assert report["status"] == "ok" and report["steps"] == 2 and report["compiles"] == 1
+
+
 def test_resnet_with_batch_norm_and_pad_remainder_compiles_once(tmp_path):
     out = str(tmp_path / "run")
     # 40 samples in batches of 16: two full batches and a padded one per epoch, still one compile.

@@ -64,4 +64,4 @@ def build(args: LlamaArgs, dtype) -> api.Model:
                    num_kv_heads=args.num_kv_heads, mlp_dim=mlp_dim_of(args), vocab_size=args.vocab_size,
                    dtype=dtype, rope_theta=args.rope_theta, attention=args.attention)
     return api.Model(module=module, input_field="tokens", loss=next_token_loss, synthetic=synthetic,
-                     layer_count=args.num_layers, layer_class=DecoderBlock)
+                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers")
