@@ -121,8 +121,8 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     """Compile and time each candidate's shallow copies; its row gets the whole model's predicted step time
     and peak. Returns the candidates predicted to fit, with their whole-model engines, and the whole compile
     of the likeliest winner, started in the background once the deeper copies were timed."""
-    parts: List[Tuple[dict, JaxEngine]] = []  # one row per copy, for _compile_together
-    owners: Dict[int, Tuple[dict, JaxEngine]] = {}
+    # Per candidate, its copies as (row, engine) pairs in DEPTHS order: the rows are _compile_together's.
+    groups: List[Tuple[dict, JaxEngine, List[Tuple[dict, JaxEngine]]]] = []
     for row, engine in engines:
         try:
             shallow = shallow_ranking.copy_engines(copies, row["strategy"], tuple(row["mesh_shape"]), example_batch,
@@ -130,14 +130,11 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
         except KitError as err:
             row["note"] = str(err)
             continue
-        for depth, copy in zip(shallow_ranking.DEPTHS, shallow):
-            part = _row(row["strategy"], tuple(row["mesh_shape"]))
-            part["depth"] = depth
-            owners[id(part)] = (row, engine)
-            parts.append((part, copy))
-    deeper = [p for p in parts if p[0]["depth"] == shallow_ranking.DEPTHS[-1]]
-    shallower = [p for p in parts if p[0]["depth"] != shallow_ranking.DEPTHS[-1]]
-    workers = config.auto_compile_workers or len(parts)
+        groups.append((row, engine, [(_row(row["strategy"], tuple(row["mesh_shape"])), copy) for copy in shallow]))
+    deeper = [group[-1] for _, _, group in groups]
+    shallower = [group[0] for _, _, group in groups]
+    owner_of = {id(group[-1][0]): engine for _, engine, group in groups}  # a deeper copy's row -> its candidate
+    workers = config.auto_compile_workers or 2 * len(groups)
     # The whole candidates lower (Python, under the GIL) on a thread while the copies' XLA compiles run, so
     # the winner's whole compile only compiles.
     lowering = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="auto-lower")
@@ -148,23 +145,24 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
                       initialised={id(deeper[0][1])} if deeper else set())
     lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
     template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
-    deeper_times = _time_copies([p for p in deeper if not p[0]["note"]], template, config, batches, budget)
-    guess = _likeliest(deeper_times, owners)
+    times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
+                         batches, budget)
+    guess = owner_of[min(times, key=times.get)] if times else None  # the fastest deeper copy's candidate
     background = WholeCompile(guess) if guess is not None else None
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())
-    shallower_times = _time_copies([p for p in shallower if not p[0]["note"]], template, config, batches, budget)
+    times.update(_time_copies([p for p in shallower if not p[0]["note"]], shallow_ranking.DEPTHS[0], template,
+                              config, batches, budget))
     del template
     fitting = []
-    for row, engine in engines:
-        done = sorted((p for p in parts if owners[id(p[0])][0] is row), key=lambda p: p[0]["depth"])
-        failed = next((p["note"] for p, _ in done if p["note"]), "")
-        measured = [deeper_times.get(id(p)) or shallower_times.get(id(p)) for p, _ in done]
-        if row["note"] or failed or len(done) != len(shallow_ranking.DEPTHS) or None in measured:
-            row["note"] = row["note"] or failed or "a copy was not timed (it does not fit)"
+    for row, engine, group in groups:
+        failed = next((part["note"] for part, _ in group if part["note"]), "")
+        measured = [times.get(id(part)) for part, _ in group]
+        if failed or None in measured:
+            row["note"] = failed or "a copy was not timed (it does not fit)"
             continue
-        row["compile_s"] = round(sum(p["compile_s"] for p, _ in done), 3)
+        row["compile_s"] = round(sum(part["compile_s"] for part, _ in group), 3)
         row["predicted_from"] = list(shallow_ranking.DEPTHS)
-        peaks = [p["peak_bytes_per_device"] for p, _ in done]
+        peaks = [part["peak_bytes_per_device"] for part, _ in group]
         row["peak_bytes_per_device"] = (None if None in peaks
                                         else int(shallow_ranking.extrapolate(peaks, copies.full_depth)))
         peak = row["peak_bytes_per_device"]
@@ -179,26 +177,19 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     return fitting, background
 
 
-def _time_copies(parts: List[Tuple[dict, JaxEngine]], template, config, batches, budget: int) -> Dict[int, float]:
-    """{id(copy's row): its step time} for the copies whose XLA memory estimate fits, timed together, each
-    from `template` (shallow_ranking.time_interleaved)."""
+def _time_copies(parts: List[Tuple[dict, JaxEngine]], depth: int, template, config, batches,
+                 budget: int) -> Dict[int, float]:
+    """{id(copy's row): its step time} for the copies (of `depth` layers) whose XLA memory estimate fits,
+    timed together, each from `template` (shallow_ranking.time_interleaved)."""
     fitting = [(p, c) for p, c in parts if p["peak_bytes_per_device"] is None or p["peak_bytes_per_device"] <= budget]
     if not fitting or template is None:
         return {}
     bar = Progress("auto search: timing copies", 1, unit="depth")
     times = _agreed(shallow_ranking.time_interleaved([c for _, c in fitting], template, config.seed, batches,
                                                      config.auto_trial_steps))
-    bar.update(1, depth=fitting[0][0]["depth"], step_ms=" ".join(f"{t * 1e3:.2f}" for t in times))
+    bar.update(1, depth=depth, step_ms=" ".join(f"{t * 1e3:.2f}" for t in times))
     bar.close()
     return {id(p): t for (p, _), t in zip(fitting, times)}
-
-
-def _likeliest(deeper_times: Dict[int, float], owners) -> Optional[JaxEngine]:
-    """The candidate whose deeper copy was fastest: its whole compile starts while the shallower copies
-    compile and run. Every process has the same times (_agreed), so they all start the same one."""
-    if not deeper_times:
-        return None
-    return owners[min(deeper_times, key=deeper_times.get)][1]
 
 
 class WholeCompile:

@@ -176,13 +176,13 @@ class JaxEngine(Engine):
         source = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
         wanted = jax.tree_util.tree_leaves_with_path(self.abstract_state)
         moved = []
-        for (path, abstract), sharding in zip(wanted, jax.tree_util.tree_leaves(self.state_sharding)):
+        for path, abstract in wanted:  # each abstract leaf carries this engine's sharding for it
             leaf = source.get(jax.tree_util.keystr(path))
             if leaf is None or leaf.shape != abstract.shape or leaf.dtype != abstract.dtype:
                 raise ValueError(f"the given state has no {abstract.dtype}{list(abstract.shape)} at "
                                  f"{jax.tree_util.keystr(path)}")
             # A copy even where the shardings match: each engine's step donates (deletes) the state it is given.
-            moved.append(jax.device_put(leaf, sharding, may_alias=False))
+            moved.append(jax.device_put(leaf, abstract.sharding, may_alias=False))
         return jax.tree_util.tree_structure(self.abstract_state).unflatten(moved)
 
     def _compile_step(self, use_store: bool = True) -> CompileStats:
