@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from alpa_job import api
+from alpa_job.engines import xla_options
 from alpa_job.engines.jax_engine import resolve_spec
 from alpa_job.record.trace_summary import collective_kind, summarise_events
 
@@ -32,7 +33,11 @@ def _train(tmp_path, *extra, expect_ok=True):
 def test_profile_traces_the_named_steps_and_reports_their_communication(tmp_path):
     _train(tmp_path, "--strategy", "fsdp", "--profile", "3:2")
     with open(tmp_path / "run" / "report.json") as f:
-        profile = json.load(f)["timing"]["profile"]
+        report = json.load(f)
+    profile = report["timing"]["profile"]
+    # fsdp's step compiled with its collective combine thresholds, and the loop never compiled it again.
+    assert report["compiler_options"] == xla_options.STRATEGY_OPTIONS["fsdp"]
+    assert report["backend_compiles_during_loop"] == 0
     assert profile["steps"] == [3, 4]
     assert os.path.isfile(profile["trace"]) and profile["trace"].endswith(".trace.json.gz")
     assert [n for n in os.listdir(os.path.dirname(profile["trace"])) if n.endswith(".xplane.pb")]  # TensorBoard/XProf
@@ -74,6 +79,15 @@ def test_fsdp_splits_the_outermost_named_dimension():
     assert resolve_spec(down, (256, 64), rules, _Mesh(), major_first=True) == PartitionSpec("data", None)
     # A dimension the mesh does not divide is skipped for the next one the rules name.
     assert resolve_spec(down, (255, 64), rules, _Mesh(), major_first=True) == PartitionSpec(None, "data")
+
+
+def test_fsdp_combines_its_collectives_unless_the_user_set_the_threshold():
+    options = xla_options.compiler_options("fsdp", xla_flags="")
+    assert options["xla_gpu_all_gather_combine_threshold_bytes"] >= 2 ** 28
+    assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] >= 2 ** 28
+    assert xla_options.compiler_options("data", xla_flags="") == {}
+    mine = xla_options.compiler_options("fsdp", xla_flags="--xla_gpu_all_gather_combine_threshold_bytes=1 --xla_foo")
+    assert set(mine) == {"xla_gpu_reduce_scatter_combine_threshold_bytes"}
 
 
 def test_constrain_is_the_identity_outside_an_engine():

@@ -18,7 +18,7 @@ import numpy as np
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpa_job.engines import compile_cache, flops, memory_fit, model_checks
+from alpa_job.engines import compile_cache, flops, memory_fit, model_checks, xla_options
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
@@ -59,6 +59,7 @@ class JaxEngine(Engine):
         self.mesh = make_mesh(mesh_shape)
         self.rules = STRATEGY_RULES[strategy]
         self.activation_rules = ACTIVATION_RULES.get(strategy, ACTIVATION_RULES["data"])
+        self.compiler_options = xla_options.compiler_options(strategy)  # the step's, in the report too
         # Before anything compiles: a second identical run loads the executables (compile_cache.py).
         self.stats.compile_cache_dir = compile_cache.enable(
             compile_cache.resolve(getattr(config, "compile_cache", None)))
@@ -239,10 +240,11 @@ class JaxEngine(Engine):
         return store.step_name if store else "train_step"
 
     def _lower(self, name: str, abstract_batch):
+        options = {"compiler_options": self.compiler_options} if self.compiler_options else {}
         jitted = jax.jit(_named(self._train_step, name),
                          in_shardings=(self.state_sharding, self.batch_sharding),
                          out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
-                         donate_argnums=(0,))
+                         donate_argnums=(0,), **options)
         with self.activation_layout():
             lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
         return jitted, lowered
@@ -366,7 +368,7 @@ class JaxEngine(Engine):
         }
 
     def extra_report(self) -> Dict[str, Any]:
-        return {"search": self.search_table}
+        return {"search": self.search_table, "compiler_options": self.compiler_options or None}
 
     # ----- checks that turn XLA errors into one-line fixes ---------------------------------------
     def _check_batch_rows_per_process(self) -> None:

@@ -264,6 +264,7 @@ class ProcessResult:
     input: Optional[InputRecord] = None
     alpa_method: Optional[Dict[str, Any]] = None  # the Alpa method settings (strategy, micro batches, ...)
     plan_cache: Optional[Dict[str, Any]] = None  # Alpa pipeshard-auto plan cache decision
+    compiler_options: Optional[Dict[str, Any]] = None  # XLA options the JAX step compiled with (xla_options)
     process: ProcessInfo = dataclasses.field(default_factory=ProcessInfo)
     devices: DeviceInfo = dataclasses.field(default_factory=DeviceInfo)
     versions: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)
