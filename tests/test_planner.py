@@ -87,6 +87,19 @@ def test_calibration_predicts_every_measured_run_within_20_percent_and_the_same_
         assert abs(peak - entry["measured_peak_gb"]) / entry["measured_peak_gb"] <= 0.10, entry["id"]
 
 
+def test_communication_longer_than_compute_is_exposed_whatever_the_factor():
+    constants = estimate.Constants(efficiency=0.5, comm_factor={"fsdp": 0.05}, default_comm_factor=0.5,
+                                   temp_ratio=1.0, fitted_from=[])
+    gpu = gpus.CATALOGUE["h100"]
+    compute_s = 1e15 / (gpu.peak_flops * 0.5)
+    network = {"all-gather": {"nvlink_bytes": 0.0, "network_bytes": 2 * compute_s * 1e9}}  # 2x compute at 1 GB/s
+    row = {"flops_per_step": 1e15, "collectives": network, "strategy": "fsdp", "memory": None}
+    slow = estimate.predict(row, 1, gpu, 1e9, constants)
+    assert slow["communication_s"] == pytest.approx(compute_s)  # links 2x compute: half exposed
+    fast = estimate.predict(row, 1, gpu, 1e12, constants)  # the same bytes at 1 TB/s: hidden but the factor
+    assert fast["communication_s"] == pytest.approx(0.05 * 2 * compute_s * 1e9 / 1e12)
+
+
 def test_calibration_cpu_block_is_current():
     """The cheapest entry recompiled now gives the FLOPs, collectives and memory stored for it (else:
     python -m alpa_job.planner.calibrate)."""

@@ -2,11 +2,14 @@
 
     step = compute + communication
     compute = FLOPs per device / (GPU peak x efficiency)
-    communication = factor[strategy] x (NVLink bytes / NVLink bandwidth + network bytes / network bandwidth)
+    communication = max(factor[strategy] x links, links - compute)
+    links = NVLink bytes / NVLink bandwidth + network bytes / network bandwidth
 
 Overlap assumption: the model adds communication to compute. Whatever part of it the measured runs hid
 behind compute (or lost to small messages and launch latency) is in `factor`, fitted per strategy from
-the multi-GPU runs (factor < 1: partly hidden; > 1: slower than the links' bandwidth). The efficiency is
+the multi-GPU runs (factor < 1: partly hidden; > 1: slower than the links' bandwidth). Compute can hide
+at most its own length: where the links need longer (a slow network), the rest is exposed whatever the
+factor, which was fitted on NVLink runs that hid nearly all of it. The efficiency is
 the geometric mean of the one-GPU runs' measured FLOP rate over the GPU's peak. A strategy with no
 multi-GPU run takes the median factor of those that have one.
 
@@ -109,5 +112,6 @@ def predict(row: Dict[str, Any], devices: int, gpu: gpus.Gpu, network_bytes_s: f
     compute = (row["flops_per_step"] or 0.0) / devices / (gpu.peak_flops * constants.efficiency)
     links = link_seconds(row["collectives"], gpu, network_bytes_s)
     factor = constants.comm_factor.get(row["strategy"], constants.default_comm_factor)
-    return {"compute_s": compute, "link_s": links, "comm_factor": factor, "communication_s": factor * links,
-            "step_s": compute + factor * links, "gpu_peak_bytes": gpu_peak_bytes(row.get("memory"), constants)}
+    communication = max(factor * links, links - compute)
+    return {"compute_s": compute, "link_s": links, "comm_factor": factor, "communication_s": communication,
+            "step_s": compute + communication, "gpu_peak_bytes": gpu_peak_bytes(row.get("memory"), constants)}

@@ -78,7 +78,8 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
         f"global batch {config.batch_size}: {batch_how}",
         "step = compute + communication, added (no overlap beyond what the fitted factor absorbs): compute = "
         f"FLOPs per GPU / ({gpu.peak_flops / 1e12:.0f} TFLOP/s x efficiency {constants.efficiency:.3f}); "
-        "communication = factor[strategy] x (NVLink bytes / NVLink bandwidth + network bytes / network bandwidth)",
+        "communication = factor[strategy] x links, links = NVLink bytes / NVLink bandwidth + network bytes / "
+        "network bandwidth, and at least the part of links that compute cannot hide (links - compute)",
         "factors fitted to measured multi-GPU runs: " + ", ".join(
             f"{s} {f:.3f}" for s, f in sorted(constants.comm_factor.items())) +
         f" (a factor < 1: the measured runs hid part of it behind compute); efficiency from the one-GPU runs",
