@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 _COMBINE_BYTES = 512 * 2 ** 20  # several GPT-24L layers' bf16 weights (about 100 MB each) per collective
 
@@ -24,7 +24,7 @@ STRATEGY_OPTIONS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def compiler_options(strategy: str, xla_flags: str = None) -> Dict[str, Any]:
+def compiler_options(strategy: str, xla_flags: Optional[str] = None) -> Dict[str, Any]:
     """The options for `strategy`'s step, less any the user set in `xla_flags` (default: $XLA_FLAGS),
     and none where this jax cannot pass options to jit."""
     if not jit_takes_options():
