@@ -46,6 +46,7 @@ def test_profile_traces_the_named_steps_and_reports_their_communication(tmp_path
     assert {"all-gather"} <= set(profile["collective_ms_per_step"])
     markdown = (tmp_path / "run" / "report.md").read_text()
     assert "communication share (profiled)" in markdown and profile["trace"] in markdown
+    assert "xla_gpu_all_gather_combine_threshold_bytes=512" in markdown  # the summary names fsdp's options
 
 
 @pytest.mark.parametrize("value", ["3", "0:2", "a:b", "3:0"])

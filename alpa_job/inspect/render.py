@@ -35,6 +35,12 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         ("processes / hosts / devices", f"{s.processes} / {s.hosts} / {s.devices}"),
         ("compiles (train step)", record.compiles),
         ("compile seconds", record.compile_seconds),
+    ]
+    if record.compiler_options:  # beyond XLA_FLAGS: the strategy's own (engines/xla_options.py)
+        pairs.append(("XLA options (strategy's)", ", ".join(
+            f"{name}={human_bytes(value) if name.endswith('_bytes') else value}"
+            for name, value in sorted(record.compiler_options.items()))))
+    pairs += [
         ("steps", record.steps),
         ("samples seen / dropped", f"{record.samples_seen} / {record.samples_dropped}"),
         ("step time (s)", record.step_time_s),
