@@ -133,7 +133,6 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
         groups.append((row, engine, [(_row(row["strategy"], tuple(row["mesh_shape"])), copy) for copy in shallow]))
     deeper = [group[-1] for _, _, group in groups]
     shallower = [group[0] for _, _, group in groups]
-    owner_of = {id(group[-1][0]): engine for _, engine, group in groups}  # a deeper copy's row -> its candidate
     workers = config.auto_compile_workers or 2 * len(groups)
     # The whole candidates lower (Python, under the GIL) on a thread while the copies' XLA compiles run, so
     # the winner's whole compile only compiles.
@@ -147,7 +146,8 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
     times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
                          batches, budget)
-    guess = owner_of[min(times, key=times.get)] if times else None  # the fastest deeper copy's candidate
+    timed = [(times[id(group[-1][0])], engine) for _, engine, group in groups if id(group[-1][0]) in times]
+    guess = min(timed, key=lambda pair: pair[0])[1] if timed else None  # the fastest deeper copy's candidate
     background = WholeCompile(guess) if guess is not None else None
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())
     times.update(_time_copies([p for p in shallower if not p[0]["note"]], shallow_ranking.DEPTHS[0], template,

@@ -12,6 +12,7 @@ own strategy's. A flag the user set in XLA_FLAGS is theirs: the kit leaves it al
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Any, Dict, Optional
@@ -34,6 +35,7 @@ def compiler_options(strategy: str, xla_flags: Optional[str] = None) -> Dict[str
     return {name: value for name, value in STRATEGY_OPTIONS.get(strategy, {}).items() if name not in user_set}
 
 
+@functools.lru_cache(maxsize=None)  # asked for every engine: each auto candidate and copy builds one
 def jit_takes_options() -> bool:
     """jax.jit(compiler_options=...) exists (jax 0.4.13, the Python 3.9 side, has no such argument)."""
     import jax
