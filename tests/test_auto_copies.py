@@ -22,6 +22,42 @@ def test_a_figure_is_extrapolated_linearly_from_the_copies_to_the_whole_depth():
     assert shallow_ranking.extrapolate([5.0, 5.0], 48) == pytest.approx(5.0)  # layers that cost nothing
 
 
+def _candidate(strategy, step_ms, peak_gb):
+    return ({"strategy": strategy, "mesh_shape": [2, 1], "step_time_s": step_ms / 1e3,
+             "peak_bytes_per_device": int(peak_gb * 1e9), "note": "predicted"}, strategy)
+
+
+def test_of_candidates_predicted_within_the_tie_the_one_needing_least_memory_wins():
+    least = shallow_ranking.least_memory_among_ties
+    tie = shallow_ranking.TIE
+    data, fsdp, tensor = _candidate("data", 130.0, 35.0), _candidate("fsdp", 130.0 * (1 + tie / 2), 27.0), \
+        _candidate("tensor", 140.0, 29.0)
+    ranked = least([data, fsdp, tensor])
+    assert [engine for _, engine in ranked] == ["fsdp", "data", "tensor"]
+    assert "chosen over the fastest prediction (data(2, 1), within 2%): it needs less memory" in fsdp[0]["note"]
+    # Outside the tie the fastest wins whatever it needs; so does the fastest when it needs the least.
+    slower = _candidate("fsdp", 130.0 * (1 + 2 * tie), 27.0)
+    assert [engine for _, engine in least([data, slower, tensor])] == ["data", "fsdp", "tensor"]
+    lean = _candidate("data", 129.0, 20.0)
+    assert [engine for _, engine in least([lean, fsdp, tensor])][0] == "data" and lean[0]["note"] == "predicted"
+    assert least([]) == []
+
+
+def test_the_likeliest_winner_compiles_first_the_least_state_then_the_narrowest_model_axis():
+    from alpa_job.engines import auto_search
+    from alpa_job.engines.jax_engine import JaxEngine
+
+    config = tiny_config("gpt", num_layers=2)
+    model = models.get_model(config)
+    batch = model.synthetic(np.random.default_rng(0), 16)
+    batch["mask"] = np.ones(16, np.float32)
+    engines = [({"strategy": s}, JaxEngine(config, model, batch, s, mesh))
+               for s, mesh in (("data", (8, 1)), ("tensor", (4, 2)), ("fsdp", (8, 1)))]
+    ordered = [row["strategy"] for row, _ in auto_search._likeliest_first(engines)]
+    # fsdp splits every parameter over the data axis; tensor only the matmuls' inner widths; data none.
+    assert ordered == ["fsdp", "tensor", "data"]
+
+
 @pytest.mark.parametrize("model, overrides, expected", [
     ("gpt", dict(num_layers=6, auto_rank_on="copies"), 6),
     ("gpt", dict(num_layers=5, auto_rank_on="copies"), None),  # copies would cost about a whole compile
@@ -87,7 +123,10 @@ def test_auto_on_copies_predicts_each_candidate_and_compiles_only_the_winner_who
         assert row.step_time_s == pytest.approx(shallow_ranking.extrapolate(row.copy_step_time_s, 6))
         assert "predicted for 6 layers from copies with 1 and 3" in row.note
     chosen = [r for r in result.search if r.chosen]
-    assert len(chosen) == 1 and chosen[0].step_time_s == min(r.step_time_s for r in timed)
+    fastest = min(r.step_time_s for r in timed)
+    assert len(chosen) == 1 and chosen[0].step_time_s <= fastest * (1 + shallow_ranking.TIE)
+    ties = [r for r in timed if r.step_time_s <= fastest * (1 + shallow_ranking.TIE)]
+    assert chosen[0].peak_bytes_per_device == min(r.peak_bytes_per_device for r in ties)
     assert chosen[0].whole_compile_s and all(r.whole_compile_s is None for r in result.search if not r.chosen)
     assert (result.strategy, result.mesh.shape) == (chosen[0].strategy, chosen[0].mesh_shape)
     assert result.compiles == 1 and result.steps == 2 and all(math.isfinite(x) for x in result.losses)

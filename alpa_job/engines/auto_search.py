@@ -17,7 +17,7 @@ import concurrent.futures
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import numpy as np
@@ -76,7 +76,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
               f"{' and '.join(map(str, shallow_ranking.DEPTHS))} of its {copies.full_depth} layers")
         predicted, background = _rank_on_copies(config, copies, engines, example_batch, schedule_steps, budget,
                                                 batches)
-        ranked = _ranked(predicted)
+        ranked = shallow_ranking.least_memory_among_ties(_ranked(predicted))
         ranking_s = time.perf_counter() - started
         best = _compile_whole_winner(ranked, budget, background)
         if best is not None:
@@ -89,11 +89,15 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     for row in table:
         row["chosen"] = row["strategy"] == best.strategy and tuple(row["mesh_shape"]) == tuple(best.mesh.devices.shape)
     by_time = sorted((r for r in table if r["step_time_s"]), key=lambda r: r["step_time_s"])
-    runner_up = (f"; next {by_time[1]['strategy']} {tuple(by_time[1]['mesh_shape'])} at "
-                 f"{by_time[1]['step_time_s'] * 1e3:.2f} ms") if len(by_time) > 1 else ""
     how = "predicted " if copies is not None else ""
-    phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: fastest {how}step "
-          f"({best_time * 1e3:.2f} ms) of the {len(by_time)} candidate(s) that fit, out of {len(table)}{runner_up}")
+    why = f"fastest {how}step ({best_time * 1e3:.2f} ms)"
+    if by_time[0]["step_time_s"] < best_time:  # shallow_ranking.least_memory_among_ties
+        why = f"the least memory of the {how}steps within {shallow_ranking.TIE:.0%} of the fastest ({best_time * 1e3:.2f} ms)"
+    others = [r for r in by_time if not r["chosen"]]
+    runner_up = (f"; {'next' if by_time[0]['chosen'] else 'fastest'} {others[0]['strategy']} "
+                 f"{tuple(others[0]['mesh_shape'])} at {others[0]['step_time_s'] * 1e3:.2f} ms") if others else ""
+    phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: {why} of the {len(by_time)} "
+          f"candidate(s) that fit, out of {len(table)}{runner_up}")
     if saved is not None:
         best.keep_step()
         saved.save(table)
@@ -120,10 +124,10 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
                     ) -> Tuple[List[Tuple[dict, JaxEngine]], Optional[WholeCompile]]:
     """Compile and time each candidate's shallow copies; its row gets the whole model's predicted step time
     and peak. Returns the candidates predicted to fit, with their whole-model engines, and the whole compile
-    of the likeliest winner, started in the background once the deeper copies were timed."""
+    of the likeliest winner (likeliest_winner), started in the background once its first copy compiled."""
     # Per candidate, its copies as (row, engine) pairs in DEPTHS order: the rows are _compile_together's.
     groups: List[Tuple[dict, JaxEngine, List[Tuple[dict, JaxEngine]]]] = []
-    for row, engine in engines:
+    for row, engine in _likeliest_first(engines):
         try:
             shallow = shallow_ranking.copy_engines(copies, row["strategy"], tuple(row["mesh_shape"]), example_batch,
                                                    schedule_steps)
@@ -135,20 +139,27 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     shallower = [group[0] for _, _, group in groups]
     workers = config.auto_compile_workers or 2 * len(groups)
     # The whole candidates lower (Python, under the GIL) on a thread while the copies' XLA compiles run, so
-    # the winner's whole compile only compiles.
+    # a whole compile only compiles; the likeliest first, as its compile starts soonest.
     lowering = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="auto-lower")
-    lowered = lowering.submit(_lower_ahead, engines)
+    likeliest_lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[:1]])
+    lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[1:]])
     lowering.shutdown(wait=False)
     # One initialiser in all: every copy's state is the first deeper copy's, resharded and cut (state_like).
+    background: List[WholeCompile] = []
+
+    def start_likeliest() -> None:
+        # Once the likeliest's first copy autotuned its kernels (which its whole model shares), it compiles
+        # whole beside the other copies: when it wins, it is ready about when the ranking ends.
+        if groups and not groups[0][0]["note"] and not groups[0][2][-1][0]["note"]:
+            background.append(WholeCompile(groups[0][1], after=likeliest_lowered))
+
     _compile_together(list(deeper), workers, compile_schedule(deeper, workers, jax.devices()[0].platform),
-                      initialised={id(deeper[0][1])} if deeper else set())
+                      initialised={id(deeper[0][1])} if deeper else set(), after_first=start_likeliest)
     lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
+    likeliest_lowered.result()
     template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
     times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
                          batches, budget)
-    timed = [(times[id(group[-1][0])], engine) for _, engine, group in groups if id(group[-1][0]) in times]
-    guess = min(timed, key=lambda pair: pair[0])[1] if timed else None  # the fastest deeper copy's candidate
-    background = WholeCompile(guess) if guess is not None else None
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())
     times.update(_time_copies([p for p in shallower if not p[0]["note"]], shallow_ranking.DEPTHS[0], template,
                               config, batches, budget))
@@ -174,7 +185,20 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
         row["step_time_s"] = shallow_ranking.extrapolate(measured, copies.full_depth)
         row["note"] = copies.note()
         fitting.append((row, engine))
-    return fitting, background
+    return fitting, (background[0] if background else None)
+
+
+def _likeliest_first(engines: List[Tuple[dict, JaxEngine]]) -> List[Tuple[dict, JaxEngine]]:
+    """The candidates, the likeliest winner first, guessed from shardings alone before anything compiles:
+    the least state per device, then the fewest devices on the model axis. Splitting the state over the
+    data axis (fsdp) moves the gradients' bytes that replicating it does, and each device updates only its
+    share; a model axis narrows every matmul and puts its all-reduces on the forward's critical path. A
+    wrong guess costs time only (one more whole compile): the copies still rank."""
+    def cost(pair: Tuple[dict, JaxEngine]) -> Tuple[int, int]:
+        engine = pair[1]
+        return memory_fit.state_bytes_per_device(engine.abstract_state), engine.mesh.devices.shape[1]
+
+    return sorted(engines, key=cost)  # stable: equal guesses keep the candidates' order
 
 
 def _time_copies(parts: List[Tuple[dict, JaxEngine]], depth: int, template, config, batches,
@@ -193,14 +217,21 @@ def _time_copies(parts: List[Tuple[dict, JaxEngine]], depth: int, template, conf
 
 
 class WholeCompile:
-    """A whole candidate's compile (its initialiser's beside it) on a thread, outside the GIL."""
+    """A whole candidate's compile (its initialiser's beside it) on a thread, outside the GIL, once `after`
+    (its lowering ahead) is done: a step lowers and compiles on one thread at a time."""
 
-    def __init__(self, engine: JaxEngine):
+    def __init__(self, engine: JaxEngine, after: Optional[concurrent.futures.Future] = None):
         self.engine = engine
         phase(f"[auto] compiling {engine.strategy} on mesh {tuple(engine.mesh.devices.shape)} whole in the "
-              "background: its deeper copy was the fastest")
+              "background, the likeliest winner, while the copies rank")
+
+        def compile_after():
+            if after is not None:
+                after.result()
+            return engine.compile()
+
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="auto-whole")
-        self.future = pool.submit(engine.compile)
+        self.future = pool.submit(compile_after)
         pool.shutdown(wait=False)
 
 
@@ -309,9 +340,11 @@ def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[l
 
 
 def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,
-                      schedule: Optional[List[Tuple[list, int]]] = None, initialised: Optional[set] = None) -> None:
+                      schedule: Optional[List[Tuple[list, int]]] = None, initialised: Optional[set] = None,
+                      after_first: Optional[Callable[[], None]] = None) -> None:
     """Compile the candidates' steps in `schedule`'s order (default: compile_schedule's); a failure becomes
-    that candidate's note. `initialised`: ids of the only engines whose initialiser compiles (default: all)."""
+    that candidate's note. `initialised`: ids of the only engines whose initialiser compiles (default: all).
+    `after_first`: called once the schedule's first group has compiled."""
     bar = Progress("auto search: compiling", max(len(engines), 1), unit="candidate")
     schedule = schedule or compile_schedule(engines, workers, jax.devices()[0].platform)
     for index, (group, at_once) in enumerate(schedule):
@@ -332,6 +365,8 @@ def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,
                 row["compile_s"] = round(stats.compile_seconds, 3)
                 row["peak_bytes_per_device"] = (stats.memory or {}).get("peak_estimate_bytes")
                 bar.update(1, candidate=_name(row), compile_s=row["compile_s"])
+        if index == 0 and after_first is not None:
+            after_first()
     bar.close()
     engines[:] = [(row, engine) for row, engine in engines if not row["note"]]
 

@@ -27,6 +27,9 @@ DEPTHS = (1, 3)
 # Below this depth, compiling two copies per candidate costs about as much as compiling it whole.
 MIN_DEPTH = 2 * DEPTHS[-1]
 STEPS_PER_ROUND = 5
+# Copies see little of how a deep model's layers overlap each other's communication, so candidates whose
+# predicted steps are nearer than this can rank either way; among those, the least memory a device wins.
+TIE = 0.02
 
 
 @dataclasses.dataclass
@@ -57,6 +60,25 @@ def extrapolate(values: Sequence[float], full_depth: int) -> float:
     """The whole model's figure from the copies' (one per DEPTHS), linear in the layer count."""
     (d1, v1), (d2, v2) = zip(DEPTHS, values)  # 1 and 3 layers apart: a timing error grows (N - 1) / 2-fold
     return v1 + (full_depth - d1) * (v2 - v1) / (d2 - d1)
+
+
+def least_memory_among_ties(ranked: List[Tuple[dict, Any]]) -> List[Tuple[dict, Any]]:
+    """`ranked` (auto's (row, engine) pairs, fastest predicted first) with the winner moved to the front:
+    of the candidates predicted within TIE of the fastest, the one with the smallest predicted peak (the
+    fastest of those among equal peaks). Its row's note says so when it is not the fastest."""
+    if not ranked:
+        return ranked
+    fastest = ranked[0][0]["step_time_s"]
+    ties = [pair for pair in ranked if pair[0]["step_time_s"] <= fastest * (1 + TIE)]
+    winner = min(ties, key=lambda pair: pair[0]["peak_bytes_per_device"] or float("inf"))
+    if winner is not ranked[0]:
+        winner[0]["note"] += (f"; chosen over the fastest prediction ({_name(ranked[0][0])}, within {TIE:.0%}): "
+                              "it needs less memory")
+    return [winner] + [pair for pair in ranked if pair is not winner]
+
+
+def _name(row: dict) -> str:
+    return f"{row['strategy']}{tuple(row['mesh_shape'])}"
 
 
 def copy_engines(copies: Copies, strategy: str, mesh_shape: Tuple[int, int], example_batch,
