@@ -39,8 +39,8 @@ What a builder returns, `Model`:
   kit initialises one block once instead of the whole model (the fast initialiser);
 - `layer_count` / `layer_class`: the repeated layers and their flax class, for Alpa's pipelines;
 - `depth_setting`: the name of the builder setting that counts those layers (e.g. "num_layers"), so
-  `--strategy auto --auto-rank-on copies` can time its candidates on copies of the model with 1 and 3
-  layers and predict the whole model's step time and memory from them, compiling only the winner whole.
+  `--strategy auto` can time its candidates on copies of the model with 1 and 3 layers and predict the
+  whole model's step time and memory from them, compiling only the winner whole.
 
 Token data (`--dataset tokens`): the kit cuts windows of `seq_len + 1` tokens into the field
 `tokens` and checks the ids against `vocab_size`, both read from the builder's settings of those

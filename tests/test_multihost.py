@@ -105,7 +105,10 @@ def test_auto_on_copies_on_three_hosts_every_process_ranks_alike_and_trains_one_
     timed = [row for row in report["search"] if row["step_time_s"]]
     assert len(timed) == 3 and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
     chosen = [row for row in report["search"] if row["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["step_time_s"] == min(row["step_time_s"] for row in timed)
+    fastest = min(row["step_time_s"] for row in timed)
+    ties = [row for row in timed if row["step_time_s"] <= fastest * 1.03]  # shallow_ranking.TIE
+    assert len(chosen) == 1 and chosen[0] in ties, report["search"]
+    assert chosen[0]["peak_bytes_per_device"] == min(row["peak_bytes_per_device"] for row in ties)
     assert chosen[0]["whole_compile_s"] is not None
     assert report["strategy"] == chosen[0]["strategy"] and report["mesh"]["shape"] == chosen[0]["mesh_shape"]
 

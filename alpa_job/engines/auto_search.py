@@ -76,7 +76,11 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
               f"{' and '.join(map(str, shallow_ranking.DEPTHS))} of its {copies.full_depth} layers")
         predicted, background = _rank_on_copies(config, copies, engines, example_batch, schedule_steps, budget,
                                                 batches)
-        ranked = shallow_ranking.least_memory_among_ties(_ranked(predicted))
+        ranked = _ranked(predicted)
+        # Every process decides on process 0's peaks, as on its times: a different winner would hang the run.
+        peaks = _agreed([float("inf") if row["peak_bytes_per_device"] is None else float(row["peak_bytes_per_device"])
+                         for row, _ in ranked])
+        ranked = shallow_ranking.least_memory_among_ties(ranked, peaks)
         ranking_s = time.perf_counter() - started
         best = _compile_whole_winner(ranked, budget, background)
         if best is not None:
@@ -258,8 +262,8 @@ def _compile_whole_winner(ranked: List[Tuple[dict, JaxEngine]], budget: int,
 
 
 def _agreed(times: List[float]) -> List[float]:
-    """Process 0's times, on every process: each process's own clock differs a little, and processes that
-    chose different winners would run different programs and hang."""
+    """Process 0's figures (step times, peaks), on every process: each process's own clock differs a little,
+    and processes that chose different winners would run different programs and hang."""
     if jax.process_count() > 1 and times:
         from jax.experimental import multihost_utils
 
@@ -423,7 +427,7 @@ class SavedSearch:
         example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
         key = step_key(config, schedule_steps, "auto", make_mesh(candidates[0][1]), example)
         key.update(candidates=[[s, list(m)] for s, m in candidates], budget=budget,
-                   trial_steps=config.auto_trial_steps, rank_on=getattr(config, "auto_rank_on", "whole"))
+                   trial_steps=config.auto_trial_steps, rank_on=getattr(config, "auto_rank_on", "copies"))
         return cls(os.path.join(directory, SEARCH_DIR, key_digest(key) + ".json"))
 
     def load(self) -> Optional[List[Dict[str, Any]]]:

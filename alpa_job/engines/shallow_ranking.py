@@ -27,9 +27,10 @@ DEPTHS = (1, 3)
 # Below this depth, compiling two copies per candidate costs about as much as compiling it whole.
 MIN_DEPTH = 2 * DEPTHS[-1]
 STEPS_PER_ROUND = 5
-# Copies see little of how a deep model's layers overlap each other's communication, so candidates whose
-# predicted steps are nearer than this can rank either way; among those, the least memory a device wins.
-TIE = 0.02
+# Copies see little of how a deep model's layers overlap each other's communication (nor what combining
+# many layers' collectives into one saves), so their predictions miss the whole step by a few percent and
+# candidates nearer than this can rank either way; among those, the least memory a device wins.
+TIE = 0.03
 
 
 @dataclasses.dataclass
@@ -42,16 +43,15 @@ class Copies:
 
 
 def copies_for(config, model) -> Optional[Copies]:
-    """The shallow copies to rank on (`--auto-rank-on copies`), or None: the search then compiles and times
-    candidates whole. Not the default: copies see little of how layers overlap each other's communication,
-    so candidates within a few percent of each other can rank either way."""
-    if getattr(config, "auto_rank_on", "whole") != "copies":
+    """The shallow copies to rank on (`--auto-rank-on copies`, the default), or None: the search then compiles
+    and times candidates whole (`--auto-rank-on whole`, or a model copies cannot serve, which it is told)."""
+    if getattr(config, "auto_rank_on", "copies") != "copies":
         return None
     full = models.depth_of(config, model)
     if full is None or full < MIN_DEPTH:
         why = (f"--model {config.model} declares no depth_setting (alpa_job.api.Model)" if full is None
                else f"its {full} layers are too few (copies pay off from {MIN_DEPTH})")
-        phase(f"[auto] --auto-rank-on copies: ranking whole instead, {why}")
+        phase(f"[auto] ranking the candidates whole, not on copies: {why}")
         return None
     return Copies(full, [models.at_depth(config, model, depth) for depth in DEPTHS])
 
@@ -62,15 +62,20 @@ def extrapolate(values: Sequence[float], full_depth: int) -> float:
     return v1 + (full_depth - d1) * (v2 - v1) / (d2 - d1)
 
 
-def least_memory_among_ties(ranked: List[Tuple[dict, Any]]) -> List[Tuple[dict, Any]]:
+def least_memory_among_ties(ranked: List[Tuple[dict, Any]], peaks: Optional[Sequence[float]] = None
+                            ) -> List[Tuple[dict, Any]]:
     """`ranked` (auto's (row, engine) pairs, fastest predicted first) with the winner moved to the front:
     of the candidates predicted within TIE of the fastest, the one with the smallest predicted peak (the
-    fastest of those among equal peaks). Its row's note says so when it is not the fastest."""
+    fastest of those among equal peaks). `peaks`: those peaks, one per pair, where every process must
+    decide on the same figures (default: the rows'). The winner's note says so when it is not the fastest."""
     if not ranked:
         return ranked
+    if peaks is None:
+        peaks = [row["peak_bytes_per_device"] for row, _ in ranked]
+    peak_of = {id(pair): float("inf") if peak is None else peak for pair, peak in zip(ranked, peaks)}
     fastest = ranked[0][0]["step_time_s"]
     ties = [pair for pair in ranked if pair[0]["step_time_s"] <= fastest * (1 + TIE)]
-    winner = min(ties, key=lambda pair: pair[0]["peak_bytes_per_device"] or float("inf"))
+    winner = min(ties, key=lambda pair: peak_of[id(pair)])
     if winner is not ranked[0]:
         winner[0]["note"] += (f"; chosen over the fastest prediction ({_name(ranked[0][0])}, within {TIE:.0%}): "
                               "it needs less memory")

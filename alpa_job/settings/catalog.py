@@ -77,11 +77,12 @@ HOW_TO_RUN = (
             default_help="every alive node", decides_step=False),
     Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE,
             decides_step=False),
-    Setting("auto_rank_on", str, "whole", "auto: where candidates are timed: whole (every candidate compiled and "
-            "timed at full depth) or copies (a model that declares its depth_setting, as gpt does, of 6 layers or "
-            "more: copies with 1 and 3 of its layers, the whole model's step time and memory predicted from them, "
-            "only the winner compiled whole: a faster start, but candidates within a few percent may rank "
-            "either way)", PARALLELISM, choices=("whole", "copies"), decides_step=False),
+    Setting("auto_rank_on", str, "copies", "auto: where candidates are timed: copies (a model that declares its "
+            "depth_setting, as gpt does, of 6 layers or more: copies with 1 and 3 of its layers, the whole model's "
+            "step time and memory predicted from them, only the winner compiled whole; of candidates predicted "
+            "within 3%, the one needing the least memory; any other model is ranked whole) or whole (every "
+            "candidate compiled and timed at full depth: a slower start, the exact ranking)", PARALLELISM,
+            choices=("copies", "whole"), decides_step=False),
     Setting("auto_compile_workers", int, 0, "auto: candidates compiled at once (0: all; on GPUs the first "
             "always compiles alone)", PARALLELISM,
             check=NON_NEGATIVE, metavar="N", decides_step=False),
