@@ -128,7 +128,7 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
                     ) -> Tuple[List[Tuple[dict, JaxEngine]], Optional[WholeCompile]]:
     """Compile and time each candidate's shallow copies; its row gets the whole model's predicted step time
     and peak. Returns the candidates predicted to fit, with their whole-model engines, and the whole compile
-    of the likeliest winner (likeliest_winner), started in the background once its first copy compiled."""
+    of the likeliest winner (_likeliest_first), started in the background once its first copy compiled."""
     # Per candidate, its copies as (row, engine) pairs in DEPTHS order: the rows are _compile_together's.
     groups: List[Tuple[dict, JaxEngine, List[Tuple[dict, JaxEngine]]]] = []
     for row, engine in _likeliest_first(engines):
@@ -148,7 +148,9 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     likeliest_lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[:1]])
     lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[1:]])
     lowering.shutdown(wait=False)
-    # One initialiser in all: every copy's state is the first deeper copy's, resharded and cut (state_like).
+    # One initialiser in all: every copy's state is one deeper copy's, resharded and cut (state_like), the most
+    # replicated one's: every other layout is a slice of it, so resharding it moves nothing between devices.
+    source = max(deeper, key=lambda pair: memory_fit.state_bytes_per_device(pair[1].abstract_state), default=None)
     background: List[WholeCompile] = []
 
     def start_likeliest() -> None:
@@ -158,10 +160,11 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
             background.append(WholeCompile(groups[0][1], after=likeliest_lowered))
 
     _compile_together(list(deeper), workers, compile_schedule(deeper, workers, jax.devices()[0].platform),
-                      initialised={id(deeper[0][1])} if deeper else set(), after_first=start_likeliest)
+                      initialised={id(source[1])} if source else set(), after_first=start_likeliest)
     lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
     likeliest_lowered.result()
-    template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
+    template = next((copy.init_state(config.seed) for part, copy in sorted(deeper, key=lambda pair: pair is not source)
+                     if not part["note"]), None)
     times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
                          batches, budget)
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())
