@@ -14,7 +14,7 @@ import time
 import jax
 import pytest
 
-from alpa_job import progress, strict_json
+from alpa_job import models, progress, strict_json
 from alpa_job.engines import memory_fit
 from alpa_job.errors import Diverged, KitError
 from alpa_job.launch.runner import run_in_process
@@ -189,6 +189,15 @@ def test_memory_budget_on_a_gpu_keeps_the_presets_that_fit_an_h100():
     with pytest.raises(KitError, match=r"needs 70.00 GB per device .* one NVIDIA H100 80GB HBM3 holds .*"
                                        r"a smaller --batch-size"):
         memory_fit.check_step_fits({"peak_estimate_bytes": int(70e9)}, "data", (1, 1), devices=h100)
+    # gpt-4b on two H100s, fsdp with --remat mlp-weights: XLA's estimate was 58.72 GB; a policy that keeps less
+    # is the first way out (--remat weights measured 56.39 GB there).
+    stronger = models.stronger_remat(tiny_config("gpt", remat="mlp-weights"))
+    assert stronger == ("weights", "dots", "full")
+    with pytest.raises(KitError, match=r"needs 58.72 GB per device .*; use --remat weights / dots / full \(keeps "
+                                       r"fewer activations\), --strategy tensor"):
+        memory_fit.check_step_fits({"peak_estimate_bytes": int(58.72e9)}, "fsdp", (2, 1), devices=h100,
+                                   stronger_remat=stronger)
+    assert models.stronger_remat(tiny_config("gpt", remat="full")) == () == models.stronger_remat(tiny_config("mlp"))
 
 
 def test_memory_check_passes_tiny_models_and_counts_every_cpu_device():

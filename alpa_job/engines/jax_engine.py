@@ -28,6 +28,7 @@ from alpa_job.engines.sharding_rules import (ACTIVATION_RULES, MAJOR_DIMENSION_F
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
+from alpa_job import models
 from alpa_job.models import ModelSpec
 
 
@@ -155,7 +156,8 @@ class JaxEngine(Engine):
         if self._init_compiled is None:
             self._start_init_compile()
         stats = self._compile_step()
-        memory_fit.check_step_fits(stats.memory, self.strategy, self.mesh.devices.shape)  # before the first step
+        memory_fit.check_step_fits(stats.memory, self.strategy, self.mesh.devices.shape,  # before the first step
+                                   stronger_remat=models.stronger_remat(self.config))
         self._store_step()
         return stats
 

@@ -14,7 +14,7 @@ own buffers need the rest, and a run that passes by a hair is killed later, when
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -74,16 +74,17 @@ def check_state_fits(abstract_state: Any, strategy: str, mesh_shape: Tuple[int, 
 
 
 def check_step_fits(memory: Optional[dict], strategy: str, mesh_shape: Tuple[int, ...],
-                    devices: Optional[List[Any]] = None) -> None:
-    """After compiling: XLA's estimate for one step (jax_program.memory_analysis's dict) fits."""
+                    devices: Optional[List[Any]] = None, stronger_remat: Sequence[str] = ()) -> None:
+    """After compiling: XLA's estimate for one step (jax_program.memory_analysis's dict) fits.
+    `stronger_remat`: the model's --remat policies that keep less than the one it runs with (a way out)."""
     need = (memory or {}).get("peak_estimate_bytes")
     if need:
         _check(int(need), "XLA's estimate for the train step (state, gradients, activations, batch)", strategy,
-               mesh_shape, devices, batch=True)
+               mesh_shape, devices, batch=True, stronger_remat=stronger_remat)
 
 
 def _check(need: int, what: str, strategy: str, mesh_shape: Tuple[int, ...], devices: Optional[List[Any]],
-           batch: bool) -> None:
+           batch: bool, stronger_remat: Sequence[str] = ()) -> None:
     devices = devices if devices is not None else jax.local_devices()
     found = budget(devices)
     if found is None:
@@ -94,13 +95,14 @@ def _check(need: int, what: str, strategy: str, mesh_shape: Tuple[int, ...], dev
     total = f" ({_gb(need * sharing)} for {sharing} devices)" if sharing > 1 else ""
     raise KitError(f"{what} needs {_gb(need)} per device{total} with --strategy {strategy} on mesh "
                    f"{tuple(mesh_shape)}, and {words} ({int(FRACTION * 100)}% usable); "
-                   f"{_ways_out(strategy, batch)}")
+                   f"{_ways_out(strategy, batch, stronger_remat)}")
 
 
-def _ways_out(strategy: str, batch: bool) -> str:
-    ways = [f"--strategy {s} ({why})" for s, why in (("fsdp", "shards the state over the devices"),
-                                                     ("tensor", "splits the layers over a model axis"))
-            if s != strategy]
+def _ways_out(strategy: str, batch: bool, stronger_remat: Sequence[str] = ()) -> str:
+    ways = [f"--remat {' / '.join(stronger_remat)} (keeps fewer activations)"] if stronger_remat else []
+    ways += [f"--strategy {s} ({why})" for s, why in (("fsdp", "shards the state over the devices"),
+                                                      ("tensor", "splits the layers over a model axis"))
+             if s != strategy]
     ways.append("fewer layers or a smaller model (--num-layers, --d-model / --hidden-dim)")
     if batch:
         ways.append("a smaller --batch-size")

@@ -227,6 +227,18 @@ def get_model(config) -> ModelSpec:
                      depth_setting=model.depth_setting)
 
 
+def stronger_remat(config) -> Tuple[str, ...]:
+    """The built-in model's `--remat` policies that keep less than the one `config` runs with (its choices go
+    from keeping the most to the least): ways out of a step that does not fit. () for a model without one."""
+    if not is_built_in(config.model):
+        return ()
+    setting = next((s for s in model_settings(config.model) if s.name == "remat" and s.choices), None)
+    current = getattr(config, "remat", None)
+    if setting is None or current not in setting.choices:
+        return ()
+    return setting.choices[setting.choices.index(current) + 1:]
+
+
 def depth_of(config, model: ModelSpec) -> Optional[int]:
     """How many repeated layers `config` gives the model (None: its builder declares no depth_setting)."""
     if model.depth_setting is None:
