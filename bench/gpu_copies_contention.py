@@ -35,7 +35,7 @@ def main() -> None:
 
     from alpa_job import models
     from alpa_job.engines.jax_engine import JaxEngine
-    from gpu_common import gpt_case, save_result
+    from gpu_common import engine_loop, gpt_case, save_result
 
     n = jax.device_count()
     batch_size = args.per_gpu_batch * n
@@ -46,11 +46,12 @@ def main() -> None:
     start = time.perf_counter()
     copies[0][1].compile_step()  # autotunes the kernels, as the search's first copy does
     for _, engine in copies[1:]:
-        engine.compile_step(with_initializer=False)
+        engine.compile_step()
     compiled_s = time.perf_counter() - start
-    template = copies[0][1].init_state(0)
-    runs = [[name, engine, engine.state_like(template), engine.put_batch(batch)] for name, engine in copies]
-    del template
+    loops = []
+    for name, engine in copies:
+        loops.append(engine_loop(engine, 0, batch))
+        loops[-1].name = name
     whole = JaxEngine(config, model, batch, "fsdp", (n, 1))
 
     rows = []
@@ -59,19 +60,12 @@ def main() -> None:
     def rounds(phase: str, until=None, count=None):
         done = 0
         while (until is not None and not until()) or (count is not None and done < count):
-            for offset in range(len(runs)):
-                run = runs[(done + offset) % len(runs)]
-                name, engine, state, device_batch = run
-                state, loss = engine.step(state, device_batch)
-                jax.block_until_ready(loss)
+            for offset in range(len(loops)):
+                loop = loops[(done + offset) % len(loops)]
                 begin = time.perf_counter()
-                for _ in range(STEPS_PER_TURN):
-                    state, loss = engine.step(state, device_batch)
-                jax.block_until_ready(loss)
-                run[2] = state
-                rows.append({"phase": phase, "t_s": round(begin - t0, 3), "candidate": name,
-                             "step_ms": round((time.perf_counter() - begin) / STEPS_PER_TURN * 1e3, 3),
-                             "load1": os.getloadavg()[0]})
+                seconds = loop.time(STEPS_PER_TURN, parked=False)  # one untimed step first
+                rows.append({"phase": phase, "t_s": round(begin - t0, 3), "candidate": loop.name,
+                             "step_ms": round(seconds * 1e3, 3), "load1": os.getloadavg()[0]})
             done += 1
 
     rounds("before", count=args.rounds_after)

@@ -76,11 +76,14 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
               f"{' and '.join(map(str, shallow_ranking.DEPTHS))} of its {copies.full_depth} layers")
         predicted, background = _rank_on_copies(config, copies, engines, example_batch, schedule_steps, budget,
                                                 batches)
-        ranked = _ranked(predicted)
+        by_time = _ranked(predicted)
         # Every process decides on process 0's peaks, as on its times: a different winner would hang the run.
         peaks = _agreed([float("inf") if row["peak_bytes_per_device"] is None else float(row["peak_bytes_per_device"])
-                         for row, _ in ranked])
-        ranked = shallow_ranking.least_memory_among_ties(ranked, peaks)
+                         for row, _ in by_time])
+        ranked = shallow_ranking.least_memory_among_ties(by_time, peaks)
+        if ranked and ranked[0] is not by_time[0]:
+            ranked[0][0]["note"] += (f"; chosen over the fastest prediction ({_name(by_time[0][0])}, within "
+                                     f"{shallow_ranking.TIE:.0%}): it needs less memory")
         ranking_s = time.perf_counter() - started
         best = _compile_whole_winner(ranked, budget, background)
         if best is not None:
@@ -163,8 +166,8 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
                       initialised={id(source[1])} if source else set(), after_first=start_likeliest)
     lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
     likeliest_lowered.result()
-    template = next((copy.init_state(config.seed) for part, copy in sorted(deeper, key=lambda pair: pair is not source)
-                     if not part["note"]), None)
+    sources = [source] + [pair for pair in deeper if pair is not source] if source else []
+    template = next((copy.init_state(config.seed) for part, copy in sources if not part["note"]), None)
     times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
                          batches, budget)
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())

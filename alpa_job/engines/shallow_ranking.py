@@ -67,7 +67,7 @@ def least_memory_among_ties(ranked: List[Tuple[dict, Any]], peaks: Optional[Sequ
     """`ranked` (auto's (row, engine) pairs, fastest predicted first) with the winner moved to the front:
     of the candidates predicted within TIE of the fastest, the one with the smallest predicted peak (the
     fastest of those among equal peaks). `peaks`: those peaks, one per pair, where every process must
-    decide on the same figures (default: the rows'). The winner's note says so when it is not the fastest."""
+    decide on the same figures (default: the rows')."""
     if not ranked:
         return ranked
     if peaks is None:
@@ -76,14 +76,7 @@ def least_memory_among_ties(ranked: List[Tuple[dict, Any]], peaks: Optional[Sequ
     fastest = ranked[0][0]["step_time_s"]
     ties = [pair for pair in ranked if pair[0]["step_time_s"] <= fastest * (1 + TIE)]
     winner = min(ties, key=lambda pair: peak_of[id(pair)])
-    if winner is not ranked[0]:
-        winner[0]["note"] += (f"; chosen over the fastest prediction ({_name(ranked[0][0])}, within {TIE:.0%}): "
-                              "it needs less memory")
     return [winner] + [pair for pair in ranked if pair is not winner]
-
-
-def _name(row: dict) -> str:
-    return f"{row['strategy']}{tuple(row['mesh_shape'])}"
 
 
 def copy_engines(copies: Copies, strategy: str, mesh_shape: Tuple[int, int], example_batch,
