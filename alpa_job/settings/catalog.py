@@ -80,7 +80,7 @@ HOW_TO_RUN = (
     Setting("auto_rank_on", str, "copies", "auto: where candidates are timed: copies (a model that declares its "
             "depth_setting, as gpt does, of 6 layers or more: copies with 1 and 3 of its layers, the whole model's "
             "step time and memory predicted from them, only the winner compiled whole; of candidates predicted "
-            "within 3%, the one needing the least memory; any other model is ranked whole) or whole (every "
+            "within 3 percent, the one needing the least memory; any other model is ranked whole) or whole (every "
             "candidate compiled and timed at full depth: a slower start, the exact ranking)", PARALLELISM,
             choices=("copies", "whole"), decides_step=False),
     Setting("auto_compile_workers", int, 0, "auto: candidates compiled at once (0: all; on GPUs the first "
