@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 import numpy as np
 
-from alpa_job.engines import compile_cache, memory_fit, shallow_ranking
+from alpa_job.engines import compile_cache, shallow_ranking
 from alpa_job.engines.executable_store import key_digest, step_key
 from alpa_job.engines.jax_engine import JaxEngine, make_mesh
 from alpa_job.engines.sharding_rules import auto_candidates
@@ -66,6 +66,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     engines = _build_abstract(config, model, example_batch, schedule_steps, budget, table)
     copies = shallow_ranking.copies_for(config, model)
     started = time.perf_counter()
+    memory_decided = False  # shallow_ranking.least_memory_among_ties chose over the fastest prediction
     if copies is None:
         _compile_together(engines, config.auto_compile_workers or len(engines))
         _time_whole(engines, config, batches, budget)
@@ -76,13 +77,14 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
               f"{' and '.join(map(str, shallow_ranking.DEPTHS))} of its {copies.full_depth} layers")
         predicted, background = _rank_on_copies(config, copies, engines, example_batch, schedule_steps, budget,
                                                 batches)
-        by_time = _ranked(predicted)
+        fastest_first = _ranked(predicted)
         # Every process decides on process 0's peaks, as on its times: a different winner would hang the run.
         peaks = _agreed([float("inf") if row["peak_bytes_per_device"] is None else float(row["peak_bytes_per_device"])
-                         for row, _ in by_time])
-        ranked = shallow_ranking.least_memory_among_ties(by_time, peaks)
-        if ranked and ranked[0] is not by_time[0]:
-            ranked[0][0]["note"] += (f"; chosen over the fastest prediction ({_name(by_time[0][0])}, within "
+                         for row, _ in fastest_first])
+        ranked = shallow_ranking.least_memory_among_ties(fastest_first, peaks)
+        memory_decided = bool(ranked) and ranked[0] is not fastest_first[0]
+        if memory_decided:
+            ranked[0][0]["note"] += (f"; chosen over the fastest prediction ({_name(fastest_first[0][0])}, within "
                                      f"{shallow_ranking.TIE:.0%}): it needs less memory")
         ranking_s = time.perf_counter() - started
         best = _compile_whole_winner(ranked, budget, background)
@@ -98,10 +100,10 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     by_time = sorted((r for r in table if r["step_time_s"]), key=lambda r: r["step_time_s"])
     how = "predicted " if copies is not None else ""
     why = f"fastest {how}step ({best_time * 1e3:.2f} ms)"
-    if by_time[0]["step_time_s"] < best_time:  # shallow_ranking.least_memory_among_ties
+    if memory_decided:
         why = f"the least memory of the {how}steps within {shallow_ranking.TIE:.0%} of the fastest ({best_time * 1e3:.2f} ms)"
     others = [r for r in by_time if not r["chosen"]]
-    runner_up = (f"; {'next' if by_time[0]['chosen'] else 'fastest'} {others[0]['strategy']} "
+    runner_up = (f"; {'fastest' if memory_decided else 'next'} {others[0]['strategy']} "
                  f"{tuple(others[0]['mesh_shape'])} at {others[0]['step_time_s'] * 1e3:.2f} ms") if others else ""
     phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: {why} of the {len(by_time)} "
           f"candidate(s) that fit, out of {len(table)}{runner_up}")
@@ -153,14 +155,15 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     lowering.shutdown(wait=False)
     # One initialiser in all: every copy's state is one deeper copy's, resharded and cut (state_like), the most
     # replicated one's: every other layout is a slice of it, so resharding it moves nothing between devices.
-    source = max(deeper, key=lambda pair: memory_fit.state_bytes_per_device(pair[1].abstract_state), default=None)
-    background: List[WholeCompile] = []
+    source = max(deeper, key=lambda pair: pair[1].state_bytes_per_device, default=None)
+    background: Optional[WholeCompile] = None
 
     def start_likeliest() -> None:
         # Once the likeliest's first copy autotuned its kernels (which its whole model shares), it compiles
         # whole beside the other copies: when it wins, it is ready about when the ranking ends.
+        nonlocal background
         if groups and not groups[0][0]["note"] and not groups[0][2][-1][0]["note"]:
-            background.append(WholeCompile(groups[0][1], after=likeliest_lowered))
+            background = WholeCompile(groups[0][1], after=likeliest_lowered)
 
     _compile_together(list(deeper), workers, compile_schedule(deeper, workers, jax.devices()[0].platform),
                       initialised={id(source[1])} if source else set(), after_first=start_likeliest)
@@ -195,7 +198,7 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
         row["step_time_s"] = shallow_ranking.extrapolate(measured, copies.full_depth)
         row["note"] = copies.note()
         fitting.append((row, engine))
-    return fitting, (background[0] if background else None)
+    return fitting, background
 
 
 def _likeliest_first(engines: List[Tuple[dict, JaxEngine]]) -> List[Tuple[dict, JaxEngine]]:
@@ -204,11 +207,8 @@ def _likeliest_first(engines: List[Tuple[dict, JaxEngine]]) -> List[Tuple[dict, 
     data axis (fsdp) moves the gradients' bytes that replicating it does, and each device updates only its
     share; a model axis narrows every matmul and puts its all-reduces on the forward's critical path. A
     wrong guess costs time only (one more whole compile): the copies still rank."""
-    def cost(pair: Tuple[dict, JaxEngine]) -> Tuple[int, int]:
-        engine = pair[1]
-        return memory_fit.state_bytes_per_device(engine.abstract_state), engine.mesh.devices.shape[1]
-
-    return sorted(engines, key=cost)  # stable: equal guesses keep the candidates' order
+    # A stable sort: equal guesses keep the candidates' order.
+    return sorted(engines, key=lambda pair: (pair[1].state_bytes_per_device, pair[1].mesh.devices.shape[1]))
 
 
 def _time_copies(parts: List[Tuple[dict, JaxEngine]], depth: int, template, config, batches,
@@ -331,7 +331,7 @@ def _build_abstract(config, model, example_batch, schedule_steps, budget: int, t
         except KitError as err:
             row["note"] = str(err)
             continue
-        state = memory_fit.state_bytes_per_device(engine.abstract_state)
+        state = engine.state_bytes_per_device
         if state > budget:
             row["fits"], row["note"] = False, f"its state alone needs {state} B per device, budget {budget} B"
             continue

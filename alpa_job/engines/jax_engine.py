@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -22,13 +23,12 @@ from alpa_job.engines import compile_cache, flops, memory_fit, model_checks, xla
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
-from alpa_job import api
+from alpa_job import api, models
 from alpa_job.engines.sharding_rules import (ACTIVATION_RULES, MAJOR_DIMENSION_FIRST, MESH_AXES, STRATEGY_RULES,
                                             batch_mesh_axis)
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
-from alpa_job import models
 from alpa_job.models import ModelSpec
 
 
@@ -99,6 +99,11 @@ class JaxEngine(Engine):
     def abstract_state(self):
         """The state's ShapeDtypeStructs with their shardings (built with the engine, before any compile)."""
         return self._abstract_state
+
+    @functools.cached_property
+    def state_bytes_per_device(self) -> int:
+        """Bytes of the state one device holds: auto reads it for every candidate more than once."""
+        return memory_fit.state_bytes_per_device(self._abstract_state)
 
     def make_optimizer(self, peak_learning_rate: float, horizon: Optional[int]):
         """The optimizer: engines/optimizer.py's default. A subclass that returns another must not use

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Tuple
 
-from alpa_job.engines import memory_fit
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.planner import placement
 from alpa_job.record import hlo
@@ -43,7 +42,7 @@ def compile_candidate(config, model, example: Dict[str, Any], strategy: str, mes
     plan = engine.plan()
     return {
         "strategy": strategy, "mesh_shape": list(mesh_shape),
-        "state_bytes_per_device": memory_fit.state_bytes_per_device(engine.abstract_state),
+        "state_bytes_per_device": engine.state_bytes_per_device,
         "memory": stats.memory, "flops_per_step": stats.flops_per_step,
         "collectives": by_kind, "groups_read": all(r.groups_read for r in rows),
         "compile_s": round(time.perf_counter() - start, 2),
