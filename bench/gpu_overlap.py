@@ -8,14 +8,18 @@ data-parallel gradient's bytes are summed across them, chunk by chunk as the cha
   engines (no SMs).
 Rows: the matmuls alone, each exchange alone, and each beside the matmuls; the cost of an exchange
 is (beside - matmuls alone). Run with XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true for the copy engines.
+Each row also gives the GPUs' mean SM clock and power draw over its timed repeats (nvidia-smi): a clock
+that falls beside the exchange, with the power at its limit, says the cost is the power cap's, which no
+schedule or transport can hide; an unchanged clock says SMs or memory were taken.
 
-  python3 bench/gpu_overlap.py [--gradient-gb 2.5] [--chunks 24] [--matmuls 60] [--size 8192]
+  python3 bench/gpu_overlap.py [--gradient-gb 2.5] [--chunks 24] [--matmuls 60] [--size 8192] [--random-inputs]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -68,15 +72,49 @@ def make_step(mesh, matmuls: int, exchange, with_compute: bool):
     return jax.jit(mapped)
 
 
-def time_step(step, args, repeats: int) -> float:
+class ClockSampler:
+    """Mean SM clock (MHz) and power draw (W) of the GPUs while the block runs, from nvidia-smi every
+    50 ms; empty where nvidia-smi is missing."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
+             "-lms", "50"]
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(self.QUERY, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        time.sleep(0.2)  # its first sample comes before the block's work
+        return self
+
+    def __exit__(self, *exc):
+        self.result = {}
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        samples = []
+        for line in self.proc.communicate(timeout=10)[0].splitlines():
+            try:
+                samples.append([float(v) for v in line.split(",")])
+            except ValueError:
+                continue
+        if samples:
+            self.result = {"sm_mhz": round(statistics.mean(s[0] for s in samples)),
+                           "power_w": round(statistics.mean(s[1] for s in samples)),
+                           "power_limit_w": round(max(s[2] for s in samples))}
+
+
+def time_step(step, args, repeats: int):
+    """(median seconds, the clocks over the timed repeats)."""
     jax.block_until_ready(step(*args))  # compile + warm-up
     jax.block_until_ready(step(*args))
     times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    with ClockSampler() as clocks:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), clocks.result
 
 
 def main() -> None:
@@ -86,6 +124,8 @@ def main() -> None:
     parser.add_argument("--matmuls", type=int, default=60)
     parser.add_argument("--size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--random-inputs", action="store_true",
+                        help="normal random matmul inputs (a model's power draw) instead of constants")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args()
 
@@ -93,8 +133,13 @@ def main() -> None:
     mesh = Mesh(np.array(devices), ("d",))
     n = len(devices)
     per_chunk = int(args.gradient_gb * 2 ** 30 / 2 / args.chunks) // 2 * 2
-    x = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.01
-    w = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.001
+    if args.random_inputs:
+        keys = jax.random.split(jax.random.PRNGKey(0))
+        x = jax.random.normal(keys[0], (n * args.size, args.size), jnp.bfloat16)
+        w = jax.random.normal(keys[1], (n * args.size, args.size), jnp.bfloat16) / args.size ** 0.5
+    else:
+        x = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.01
+        w = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.001
     grads = [jnp.ones((n * per_chunk,), jnp.bfloat16) for _ in range(args.chunks)]
     put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P("d")))
     x, w, grads = put(x), put(w), [put(g) for g in grads]
@@ -106,15 +151,17 @@ def main() -> None:
                                          ("matmuls + psum", exchange_psum, True),
                                          ("matmuls + ppermute", exchange_ppermute, True)):
         step = make_step(mesh, args.matmuls, exchange, with_compute)
-        rows.append({"run": name, "ms": round(time_step(step, (x, w, grads), args.repeats) * 1e3, 2)})
+        seconds, clocks = time_step(step, (x, w, grads), args.repeats)
+        rows.append({"run": name, "ms": round(seconds * 1e3, 2), **clocks})
         print(rows[-1], flush=True)
     alone = rows[0]["ms"]
     print(f"\n{n} x {devices[0].device_kind}, {args.gradient_gb} GB bf16 in {args.chunks} chunks, "
           f"{args.matmuls} matmuls of {args.size}^3; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print(f"{'run':22s} {'ms':>8s} {'cost ms':>8s}")
+    print(f"{'run':22s} {'ms':>8s} {'cost ms':>8s} {'SM MHz':>7s} {'W':>5s} {'limit W':>8s}")
     for r in rows:
         r["cost_ms"] = round(r["ms"] - alone, 2) if r["run"].startswith("matmuls +") else None
-        print(f"{r['run']:22s} {r['ms']:8.2f} {r['cost_ms'] if r['cost_ms'] is not None else '-':>8}")
+        print(f"{r['run']:22s} {r['ms']:8.2f} {r['cost_ms'] if r['cost_ms'] is not None else '-':>8} "
+              f"{r.get('sm_mhz', '-'):>7} {r.get('power_w', '-'):>5} {r.get('power_limit_w', '-'):>8}")
     from gpu_common import save_result
     print("saved", save_result("gpu_overlap", args.out, {"rows": rows, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                                         "args": vars(args)}))

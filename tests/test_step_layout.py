@@ -86,7 +86,8 @@ def test_fsdp_combines_its_collectives_unless_the_user_set_the_threshold():
     options = xla_options.compiler_options("fsdp", xla_flags="")
     assert options["xla_gpu_all_gather_combine_threshold_bytes"] >= 2 ** 28
     assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] >= 2 ** 28
-    assert xla_options.compiler_options("data", xla_flags="") == {}
+    assert xla_options.compiler_options("data", xla_flags="") == options  # its sharded update gathers too
+    assert xla_options.compiler_options("tensor", xla_flags="") == {}
     mine = xla_options.compiler_options("fsdp", xla_flags="--xla_gpu_all_gather_combine_threshold_bytes=1 --xla_foo")
     assert set(mine) == {"xla_gpu_reduce_scatter_combine_threshold_bytes"}
 
@@ -216,3 +217,25 @@ print(json.dumps(counts))
     assert counts["mlp-weights"] == counts["none"] + 4, counts  # 2 blocks x the MLP's 2 kernels
     # The matmul rerun inside each checkpoint is dead (the backward needs only its inputs) and dropped.
     assert counts["none dots"] == counts["mlp-weights dots"] == counts["weights dots"] > 0, counts
+
+
+def test_data_shards_its_update_and_trains_the_same_numbers(tmp_path):
+    """--data-update sharded (the default): parameters stay whole on every device, the optimizer state is
+    split over the data axis, the compiled step gathers the updated parameters, and every loss equals the
+    replicated update's."""
+    reports = {}
+    for update in ("sharded", "replicated"):
+        _train(tmp_path / update, "--strategy", "data", "--data-update", update)
+        with open(tmp_path / update / "run" / "report.json") as f:
+            reports[update] = json.load(f)
+    assert reports["sharded"]["losses"] == reports["replicated"]["losses"]
+
+    def layout(report, prefix):
+        return {leaf["strategy"] for leaf in report["params"] if leaf["path"].startswith(prefix) and leaf["shape"]}
+    assert layout(reports["sharded"], "params/") == {"DP"}
+    assert layout(reports["sharded"], "opt_state/") == {"ZeRO"}
+    assert layout(reports["replicated"], "opt_state/") == {"DP"}
+    assert reports["sharded"]["collectives"]["all-gather"]["count"] > 0
+    assert reports["replicated"]["collectives"]["all-gather"]["count"] == 0
+    state_bytes = {u: sum(leaf["bytes_per_device"] for leaf in r["params"]) for u, r in reports.items()}
+    assert state_bytes["sharded"] < state_bytes["replicated"]

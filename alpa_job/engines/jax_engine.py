@@ -25,7 +25,7 @@ from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
 from alpa_job.engines.sharding_rules import (ACTIVATION_RULES, MAJOR_DIMENSION_FIRST, MESH_AXES, STRATEGY_RULES,
-                                            batch_mesh_axis)
+                                            batch_mesh_axis, update_rules)
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
@@ -81,6 +81,18 @@ class JaxEngine(Engine):
             lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(logical, leaf.shape, self.rules, self.mesh,
                                                                         strategy in MAJOR_DIMENSION_FIRST)),
             self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        # Weight-update sharding: the optimizer state split by other rules, and the gradients pinned to
+        # that split so XLA reduce-scatters them (sharding_rules.UPDATE_SHARDING_RULES says why).
+        self._gradient_sharding = None
+        split_update = update_rules(strategy, config.data_update)
+        if split_update is not None:
+            def split_by_update(logical, leaf):
+                return NamedSharding(self.mesh, resolve_spec(logical, leaf.shape, split_update, self.mesh, True))
+            is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+            self.state_sharding = self.state_sharding.replace(opt_state=jax.tree_util.tree_map(
+                split_by_update, self.logical_specs.opt_state, unboxed.opt_state, is_leaf=is_spec))
+            self._gradient_sharding = jax.tree_util.tree_map(
+                split_by_update, self.logical_specs.params, unboxed.params, is_leaf=is_spec)
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         if self.check_memory:
@@ -150,6 +162,8 @@ class JaxEngine(Engine):
             return model.masked_loss(params, state.batch_stats, batch)
 
         (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if self._gradient_sharding is not None:
+            grads = jax.lax.with_sharding_constraint(grads, self._gradient_sharding)
         state = state.apply_gradients(grads=grads)
         if model.has_batch_stats:
             state = state.replace(batch_stats=new_stats)

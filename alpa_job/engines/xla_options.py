@@ -5,7 +5,9 @@ those collectives only up to a size threshold, by default well under one GPT lay
 each layer costs several NCCL calls, and each call takes SMs from the matmuls it overlaps. Combining
 several layers' collectives into one (the combine thresholds JAX-Toolbox recommends setting to at least
 a layer's weights) keeps the bytes and cuts both the calls and the matmuls' slowdown beside them.
-Data parallelism's all-reduce measured no faster with larger thresholds, so it keeps XLA's.
+Data parallelism with a sharded update (sharding_rules.UPDATE_SHARDING_RULES) reduce-scatters its
+gradients and all-gathers its parameters in the same way, and gets the same thresholds. Its replicated
+update's all-reduce measured no faster with larger thresholds; these two leave all-reduces alone.
 
 Options go to `jax.jit(compiler_options=...)` for that step alone, so auto's candidates each get their
 own strategy's. A flag the user set in XLA_FLAGS is theirs: the kit leaves it alone.
@@ -19,10 +21,9 @@ from typing import Any, Dict, Optional
 
 _COMBINE_BYTES = 512 * 2 ** 20  # several GPT-24L layers' bf16 weights (about 100 MB each) per collective
 
-STRATEGY_OPTIONS: Dict[str, Dict[str, Any]] = {
-    "fsdp": {"xla_gpu_all_gather_combine_threshold_bytes": _COMBINE_BYTES,
-             "xla_gpu_reduce_scatter_combine_threshold_bytes": _COMBINE_BYTES},
-}
+_COMBINED_GATHERS = {"xla_gpu_all_gather_combine_threshold_bytes": _COMBINE_BYTES,
+                     "xla_gpu_reduce_scatter_combine_threshold_bytes": _COMBINE_BYTES}
+STRATEGY_OPTIONS: Dict[str, Dict[str, Any]] = {"fsdp": _COMBINED_GATHERS, "data": _COMBINED_GATHERS}
 
 
 def compiler_options(strategy: str, xla_flags: Optional[str] = None) -> Dict[str, Any]:

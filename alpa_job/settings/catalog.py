@@ -66,6 +66,11 @@ HOW_TO_RUN = (
     Setting("engine", str, "auto", "auto: alpa when it imports, else jax", PARALLELISM, choices=ENGINES),
     Setting("strategy", str, "data", f"jax: {' | '.join(STRATEGIES)}; alpa: {' | '.join(ALPA_STRATEGIES)}",
             PARALLELISM, choices=tuple(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES))),
+    Setting("data_update", str, "sharded", "data: sharded (each device updates its share of the parameters and "
+            "keeps that share of the optimizer state: gradients are reduce-scattered and the updated parameters "
+            "all-gathered, the same bytes as one all-reduce, half the update's work and state a device on 2) or "
+            "replicated (every device sums every gradient and updates every parameter)", PARALLELISM,
+            choices=("sharded", "replicated")),
     Setting("model_parallel", int, 0, "tensor: size of the model mesh axis", PARALLELISM, check=NON_NEGATIVE,
             default_help="the largest of 1-4 that divides"),
     Setting("devices", int, 8, "CPU devices to emulate per process without an accelerator", PARALLELISM,
