@@ -153,8 +153,11 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     likeliest_lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[:1]])
     lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[1:]])
     lowering.shutdown(wait=False)
-    # One initialiser in all: every copy's state is one deeper copy's, resharded and cut (state_like), the most
-    # replicated one's: every other layout is a slice of it, so resharding it moves nothing between devices.
+    # One initialiser in all: every copy's state is one deeper copy's, resharded and cut (state_like). It is
+    # created whole on every device, so every layout is a slice of it: no candidate's layout is (data's
+    # update is split). Resharding from a split layout hung multi-process CPU devices.
+    for _, copy in deeper:
+        copy.initialise_replicated = True
     source = max(deeper, key=lambda pair: pair[1].state_bytes_per_device, default=None)
     background: Optional[WholeCompile] = None
 

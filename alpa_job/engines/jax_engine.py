@@ -104,6 +104,9 @@ class JaxEngine(Engine):
         self._hits_before = 0
         self._store: Optional[StepStore] = None  # set while a freshly compiled step waits to be stored
         self._lowered_ahead = None  # (jitted, lowered) from lower_step(), for auto's candidates
+        # Auto's copies all start from one initialised state (state_like). With every leaf whole on every
+        # device, each candidate's layout is a slice of it and resharding moves nothing between devices.
+        self.initialise_replicated = False
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
@@ -146,7 +149,10 @@ class JaxEngine(Engine):
 
         def compile_init():
             start = time.perf_counter()
-            self._initializer.lower(self.abstract_state)
+            whole = NamedSharding(self.mesh, PartitionSpec())
+            self._initializer.lower(jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), self.abstract_state)
+                if self.initialise_replicated else self.abstract_state)
             self._initializer.compile()
             self.stats.init_compile_seconds = round(time.perf_counter() - start, 3)
 
