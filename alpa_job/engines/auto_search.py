@@ -153,12 +153,13 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     likeliest_lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[:1]])
     lowered = lowering.submit(_lower_ahead, [(row, engine) for row, engine, _ in groups[1:]])
     lowering.shutdown(wait=False)
-    # One initialiser in all: every copy's state is one deeper copy's, resharded and cut (state_like). It is
-    # created whole on every device, so every layout is a slice of it: no candidate's layout is (data's
-    # update is split). Resharding from a split layout hung multi-process CPU devices.
+    # One initialiser in all, the likeliest's deeper copy's: every copy's state is its state, resharded and cut
+    # (state_like). It is created whole on every device so that every candidate's layout is a slice of it (no
+    # candidate's own layout is whole: data splits its optimizer state); resharding from a split layout hung
+    # multi-process CPU devices.
     for _, copy in deeper:
         copy.initialise_replicated = True
-    source = max(deeper, key=lambda pair: pair[1].state_bytes_per_device, default=None)
+    source = deeper[0] if deeper else None
     background: Optional[WholeCompile] = None
 
     def start_likeliest() -> None:
@@ -172,8 +173,7 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
                       initialised={id(source[1])} if source else set(), after_first=start_likeliest)
     lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
     likeliest_lowered.result()
-    sources = [source] + [pair for pair in deeper if pair is not source] if source else []
-    template = next((copy.init_state(config.seed) for part, copy in sources if not part["note"]), None)
+    template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
     times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
                          batches, budget)
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())

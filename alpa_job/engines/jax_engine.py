@@ -104,9 +104,7 @@ class JaxEngine(Engine):
         self._hits_before = 0
         self._store: Optional[StepStore] = None  # set while a freshly compiled step waits to be stored
         self._lowered_ahead = None  # (jitted, lowered) from lower_step(), for auto's candidates
-        # Auto's copies all start from one initialised state (state_like). With every leaf whole on every
-        # device, each candidate's layout is a slice of it and resharding moves nothing between devices.
-        self.initialise_replicated = False
+        self.initialise_replicated = False  # auto's copies: their one state is created whole (auto_search)
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
@@ -131,6 +129,14 @@ class JaxEngine(Engine):
         # weak/strong mismatch between the AOT signature and real calls costs a second compile.
         return state.replace(step=jnp.zeros((), jnp.int32))
 
+    def _initialised_layout(self):
+        """The abstract state the initialiser creates: this engine's, or every leaf whole on every device."""
+        if not self.initialise_replicated:
+            return self.abstract_state
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
+                                      self.abstract_state)
+
     def init_state(self, seed: int) -> TrainState:
         """The state, created on the devices already sharded (the initialiser compiled by compile())."""
         if self._init_compiled is None:
@@ -149,10 +155,7 @@ class JaxEngine(Engine):
 
         def compile_init():
             start = time.perf_counter()
-            whole = NamedSharding(self.mesh, PartitionSpec())
-            self._initializer.lower(jax.tree_util.tree_map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), self.abstract_state)
-                if self.initialise_replicated else self.abstract_state)
+            self._initializer.lower(self._initialised_layout())
             self._initializer.compile()
             self.stats.init_compile_seconds = round(time.perf_counter() - start, 3)
 

@@ -68,7 +68,7 @@ HOW_TO_RUN = (
             PARALLELISM, choices=tuple(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES))),
     Setting("data_update", str, "sharded", "data: sharded (each device updates its share of the parameters and "
             "keeps that share of the optimizer state: gradients are reduce-scattered and the updated parameters "
-            "all-gathered, the same bytes as one all-reduce, half the update's work and state a device on 2) or "
+            "all-gathered, the same bytes as one all-reduce, half the update's work and state a device on two) or "
             "replicated (every device sums every gradient and updates every parameter)", PARALLELISM,
             choices=("sharded", "replicated")),
     Setting("model_parallel", int, 0, "tensor: size of the model mesh axis", PARALLELISM, check=NON_NEGATIVE,
