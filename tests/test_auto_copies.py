@@ -60,6 +60,28 @@ def test_the_likeliest_winner_compiles_first_the_least_state_then_the_narrowest_
     assert ordered == ["fsdp", "data", "tensor"]
 
 
+def test_the_copies_one_state_is_created_whole_and_every_layout_is_cut_from_it():
+    """No candidate's own layout is whole (data splits its optimizer state), so auto's copies start from a
+    state created whole on every device; each candidate's state is then a slice of it, the same values."""
+    from alpa_job.engines.jax_engine import JaxEngine
+
+    config = tiny_config("gpt", num_layers=2)
+    model = models.get_model(config)
+    batch = model.synthetic(np.random.default_rng(0), 16)
+    batch["mask"] = np.ones(16, np.float32)
+    source = JaxEngine(config, model, batch, "data", (8, 1))
+    assert not all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(source.abstract_state))
+    source.initialise_replicated = True
+    source.compile_step()
+    template = source.init_state(config.seed)
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(template))
+    fsdp = JaxEngine(config, model, batch, "fsdp", (8, 1))
+    state = fsdp.state_like(template)
+    for mine, whole in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(template)):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(whole))
+    assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(state))
+
+
 @pytest.mark.parametrize("model, overrides, expected", [
     ("gpt", dict(num_layers=6, auto_rank_on="copies"), 6),
     ("gpt", dict(num_layers=5, auto_rank_on="copies"), None),  # copies would cost about a whole compile
