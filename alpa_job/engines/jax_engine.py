@@ -25,7 +25,7 @@ from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
 from alpa_job.engines.sharding_rules import (ACTIVATION_RULES, MAJOR_DIMENSION_FIRST, MESH_AXES, STRATEGY_RULES,
-                                            batch_mesh_axis, update_rules)
+                                            batch_mesh_axis, update_split_like)
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
@@ -77,22 +77,15 @@ class JaxEngine(Engine):
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
-        self.state_sharding = jax.tree_util.tree_map(
-            lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(logical, leaf.shape, self.rules, self.mesh,
-                                                                        strategy in MAJOR_DIMENSION_FIRST)),
-            self.logical_specs, unboxed, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        # Weight-update sharding: the optimizer state split by other rules, and the gradients pinned to
-        # that split so XLA reduce-scatters them (sharding_rules.UPDATE_SHARDING_RULES says why).
+        self.state_sharding = self._split_as(strategy, self.logical_specs, unboxed)
+        # Weight-update sharding: the optimizer state split as another strategy splits it, and the gradients
+        # pinned to that split so XLA reduce-scatters them (sharding_rules.UPDATE_SPLIT_LIKE says why).
         self._gradient_sharding = None
-        split_update = update_rules(strategy, config.data_update)
-        if split_update is not None:
-            def split_by_update(logical, leaf):
-                return NamedSharding(self.mesh, resolve_spec(logical, leaf.shape, split_update, self.mesh, True))
-            is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-            self.state_sharding = self.state_sharding.replace(opt_state=jax.tree_util.tree_map(
-                split_by_update, self.logical_specs.opt_state, unboxed.opt_state, is_leaf=is_spec))
-            self._gradient_sharding = jax.tree_util.tree_map(
-                split_by_update, self.logical_specs.params, unboxed.params, is_leaf=is_spec)
+        update_like = update_split_like(strategy, config.data_update)
+        if update_like is not None:
+            self.state_sharding = self.state_sharding.replace(
+                opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state))
+            self._gradient_sharding = self._split_as(update_like, self.logical_specs.params, unboxed.params)
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         if self.check_memory:
@@ -108,6 +101,13 @@ class JaxEngine(Engine):
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
+    def _split_as(self, strategy: str, logical_specs, leaves):
+        """Each leaf's NamedSharding on this mesh, as `strategy`'s rules split it."""
+        return jax.tree_util.tree_map(
+            lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(
+                logical, leaf.shape, STRATEGY_RULES[strategy], self.mesh, strategy in MAJOR_DIMENSION_FIRST)),
+            logical_specs, leaves, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
     @property
     def abstract_state(self):
         """The state's ShapeDtypeStructs with their shardings (built with the engine, before any compile)."""

@@ -33,13 +33,13 @@ STRATEGY_RULES: Dict[str, LogicalRules] = {
 # gradients' all-reduce then becomes a reduce-scatter, each device updates only its share, and an
 # all-gather brings the updated parameters back: the same bytes, half the update's memory traffic and
 # state on two devices, and a lighter collective beside the backward's matmuls.
-UPDATE_SHARDING_RULES: Dict[str, LogicalRules] = {"data": STRATEGY_RULES["fsdp"]}
+UPDATE_SPLIT_LIKE: Dict[str, str] = {"data": "fsdp"}
 
 
-def update_rules(strategy: str, data_update: str) -> Optional[LogicalRules]:
-    """The rules the optimizer state and the gradients are split by, where they differ from the
+def update_split_like(strategy: str, data_update: str) -> Optional[str]:
+    """The strategy whose split the optimizer state and the gradients take, where it differs from the
     parameters' (None: the optimizer state follows its parameters)."""
-    return UPDATE_SHARDING_RULES.get(strategy) if data_update == "sharded" else None
+    return UPDATE_SPLIT_LIKE.get(strategy) if data_update == "sharded" else None
 
 
 # Activations (named by models with api.constrain): rows always over "data", and under `tensor`
