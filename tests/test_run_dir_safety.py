@@ -4,7 +4,10 @@ Everything here is real: CLI runs in subprocesses (tiny MLP, CPU), a real lock h
 orbax checkpoints damaged on disk, a real full disk (a small tmpfs mounted over OUT/checkpoints; root)."""
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import logging
 import os
 import re
 import signal
@@ -15,7 +18,7 @@ import time
 
 import pytest
 
-from alpa_job.train import rundir, run_lock
+from alpa_job.train import disk_full, rundir, run_lock
 from alpa_job.train.checkpoint_files import FILES, latest_complete_step, scan, verify_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,3 +236,42 @@ def test_a_save_that_fills_the_disk_is_one_line_and_its_partial_folder_goes(smal
     proc = cli("--steps", "12", "--checkpoint-every", "1", "--out", str(out))
     error = _stopped_cleanly(proc, out)
     assert "the partial save was removed" in error and re.search(r"a save needs about \d+ bytes", error)
+
+
+def _collect_unretrieved(coroutine_function):
+    """Run a task to its error on its own loop and let it be collected with the error never retrieved."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(coroutine_function())
+    loop.run_until_complete(asyncio.wait([task]))
+    loop.close()
+    del task
+    gc.collect()
+
+
+def test_a_failed_restores_other_reads_are_not_echoed_by_asyncio(caplog, monkeypatch):
+    """A damaged checkpoint fails several of orbax's reads at once: the restore raises the first, and asyncio
+    logs each of the others ("Task exception was never retrieved", a traceback each) when its task is
+    collected, after the run's one-line error. The checkpointer's filter drops those, and only those."""
+    import orbax.checkpoint as ocp
+
+    async def orbax_read():  # fails inside orbax's code, as a read of a damaged array does
+        ocp.step.step_from_checkpoint_name("damaged")
+
+    async def users_task():
+        raise ValueError("the user's own task")
+
+    def echoed(reported):
+        monkeypatch.setitem(disk_full._REPORTED, "failure", reported)
+        caplog.clear()
+        for task in (orbax_read, users_task):
+            _collect_unretrieved(task)
+        return [str(r.exc_info[1]) for r in caplog.records if "never retrieved" in r.getMessage()]
+
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addFilter(disk_full._QUIET)  # as the checkpointer installs it
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            assert echoed(reported=False) == ["Unrecognized name format: damaged.", "the user's own task"]
+            assert echoed(reported=True) == ["the user's own task"]
+    finally:
+        asyncio_log.removeFilter(disk_full._QUIET)

@@ -2,7 +2,8 @@
 
 Orbax logs a failed save from each of its background threads, and TensorStore reports every chunk in
 flight as an unraisable error: hundreds of tracebacks for one full disk. The checkpointer reports it in
-one line; these filters keep the rest off the screen.
+one line; these filters keep the rest off the screen. A restore of a damaged checkpoint echoes the same
+way: the first failed read is reported, and asyncio logs each of the others when its task is collected.
 """
 from __future__ import annotations
 
@@ -25,19 +26,21 @@ def is_disk_full(err: BaseException) -> bool:
     return False
 
 
-class _QuietDiskFull(logging.Filter):
+class _QuietEchoes(logging.Filter):
     """Orbax logs a full disk from each of its background threads with a traceback (dozens of lines per
-    save); the run reports it once, in one line, so those records are dropped here."""
+    save), and asyncio logs each of a failed restore's other reads ("Task exception was never retrieved",
+    when the task is collected, after the run's own error). The run reports the failure once, in one line,
+    so those records are dropped here."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and is_disk_full(exc):
+        if exc is not None and (is_disk_full(exc) or _late_callback(exc, record.exc_info[2])):
             return False
         text = record.getMessage()
         return not ("No space left on device" in text or "os_error_code='28'" in text)
 
 
-_QUIET = _QuietDiskFull()
+_QUIET = _QuietEchoes()
 
 
 _REPORTED = {"failure": False}  # a save or restore failure was named in one line: orbax's echoes of it are noise
