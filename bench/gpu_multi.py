@@ -6,7 +6,9 @@ Runs (each in a fresh process, so every one compiles cold and owns the GPUs' mem
   the batch split with a NamedSharding - what a user writes for several GPUs without the kit;
 - `RUN=STRATEGY[+xla:FLAGS]`: `python3 -m alpa_job train --address none --preset P --strategy S
   --batch-size B --profile ...` with optional extra XLA flags; the report gives the steady step, the
-  peak memory and the profiled communication share.
+  peak memory and the profiled communication share. `+bf16-gather` runs it with data_bf16_gather.py's
+  engine; `+pgle` runs it twice, the second time scheduled by the first one's profile (XLA's
+  profile-guided latency estimator).
 Scaling efficiency = 1-GPU step time / n-GPU step time at n times the batch (ideal: 1.0).
 
     python3 bench/gpu_multi.py --preset gpt-24l --per-gpu-batch 8 --runs data fsdp tensor
@@ -14,6 +16,7 @@ Scaling efficiency = 1-GPU step time / n-GPU step time at n times the batch (ide
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -88,7 +91,8 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra_flags).strip()
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
-    launcher = ["-c", SEQUENCE_PARALLEL] if variant == "seq-parallel" else ["-m", "alpa_job"]
+    launcher = {"seq-parallel": ["-c", SEQUENCE_PARALLEL],
+                "bf16-gather": [os.path.join(REPO, "bench", "data_bf16_gather.py")]}.get(variant, ["-m", "alpa_job"])
     cmd = [sys.executable, *launcher, "train", "--address", "none", "--preset", args.preset,
            "--strategy", strategy, "--batch-size", str(batch), "--num-samples", str(batch * 4),
            "--steps", str(args.steps), "--out", out]
@@ -118,6 +122,25 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         shutil.copy(profile["trace"], dest)
     return row
+
+
+def _with_pgle_profile(args, name: str, strategy: str, batch: int, flags: str, env, rows) -> str:
+    """Profile-guided latency estimation (JAX-Toolbox's PGLE): run once with a profile, turn the trace into
+    XLA's profiled-instructions proto, and return `flags` plus the flag that schedules the step by it."""
+    from jax.experimental import profiler
+
+    first = kit_run(args, f"{name}-profiled", strategy, batch, flags, env)
+    rows.append(first)
+    print(json.dumps({k: v for k, v in first.items() if k not in ("search", "collectives")}), flush=True)
+    trace = os.path.join(args.scratch, f"{name}-profiled", "profile")
+    run_dirs = sorted(glob.glob(os.path.join(trace, "plugins", "profile", "*")))
+    if not run_dirs:
+        return flags
+    path = os.path.join(args.scratch, f"{name}.pgle.pb")
+    with open(path, "wb") as f:
+        f.write(profiler.get_profiled_instructions_proto(run_dirs[-1]))
+    print(f"pgle profile {path}: {os.path.getsize(path)} bytes", flush=True)
+    return (flags + f" --xla_gpu_pgle_profile_file_or_directory_path={path}").strip()
 
 
 def _to_end(phases: dict, loop_seconds: float):
@@ -157,7 +180,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile", default="30:3", help="START:COUNT for the kit runs ('' for none)")
     parser.add_argument("--runs", nargs="*", default=["data", "fsdp", "tensor"],
-                        help="STRATEGY or NAME=STRATEGY[+xla:FLAG,FLAG][+env:K=V,K=V][+args:--flag,value][+seq-parallel]")
+                        help="STRATEGY or NAME=STRATEGY[+xla:FLAG,FLAG][+env:K=V,K=V][+args:--flag,value]"
+                             "[+seq-parallel|+bf16-gather][+pgle]")
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1-GPU run")
     parser.add_argument("--peer", choices=("none", "plain", "donate", "both"), default="plain")
     parser.add_argument("--kit-args", nargs="*", default=[], help="extra train flags for every kit run")
@@ -188,8 +212,11 @@ def main() -> None:
         flags = " ".join(e[len("xla:"):].replace(",", " ") for e in extras if e.startswith("xla:"))
         run_env = dict(env, **dict(kv.split("=", 1) for e in extras if e.startswith("env:")
                                    for kv in e[len("env:"):].split(",")))
-        variant = "seq-parallel" if "seq-parallel" in extras else ""
+        variant = next((e for e in extras if e in ("seq-parallel", "bf16-gather")), "")
         more = [a for e in extras if e.startswith("args:") for a in e[len("args:"):].split(",")]
+        if "pgle" in extras:
+            flags = _with_pgle_profile(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env,
+                                       rows)
         rows.append(kit_run(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env, variant=variant,
                             more_args=more))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("search", "collectives")}), flush=True)
