@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
@@ -128,7 +129,9 @@ print(json.dumps({"largest_param": largest,
 
 
 def test_gpt_remat_trains_the_same_numbers(tmp_path):
-    """--remat only changes what the backward keeps (recomputed on CPU bit for bit); params keep their names."""
+    """--remat only changes what the backward keeps; params keep their names. The first loss (a forward) is the
+    same bit for bit; later ones to rounding: a recomputed value may fuse differently, and on some CPUs (AMD EPYC
+    without AVX-512) that moves the last digit after a few updates."""
     losses = {}
     for policy in ("none", "mlp-weights", "weights", "dots", "full"):
         out = tmp_path / policy
@@ -138,7 +141,9 @@ def test_gpt_remat_trains_the_same_numbers(tmp_path):
         losses[policy] = report["losses"]
         names = {leaf["path"].split("/")[1] for leaf in report["params"] if leaf["path"].startswith("params/")}
         assert {"DecoderBlock_0", "DecoderBlock_1", "wte"} <= names, names
-    assert len({json.dumps(v) for v in losses.values()}) == 1, losses
+    assert len({v[0] for v in losses.values()}) == 1, losses
+    for policy, values in losses.items():
+        assert np.allclose(values, losses["none"], rtol=2e-6, atol=0), (policy, losses)
 
 
 def test_remat_dots_keeps_the_attention_output():
