@@ -140,7 +140,7 @@ def main() -> None:
         with open(args.dump, "w") as f:
             f.write(hlo)
     report = overlap_report(hlo)
-    print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy}, {args.variant}, "
+    print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} ({args.data_update} update), {args.variant}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {report['matmuls']} matmuls")
     print(f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
           f"{'none beside':>12s} {'GB after last matmul':>21s}")
