@@ -21,8 +21,6 @@ import re
 import sys
 import time
 
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver here to report CUDA's version
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -112,6 +110,9 @@ def main() -> None:
     parser.add_argument("--dump", default="", help="write the compiled HLO here")
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "bench", "results")))
     args = parser.parse_args()
+    # Before JAX starts its backends: no driver here to report CUDA's version, and no GPU to open.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
     from jax.experimental import topologies
 
