@@ -124,17 +124,21 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
     return row
 
 
+PGLE_STEPS = "10:3"  # the steps the profile-guided run's first run traces (after its warm-up)
+
+
 def _with_pgle_profile(args, name: str, strategy: str, batch: int, flags: str, env, rows) -> str:
     """Profile-guided latency estimation (JAX-Toolbox's PGLE): run once with a profile, turn the trace into
     XLA's profiled-instructions proto, and return `flags` plus the flag that schedules the step by it."""
     from jax.experimental import profiler
 
-    first = kit_run(args, f"{name}-profiled", strategy, batch, flags, env)
+    first = kit_run(args, f"{name}-profiled", strategy, batch, flags, env, more_args=("--profile", PGLE_STEPS))
     rows.append(first)
     print(json.dumps({k: v for k, v in first.items() if k not in ("search", "collectives")}), flush=True)
     trace = os.path.join(args.scratch, f"{name}-profiled", "profile")
     run_dirs = sorted(glob.glob(os.path.join(trace, "plugins", "profile", "*")))
     if not run_dirs:
+        print(f"pgle: the profiled run wrote no trace under {trace}; {name} runs without a profile", flush=True)
         return flags
     path = os.path.join(args.scratch, f"{name}.pgle.pb")
     with open(path, "wb") as f:
