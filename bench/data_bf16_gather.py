@@ -9,7 +9,7 @@ as in Megatron-LM's distributed optimizer:
 - the step computes with that copy, reduce-scatters its gradients, updates the split fp32 parameters,
   and all-gathers their cast: bf16 for every weight the model only ever reads as bf16.
 A parameter the model also reads in fp32 (an embedding lookup) keeps an fp32 copy, so the losses are the
-kit's sharded update's. Memory is the same: half the fp32 parameters plus a whole bf16 copy.
+kit's sharded update's. Memory is about the same: half the fp32 parameters plus a whole bf16 copy.
 
 Not in the kit: its benefit on GPUs is unmeasured. To measure it (a GPU machine), or to see the H100
 schedule without one:
@@ -33,8 +33,7 @@ from alpa_job.engines.sharding_rules import update_split_like
 
 # Higher-order primitives whose inner jaxpr receives the outer operands in order: a parameter's reads
 # are followed into them. Any other primitive that reads a parameter counts as a full-precision read.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
-          "remat2": "jaxpr"}
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
 
 
 def _read_only_as(jaxpr, var, dtype) -> bool:
@@ -79,7 +78,8 @@ class Bf16GatherEngine(jax_engine.JaxEngine):
     """The kit's JaxEngine; for `data` with the sharded update, the state and step described above."""
 
     def __init__(self, config, model, example_batch, strategy, mesh_shape, schedule_steps=None):
-        self._gather = strategy == "data" and update_split_like(strategy, config.data_update) is not None
+        self._gather = (strategy == "data" and update_split_like(strategy, config.data_update) is not None
+                        and not model.has_batch_stats)  # BatchNorm models initialise with train=...
         self._compute_dtypes = None
         if self._gather:
             self._compute_dtypes = self._read_dtypes(config, model, example_batch)
