@@ -118,6 +118,7 @@ def main() -> None:
 
     from alpa_job.engines import jax_engine, memory_fit
     from alpa_job.engines.sharding_rules import MESH_AXES
+    from alpa_job.record import jax_program
     from gpu_common import GPT_CASES, gpt_case, save_result
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET,
@@ -135,14 +136,17 @@ def main() -> None:
     engine = jax_engine.JaxEngine(config, model, batch, args.strategy, mesh)
     start = time.perf_counter()
     _jitted, lowered = engine._lower("train_step", engine._abstract_batch())
-    hlo = lowered.compile().as_text()
+    compiled = lowered.compile()
+    hlo = compiled.as_text()
     seconds = round(time.perf_counter() - start, 1)
+    memory = jax_program.memory_analysis(compiled) or {}
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(hlo)
     report = overlap_report(hlo)
     print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} ({args.data_update} update), {args.variant}, "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {report['matmuls']} matmuls")
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {report['matmuls']} matmuls; XLA's peak estimate "
+          f"{memory.get('peak_estimate_bytes', 0) / 1e9:.2f} GB a GPU (state {memory.get('argument_size_in_bytes', 0) / 1e9:.2f} GB)")
     print(f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
           f"{'none beside':>12s} {'GB after last matmul':>21s}")
     for kind in _COLLECTIVES:
@@ -155,7 +159,7 @@ def main() -> None:
     print("saved", save_result("gpu_schedule", args.out, {
         "target": "2 x H100 (deviceless compile)", "case": args.case, "strategy": args.strategy,
         "variant": args.variant, "data_update": args.data_update, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "compile_s": seconds, "report": report}))
+        "compile_s": seconds, "memory": memory, "report": report}))
 
 
 if __name__ == "__main__":
