@@ -26,7 +26,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from alpa_job.engines import jax_engine
 from alpa_job.engines.sharding_rules import update_split_like
