@@ -144,9 +144,10 @@ def main() -> None:
         with open(args.dump, "w") as f:
             f.write(hlo)
     report = overlap_report(hlo)
-    print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} ({args.data_update} update), {args.variant}, "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {report['matmuls']} matmuls; XLA's peak estimate "
-          f"{memory.get('peak_estimate_bytes', 0) / 1e9:.2f} GB a GPU (state {memory.get('argument_size_in_bytes', 0) / 1e9:.2f} GB)")
+    peak_gb, state_gb = (memory.get(k, 0) / 1e9 for k in ("peak_estimate_bytes", "argument_size_in_bytes"))
+    print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} "
+          f"({args.data_update} update), {args.variant}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+          f"{report['matmuls']} matmuls; XLA's peak estimate {peak_gb:.2f} GB a GPU (state {state_gb:.2f} GB)")
     print(f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
           f"{'none beside':>12s} {'GB after last matmul':>21s}")
     for kind in _COLLECTIVES:
