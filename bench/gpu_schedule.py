@@ -25,6 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
+from alpa_job.record import hlo  # noqa: E402
+from alpa_job.record.hlo import shape_bytes  # noqa: E402
+
 # What XLA needs to know of an H100 SXM to compile for it (the values nvidia-smi and the CUDA
 # device query report for the lent H100s).
 H100_TARGET = """
@@ -43,60 +46,46 @@ runtime_version { major: 13 minor: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
-_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
-_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+def entry_schedule(hlo_text: str):
+    """(name, shape, opcode, operands and attributes) of each instruction of the entry computation, in the
+    order they run."""
+    body = re.search(r"^ENTRY .*?\{\n(.*?)^\}", hlo_text, re.S | re.M).group(1)
+    return [inst for inst in map(hlo.parse_instruction, body.splitlines()) if inst is not None]
 
 
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape text: one array or a tuple of them."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
-        total += _BYTES.get(dtype, 4) * count
-    return total
+def is_matmul(opcode: str, rest: str) -> bool:
+    return (opcode == "fusion" and ("gemm" in rest or "kind=kCustom" in rest)) or \
+        (opcode == "custom-call" and ("__cublas" in rest or "__cudnn" in rest))
 
 
-def entry_schedule(hlo: str):
-    """[(op, shape text, line)] of the entry computation, in the order it runs."""
-    body = re.search(r"^ENTRY .*?\{\n(.*?)^\}", hlo, re.S | re.M).group(1)
-    ops = []
-    for line in body.splitlines():
-        head = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = ", line)
-        if not head:
-            continue
-        rest = line[head.end():]
-        op = re.search(r"([a-z][a-z0-9\-]*)\((?:%|\))", rest)  # the opcode: the first name applied to operands
-        if op:
-            ops.append((op.group(1), rest[:op.start()], line))
-    return ops
-
-
-def is_matmul(op: str, line: str) -> bool:
-    return (op == "fusion" and ("gemm" in line or "kind=kCustom" in line)) or \
-        (op == "custom-call" and ("__cublas" in line or "__cudnn" in line))
-
-
-def overlap_report(hlo: str) -> dict:
+def overlap_report(hlo_text: str) -> dict:
     """Per collective kind: count, bytes (of the results), matmuls between each start and its done, and the
     bytes whose done comes after the last matmul."""
-    ops = entry_schedule(hlo)
-    matmuls = [i for i, (op, _, line) in enumerate(ops) if is_matmul(op, line)]
+    ops = entry_schedule(hlo_text)
+    matmuls = [i for i, (_, _, opcode, rest) in enumerate(ops) if is_matmul(opcode, rest)]
     last = matmuls[-1] if matmuls else -1
-    report = {"matmuls": len(matmuls)}
-    for kind in _COLLECTIVES:
-        starts = [i for i, (op, _, _) in enumerate(ops) if op == f"{kind}-start"]
-        dones = [i for i, (op, _, _) in enumerate(ops) if op == f"{kind}-done"]
-        if not dones:
+    started = {}  # a start's name -> its position
+    finished = {kind: [] for kind in hlo.COLLECTIVE_KINDS}  # (start position, done position, done's shape)
+    for i, (name, shape, opcode, rest) in enumerate(ops):
+        kind, phase = hlo.collective_phase(opcode)
+        if kind is None or phase == "sync":
             continue
-        hidden = [sum(1 for m in matmuls if a < m < b) for a, b in zip(starts, dones)]
-        sizes = [shape_bytes(ops[i][1]) for i in dones]
-        report[kind] = {"count": len(dones), "bytes": sum(sizes),
-                        "matmuls_beside_each_median": sorted(hidden)[len(hidden) // 2] if hidden else 0,
-                        "with_no_matmul_beside": sum(1 for h in hidden if h == 0),
-                        "bytes_after_last_matmul": sum(s for i, s in zip(dones, sizes) if i > last),
-                        "dtypes": sorted({d for i in dones for d in re.findall(r"\b([a-z]+\d*)\[", ops[i][1])})}
+        if phase == "start":
+            started[name] = i
+            continue
+        start = next((token for token in re.findall(r"[A-Za-z0-9_.\-]+", rest) if token in started), None)
+        finished[kind].append((started.pop(start, i), i, shape))
+    report = {"matmuls": len(matmuls)}
+    for kind, pairs in finished.items():
+        if not pairs:
+            continue
+        hidden = sorted(sum(1 for m in matmuls if a < m < b) for a, b, _ in pairs)
+        report[kind] = {"count": len(pairs), "bytes": sum(shape_bytes(shape) for _, _, shape in pairs),
+                        "matmuls_beside_each_median": hidden[len(hidden) // 2],
+                        "with_no_matmul_beside": hidden.count(0),
+                        "bytes_after_last_matmul": sum(shape_bytes(shape) for _, b, shape in pairs if b > last),
+                        "dtypes": sorted({d for _, _, shape in pairs
+                                          for d in re.findall(r"([a-z][a-z0-9]*)\[", shape)})}
     return report
 
 
@@ -137,20 +126,20 @@ def main() -> None:
     start = time.perf_counter()
     _jitted, lowered = engine._lower("train_step", engine._abstract_batch())
     compiled = lowered.compile()
-    hlo = compiled.as_text()
+    hlo_text = compiled.as_text()
     seconds = round(time.perf_counter() - start, 1)
     memory = jax_program.memory_analysis(compiled) or {}
     if args.dump:
         with open(args.dump, "w") as f:
-            f.write(hlo)
-    report = overlap_report(hlo)
+            f.write(hlo_text)
+    report = overlap_report(hlo_text)
     peak_gb, state_gb = (memory.get(k, 0) / 1e9 for k in ("peak_estimate_bytes", "argument_size_in_bytes"))
     print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} "
           f"({args.data_update} update), {args.variant}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"{report['matmuls']} matmuls; XLA's peak estimate {peak_gb:.2f} GB a GPU (state {state_gb:.2f} GB)")
     print(f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
           f"{'none beside':>12s} {'GB after last matmul':>21s}")
-    for kind in _COLLECTIVES:
+    for kind in hlo.COLLECTIVE_KINDS:
         if kind in report:
             r = report[kind]
             print(f"{kind:16s} {r['count']:6d} {r['bytes'] / 1e9:7.2f} {','.join(r['dtypes']):>10s} "

@@ -100,7 +100,7 @@ def parse_instruction(line: str) -> Optional[Tuple[str, str, str, str]]:
     return m.group(1), shape, om.group(1), rest[om.end():]
 
 
-def _kind_of(opcode: str) -> Tuple[Optional[str], str]:
+def collective_phase(opcode: str) -> Tuple[Optional[str], str]:
     """(kind, phase) with phase in {'sync', 'start', 'done'}; kind None when not a collective."""
     for suffix, phase in (("-start", "start"), ("-done", "done")):
         if opcode.endswith(suffix):
@@ -132,7 +132,7 @@ def collective_instances(hlo_text: str) -> List[Tuple[str, str, int]]:
         if inst is None:
             continue
         name, shape, opcode, rest = inst
-        kind, phase = _kind_of(opcode)
+        kind, phase = collective_phase(opcode)
         if kind is None:
             continue
         if phase == "sync":
