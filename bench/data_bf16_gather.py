@@ -77,38 +77,41 @@ class Bf16GatherEngine(jax_engine.JaxEngine):
     """The kit's JaxEngine; for `data` with the sharded update, the state and step described above."""
 
     def __init__(self, config, model, example_batch, strategy, mesh_shape, schedule_steps=None):
-        self._gather = (strategy == "data" and update_split_like(strategy, config.data_update) is not None
-                        and not model.has_batch_stats)  # BatchNorm models initialise with train=...
-        self._compute_dtypes = None
-        if self._gather:
-            self._compute_dtypes = self._read_dtypes(config, model, example_batch)
+        # The split the fp32 weights take between steps: the update's (None: the kit's own step). BatchNorm
+        # models are left to the kit: their loss cannot be traced without batch statistics.
+        self._master_split_like = None if model.has_batch_stats else update_split_like(strategy, config.data_update)
+        self._compute_dtypes = None  # from the first parameters _make_state sees
         super().__init__(config, model, example_batch, strategy, mesh_shape, schedule_steps)
-        if self._gather:
-            split = self._split_as("fsdp", self.logical_specs.params, self.abstract_state.params)
-            self.state_sharding = self.state_sharding.replace(params=split)
-            self._abstract_state = jax.tree_util.tree_map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._abstract_state,
-                self.state_sharding)
 
-    @staticmethod
-    def _read_dtypes(config, model, example_batch):
-        example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
-        inputs = jnp.zeros(example[model.input_key].shape, example[model.input_key].dtype)
-        params = jax.eval_shape(lambda: nn.meta.unbox(model.module.init(jax.random.PRNGKey(0), inputs)["params"]))
-        compute = jnp.dtype(config.dtype)
-        reads = leaves_read_as(model, params, example, compute)
-        return jax.tree_util.tree_map(lambda p, low: compute if low else p.dtype, params, reads)
+    def _state_sharding(self, strategy, config, unboxed):
+        sharding = super()._state_sharding(strategy, config, unboxed)
+        if self._master_split_like is None:
+            return sharding
+        return sharding.replace(params=self._split_as(self._master_split_like, self.logical_specs.params,
+                                                      unboxed.params))
+
+    def _read_dtypes(self, params):
+        """Each parameter's dtype as the model reads it: the compute dtype where every read is a cast to it."""
+        values = jax.tree_util.tree_map(lambda x: x.unbox(apply_constraint=False) if isinstance(
+            x, nn.meta.AxisMetadata) else x, params,
+                                        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)
+        compute = jnp.dtype(self.config.dtype)
+        reads = leaves_read_as(self.model, shapes, self._example, compute)
+        return jax.tree_util.tree_map(lambda p, low: compute if low else p.dtype, shapes, reads)
 
     def _make_state(self, params, batch_stats):
         state = super()._make_state(params, batch_stats)
-        if not self._gather:
+        if self._master_split_like is None:
             return state
+        if self._compute_dtypes is None:
+            self._compute_dtypes = self._read_dtypes(params)
         compute = jax.tree_util.tree_map(_cast, params, self._compute_dtypes,
                                          is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
         return ComputeCopyState(**{f: getattr(state, f) for f in state.__dataclass_fields__}, compute=compute)
 
     def _train_step(self, state, batch):
-        if not self._gather:
+        if self._master_split_like is None:
             return super()._train_step(state, batch)
         model = self.model
 

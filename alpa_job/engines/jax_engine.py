@@ -77,15 +77,8 @@ class JaxEngine(Engine):
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
-        self.state_sharding = self._split_as(strategy, self.logical_specs, unboxed)
-        # Weight-update sharding: the optimizer state split as another strategy splits it, and the gradients
-        # pinned to that split so XLA reduce-scatters them (sharding_rules.UPDATE_SPLIT_LIKE says why).
-        self._gradient_sharding = None
-        update_like = update_split_like(strategy, config.data_update)
-        if update_like is not None:
-            self.state_sharding = self.state_sharding.replace(
-                opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state))
-            self._gradient_sharding = self._split_as(update_like, self.logical_specs.params, unboxed.params)
+        self._gradient_sharding = None  # set by _state_sharding where the update is split
+        self.state_sharding = self._state_sharding(strategy, config, unboxed)
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         if self.check_memory:
@@ -101,6 +94,18 @@ class JaxEngine(Engine):
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
 
     # ----- state -------------------------------------------------------------------------------
+    def _state_sharding(self, strategy: str, config, unboxed):
+        """Each state leaf's NamedSharding: `strategy`'s split. Weight-update sharding: the optimizer state
+        split as another strategy splits it, and the gradients pinned to that split so XLA reduce-scatters
+        them (sharding_rules.UPDATE_SPLIT_LIKE says why)."""
+        sharding = self._split_as(strategy, self.logical_specs, unboxed)
+        update_like = update_split_like(strategy, config.data_update)
+        if update_like is not None:
+            sharding = sharding.replace(
+                opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state))
+            self._gradient_sharding = self._split_as(update_like, self.logical_specs.params, unboxed.params)
+        return sharding
+
     def _split_as(self, strategy: str, logical_specs, leaves):
         """Each leaf's NamedSharding on this mesh, as `strategy`'s rules split it."""
         return jax.tree_util.tree_map(
