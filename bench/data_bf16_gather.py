@@ -19,6 +19,7 @@ schedule without one:
 """
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa_job.engines import jax_engine
 from alpa_job.engines.sharding_rules import update_split_like
@@ -73,14 +75,13 @@ def _cast(leaf, dtype):
     return leaf.astype(dtype)
 
 
-class Bf16GatherEngine(jax_engine.JaxEngine):
-    """The kit's JaxEngine; for `data` with the sharded update, the state and step described above."""
+class _SplitMasterEngine(jax_engine.JaxEngine):
+    """The kit's JaxEngine with the fp32 weights split between steps as the update splits them."""
 
     def __init__(self, config, model, example_batch, strategy, mesh_shape, schedule_steps=None):
         # The split the fp32 weights take between steps: the update's (None: the kit's own step). BatchNorm
         # models are left to the kit: their loss cannot be traced without batch statistics.
         self._master_split_like = None if model.has_batch_stats else update_split_like(strategy, config.data_update)
-        self._compute_dtypes = None  # from the first parameters _make_state sees
         super().__init__(config, model, example_batch, strategy, mesh_shape, schedule_steps)
 
     def _state_sharding(self, strategy, config, unboxed):
@@ -89,6 +90,14 @@ class Bf16GatherEngine(jax_engine.JaxEngine):
             return sharding
         return sharding.replace(params=self._split_as(self._master_split_like, self.logical_specs.params,
                                                       unboxed.params))
+
+
+class Bf16GatherEngine(_SplitMasterEngine):
+    """For `data` with the sharded update, the state and step described above."""
+
+    def __init__(self, config, model, example_batch, strategy, mesh_shape, schedule_steps=None):
+        self._compute_dtypes = None  # from the first parameters _make_state sees
+        super().__init__(config, model, example_batch, strategy, mesh_shape, schedule_steps)
 
     def _read_dtypes(self, params):
         """Each parameter's dtype as the model reads it: the compute dtype where every read is a cast to it."""
@@ -126,9 +135,45 @@ class Bf16GatherEngine(jax_engine.JaxEngine):
         return state.replace(compute=jax.lax.with_sharding_constraint(compute, self.state_sharding.compute)), loss
 
 
+class Bf16GatherAtStartEngine(_SplitMasterEngine):
+    """The same split fp32 weights, but no compute copy in the state: each step begins by gathering the
+    cast of the split weights (bf16 where the model reads only bf16), where the forward's matmuls can hide
+    it, as fsdp's gathers hide, instead of ending with it after the last matmul."""
+
+    def __init__(self, config, model, example_batch, strategy, mesh_shape, schedule_steps=None):
+        super().__init__(config, model, example_batch, strategy, mesh_shape, schedule_steps)
+        if self._master_split_like is not None:
+            params = self.abstract_state.params
+            reads = leaves_read_as(self.model, params, self._example, jnp.dtype(self.config.dtype))
+            compute = jnp.dtype(self.config.dtype)
+            self._compute_dtypes = jax.tree_util.tree_map(lambda p, low: compute if low else p.dtype, params, reads)
+            whole = NamedSharding(self.mesh, PartitionSpec())
+            self._whole = jax.tree_util.tree_map(lambda _: whole, params)
+
+    def _train_step(self, state, batch):
+        if self._master_split_like is None:
+            return super()._train_step(state, batch)
+        model = self.model
+        compute = jax.tree_util.tree_map(lambda p, d: p.astype(d), state.params, self._compute_dtypes)
+        # The cast happens on each device's share, before the gather: XLA would otherwise gather the fp32
+        # weights and fuse the cast into the matmuls that read them (twice the bytes).
+        compute = jax.lax.optimization_barrier(compute)
+        compute = jax.lax.with_sharding_constraint(compute, self._whole)  # the step's one all-gather
+
+        def loss_fn(weights):
+            return model.masked_loss(weights, state.batch_stats, batch)
+
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(compute)
+        grads = jax.lax.with_sharding_constraint(grads, self._gradient_sharding)  # reduce-scattered
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        return state.apply_gradients(grads=grads), loss
+
+
 def install() -> None:
-    """The CLI (and anything that builds JaxEngine through its module) builds this engine instead."""
-    jax_engine.JaxEngine = Bf16GatherEngine
+    """The CLI (and anything that builds JaxEngine through its module) builds this engine instead:
+    the gather-at-start one when BF16_GATHER_AT=start."""
+    at_start = os.environ.get("BF16_GATHER_AT") == "start"
+    jax_engine.JaxEngine = Bf16GatherAtStartEngine if at_start else Bf16GatherEngine
 
 
 if __name__ == "__main__":  # python3 bench/data_bf16_gather.py train ... : the kit's CLI with this engine

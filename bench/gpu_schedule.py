@@ -63,7 +63,7 @@ def overlap_report(hlo_text: str) -> dict:
     bytes whose done comes after the last matmul."""
     ops = entry_schedule(hlo_text)
     matmuls = [i for i, (_, _, opcode, rest) in enumerate(ops) if is_matmul(opcode, rest)]
-    last = matmuls[-1] if matmuls else -1
+    first, last = (matmuls[0], matmuls[-1]) if matmuls else (len(ops), -1)
     started = {}  # a start's name -> its position
     finished = {kind: [] for kind in hlo.COLLECTIVE_KINDS}  # (start position, done position, done's shape)
     for i, (name, shape, opcode, rest) in enumerate(ops):
@@ -84,6 +84,7 @@ def overlap_report(hlo_text: str) -> dict:
                         "matmuls_beside_each_median": hidden[len(hidden) // 2],
                         "with_no_matmul_beside": hidden.count(0),
                         "bytes_after_last_matmul": sum(shape_bytes(shape) for _, b, shape in pairs if b > last),
+                        "bytes_before_first_matmul": sum(shape_bytes(shape) for _, b, shape in pairs if b < first),
                         "dtypes": sorted({d for _, _, shape in pairs
                                           for d in re.findall(r"([a-z][a-z0-9]*)\[", shape)})}
     return report
@@ -92,7 +93,7 @@ def overlap_report(hlo_text: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="data")
-    parser.add_argument("--variant", choices=("kit", "bf16-gather"), default="kit")
+    parser.add_argument("--variant", choices=("kit", "bf16-gather", "bf16-gather-start"), default="kit")
     parser.add_argument("--data-update", default="sharded")
     parser.add_argument("--case", default="gpt24")
     parser.add_argument("--devices", type=int, default=2)
@@ -114,9 +115,11 @@ def main() -> None:
                                             topology=f"1x1x{args.devices}")
     jax_engine.make_mesh = lambda shape: topologies.make_mesh(topology, shape, MESH_AXES)
     memory_fit.check_state_fits = lambda *a, **k: None  # it reads the local devices' memory: there are none
-    if args.variant == "bf16-gather":
+    if args.variant.startswith("bf16-gather"):
         import data_bf16_gather
 
+        if args.variant == "bf16-gather-start":
+            os.environ["BF16_GATHER_AT"] = "start"
         data_bf16_gather.install()
     mesh = (args.devices, 1) if args.strategy in ("data", "fsdp") else (1, args.devices)
     rows = GPT_CASES[args.case]["batch_size"] * args.devices
@@ -138,13 +141,13 @@ def main() -> None:
           f"({args.data_update} update), {args.variant}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"{report['matmuls']} matmuls; XLA's peak estimate {peak_gb:.2f} GB a GPU (state {state_gb:.2f} GB)")
     print(f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
-          f"{'none beside':>12s} {'GB after last matmul':>21s}")
+          f"{'none beside':>12s} {'GB before first matmul':>23s} {'GB after last matmul':>21s}")
     for kind in hlo.COLLECTIVE_KINDS:
         if kind in report:
             r = report[kind]
             print(f"{kind:16s} {r['count']:6d} {r['bytes'] / 1e9:7.2f} {','.join(r['dtypes']):>10s} "
                   f"{r['matmuls_beside_each_median']:24d} {r['with_no_matmul_beside']:12d} "
-                  f"{r['bytes_after_last_matmul'] / 1e9:21.2f}")
+                  f"{r['bytes_before_first_matmul'] / 1e9:23.2f} {r['bytes_after_last_matmul'] / 1e9:21.2f}")
     print(json.dumps(report))
     print("saved", save_result("gpu_schedule", args.out, {
         "target": "2 x H100 (deviceless compile)", "case": args.case, "strategy": args.strategy,

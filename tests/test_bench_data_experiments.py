@@ -76,3 +76,14 @@ def test_the_schedule_reader_counts_bytes_the_matmuls_beside_each_collective_and
     assert scatter["count"] == 1 and scatter["matmuls_beside_each_median"] == 1 and scatter["dtypes"] == ["bf16"]
     assert scatter["bytes_after_last_matmul"] == 2 * 4 * 2  # started beside the last matmul, done after it
     assert gpu_schedule.shape_bytes("(bf16[2,4]{1,0}, f32[3]{0})") == 2 * 8 + 4 * 3
+
+
+def test_bf16_gather_at_the_steps_start_trains_the_same_numbers_from_split_weights_alone():
+    rows = jax.device_count()
+    config, model, batch = gpt_case("tiny", batch_size=rows, num_samples=rows, compile_cache="none", steps=4)
+    _, _, kit = _losses(JaxEngine, config, model, batch)
+    engine, state, gathered = _losses(data_bf16_gather.Bf16GatherAtStartEngine, config, model, batch)
+    assert gathered == kit
+    assert not hasattr(state, "compute")  # nothing but the kit's own state fields
+    qkv = state.params["DecoderBlock_0"]["CausalSelfAttention_0"]["qkv"]["kernel"]
+    assert "data" in qkv.sharding.spec and qkv.dtype == np.dtype("float32")
