@@ -6,8 +6,7 @@ Runs (each in a fresh process, so every one compiles cold and owns the GPUs' mem
   the batch split with a NamedSharding - what a user writes for several GPUs without the kit;
 - `RUN=STRATEGY[+xla:FLAGS]`: `python3 -m alpa_job train --address none --preset P --strategy S
   --batch-size B --profile ...` with optional extra XLA flags; the report gives the steady step, the
-  peak memory and the profiled communication share. `+bf16-gather` runs it with data_bf16_gather.py's
-  engine; `+pgle` runs it twice, the second time scheduled by the first one's profile (XLA's
+  peak memory and the profiled communication share. `+pgle` runs it twice, the second time scheduled by the first one's profile (XLA's
   profile-guided latency estimator).
 Scaling efficiency = 1-GPU step time / n-GPU step time at n times the batch (ideal: 1.0).
 
@@ -91,8 +90,7 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra_flags).strip()
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
-    launcher = {"seq-parallel": ["-c", SEQUENCE_PARALLEL],
-                "bf16-gather": [os.path.join(REPO, "bench", "data_bf16_gather.py")]}.get(variant, ["-m", "alpa_job"])
+    launcher = {"seq-parallel": ["-c", SEQUENCE_PARALLEL]}.get(variant, ["-m", "alpa_job"])
     cmd = [sys.executable, *launcher, "train", "--address", "none", "--preset", args.preset,
            "--strategy", strategy, "--batch-size", str(batch), "--num-samples", str(batch * 4),
            "--steps", str(args.steps), "--out", out]
@@ -185,7 +183,7 @@ def main() -> None:
     parser.add_argument("--profile", default="30:3", help="START:COUNT for the kit runs ('' for none)")
     parser.add_argument("--runs", nargs="*", default=["data", "fsdp", "tensor"],
                         help="STRATEGY or NAME=STRATEGY[+xla:FLAG,FLAG][+env:K=V,K=V][+args:--flag,value]"
-                             "[+seq-parallel|+bf16-gather][+pgle]")
+                             "[+seq-parallel][+pgle]")
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1-GPU run")
     parser.add_argument("--peer", choices=("none", "plain", "donate", "both"), default="plain")
     parser.add_argument("--kit-args", nargs="*", default=[], help="extra train flags for every kit run")
@@ -216,7 +214,7 @@ def main() -> None:
         flags = " ".join(e[len("xla:"):].replace(",", " ") for e in extras if e.startswith("xla:"))
         run_env = dict(env, **dict(kv.split("=", 1) for e in extras if e.startswith("env:")
                                    for kv in e[len("env:"):].split(",")))
-        variant = next((e for e in extras if e in ("seq-parallel", "bf16-gather")), "")
+        variant = "seq-parallel" if "seq-parallel" in extras else ""
         more = [a for e in extras if e.startswith("args:") for a in e[len("args:"):].split(",")]
         if "pgle" in extras:
             flags = _with_pgle_profile(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env,

@@ -10,7 +10,7 @@ they take still needs one (bench/gpu_multi.py).
 Needs JAX's CUDA plugin (`pip install "jax[cuda13]"` at the kit's jax version, about 4.5 GB) in the
 Python that runs it; no GPU, no driver. Every XLA flag in $XLA_FLAGS applies, as on a GPU.
 
-    python3 bench/gpu_schedule.py --strategy data [--variant bf16-gather] [--case gpt24] [--dump FILE]
+    python3 bench/gpu_schedule.py --strategy data [--data-update replicated] [--case gpt24] [--dump FILE]
 """
 from __future__ import annotations
 
@@ -93,7 +93,6 @@ def overlap_report(hlo_text: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="data")
-    parser.add_argument("--variant", choices=("kit", "bf16-gather", "bf16-gather-start"), default="kit")
     parser.add_argument("--data-update", default="sharded")
     parser.add_argument("--case", default="gpt24")
     parser.add_argument("--devices", type=int, default=2)
@@ -115,12 +114,6 @@ def main() -> None:
                                             topology=f"1x1x{args.devices}")
     jax_engine.make_mesh = lambda shape: topologies.make_mesh(topology, shape, MESH_AXES)
     memory_fit.check_state_fits = lambda *a, **k: None  # it reads the local devices' memory: there are none
-    if args.variant.startswith("bf16-gather"):
-        import data_bf16_gather
-
-        if args.variant == "bf16-gather-start":
-            os.environ["BF16_GATHER_AT"] = "start"
-        data_bf16_gather.install()
     mesh = (args.devices, 1) if args.strategy in ("data", "fsdp") else (1, args.devices)
     rows = GPT_CASES[args.case]["batch_size"] * args.devices
     config, model, batch = gpt_case(args.case, batch_size=rows, num_samples=rows, compile_cache="none",
@@ -138,7 +131,7 @@ def main() -> None:
     report = overlap_report(hlo_text)
     peak_gb, state_gb = (memory.get(k, 0) / 1e9 for k in ("peak_estimate_bytes", "argument_size_in_bytes"))
     print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} "
-          f"({args.data_update} update), {args.variant}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+          f"({args.data_update} update), XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"{report['matmuls']} matmuls; XLA's peak estimate {peak_gb:.2f} GB a GPU (state {state_gb:.2f} GB)")
     print(f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
           f"{'none beside':>12s} {'GB before first matmul':>23s} {'GB after last matmul':>21s}")
@@ -151,7 +144,7 @@ def main() -> None:
     print(json.dumps(report))
     print("saved", save_result("gpu_schedule", args.out, {
         "target": "2 x H100 (deviceless compile)", "case": args.case, "strategy": args.strategy,
-        "variant": args.variant, "data_update": args.data_update, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "data_update": args.data_update, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "compile_s": seconds, "memory": memory, "report": report}))
 
 

@@ -225,22 +225,28 @@ print(json.dumps(counts))
 
 
 def test_data_shards_its_update_and_trains_the_same_numbers(tmp_path):
-    """--data-update sharded (the default): parameters stay whole on every device, the optimizer state is
-    split over the data axis, the compiled step gathers the updated parameters, and every loss equals the
-    replicated update's."""
+    """--data-update sharded (the default): parameters and optimizer state split over the data axis between
+    steps, the compiled step gathers the parameters (in bf16 where the model reads them only in bf16), and
+    every loss equals the replicated update's."""
     reports = {}
-    for update in ("sharded", "replicated"):
-        _train(tmp_path / update, "--strategy", "data", "--data-update", update)
-        with open(tmp_path / update / "run" / "report.json") as f:
-            reports[update] = json.load(f)
+    for name, update, dtype in (("sharded", "sharded", "float32"), ("replicated", "replicated", "float32"),
+                                ("sharded-bf16", "sharded", "bfloat16"), ("replicated-bf16", "replicated", "bfloat16")):
+        _train(tmp_path / name, "--strategy", "data", "--data-update", update, "--dtype", dtype)
+        with open(tmp_path / name / "run" / "report.json") as f:
+            reports[name] = json.load(f)
     assert reports["sharded"]["losses"] == reports["replicated"]["losses"]
+    assert reports["sharded-bf16"]["losses"] == reports["replicated-bf16"]["losses"]
 
     def layout(report, prefix):
         return {leaf["strategy"] for leaf in report["params"] if leaf["path"].startswith(prefix) and leaf["shape"]}
-    assert layout(reports["sharded"], "params/") == {"DP"}
+    assert layout(reports["sharded"], "params/") == {"ZeRO"}
     assert layout(reports["sharded"], "opt_state/") == {"ZeRO"}
-    assert layout(reports["replicated"], "opt_state/") == {"DP"}
-    assert reports["sharded"]["collectives"]["all-gather"]["count"] > 0
+    assert layout(reports["replicated"], "params/") == layout(reports["replicated"], "opt_state/") == {"DP"}
     assert reports["replicated"]["collectives"]["all-gather"]["count"] == 0
+    whole_fp32 = sum(leaf["bytes_per_device"] for leaf in reports["replicated"]["params"]
+                     if leaf["path"].startswith("params/"))
+    # Every parameter gathered whole. (The CPU backend widens bf16 collectives to f32, so the bf16 run's
+    # narrower gather shows only in a GPU's schedule: tests/test_weight_reads.py checks what is gathered.)
+    assert reports["sharded"]["collectives"]["all-gather"]["bytes"] >= whole_fp32
     state_bytes = {u: sum(leaf["bytes_per_device"] for leaf in r["params"]) for u, r in reports.items()}
-    assert state_bytes["sharded"] < state_bytes["replicated"]
+    assert state_bytes["sharded"] < state_bytes["replicated"] / 1.9  # two devices: half of every leaf

@@ -19,7 +19,7 @@ import numpy as np
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpa_job.engines import compile_cache, flops, memory_fit, model_checks, xla_options
+from alpa_job.engines import compile_cache, flops, memory_fit, model_checks, weight_reads, xla_options
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
@@ -78,6 +78,7 @@ class JaxEngine(Engine):
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
         self._gradient_sharding = None  # set by _state_sharding where the update is split
+        self._gather_dtypes = None  # the split parameters' dtypes as gathered (_gathered), found on first use
         self.state_sharding = self._state_sharding(strategy, config, unboxed)
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
@@ -95,15 +96,16 @@ class JaxEngine(Engine):
 
     # ----- state -------------------------------------------------------------------------------
     def _state_sharding(self, strategy: str, config, unboxed):
-        """Each state leaf's NamedSharding: `strategy`'s split. Weight-update sharding: the optimizer state
-        split as another strategy splits it, and the gradients pinned to that split so XLA reduce-scatters
-        them (sharding_rules.UPDATE_SPLIT_LIKE says why)."""
+        """Each state leaf's NamedSharding: `strategy`'s split. Weight-update sharding: the parameters and
+        the optimizer state split between steps as another strategy splits them, and the gradients pinned
+        to that split so XLA reduce-scatters them (sharding_rules.UPDATE_SPLIT_LIKE says why)."""
         sharding = self._split_as(strategy, self.logical_specs, unboxed)
         update_like = update_split_like(strategy, config.data_update)
         if update_like is not None:
-            sharding = sharding.replace(
-                opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state))
             self._gradient_sharding = self._split_as(update_like, self.logical_specs.params, unboxed.params)
+            sharding = sharding.replace(
+                params=self._gradient_sharding,
+                opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state))
         return sharding
 
     def _split_as(self, strategy: str, logical_specs, leaves):
@@ -175,13 +177,33 @@ class JaxEngine(Engine):
         def loss_fn(params):
             return model.masked_loss(params, state.batch_stats, batch)
 
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        if self._gradient_sharding is not None:
+        if self._gradient_sharding is None:
+            (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        else:  # the split parameters' cast gathered first, the gradients reduce-scattered back to the split
+            (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(self._gathered(state.params))
             grads = jax.lax.with_sharding_constraint(grads, self._gradient_sharding)
+            grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
         state = state.apply_gradients(grads=grads)
         if model.has_batch_stats:
             state = state.replace(batch_stats=new_stats)
         return state, loss
+
+    def _gathered(self, params):
+        """The split parameters whole on every device, each in the dtype the model reads it in
+        (weight_reads.py): the sharded update's one all-gather, at the step's start, where the forward's
+        matmuls hide it."""
+        if self._gather_dtypes is None:
+            abstract = self.abstract_state
+            self._gather_dtypes = weight_reads.gather_dtypes(self.model, abstract.params, abstract.batch_stats,
+                                                             self._example, self.config.dtype)
+        cast = jax.tree_util.tree_map(lambda p, dtype: p.astype(dtype), params, self._gather_dtypes)
+        # Cast each device's share before the gather: left to itself XLA gathers the fp32 weights and fuses
+        # the cast into the matmuls that read them, twice the bytes. jax 0.4.13 has no public barrier.
+        barrier = getattr(jax.lax, "optimization_barrier", None)
+        if barrier is not None:
+            cast = barrier(cast)
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        return jax.lax.with_sharding_constraint(cast, jax.tree_util.tree_map(lambda _: whole, cast))
 
     def compile(self) -> CompileStats:
         """Lower and compile the step once for the pipeline's fixed batch shape, the initialiser beside it."""

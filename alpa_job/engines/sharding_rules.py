@@ -28,17 +28,20 @@ STRATEGY_RULES: Dict[str, LogicalRules] = {
 
 
 # Weight-update sharding (Xu et al., "Automatic Cross-Replica Sharding of Weight Update in
-# Data-Parallel Training"): under `data` with --data-update sharded, the parameters stay whole on every
-# device for the forward and backward, but the optimizer state is split as FSDP splits it. The
-# gradients' all-reduce then becomes a reduce-scatter, each device updates only its share, and an
-# all-gather brings the updated parameters back: the same bytes, half the update's memory traffic and
-# state on two devices, and a lighter collective beside the backward's matmuls.
+# Data-Parallel Training"; Megatron-LM's distributed optimizer): under `data` with --data-update sharded,
+# the fp32 parameters and the optimizer state stay split between steps as FSDP splits them. Each step
+# begins by gathering the parameters whole, in the dtype the model reads them in (bf16 where it computes
+# in bf16), runs the whole forward and backward on every device as plain data parallelism does, and
+# reduce-scatters the gradients; each device updates only its share. Against one all-reduce of the
+# gradients: the same bytes where nothing narrows, half the gather's where the model computes in bf16,
+# the gather beside the forward's matmuls instead of after the last one, and half the update's state on
+# two devices. Unlike FSDP, the backward never gathers again: the whole weights stay for it.
 UPDATE_SPLIT_LIKE: Dict[str, str] = {"data": "fsdp"}
 
 
 def update_split_like(strategy: str, data_update: str) -> Optional[str]:
-    """The strategy whose split the optimizer state and the gradients take, where it differs from the
-    parameters' (None: the optimizer state follows its parameters)."""
+    """The strategy whose split the parameters, the optimizer state and the gradients take between steps,
+    where it differs from the forward's (None: the state stays as `strategy` splits it)."""
     return UPDATE_SPLIT_LIKE.get(strategy) if data_update == "sharded" else None
 
 

@@ -5,8 +5,8 @@ those collectives only up to a size threshold, by default well under one GPT lay
 each layer costs several NCCL calls, and each call takes SMs from the matmuls it overlaps. Combining
 several layers' collectives into one (the combine thresholds JAX-Toolbox recommends setting to at least
 a layer's weights) keeps the bytes and cuts both the calls and the matmuls' slowdown beside them.
-Data parallelism with a sharded update (sharding_rules.UPDATE_SPLIT_LIKE) reduce-scatters its
-gradients and all-gathers its parameters in the same way, and gets the same thresholds. Its replicated
+Data parallelism with a sharded update (sharding_rules.UPDATE_SPLIT_LIKE) all-gathers its parameters
+and reduce-scatters its gradients in the same way, and gets the same thresholds. Its replicated
 update's all-reduce measured no faster with larger thresholds; these two leave all-reduces alone.
 
 Options go to `jax.jit(compiler_options=...)` for that step alone, so auto's candidates each get their

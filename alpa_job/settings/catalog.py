@@ -66,10 +66,10 @@ HOW_TO_RUN = (
     Setting("engine", str, "auto", "auto: alpa when it imports, else jax", PARALLELISM, choices=ENGINES),
     Setting("strategy", str, "data", f"jax: {' | '.join(STRATEGIES)}; alpa: {' | '.join(ALPA_STRATEGIES)}",
             PARALLELISM, choices=tuple(dict.fromkeys(STRATEGIES + ALPA_STRATEGIES))),
-    Setting("data_update", str, "sharded", "data: sharded (each device updates its share of the parameters and "
-            "keeps that share of the optimizer state: gradients are reduce-scattered and the updated parameters "
-            "all-gathered, the same bytes as one all-reduce, half the update's work and state a device on two) or "
-            "replicated (every device sums every gradient and updates every parameter)", PARALLELISM,
+    Setting("data_update", str, "sharded", "data: sharded (each device keeps and updates its share of the parameters "
+            "and of the optimizer state; a step gathers the parameters whole in the dtype the model reads them in, "
+            "bf16 under --dtype bfloat16, and reduce-scatters the gradients) or replicated (every device keeps "
+            "every parameter, sums every gradient and updates every parameter)", PARALLELISM,
             choices=("sharded", "replicated")),
     Setting("model_parallel", int, 0, "tensor: size of the model mesh axis", PARALLELISM, check=NON_NEGATIVE,
             default_help="the largest of 1-4 that divides"),
