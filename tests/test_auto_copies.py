@@ -52,12 +52,16 @@ def test_the_likeliest_winner_compiles_first_the_least_state_then_the_narrowest_
     model = models.get_model(config)
     batch = model.synthetic(np.random.default_rng(0), 16)
     batch["mask"] = np.ones(16, np.float32)
-    engines = [({"strategy": s}, JaxEngine(config, model, batch, s, mesh))
-               for s, mesh in (("data", (8, 1)), ("tensor", (4, 2)), ("fsdp", (8, 1)))]
+    replicated = tiny_config("gpt", num_layers=2, data_update="replicated")
+    engines = [({"strategy": name}, JaxEngine(cfg, model, batch, s, mesh))
+               for name, cfg, s, mesh in (("data replicated", replicated, "data", (8, 1)),
+                                          ("tensor", config, "tensor", (4, 2)), ("fsdp", config, "fsdp", (8, 1)),
+                                          ("data", config, "data", (8, 1)))]
     ordered = [row["strategy"] for row, _ in auto_search._likeliest_first(engines)]
-    # fsdp splits every parameter and its optimizer state over the data axis; data (its update sharded) the
-    # optimizer state; tensor only the matmuls' inner widths, over 2 of the 8 devices.
-    assert ordered == ["fsdp", "data", "tensor"]
+    # fsdp and data (its update sharded) split every parameter and its optimizer state over the data axis
+    # (a tie: the given order stays); tensor only the matmuls' inner widths, over 2 of the 8 devices; data's
+    # replicated update splits nothing.
+    assert ordered == ["fsdp", "data", "tensor", "data replicated"]
 
 
 def test_the_copies_one_state_is_created_whole_and_every_layout_is_cut_from_it():

@@ -24,12 +24,16 @@ def test_each_model_loss_falls_on_synthetic_data(model):
     assert result.devices.count == 8
 
 
-def test_data_strategy_every_parameter_is_dp():
-    result = run_in_process(tiny_config("mlp", steps=1, strategy="data"))
+def test_data_strategy_keeps_parameters_whole_with_the_replicated_update_and_split_with_the_sharded_one():
+    result = run_in_process(tiny_config("mlp", steps=1, strategy="data", data_update="replicated"))
     params = [r for r in result.params if r.path.startswith("params/")]
     assert params and {r.strategy for r in params} == {"DP"}
     assert all(r.bytes_per_device == r.bytes for r in params)
     assert (result.mesh.shape, result.mesh.axes) == ([8, 1], ["data", "model"])
+    sharded = run_in_process(tiny_config("mlp", steps=1, strategy="data"))  # the default update
+    params = [r for r in sharded.params if r.path.startswith("params/")]
+    assert {r.strategy for r in params} == {"ZeRO"}  # split over the data axis between steps
+    assert all(r.bytes_per_device == r.bytes // 8 for r in params)
 
 
 def test_tensor_strategy_splits_first_mlp_kernel_on_output_dim():

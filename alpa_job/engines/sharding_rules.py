@@ -16,7 +16,8 @@ MESH_AXES = ("data", "model")
 LogicalRules = List[Tuple[str, str]]
 
 STRATEGY_RULES: Dict[str, LogicalRules] = {
-    # Parameters replicated; only the batch is split.
+    # Parameters whole in the step; only the batch is split (between steps the sharded update splits the
+    # parameters too: UPDATE_SPLIT_LIKE).
     "data": [(BATCH, "data")],
     # ZeRO-3 / FSDP: every parameter (and so its optimizer state) split over the data axis too.
     # channels before conv_in: a stem conv has 3 input channels, which no device count divides.
