@@ -49,16 +49,13 @@ def test_a_bf16_gpt_gathers_its_dense_weights_in_bf16_and_what_it_reads_in_fp32_
     assert [v.aval.shape for v in barrier.invars] == [leaf.shape for leaf in leaves]
 
 
-def test_an_fp32_model_gathers_every_weight_in_fp32_without_tracing():
+def test_an_fp32_model_gathers_every_weight_in_fp32_without_tracing(monkeypatch):
     config, model, batch = _gpt("float32")
     engine = JaxEngine(config, model, batch, "data", (jax.device_count(), 1))
     traced = []
     original = jax.make_jaxpr
-    try:
-        jax.make_jaxpr = lambda *a, **k: traced.append(1) or original(*a, **k)
-        dtypes = weight_reads.gather_dtypes(model, engine.abstract_state.params, None, engine._example, "float32")
-    finally:
-        jax.make_jaxpr = original
+    monkeypatch.setattr(jax, "make_jaxpr", lambda *a, **k: traced.append(1) or original(*a, **k))
+    dtypes = weight_reads.gather_dtypes(model, engine.abstract_state.params, None, engine._example, "float32")
     assert set(_by_path(dtypes).values()) == {F32} and not traced
 
 
