@@ -250,3 +250,18 @@ def test_data_shards_its_update_and_trains_the_same_numbers(tmp_path):
     assert reports["sharded"]["collectives"]["all-gather"]["bytes"] >= whole_fp32
     state_bytes = {u: sum(leaf["bytes_per_device"] for leaf in r["params"]) for u, r in reports.items()}
     assert state_bytes["sharded"] < state_bytes["replicated"] / 1.9  # two devices: half of every leaf
+
+
+def test_a_checkpoint_with_whole_parameters_resumes_into_datas_split_layout_with_the_same_losses(tmp_path):
+    """A checkpoint whose parameters were saved whole (the replicated update, or a kit from before the sharded
+    update split them) resumes under the sharded update, and trains on with the losses of an unbroken run."""
+    common = ("--strategy", "data", "--dtype", "bfloat16", "--checkpoint-every", "3")
+    _train(tmp_path / "broken", *common, "--data-update", "replicated")  # 6 steps, checkpoints at 3 and 6
+    _train(tmp_path / "broken", *common, "--steps", "10", "--resume")
+    _train(tmp_path / "unbroken", *common, "--steps", "10")
+    reports = {}
+    for name in ("broken", "unbroken"):
+        with open(tmp_path / name / "run" / "report.json") as f:
+            reports[name] = json.load(f)
+    assert reports["broken"]["steps"] == 4  # resumed at step 6
+    assert reports["broken"]["losses"] == reports["unbroken"]["losses"][-4:]
