@@ -229,13 +229,11 @@ def test_data_shards_its_update_and_trains_the_same_numbers(tmp_path):
     steps, the compiled step gathers the parameters (in bf16 where the model reads them only in bf16), and
     every loss equals the replicated update's."""
     reports = {}
-    for name, update, dtype in (("sharded", "sharded", "float32"), ("replicated", "replicated", "float32"),
-                                ("sharded-bf16", "sharded", "bfloat16"), ("replicated-bf16", "replicated", "bfloat16")):
-        _train(tmp_path / name, "--strategy", "data", "--data-update", update, "--dtype", dtype)
-        with open(tmp_path / name / "run" / "report.json") as f:
-            reports[name] = json.load(f)
+    for update in ("sharded", "replicated"):  # bf16's narrower gather: the resume test below compares the two
+        _train(tmp_path / update, "--strategy", "data", "--data-update", update)
+        with open(tmp_path / update / "run" / "report.json") as f:
+            reports[update] = json.load(f)
     assert reports["sharded"]["losses"] == reports["replicated"]["losses"]
-    assert reports["sharded-bf16"]["losses"] == reports["replicated-bf16"]["losses"]
 
     def layout(report, prefix):
         return {leaf["strategy"] for leaf in report["params"] if leaf["path"].startswith(prefix) and leaf["shape"]}
@@ -254,9 +252,13 @@ def test_data_shards_its_update_and_trains_the_same_numbers(tmp_path):
 
 def test_a_checkpoint_with_whole_parameters_resumes_into_datas_split_layout_with_the_same_losses(tmp_path):
     """A checkpoint whose parameters were saved whole (the replicated update, or a kit from before the sharded
-    update split them) resumes under the sharded update, and trains on with the losses of an unbroken run."""
+    update split them) resumes under the sharded update, and trains on with the losses of an unbroken run. In
+    bf16: the unbroken run gathers bf16 weights from the start, so equal losses also say that the bf16 gather
+    computes what the replicated update computes."""
     common = ("--strategy", "data", "--dtype", "bfloat16", "--checkpoint-every", "3")
     _train(tmp_path / "broken", *common, "--data-update", "replicated")  # 6 steps, checkpoints at 3 and 6
+    with open(tmp_path / "broken" / "run" / "report.json") as f:
+        first_six = json.load(f)["losses"]
     _train(tmp_path / "broken", *common, "--steps", "10", "--resume")
     _train(tmp_path / "unbroken", *common, "--steps", "10")
     reports = {}
@@ -264,4 +266,4 @@ def test_a_checkpoint_with_whole_parameters_resumes_into_datas_split_layout_with
         with open(tmp_path / name / "run" / "report.json") as f:
             reports[name] = json.load(f)
     assert reports["broken"]["steps"] == 4  # resumed at step 6
-    assert reports["broken"]["losses"] == reports["unbroken"]["losses"][-4:]
+    assert first_six + reports["broken"]["losses"] == reports["unbroken"]["losses"]
