@@ -243,8 +243,8 @@ def test_data_shards_its_update_and_trains_the_same_numbers(tmp_path):
     assert reports["replicated"]["collectives"]["all-gather"]["count"] == 0
     whole_fp32 = sum(leaf["bytes_per_device"] for leaf in reports["replicated"]["params"]
                      if leaf["path"].startswith("params/"))
-    # Every parameter gathered whole. (The CPU backend widens bf16 collectives to f32, so the bf16 run's
-    # narrower gather shows only in a GPU's schedule: tests/test_weight_reads.py checks what is gathered.)
+    # Every parameter gathered whole. (A bf16 model's narrower gather cannot show here: the CPU backend
+    # widens bf16 collectives to f32. tests/test_weight_reads.py checks what the step gathers instead.)
     assert reports["sharded"]["collectives"]["all-gather"]["bytes"] >= whole_fp32
     state_bytes = {u: sum(leaf["bytes_per_device"] for leaf in r["params"]) for u, r in reports.items()}
     assert state_bytes["sharded"] < state_bytes["replicated"] / 1.9  # two devices: half of every leaf
