@@ -6,8 +6,8 @@ Runs (each in a fresh process, so every one compiles cold and owns the GPUs' mem
   the batch split with a NamedSharding - what a user writes for several GPUs without the kit;
 - `RUN=STRATEGY[+xla:FLAGS]`: `python3 -m alpa_job train --address none --preset P --strategy S
   --batch-size B --profile ...` with optional extra XLA flags; the report gives the steady step, the
-  peak memory and the profiled communication share. `+pgle` runs it twice, the second time scheduled by the first one's profile (XLA's
-  profile-guided latency estimator).
+  peak memory and the profiled communication share. `+pgle` runs it twice, the second time scheduled by
+  the first one's profile (XLA's profile-guided latency estimator).
 Scaling efficiency = 1-GPU step time / n-GPU step time at n times the batch (ideal: 1.0).
 
     python3 bench/gpu_multi.py --preset gpt-24l --per-gpu-batch 8 --runs data fsdp tensor

@@ -73,7 +73,7 @@ def overlap_report(hlo_text: str) -> dict:
         if phase == "start":
             started[name] = i
             continue
-        start = next((token for token in re.findall(r"[A-Za-z0-9_.\-]+", rest) if token in started), None)
+        start = hlo.start_operand(rest, started)
         finished[kind].append((started.pop(start, i), i, shape))
     report = {"matmuls": len(matmuls)}
     for kind, pairs in finished.items():

@@ -77,7 +77,6 @@ class JaxEngine(Engine):
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
-        self._gradient_sharding = None  # set by _state_sharding where the update is split
         self._gather_dtypes = None  # the split parameters' dtypes as gathered (_gathered), found on first use
         self.state_sharding = self._state_sharding(strategy, config, unboxed)
         self._abstract_state = jax.tree_util.tree_map(
@@ -97,14 +96,13 @@ class JaxEngine(Engine):
     # ----- state -------------------------------------------------------------------------------
     def _state_sharding(self, strategy: str, config, unboxed):
         """Each state leaf's NamedSharding: `strategy`'s split. Weight-update sharding: the parameters and
-        the optimizer state split between steps as another strategy splits them, and the gradients pinned
-        to that split so XLA reduce-scatters them (sharding_rules.UPDATE_SPLIT_LIKE says why)."""
+        the optimizer state split between steps as another strategy splits them (the step pins the gradients
+        to the parameters' split so XLA reduce-scatters them; sharding_rules.UPDATE_SPLIT_LIKE says why)."""
         sharding = self._split_as(strategy, self.logical_specs, unboxed)
         update_like = update_split_like(strategy, config.data_update)
         if update_like is not None:
-            self._gradient_sharding = self._split_as(update_like, self.logical_specs.params, unboxed.params)
             sharding = sharding.replace(
-                params=self._gradient_sharding,
+                params=self._split_as(update_like, self.logical_specs.params, unboxed.params),
                 opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state))
         return sharding
 
@@ -177,11 +175,11 @@ class JaxEngine(Engine):
         def loss_fn(params):
             return model.masked_loss(params, state.batch_stats, batch)
 
-        if self._gradient_sharding is None:
+        if update_split_like(self.strategy, self.config.data_update) is None:
             (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         else:  # the split parameters' cast gathered first, the gradients reduce-scattered back to the split
             (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(self._gathered(state.params))
-            grads = jax.lax.with_sharding_constraint(grads, self._gradient_sharding)
+            grads = jax.lax.with_sharding_constraint(grads, self.state_sharding.params)
             grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, state.params)
         state = state.apply_gradients(grads=grads)
         if model.has_batch_stats:
@@ -202,8 +200,7 @@ class JaxEngine(Engine):
         barrier = getattr(jax.lax, "optimization_barrier", None)
         if barrier is not None:
             cast = barrier(cast)
-        whole = NamedSharding(self.mesh, PartitionSpec())
-        return jax.lax.with_sharding_constraint(cast, jax.tree_util.tree_map(lambda _: whole, cast))
+        return jax.lax.with_sharding_constraint(cast, NamedSharding(self.mesh, PartitionSpec()))  # every leaf
 
     def compile(self) -> CompileStats:
         """Lower and compile the step once for the pipeline's fixed batch shape, the initialiser beside it."""

@@ -113,6 +113,12 @@ def collective_phase(opcode: str) -> Tuple[Optional[str], str]:
     return None, "sync"
 
 
+def start_operand(rest: str, starts) -> Optional[str]:
+    """The name, among `starts`, of the ``-start`` a ``-done`` (its text after the opcode) waits for. The
+    operand is `start` or, typed (old style), `(f32[..], f32[..]) %start`."""
+    return next((tok for tok in re.findall(r"[A-Za-z0-9_.\-]+", rest) if tok in starts), None)
+
+
 def _start_fallback_bytes(kind: str, shape: str) -> int:
     """Output bytes of a ``-start`` whose ``-done`` is missing (truncated text)."""
     if not shape.startswith("("):
@@ -141,8 +147,7 @@ def collective_instances(hlo_text: str) -> List[Tuple[str, str, int]]:
             pending[name] = (len(found), kind, shape)
             found.append((kind, name, _start_fallback_bytes(kind, shape)))
         else:  # done: operand is the start's name
-            # operand: `start` or, typed (old style), `(f32[..], f32[..]) %start`
-            start = next((tok for tok in re.findall(r"[A-Za-z0-9_.\-]+", rest) if tok in pending), None)
+            start = start_operand(rest, pending)
             if start in pending:
                 idx, _, _ = pending.pop(start)
                 found[idx] = (kind, found[idx][1], shape_bytes(shape))
