@@ -5,9 +5,12 @@ real-Ray tests here read both Ray dialects' node rows from a real cluster.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -165,12 +168,30 @@ def test_state_api_objects_are_read_like_dicts():
 # ---- a real local Ray: its own rows, and pinning ---------------------------------------------------
 @pytest.fixture(scope="module")
 def local_ray():
+    """A local Ray whose folder is not Ray's default one, as `ray start --temp-dir` makes it (short: Ray's
+    socket paths must fit 107 bytes)."""
     ray = pytest.importorskip("ray")
-    ray_api.join_ray(ray_api.LOCAL, num_cpus=1, include_dashboard=False, log_to_driver=False)
+    temp_dir = tempfile.mkdtemp(prefix="akt-ray-", dir="/tmp")
+    ray_api.join_ray(ray_api.LOCAL, num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     try:
+        ray.temp_dir = temp_dir
         yield ray
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_failure_hints_name_the_log_folder_ray_really_uses(local_ray):
+    from alpa_job.launch import failures
+
+    assert ray_api.logs_dir().startswith(local_ray.temp_dir + os.sep)
+    # A JAX process describes its own node's folder (the driver may be elsewhere).
+    described = local_ray.get(local_ray.remote(num_cpus=0)(failures.describe_self).remote(0), timeout=60)
+    slot = failures.Slot(**described)
+    assert slot.log_dir.startswith(local_ray.temp_dir + os.sep)
+    lost = slot.lost(step=3, reason="exit code 1")
+    message = failures.failure_message(lost, slot, checkpoint_step=2, log_shown=False)
+    assert slot.log_dir in message and "/tmp/ray/" not in message, message
 
 
 def test_real_rows_parse_on_this_ray(local_ray):

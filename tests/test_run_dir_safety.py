@@ -165,6 +165,14 @@ def test_resume_skips_damaged_checkpoints_names_them_and_continues_the_same_loss
     good, bad = scan(str(ckpt))
     assert good[0] == 8 and bad == []  # the resumed run saved 4, 6 and 8 anew
 
+    # A resume whose --steps the checkpoint is already past: one line before anything trains, nothing lost.
+    behind = cli("--steps", "6", "--checkpoint-every", "2", "--resume", "--out", str(out))
+    assert behind.returncode == 2, behind.stderr
+    assert behind.stderr.strip().splitlines()[-1] == (
+        f"error: --resume: the checkpoint in {out} is at step 8, already past --steps 6; pass --steps above 8 "
+        "to train on"), behind.stderr
+    assert scan(str(ckpt))[0][0] == 8 and "Traceback" not in behind.stderr
+
 
 def test_a_failed_resume_keeps_the_earlier_runs_report(tmp_path):
     out = tmp_path / "run"

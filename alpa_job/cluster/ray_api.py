@@ -34,6 +34,7 @@ JOIN_TIMEOUT_S = 30.0
 TCP_CHECK_TIMEOUT_S = 10.0
 PIN_FRACTION = 0.001  # a sliver of the node's `node:<ip>` resource: never the reason a task waits
 HEAD_MARKER = "node:__internal_head__"  # Ray >= ~2.5 gives the head this resource
+DEFAULT_LOGS_DIR = "/tmp/ray/session_latest/logs"  # where Ray logs when no --temp-dir moved it
 
 
 # ---- the GCS address -----------------------------------------------------------------------------
@@ -208,6 +209,18 @@ def head_ip(nodes: Iterable[RayNode], address: Optional[str] = None) -> Optional
         gcs = address
     host = (gcs or "").rpartition(":")[0]
     return host or None
+
+
+def logs_dir() -> str:
+    """This process's Ray session log folder (it follows `ray start --temp-dir`), or Ray's default one
+    when this process is not connected or its Ray does not say."""
+    try:
+        import ray
+
+        node = getattr(ray._private.worker, "_global_node", None) or ray._private.worker.global_worker.node
+        return node.get_logs_dir_path()
+    except Exception:  # not connected, or an older/newer Ray without these internals
+        return DEFAULT_LOGS_DIR
 
 
 # ---- placement -----------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ LOG_TAIL_LINES = 20
 LOG_TIMEOUT_S = 5.0
 SETTLE_TIMEOUT_S = 90.0  # Ray marks a silent node dead after its health checks fail (~15-30 s by default)
 PROBE_TIMEOUT_S = 10.0
-LOG_DIR = "/tmp/ray/session_latest/logs"
 
 
 @dataclasses.dataclass
@@ -65,6 +64,7 @@ class Slot:
     actor_id: str = ""
     worker_id: str = ""
     pid: Optional[int] = None
+    log_dir: str = ray_api.DEFAULT_LOGS_DIR  # its node's Ray log folder (moved by `ray start --temp-dir`)
 
     def lost(self, step: Optional[int], reason: str) -> Lost:
         return Lost(index=self.index, host=self.host, ip=self.ip, node_id=self.node_id, step=step, reason=reason)
@@ -88,7 +88,8 @@ def describe_self(index: int) -> Dict[str, Any]:
 
     return {"index": index, "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
             "node_id": hexid("get_node_id", "node_id"), "actor_id": hexid("get_actor_id", "actor_id"),
-            "worker_id": hexid("get_worker_id", "worker_id"), "pid": os.getpid()}
+            "worker_id": hexid("get_worker_id", "worker_id"), "pid": os.getpid(),
+            "log_dir": ray_api.logs_dir()}
 
 
 # ---- the log ------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def log_tail(slot: Slot, lines: int = LOG_TAIL_LINES, timeout_s: float = LOG_TIM
 
 def log_location(slot: Slot) -> str:
     name = "worker-%s-*" % slot.worker_id if slot.worker_id else "worker-*-%s" % (slot.pid or "*")
-    return "%s:%s/%s.{out,err}" % (slot.ip, LOG_DIR, name)
+    return "%s:%s/%s.{out,err}" % (slot.ip, slot.log_dir, name)
 
 
 def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[int], log_shown: bool,
@@ -154,7 +155,7 @@ def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[
     saved = ("last complete checkpoint: step %d" % checkpoint_step if checkpoint_step is not None
              else "no complete checkpoint yet")
     where = "its log is printed above" if log_shown else (
-        "read its log on that node: %s" % log_location(slot) if slot else "read its log under %s on that node" % LOG_DIR)
+        "read its log on that node: %s" % log_location(slot) if slot else "read its log under %s on that node" % ray_api.logs_dir())
     others = ("process(es) %s ended with it (JAX stops the peers of a dead process), the rest were stopped"
               % ", ".join(str(i) for i in also)) if also else "the other processes were stopped"
     return ("JAX %s %s %s (%s; %s); %s; %s; rerun with --resume (from the last checkpoint) or pass "
@@ -412,5 +413,7 @@ def actor_error_message(err: BaseException, what: str = "an Alpa mesh worker") -
     cls = field("class_name") or ""
     where = ("on host %s (node IP %s, Ray node id %s%s)" % (host, ip, node_id, ", pid %s" % pid if pid else "")
              if node_id else "(Ray no longer knows its node%s)" % (": actor %s" % actor_id if actor_id else ""))
-    log = "%s:%s/worker-*-%s.out" % (ip, LOG_DIR, pid or "*") if node_id else "%s on that node" % LOG_DIR
+    # Only the actor record is left: the driver's own session folder is the best guess at its node's.
+    logs = ray_api.logs_dir()
+    log = "%s:%s/worker-*-%s.out" % (ip, logs, pid or "*") if node_id else "%s on that node" % logs
     return "%s%s died %s: %s; read its log at %s" % (what, " (%s)" % cls if cls else "", where, first_line(err), log)

@@ -100,7 +100,10 @@ def check_out(config, explicit_out: bool) -> None:
                 what = ", ".join(differ)
                 raise KitError(f"--resume: the checkpoint in {out} is of another model: {what}; "
                                "resume with the same model settings or use another --out")
-        _usable_checkpoint(out)
+        start = _usable_checkpoint(out)
+        if config.steps is not None and start > config.steps:
+            raise KitError(f"--resume: the checkpoint in {out} is at step {start}, already past --steps "
+                           f"{config.steps}; pass --steps above {start} to train on")
         return
     if latest is not None and not config.overwrite:
         raise KitError(f"--out {out} holds another run's checkpoints (steps up to {latest}); pass --resume to "
