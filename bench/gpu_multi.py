@@ -76,8 +76,9 @@ def run(cmd, env, timeout) -> tuple:
 
 # A variant of the kit for one run: tensor with sequence parallelism between blocks (the sequence
 # of the activations a block hands on split over "model" too; the kit's rules keep it whole).
-SEQUENCE_PARALLEL = ("import runpy, sys; import alpa_job.engines.sharding_rules as r; "
-                     "r.ACTIVATION_RULES['tensor'] = r.ACTIVATION_RULES['tensor'] + [('seq', 'model')]; "
+SEQUENCE_PARALLEL = ("import dataclasses, runpy, sys; import alpa_job.strategies as s; "
+                     "s.STRATEGIES['tensor'] = dataclasses.replace(s.TENSOR, activation_rules="
+                     "s.TENSOR.activation_rules + [('seq', 'model')]); "
                      "sys.argv = ['alpa_job'] + sys.argv[1:]; runpy.run_module('alpa_job', run_name='__main__')")
 
 

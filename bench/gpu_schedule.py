@@ -106,7 +106,7 @@ def main() -> None:
     from jax.experimental import topologies
 
     from alpa_job.engines import jax_engine, memory_fit
-    from alpa_job.engines.sharding_rules import MESH_AXES
+    from alpa_job.strategies import MESH_AXES
     from alpa_job.record import jax_program
     from gpu_common import GPT_CASES, gpt_case, save_result
 

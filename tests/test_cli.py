@@ -197,20 +197,6 @@ def test_help_teaches_groups_defaults_examples_and_exit_codes():
         assert silent == [], f"every {name} flag has a description"
 
 
-def test_validate_mirrors_the_engines_rules():
-    """validate.py repeats the tensor mesh rule to stay import-free (no flax/jax before Ray); they must agree."""
-    from alpa_job.engines.sharding_rules import mesh_shape_for
-    from alpa_job.settings.validate import tensor_model_size
-
-    for devices in (1, 2, 3, 4, 6, 8, 12):
-        for mp in (0, 1, 2, 4):
-            if mp and devices % mp:
-                continue
-            for per_process in (None, *(p for p in (1, 2, 3, 4) if devices % p == 0)):
-                assert tensor_model_size(devices, mp, per_process) == mesh_shape_for("tensor", devices, mp,
-                                                                                     per_process)[1]
-
-
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     """Two small in-process runs (data and tensor) into runs/ under a fresh folder, as a user makes them."""

@@ -161,7 +161,7 @@ from alpa_job.settings.config import JobConfig
 from alpa_job.models import get_model
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.engines.optimizer import schedule_steps
-from alpa_job.engines.sharding_rules import auto_candidates
+from alpa_job.strategies import auto_candidates
 from alpa_job.train.loop import prepare_data
 config = JobConfig(model="mlp", hidden_dim=32, num_samples=64, batch_size=16, steps=2, strategy="auto",
                    auto_trial_steps=1, compile_cache=%r, address="none").validated()

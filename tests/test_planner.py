@@ -161,7 +161,7 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
 
 
 def test_prefilter_drops_what_cannot_fit_or_is_slow():
-    from alpa_job.engines.sharding_rules import auto_candidates
+    from alpa_job.strategies import auto_candidates
     from alpa_job.planner.prefilter import drop_candidates
     from alpa_job.settings import config as config_lib
 

@@ -1,11 +1,13 @@
-"""Sharding as data: the batch's mesh axis comes from the strategy's rules, as the parameters' do."""
+"""Sharding as data: the batch's mesh axis comes from the strategy's record, as the parameters' do."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from jax.sharding import PartitionSpec
 
 from alpa_job.data import epoch_batches, synthetic
-from alpa_job.engines import sharding_rules
+from alpa_job import strategies
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.errors import KitError
 from alpa_job.models import get_model
@@ -20,19 +22,20 @@ def _mlp_engine(strategy: str, mesh_shape):
     return JaxEngine(config, get_model(config), batch, strategy, mesh_shape)
 
 
-@pytest.mark.parametrize("strategy", sorted(sharding_rules.STRATEGY_RULES))
+@pytest.mark.parametrize("strategy", sorted(strategies.STRATEGIES))
 def test_every_strategy_splits_the_batch_over_data(strategy):
-    assert sharding_rules.batch_mesh_axis(sharding_rules.STRATEGY_RULES[strategy]) == "data"
+    assert strategies.batch_mesh_axis(strategies.get(strategy).param_rules) == "data"
 
 
 def test_rules_without_a_batch_rule_are_refused_naming_the_fix():
     with pytest.raises(KitError, match=r"without a \('batch', mesh axis\) rule.*add one"):
-        sharding_rules.batch_mesh_axis([(EMBED, "data")])
+        strategies.batch_mesh_axis([(EMBED, "data")])
 
 
 def test_the_engine_reads_the_batch_rule(monkeypatch):
     # A strategy whose rules put the batch on "model": the engine's batch sharding must follow the data.
-    monkeypatch.setitem(sharding_rules.STRATEGY_RULES, "tensor", [(BATCH, "model"), (MLP, "data")])
+    monkeypatch.setitem(strategies.STRATEGIES, "tensor",
+                        dataclasses.replace(strategies.TENSOR, param_rules=[(BATCH, "model"), (MLP, "data")]))
     engine = _mlp_engine("tensor", (2, 4))
     assert engine.batch_sharding.spec == PartitionSpec("model")
     assert _mlp_engine("data", (8, 1)).batch_sharding.spec == PartitionSpec("data")
@@ -42,7 +45,9 @@ def test_tensor_keeps_its_default_model_axis_inside_one_process():
     """Each process reads only its own batch rows, so tensor's default model axis divides one process's
     devices: 3 hosts x 2 GPUs get 3x2 (2x3 would need rows another process read); one process keeps the
     largest of 4, 3, 2 that divides all its devices; an explicit --model-parallel is taken as given."""
-    mesh_shape_for = sharding_rules.mesh_shape_for
+    def mesh_shape_for(name, devices, model_parallel=0, devices_per_process=None):
+        return strategies.get(name).mesh_shape(devices, model_parallel, devices_per_process)
+
     assert mesh_shape_for("tensor", 6) == (2, 3)
     assert mesh_shape_for("tensor", 6, devices_per_process=2) == (3, 2)
     assert mesh_shape_for("tensor", 16, devices_per_process=8) == (4, 4)
@@ -66,3 +71,24 @@ def test_the_driver_refuses_a_tensor_model_axis_across_processes_before_any_acto
         check_divisibility(config(strategy="tensor", model_parallel=3), 6, devices_per_process=2)
     check_divisibility(config(strategy="tensor"), 6, devices_per_process=2)  # default: 3x2
     check_divisibility(config(strategy="data", batch_size=100), 5, devices_per_process=2)  # nodes of 2, 2 and 1
+
+
+def test_no_jax_strategy_is_special_cased_by_name_outside_its_record():
+    """A strategy is one record (alpa_job/strategies.py) that every reader takes: a branch on a JAX strategy's
+    name anywhere else would be a second definition (the Alpa engine's own strategy names are its own)."""
+    import os
+    import re
+
+    package = os.path.dirname(strategies.__file__)
+    names = "|".join(strategies.STRATEGIES)
+    branch = re.compile(rf"strategy\)? *(==|!=|in|not in) *\(?\"({names})\"|\"({names})\" *(==|!=|in) ")
+    found = []
+    for root, _dirs, files in os.walk(package):
+        for name in files:
+            path = os.path.join(root, name)
+            if not name.endswith(".py") or path in (strategies.__file__, os.path.join(package, "engines", "alpa_engine.py")):
+                continue
+            found += [f"{os.path.relpath(path, package)}:{n}: {line.strip()}"
+                      for n, line in enumerate(open(path), 1) if branch.search(line)]
+    assert found == [], "\n".join(found)
+    assert re.search(branch, 'if config.strategy == "tensor":')  # the check sees the shape it forbids

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from alpa_job import api
+from alpa_job import api, strategies
 from alpa_job.engines import xla_options
 from alpa_job.engines.jax_engine import resolve_spec
 from alpa_job.record.trace_summary import collective_kind, summarise_events
@@ -37,7 +37,7 @@ def test_profile_traces_the_named_steps_and_reports_their_communication(tmp_path
         report = json.load(f)
     profile = report["timing"]["profile"]
     # fsdp's step compiled with its collective combine thresholds, and the loop never compiled it again.
-    assert report["compiler_options"] == xla_options.STRATEGY_OPTIONS["fsdp"]
+    assert report["compiler_options"] == dict(strategies.FSDP.compiler_options)
     assert report["backend_compiles_during_loop"] == 0
     assert profile["steps"] == [3, 4]
     assert os.path.isfile(profile["trace"]) and profile["trace"].endswith(".trace.json.gz")

@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 import numpy as np
 
+from alpa_job import strategies
 from alpa_job.engines import compile_cache, shallow_ranking
 from alpa_job.engines.executable_store import key_digest, step_key
 from alpa_job.engines.jax_engine import JaxEngine, make_mesh
-from alpa_job.engines.sharding_rules import auto_candidates
 from alpa_job.errors import KitError
 from alpa_job.progress import Progress, phase, timed
 
@@ -54,7 +54,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     """Return the fastest fitting engine (compiled) and the table of every candidate.
     `schedule_steps`: the learning-rate schedule's horizon (JaxEngine)."""
     budget = device_memory_budget(config.memory_limit_gb)
-    candidates = auto_candidates(len(jax.devices()), jax.local_device_count())
+    candidates = strategies.auto_candidates(len(jax.devices()), jax.local_device_count())
     saved = SavedSearch.open(config, schedule_steps, candidates, example_batch, budget)
     reused = saved.load() if saved is not None else None
     if reused is not None:

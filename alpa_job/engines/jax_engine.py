@@ -19,13 +19,13 @@ import numpy as np
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from alpa_job import strategies
 from alpa_job.engines import compile_cache, flops, memory_fit, model_checks, weight_reads, xla_options
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
-from alpa_job.engines.sharding_rules import (ACTIVATION_RULES, MAJOR_DIMENSION_FIRST, MESH_AXES, STRATEGY_RULES,
-                                            batch_mesh_axis, update_split_like)
+from alpa_job.strategies import MESH_AXES, batch_mesh_axis
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
@@ -58,8 +58,9 @@ class JaxEngine(Engine):
         super().__init__(strategy)
         self.config, self.model = config, model
         self.mesh = make_mesh(mesh_shape)
-        self.rules = STRATEGY_RULES[strategy]
-        self.activation_rules = ACTIVATION_RULES.get(strategy, ACTIVATION_RULES["data"])
+        self.strategy_record = strategies.get(strategy)  # the strategy's one record: rules, update split, XLA options
+        self.rules = self.strategy_record.param_rules
+        self.activation_rules = self.strategy_record.activation_rules
         self.compiler_options = xla_options.compiler_options(strategy)  # the step's, in the report too
         # Before anything compiles: a second identical run loads the executables (compile_cache.py).
         self.stats.compile_cache_dir = compile_cache.enable(
@@ -97,9 +98,9 @@ class JaxEngine(Engine):
     def _state_sharding(self, strategy: str, config, unboxed):
         """Each state leaf's NamedSharding: `strategy`'s split. Weight-update sharding: the parameters and
         the optimizer state split between steps as another strategy splits them (the step pins the gradients
-        to the parameters' split so XLA reduce-scatters them; sharding_rules.UPDATE_SPLIT_LIKE says why)."""
+        to the parameters' split so XLA reduce-scatters them; strategies.DATA says why)."""
         sharding = self._split_as(strategy, self.logical_specs, unboxed)
-        update_like = update_split_like(strategy, config.data_update)
+        update_like = self.strategy_record.update_split(config.data_update)
         if update_like is not None:
             sharding = sharding.replace(
                 params=self._split_as(update_like, self.logical_specs.params, unboxed.params),
@@ -108,9 +109,10 @@ class JaxEngine(Engine):
 
     def _split_as(self, strategy: str, logical_specs, leaves):
         """Each leaf's NamedSharding on this mesh, as `strategy`'s rules split it."""
+        split = strategies.get(strategy)
         return jax.tree_util.tree_map(
             lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(
-                logical, leaf.shape, STRATEGY_RULES[strategy], self.mesh, strategy in MAJOR_DIMENSION_FIRST)),
+                logical, leaf.shape, split.param_rules, self.mesh, split.major_dimension_first)),
             logical_specs, leaves, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     @property
@@ -175,7 +177,7 @@ class JaxEngine(Engine):
         def loss_fn(params):
             return model.masked_loss(params, state.batch_stats, batch)
 
-        if update_split_like(self.strategy, self.config.data_update) is None:
+        if self.strategy_record.update_split(self.config.data_update) is None:
             (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         else:  # the split parameters' cast gathered first, the gradients reduce-scattered back to the split
             (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(self._gathered(state.params))
@@ -368,7 +370,7 @@ class JaxEngine(Engine):
     @contextlib.contextmanager
     def activation_layout(self):
         """While tracing: activations a model names with api.constrain are pinned to this strategy's
-        layout (sharding_rules.ACTIVATION_RULES), resolved like the parameters' (resolve_spec)."""
+        layout (its record's activation_rules), resolved like the parameters' (resolve_spec)."""
         def pin(x, axes):
             spec = resolve_spec(PartitionSpec(*axes), x.shape, self.activation_rules, self.mesh)
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -475,7 +477,7 @@ def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Me
     and only where the dimension divides evenly (a dim no mesh size divides stays whole, e.g.
     10 classes or 4 heads on 8 devices) - so every strategy compiles for every model.
     `major_first`: a mesh axis goes to the outermost dimension any of its rules names
-    (sharding_rules.MAJOR_DIMENSION_FIRST says why), not to the earliest rule's."""
+    (Strategy.major_dimension_first says why), not to the earliest rule's."""
     names = list(logical) + [None] * (len(shape) - len(logical))
     assigned: list = [None] * len(shape)
     used = set()

@@ -19,6 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
+from alpa_job import strategies
 from alpa_job.errors import KitError
 
 FRACTION = 0.9
@@ -100,9 +101,8 @@ def _check(need: int, what: str, strategy: str, mesh_shape: Tuple[int, ...], dev
 
 def _ways_out(strategy: str, batch: bool, stronger_remat: Sequence[str] = ()) -> str:
     ways = [f"--remat {' / '.join(stronger_remat)} (keeps fewer activations)"] if stronger_remat else []
-    ways += [f"--strategy {s} ({why})" for s, why in (("fsdp", "shards the state over the devices"),
-                                                      ("tensor", "splits the layers over a model axis"))
-             if s != strategy]
+    ways += [f"--strategy {s.name} ({s.memory_relief})" for s in strategies.STRATEGIES.values()
+             if s.memory_relief and s.name != strategy]
     ways.append("fewer layers or a smaller model (--num-layers, --d-model / --hidden-dim)")
     if batch:
         ways.append("a smaller --batch-size")

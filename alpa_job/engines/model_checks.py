@@ -14,10 +14,9 @@ from typing import Any, Dict
 import jax
 from jax.sharding import PartitionSpec
 
+from alpa_job import strategies
 from alpa_job.errors import KitError
 from alpa_job.models import is_built_in
-
-SPLITTING_STRATEGIES = ("fsdp", "tensor")
 
 
 def check_batch_field(model, example: Dict[str, Any]) -> None:
@@ -49,7 +48,7 @@ def check_loss_shape(model, abstract_state, example: Dict[str, Any]) -> None:
 
 def check_logical_axes(model_name: str, strategy: str, logical_params, abstract_params) -> None:
     """Under fsdp/tensor, the first weight (2 or more dimensions) that names no logical axis is an error."""
-    if strategy not in SPLITTING_STRATEGIES:
+    if not strategies.get(strategy).splits_parameters:
         return
     is_spec = lambda x: isinstance(x, PartitionSpec) or x is None  # noqa: E731 - None: a leaf with no names
     specs = jax.tree_util.tree_leaves(logical_params, is_leaf=is_spec)

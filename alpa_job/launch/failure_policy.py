@@ -17,6 +17,7 @@ import dataclasses
 import time
 from typing import Callable, Iterable, List, Optional, Sequence, Set
 
+from alpa_job import strategies
 from alpa_job.errors import KitError
 from alpa_job.launch.failures import Lost
 
@@ -67,19 +68,11 @@ def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], min_cpus: float = 1.0,
     return out
 
 
-def data_axis(strategy: str, devices: int, model_parallel: int = 0, devices_per_process: Optional[int] = None) -> int:
-    from alpa_job.engines.sharding_rules import mesh_shape_for  # the engine's own mesh rule (imports jax)
-
-    if strategy == "auto":
-        return devices  # auto's candidates all keep the whole data axis at least as a divisor
-    return mesh_shape_for(strategy, devices, model_parallel, devices_per_process)[0]
-
-
 def check_batch_divides(batch_size: int, processes: int, devices_per_process: int, strategy: str,
                         model_parallel: int = 0, before: Optional[int] = None) -> int:
     """The data axis of `processes` x `devices_per_process` devices; a KitError when the global batch
     does not divide it (the batch never changes on a restart: the data stream must stay the same)."""
-    data = data_axis(strategy, processes * devices_per_process, model_parallel, devices_per_process)
+    data = strategies.data_axis_size(strategy, processes * devices_per_process, model_parallel, devices_per_process)
     if batch_size % data:
         was = " (was %d process(es))" % before if before else ""
         raise KitError("cannot restart on %d process(es)%s: --batch-size %d is not divisible by the new data axis %d "

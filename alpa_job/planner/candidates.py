@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from alpa_job.engines.sharding_rules import auto_candidates
+from alpa_job import strategies as strategy_records
 from alpa_job.errors import KitError
 
 Candidate = Tuple[str, Tuple[int, int]]
 
 
 def plan_candidates(nodes: int, gpus_per_node: int, batch_size: int,
-                    strategies: Tuple[str, ...] = ("data", "fsdp", "tensor")) -> Tuple[List[Candidate], List[Dict]]:
+                    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES)) -> Tuple[List[Candidate], List[Dict]]:
     """(candidates to compile, rows of those skipped with a note)."""
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
     devices = nodes * gpus_per_node
-    every = [(s, m) for s, m in auto_candidates(devices, gpus_per_node) if s in strategies]
+    every = [(s, m) for s, m in strategy_records.auto_candidates(devices, gpus_per_node) if s in strategies]
     kept = [(s, m) for s, m in every if batch_size % m[0] == 0]
     skipped = [{"strategy": s, "mesh_shape": list(m),
                 "note": f"batch {batch_size} is not divisible by the data axis {m[0]}"} for s, m in every

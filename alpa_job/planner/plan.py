@@ -5,6 +5,7 @@ import datetime
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from alpa_job import strategies as strategy_records
 from alpa_job.errors import KitError
 from alpa_job.planner import candidates as candidates_lib, estimate, gpus, placement
 from alpa_job.planner.calibrate import plan_values
@@ -43,7 +44,7 @@ def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict
 
 def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], nodes: int,
               gpus_per_node: int, gpu: gpus.Gpu, network_gbps: float = DEFAULT_NETWORK_GBPS,
-              strategies: Tuple[str, ...] = ("data", "fsdp", "tensor"), model_parallel: int = 0,
+              strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES), model_parallel: int = 0,
               timeout_s: float = 1800.0, calibration: Optional[Dict[str, Any]] = None) -> PlanRecord:
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
@@ -57,7 +58,7 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
         if devices % model_parallel:
             raise KitError(f"--model-parallel {model_parallel} does not divide the {nodes} x {gpus_per_node} = "
                            f"{devices} devices; use a divisor of {devices}")
-        kept = [(s, m) for s, m in kept if s != "tensor" or m[1] == model_parallel]
+        kept = [(s, m) for s, m in kept if not strategy_records.get(s).model_axis or m[1] == model_parallel]
     request = {"preset": preset, "config": config_path, "devices": devices, "gpus_per_node": gpus_per_node,
                "candidates": [[s, list(m)] for s, m in kept], "cli_values": values}
     result = compile_in_worker(request, timeout_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
+from alpa_job import strategies as strategy_records
 from alpa_job.models import BUILT_IN, model_settings
 from alpa_job.settings.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT, PARALLELISM, POSITIVE,
                                        ModelArgs, Setting, Switch)
@@ -18,7 +19,7 @@ from alpa_job.settings.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT
 DATASETS = ("synthetic", "cifar10", "tokens", "array_record", "npz", "model")
 TOKEN_DTYPES = ("uint16", "uint32")
 ENGINES = ("auto", "jax", "alpa")
-STRATEGIES = ("data", "fsdp", "tensor", "auto")  # --engine jax
+STRATEGIES = (*strategy_records.STRATEGIES, strategy_records.AUTO)  # --engine jax
 ALPA_STRATEGIES = ("data", "shard", "pipeshard-manual", "pipeshard-auto")  # --engine alpa
 DTYPES = ("float32", "bfloat16")
 REMAINDER_POLICIES = ("drop", "pad")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, FrozenSet, Iterable, List, Optional, Tuple
 
+from alpa_job import strategies
 from alpa_job.data import cifar10_batch_files
 from alpa_job.data.open import FILE_DATASETS
 from alpa_job.errors import KitError
@@ -50,7 +51,7 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
         return f"it is read by --strategy pipeshard-manual only (this run: {strategy}); drop it or switch strategy"
     if name in ("pipeline_layers", "plan_cache") and engine == "alpa" and strategy != "pipeshard-auto":
         return f"it is read by --strategy pipeshard-auto only (this run: {strategy}); drop it or switch strategy"
-    if name == "model_parallel" and (engine != "jax" or strategy != "tensor"):
+    if name == "model_parallel" and (engine != "jax" or not _has_model_axis(strategy)):
         return (f"it sizes the model axis of --strategy tensor (this run: {engine}/{strategy}); "
                 "drop it or use --strategy tensor")
     if name in JAX_AUTO_ONLY and (engine != "jax" or strategy != "auto"):
@@ -137,17 +138,8 @@ def planned_devices(config: JobConfig, engine: str, address: str) -> Optional[in
     return None  # a cluster: known after the join (check_cluster_size)
 
 
-def tensor_model_size(devices: int, model_parallel: int, devices_per_process: Optional[int] = None) -> int:
-    """The model axis of `tensor` on `devices` devices: engines/sharding_rules.mesh_shape_for's rule, here
-    without its flax import (a test keeps the two in step)."""
-    if model_parallel == 0:
-        per_process = devices_per_process or devices
-        return max(m for m in (1, 2, 3, 4) if devices % m == 0 and per_process % m == 0)
-    if devices % model_parallel:
-        options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
-        raise KitError(f"--model-parallel {model_parallel} does not divide the {devices} devices; "
-                       f"use one of: {options}")
-    return model_parallel
+def _has_model_axis(strategy: str) -> bool:
+    return strategy in strategies.STRATEGIES and strategies.get(strategy).model_axis
 
 
 def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: Optional[int] = None,
@@ -160,8 +152,8 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
         return  # the search tries every mesh and skips the ones the batch does not divide
     data = _data_size(config, devices, devices_per_process)
     processes = devices // (devices_per_process or devices)
-    if config.strategy == "tensor" and data % processes:  # the engine's own check, before any actor starts
-        raise KitError(f"tensor with --model-parallel {config.model_parallel}: its data-parallel size {data} does not "
+    if _has_model_axis(config.strategy) and data % processes:  # the engine's own check, before any actor
+        raise KitError(f"{config.strategy} with --model-parallel {config.model_parallel}: its data-parallel size {data} does not "
                        f"give each of the {processes} processes its own rows of the batch; use a --model-parallel "
                        f"that divides one process's {devices_per_process} devices{where}")
     if config.batch_size % data:
@@ -177,9 +169,7 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
 
 
 def _data_size(config: JobConfig, devices: int, devices_per_process: Optional[int] = None) -> int:
-    model = tensor_model_size(devices, config.model_parallel, devices_per_process) \
-        if config.strategy == "tensor" else 1
-    return devices // model
+    return strategies.data_axis_size(config.strategy, devices, config.model_parallel, devices_per_process)
 
 
 def _divides_batch(config: JobConfig, devices: int) -> bool:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from alpa_job import progress, versions
+from alpa_job import progress, strategies, versions
 from alpa_job.train import timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine
@@ -67,7 +67,6 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
     from alpa_job.engines import auto_search
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.engines.optimizer import schedule_steps
-    from alpa_job.engines.sharding_rules import mesh_shape_for
 
     horizon = schedule_steps(config, data.epoch.steps)
     started = time.perf_counter()
@@ -78,8 +77,8 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
         engine.search_table = table
     else:
         engine = JaxEngine(config, model, data.example, config.strategy,
-                           mesh_shape_for(config.strategy, len(devices), config.model_parallel,
-                                          jax.local_device_count()),
+                           strategies.get(config.strategy).mesh_shape(len(devices), config.model_parallel,
+                                                                      jax.local_device_count()),
                            schedule_steps=horizon)
         with progress.timed(f"compiling train step ({config.model}, {config.strategy}, "
                             f"mesh {engine.mesh.devices.shape})"):

@@ -1,0 +1,159 @@
+"""One record per JAX strategy: everything the kit knows about `--strategy NAME` in one place.
+
+A `Strategy` holds its mesh axes' use, how it splits parameters and activations (logical axis -> mesh
+axis rules: data, not code), how the update is split between steps, the XLA options its step compiles
+with, how its mesh is shaped for N devices, and what the driver's and the engine's checks need to know.
+Every reader (the engine, settings' validation, memory advice, the planner, auto's search, the failure
+policy) takes these records; a new strategy is a new record, not new branches.
+
+Plain Python (no jax): the settings' checks run before jax is imported.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from alpa_job.api import BATCH, CHANNELS, CONV_IN, EMBED, HEADS, KV, MLP, SEQ, VOCAB
+from alpa_job.errors import KitError
+
+MESH_AXES = ("data", "model")  # every strategy's mesh has these two named axes; sizes may be 1
+
+LogicalRules = List[Tuple[str, str]]
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """What `--strategy name` means. Rules are tried in order; a mesh axis is used at most once per array
+    (flax's logical_to_mesh semantics), so order picks which dimension of a parameter a strategy splits."""
+
+    name: str
+    summary: str  # one line: what it does (help texts, memory advice)
+    param_rules: LogicalRules  # parameters (and so their optimizer state)
+    activation_rules: LogicalRules  # activations a model names with api.constrain
+    # Split a parameter's outermost dimension among those the rules name, rather than the earliest rule's:
+    # for strategies that gather every parameter before use (contiguous copies along the outermost one).
+    major_dimension_first: bool = False
+    # Weight-update sharding: under --data-update sharded, the strategy whose split the parameters, the
+    # optimizer state and the gradients take between steps (None: as this one splits them).
+    update_split_like: Optional[str] = None
+    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # jax.jit(compiler_options=)
+    # Its parameters are split by their logical axes: a large parameter without names is refused.
+    splits_parameters: bool = False
+    # Has a "model" mesh axis, kept inside one process's devices (each process reads only its own batch rows).
+    model_axis: bool = False
+    # Offered to a user whose state does not fit another strategy (memory advice): why it helps.
+    memory_relief: Optional[str] = None
+
+    def mesh_shape(self, num_devices: int, model_parallel: int = 0,
+                   devices_per_process: Optional[int] = None) -> Tuple[int, int]:
+        """(data, model) sizes on `num_devices` devices, `devices_per_process` each (default: all in one).
+        A model axis defaults to the largest size <= 4 that divides one process's devices: it must not span
+        processes, and inside one node it runs over the fastest links."""
+        if not self.model_axis:
+            return (num_devices, 1)
+        if model_parallel == 0:
+            per_process = devices_per_process or num_devices
+            model_parallel = max(m for m in (1, 2, 3, 4) if num_devices % m == 0 and per_process % m == 0)
+        if num_devices % model_parallel != 0:
+            raise KitError(f"--model-parallel {model_parallel} does not divide the {num_devices} devices; "
+                           f"use one of: {', '.join(str(d) for d in divisors(num_devices))}")
+        return (num_devices // model_parallel, model_parallel)
+
+    def candidate_meshes(self, num_devices: int, devices_per_process: Optional[int] = None) -> List[Tuple[int, int]]:
+        """Every mesh `auto` and the planner try: a model axis only inside one process's devices."""
+        if not self.model_axis:
+            return [(num_devices, 1)]
+        return [(num_devices // m, m) for m in divisors(devices_per_process or num_devices) if m > 1]
+
+    def update_split(self, data_update: str) -> Optional[str]:
+        """The strategy whose split the state takes between steps, where it differs from the forward's."""
+        return self.update_split_like if data_update == "sharded" else None
+
+
+# XLA combines FSDP-style gathers and reduce-scatters only up to a size threshold, by default well under
+# one GPT layer's weights, so each layer costs several NCCL calls, each taking SMs from the matmuls beside
+# it. Combining several layers' collectives (JAX-Toolbox recommends thresholds of at least a layer's
+# weights) keeps the bytes and cuts the calls. All-reduces (data's replicated update) measured no faster
+# with larger thresholds: these options leave them alone.
+_COMBINE_BYTES = 512 * 2 ** 20  # several GPT-24L layers' bf16 weights (about 100 MB each) per collective
+COMBINED_GATHERS = {"xla_gpu_all_gather_combine_threshold_bytes": _COMBINE_BYTES,
+                    "xla_gpu_reduce_scatter_combine_threshold_bytes": _COMBINE_BYTES}
+
+DATA = Strategy(
+    name="data",
+    summary="whole parameters in the step, the batch split over every device",
+    param_rules=[(BATCH, "data")],
+    activation_rules=[(BATCH, "data")],
+    # Weight-update sharding (Xu et al.; Megatron-LM's distributed optimizer): the fp32 parameters and the
+    # optimizer state stay split between steps as fsdp splits them. Each step begins by gathering the
+    # parameters whole, in the dtype the model reads them in, runs the whole forward and backward on every
+    # device, and reduce-scatters the gradients; each device updates its share. Unlike fsdp, the backward
+    # never gathers again.
+    update_split_like="fsdp",
+    compiler_options=COMBINED_GATHERS,  # its sharded update gathers and reduce-scatters as fsdp does
+)
+
+FSDP = Strategy(
+    name="fsdp",
+    summary="ZeRO-3 / FSDP: every parameter and its optimizer state split over the devices",
+    # channels before conv_in: a stem conv has 3 input channels, which no device count divides.
+    param_rules=[(BATCH, "data"), (EMBED, "data"), (MLP, "data"), (CHANNELS, "data"), (VOCAB, "data"),
+                 (HEADS, "data"), (KV, "data"), (CONV_IN, "data"), (SEQ, "data")],
+    # No activation's model width is split: that is what makes XLA gather each layer's parameters rather
+    # than reshard the activations to match the split parameters.
+    activation_rules=[(BATCH, "data")],
+    major_dimension_first=True,
+    compiler_options=COMBINED_GATHERS,
+    splits_parameters=True,
+    memory_relief="shards the state over the devices",
+)
+
+TENSOR = Strategy(
+    name="tensor",
+    summary="Megatron: feed-forward inner width, attention heads, conv channels and vocab over a model axis",
+    param_rules=[(BATCH, "data"), (MLP, "model"), (HEADS, "model"), (CHANNELS, "model"), (VOCAB, "model")],
+    # The MLP's and attention's inner widths over "model" (one all-reduce after each half of a block). The
+    # sequence stays whole between blocks: splitting it too (sequence parallelism) turns each all-reduce
+    # into a reduce-scatter and an all-gather of the same bytes that XLA could not hide either; slower.
+    activation_rules=[(BATCH, "data"), (MLP, "model"), (HEADS, "model"), (VOCAB, "model")],
+    splits_parameters=True,
+    model_axis=True,
+    memory_relief="splits the layers over a model axis",
+)
+
+STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (DATA, FSDP, TENSOR)}
+AUTO = "auto"  # not a record: the search over every record's candidate meshes
+
+
+def get(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise KitError(f"unknown JAX strategy {name!r}; use one of: {', '.join(STRATEGIES)}") from None
+
+
+def auto_candidates(num_devices: int, devices_per_process: Optional[int] = None) -> List[Tuple[str, Tuple[int, int]]]:
+    """Every strategy x mesh shape the `auto` search (and the planner) tries."""
+    return [(s.name, mesh) for s in STRATEGIES.values() for mesh in s.candidate_meshes(num_devices, devices_per_process)]
+
+
+def data_axis_size(name: str, num_devices: int, model_parallel: int = 0,
+                   devices_per_process: Optional[int] = None) -> int:
+    """How many ways the batch is split: the mesh's data axis (auto: every candidate's divides the device
+    count, so the whole count is the one to check)."""
+    if name == AUTO:
+        return num_devices
+    return get(name).mesh_shape(num_devices, model_parallel, devices_per_process)[0]
+
+
+def batch_mesh_axis(rules: LogicalRules) -> str:
+    """The mesh axis a strategy splits the batch's rows over: its rule for the logical `batch` axis."""
+    axis = next((mesh_axis for logical_name, mesh_axis in rules if logical_name == BATCH), None)
+    if axis is None:
+        raise KitError(f"a sharding rule list without a ({BATCH!r}, mesh axis) rule cannot split the batch; "
+                       f"add one, e.g. ({BATCH!r}, {MESH_AXES[0]!r})")
+    return axis
