@@ -54,6 +54,9 @@ def _check_report(ray_cluster, report):
     assert s["devices"] == 6 and s["processes"] == 3 and s["hosts"] == 3
     assert report["compiles"] == 1 and s["one_compile"] is True
     assert report["strategy"] == "data" and report["steps"] == 5
+    network = report["network_traffic"]  # data's gathers and reduce-scatters span the three hosts
+    assert network["hosts"] == 3 and network["across_hosts_bytes"] > 0 and network["within_host_bytes"] > 0
+    assert network["collectives_across_hosts"] > 0 and network["groups_read"], network
     coordinator = "%s:%d" % (ray_cluster.head_ip, ray_cluster.spec.jax_coordinator_port)
     procs = sorted(report["processes"], key=lambda p: p["id"])
     assert [p["id"] for p in procs] == [0, 1, 2]

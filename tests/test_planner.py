@@ -14,6 +14,7 @@ import pytest
 
 from alpa_job import cli
 from alpa_job.planner import estimate, gpus, placement
+from alpa_job.record import traffic
 from alpa_job.planner.calibrate import cpu_features, request_for
 from alpa_job.planner.run_worker import compile_in_worker
 from alpa_job.record.plan_record import load_plan_schema
@@ -44,19 +45,19 @@ def test_state_bytes_collectives_and_flops_equal_a_real_engine_on_8_devices():
 
 
 def test_replica_group_formats_and_traffic_split():
-    assert placement.replica_groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
-    assert placement.replica_groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert placement.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert traffic.replica_groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
+    assert traffic.replica_groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert traffic.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, x"
-    assert placement.replica_groups(mesh, 8) == [[0, 1], [4, 5], [2, 3], [6, 7]] or \
-        sorted(map(sorted, placement.replica_groups(mesh, 8))) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert placement.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert traffic.replica_groups(mesh, 8) == [[0, 1], [4, 5], [2, 3], [6, 7]] or \
+        sorted(map(sorted, traffic.replica_groups(mesh, 8))) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert traffic.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # 8 devices, 4 a node: a group inside a node uses NVLink only; one device a node uses the network only.
-    inside = placement.traffic("all-reduce", 1000, [[0, 1, 2, 3], [4, 5, 6, 7]], 8, 4)
+    inside = traffic.traffic("all-reduce", 1000, [[0, 1, 2, 3], [4, 5, 6, 7]], 8, 4)
     assert (inside.nvlink_bytes, inside.network_bytes) == (1500.0, 0.0)
-    across = placement.traffic("all-reduce", 1000, [[0, 4], [1, 5], [2, 6], [3, 7]], 8, 4)
+    across = traffic.traffic("all-reduce", 1000, [[0, 4], [1, 5], [2, 6], [3, 7]], 8, 4)
     assert (across.nvlink_bytes, across.network_bytes) == (0.0, 1000.0)
-    both = placement.traffic("all-gather", 800, [list(range(8))], 8, 4)
+    both = traffic.traffic("all-gather", 800, [list(range(8))], 8, 4)
     assert (both.nvlink_bytes, both.network_bytes) == (600.0, 100.0)
     assert placement.node_axes((2, 4), 4) == {"model": "inside a node", "data": "across nodes"}
 

@@ -25,6 +25,7 @@ from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
+from alpa_job.record import traffic
 from alpa_job.strategies import MESH_AXES, batch_mesh_axis
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
@@ -424,7 +425,19 @@ class JaxEngine(Engine):
         }
 
     def extra_report(self) -> Dict[str, Any]:
-        return {"search": self.search_table, "compiler_options": self.compiler_options or None}
+        return {"search": self.search_table, "compiler_options": self.compiler_options or None,
+                "network_traffic": self.network_traffic()}
+
+    def network_traffic(self) -> Optional[Dict[str, Any]]:
+        """What one train step sends per device within its host and across hosts: the compiled step's
+        collectives, their replica groups read from its HLO, each device's host its JAX process (one a
+        node). None before the step is compiled."""
+        if not self.stats.hlo_texts:
+            return None
+        devices = list(self.mesh.devices.flat)
+        node_of = [d.process_index for d in devices]
+        rows = traffic.step_traffic(self.stats.hlo_texts[0], len(devices), jax.local_device_count(), node_of)
+        return {"hosts": len(set(node_of)), **traffic.summary(rows)}
 
     # ----- checks that turn XLA errors into one-line fixes ---------------------------------------
     def _check_batch_rows_per_process(self) -> None:

@@ -25,6 +25,14 @@ def _cell(value: object) -> str:
     return "" if value is None else str(value)
 
 
+def network_text(network: dict) -> str:
+    """One line: what a step sends across hosts (the network) and within one."""
+    across = network["collectives_across_hosts"]
+    return (f"{human_bytes(network['across_hosts_bytes'])} across hosts ({across} of {network['collectives']} "
+            f"collectives cross, {network['hosts']} host(s)), {human_bytes(network['within_host_bytes'])} within a host"
+            + ("" if network["groups_read"] else "; some replica groups unread: counted as spanning every device"))
+
+
 def summary_pairs(record: RunRecord) -> List[tuple]:
     s = record.summary
     pairs = [
@@ -40,6 +48,8 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         pairs.append(("XLA options (strategy's)", ", ".join(
             f"{name}={human_bytes(value) if name.endswith('_bytes') else value}"
             for name, value in sorted(record.compiler_options.items()))))
+    if record.network_traffic:
+        pairs.append(("traffic per device per step", network_text(record.network_traffic)))
     pairs += [
         ("steps", record.steps),
         ("samples seen / dropped", f"{record.samples_seen} / {record.samples_dropped}"),

@@ -3,7 +3,7 @@
 The JAX engine builds the abstract sharded state and lowers and compiles the step exactly as a run
 would (only its check that the state fits this host's RAM is off: the plan checks against the GPU).
 Read from it: state bytes per device (the shardings), XLA's memory analysis, the step's model FLOPs
-(its jaxpr) and every collective of the compiled HLO with its replica groups (placement.py).
+(its jaxpr) and every collective of the compiled HLO with its replica groups (record/traffic.py).
 Runs in the worker process (worker.py), whose device count was set before jax was imported.
 """
 from __future__ import annotations
@@ -12,8 +12,7 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from alpa_job.engines.jax_engine import JaxEngine
-from alpa_job.planner import placement
-from alpa_job.record import hlo
+from alpa_job.record import hlo, traffic
 
 
 class PlanEngine(JaxEngine):
@@ -30,7 +29,7 @@ def compile_candidate(config, model, example: Dict[str, Any], strategy: str, mes
     stats = engine.compile_step()
     text = stats.hlo_texts[0]
     num_devices = mesh_shape[0] * mesh_shape[1]
-    rows = placement.step_traffic(text, num_devices, gpus_per_node)
+    rows = traffic.step_traffic(text, num_devices, gpus_per_node)
     by_kind: Dict[str, Dict[str, Any]] = {k: {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0}
                                           for k in hlo.COLLECTIVE_KINDS}
     for row in rows:

@@ -4,7 +4,8 @@ Training (any engine) produces it; the readers in `alpa_job.inspect` render it. 
 
 - run_record.py: the typed record (`RunRecord` and its parts) and its schema, report.schema.json;
 - plan.py: the engine-neutral parallel plan (per-leaf sharding, labels, meshes);
-- hlo.py: collectives counted in compiled HLO text;
+- hlo.py: collectives counted in compiled HLO text; traffic.py: each one's replica groups and the bytes
+  it sends within a node and across nodes (the plan's and a run's network_traffic);
 - alpa_dump.py: an Alpa `dump_debug_info` folder -> the plan; alpa_live.py: a live Alpa executable -> the plan;
 - jax_program.py: a JAX program's arrays and shardings -> the plan, and XLA's memory analysis (jax imported
   inside its functions: the JAX engine's report and `inspect.plan_of` share it);

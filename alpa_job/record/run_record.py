@@ -265,6 +265,8 @@ class ProcessResult:
     alpa_method: Optional[Dict[str, Any]] = None  # the Alpa method settings (strategy, micro batches, ...)
     plan_cache: Optional[Dict[str, Any]] = None  # Alpa pipeshard-auto plan cache decision
     compiler_options: Optional[Dict[str, Any]] = None  # XLA options the JAX step compiled with (xla_options)
+    # Per device per train step: bytes sent within its host and across hosts (record/traffic.py's summary).
+    network_traffic: Optional[Dict[str, Any]] = None
     process: ProcessInfo = dataclasses.field(default_factory=ProcessInfo)
     devices: DeviceInfo = dataclasses.field(default_factory=DeviceInfo)
     versions: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)
