@@ -1,7 +1,11 @@
 """Shared pytest configuration. Fixtures live in tests/fixtures_*.py; list yours below."""
+import functools
 import os
+import re
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
+
+import pytest
 
 # In-process engine tests see 8 emulated CPU devices; must be set before anything imports jax.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -19,3 +23,49 @@ pytest_plugins = [
     "fixtures_multihost",  # mgmt_cluster (2 hosts with a management NIC), run_doctor helper
     "fixtures_ssh",  # ssh_bed: sshd inside 3 test-bed hosts (Ansible over real SSH)
 ]
+
+
+# ---- running in parallel (pytest-xdist, `-n 2` in pyproject.toml) -------------------------------------
+# Every module that builds test beds (or images, or a site from them) runs on ONE worker, one after the
+# other: two beds' Ray clusters side by side only slow each other on two cores, and the beds share a
+# machine-wide lock and image cache. The other worker takes the rest, a module at a time (its module-scoped
+# fixtures built once), heaviest first. Found from the source, so a new test-bed module joins the lane.
+BED_USE = re.compile(r"mark\.testbed\b|[(,]\s*testbed\s*[,)]"  # the marker, the `testbed` fixture as an argument,
+                     r"|\b(testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|site_bed|podman_env|cpu_image)\b")
+BED_LANE = "test-bed"
+SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
+
+
+@functools.lru_cache(maxsize=None)
+def _uses_beds(module_path: str) -> bool:
+    try:
+        return bool(BED_USE.search(Path(module_path).read_text()))
+    except OSError:
+        return False
+
+
+def group_of(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return BED_LANE if _uses_beds(str(REPO_ROOT / module)) else PurePath(module).stem
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist (the Python 3.9 side) has no such hook
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to a worker, in collection order (xdist's own reordering is off in pyproject.toml)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heaviest groups first, so that the longest never starts last (a module keeps its own order)."""
+    weight: dict = {}
+    for item in items:
+        group = group_of(item.nodeid)
+        weight[group] = weight.get(group, 0) + (SLOW_TEST_WEIGHT if item.get_closest_marker("slow") else 1)
+    rank = {group: i for i, group in enumerate(sorted(weight, key=lambda g: -weight[g]))}
+    items.sort(key=lambda item: rank[group_of(item.nodeid)])

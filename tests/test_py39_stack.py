@@ -108,7 +108,8 @@ def test_alpa_image_lock_is_consistent(py39):
 
 def test_non_engine_tests_pass_on_py39_ray21(py39):
     env = {k: val for k, val in os.environ.items() if not k.startswith("PYTEST")}
-    result = subprocess.run([py39, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not testbed",
+    # addopts replaced: pyproject's run the suite with pytest-xdist, which this venv has no need of.
+    result = subprocess.run([py39, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider", "-m", "not testbed",
                              *NO_JAX_TESTS], cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
     tail = result.stdout[-6000:] + result.stderr[-3000:]
     assert result.returncode == 0, tail
