@@ -28,10 +28,9 @@ from alpa_job import progress, versions
 from alpa_job.cluster import ray_api
 from alpa_job.engines import alpa_guards as guards
 from alpa_job.engines import plan_cache as cache_lib
-from alpa_job.engines.base import CompileStats, Engine
+from alpa_job.engines.base import CompileStats, Engine, check_supported
 from alpa_job.errors import KitError
 from alpa_job.record.run_record import MemoryRecord
-from alpa_job.train.loop import check_supported
 
 ALPA_METHODS = ("data", "shard", "pipeshard-manual", "pipeshard-auto")
 

@@ -15,6 +15,7 @@ import abc
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from alpa_job.errors import KitError
 from alpa_job.record.hlo import count_collectives, merge_counts
 from alpa_job.record.plan import ParallelPlan
 
@@ -51,6 +52,13 @@ class CompileStats:
         if self.hlo_texts is None:
             return None
         return merge_counts(*(count_collectives(t) for t in self.hlo_texts))
+
+
+def check_supported(config, engine: Any) -> None:
+    """Refuse flags an engine (class or instance) cannot honour, before any time is spent."""
+    if (config.checkpoint_every or config.resume) and not getattr(engine, "checkpoints", True):
+        raise KitError(f"--checkpoint-every/--resume: the {getattr(engine, 'name', '?')} engine does not checkpoint "
+                       "(its state lives in the engine's own distributed arrays); drop the flags or use --engine jax")
 
 
 class EngineRunner(abc.ABC):

@@ -19,8 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from alpa_job import progress, strategies, versions
 from alpa_job.train import timing
 from alpa_job.data.pipeline import InputStream, Shard
-from alpa_job.engines.base import Engine
-from alpa_job.errors import KitError
+from alpa_job.engines.base import Engine, check_supported
 from alpa_job.record.run_record import ProcessResult
 from alpa_job.train.divergence import check_finite
 from alpa_job.train.evaluate import Evaluator
@@ -85,13 +84,6 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
             engine.compile()
     engine.stats.setup_phases["open_devices"] = opened
     return engine
-
-
-def check_supported(config, engine: Any) -> None:
-    """Refuse flags an engine (class or instance) cannot honour, before any time is spent."""
-    if (config.checkpoint_every or config.resume) and not getattr(engine, "checkpoints", True):
-        raise KitError(f"--checkpoint-every/--resume: the {getattr(engine, 'name', '?')} engine does not checkpoint "
-                       "(its state lives in the engine's own distributed arrays); drop the flags or use --engine jax")
 
 
 # ----------------------------------------------------------------------------- the process
