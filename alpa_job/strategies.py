@@ -11,14 +11,15 @@ Plain Python (no jax): the settings' checks run before jax is imported.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from alpa_job.api import BATCH, CHANNELS, CONV_IN, EMBED, HEADS, KV, MLP, SEQ, VOCAB
 from alpa_job.errors import KitError
 
-MESH_AXES = ("data", "model")  # every strategy's mesh has these two named axes; sizes may be 1
+MESH_AXES = ("data", "model")  # a strategy's two named mesh axes unless its record names others; sizes may be 1
 
-LogicalRules = List[Tuple[str, str]]
+MeshAxes = Union[str, Tuple[str, ...]]  # one mesh axis, or several a dimension is split over together
+LogicalRules = List[Tuple[str, MeshAxes]]
 
 
 def divisors(n: int) -> List[int]:
@@ -45,6 +46,10 @@ class Strategy:
     splits_parameters: bool = False
     # Has a "model" mesh axis, kept inside one process's devices (each process reads only its own batch rows).
     model_axis: bool = False
+    # Two-level: its second mesh axis is exactly one host's devices (one process per host), its first runs
+    # across hosts, so what the second axis sends stays on the host's fast links.
+    host_level: bool = False
+    mesh_axes: Tuple[str, str] = MESH_AXES
     # Offered to a user whose state does not fit another strategy (memory advice): why it helps.
     memory_relief: Optional[str] = None
 
@@ -53,6 +58,13 @@ class Strategy:
         """(data, model) sizes on `num_devices` devices, `devices_per_process` each (default: all in one).
         A model axis defaults to the largest size <= 4 that divides one process's devices: it must not span
         processes, and inside one node it runs over the fastest links."""
+        if self.host_level:
+            per_host = devices_per_process or num_devices
+            if num_devices % per_host:
+                raise KitError(f"--strategy {self.name} needs the same number of devices on every host: "
+                               f"{num_devices} devices do not split into hosts of {per_host}; "
+                               f"use --strategy fsdp or equal hosts")
+            return (num_devices // per_host, per_host)
         if not self.model_axis:
             return (num_devices, 1)
         if model_parallel == 0:
@@ -64,10 +76,23 @@ class Strategy:
         return (num_devices // model_parallel, model_parallel)
 
     def candidate_meshes(self, num_devices: int, devices_per_process: Optional[int] = None) -> List[Tuple[int, int]]:
-        """Every mesh `auto` and the planner try: a model axis only inside one process's devices."""
+        """Every mesh `auto` and the planner try: a model axis only inside one process's devices; a two-level
+        mesh only where it differs from a flat one (several hosts of several devices each)."""
+        if self.host_level:
+            per_host = devices_per_process or num_devices
+            several = 1 < per_host < num_devices and num_devices % per_host == 0
+            return [self.mesh_shape(num_devices, 0, per_host)] if several else []
         if not self.model_axis:
             return [(num_devices, 1)]
         return [(num_devices // m, m) for m in divisors(devices_per_process or num_devices) if m > 1]
+
+    def batch_ways(self, mesh_shape: Tuple[int, int]) -> int:
+        """How many ways the batch's rows are split on `mesh_shape`: the size of its batch mesh axes."""
+        sizes = dict(zip(self.mesh_axes, mesh_shape))
+        ways = 1
+        for axis in axes_of(batch_mesh_axis(self.param_rules)):
+            ways *= sizes[axis]
+        return ways
 
     def update_split(self, data_update: str) -> Optional[str]:
         """The strategy whose split the state takes between steps, where it differs from the forward's."""
@@ -125,7 +150,24 @@ TENSOR = Strategy(
     memory_relief="splits the layers over a model axis",
 )
 
-STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (DATA, FSDP, TENSOR)}
+HSDP = Strategy(
+    name="hsdp",
+    summary="hybrid sharded data parallel: fsdp among one host's devices, data parallel across hosts",
+    # FSDP's rules on the within-host axis: its gathers and reduce-scatters (every layer, twice a step) run
+    # over a host's fast links; across hosts only the gradients' all-reduce, once a step, as data's.
+    param_rules=[(BATCH, ("data", "fsdp")), (EMBED, "fsdp"), (MLP, "fsdp"), (CHANNELS, "fsdp"), (VOCAB, "fsdp"),
+                 (HEADS, "fsdp"), (KV, "fsdp"), (CONV_IN, "fsdp"), (SEQ, "fsdp")],
+    activation_rules=[(BATCH, ("data", "fsdp"))],
+    major_dimension_first=True,
+    compiler_options=COMBINED_GATHERS,
+    splits_parameters=True,
+    host_level=True,
+    mesh_axes=("data", "fsdp"),
+    # No memory advice: it shards over one host's devices, never more than fsdp does, and on one host it is
+    # fsdp; suggesting both would be noise.
+)
+
+STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (DATA, FSDP, TENSOR, HSDP)}
 AUTO = "auto"  # not a record: the search over every record's candidate meshes
 
 
@@ -147,11 +189,16 @@ def data_axis_size(name: str, num_devices: int, model_parallel: int = 0,
     count, so the whole count is the one to check)."""
     if name == AUTO:
         return num_devices
-    return get(name).mesh_shape(num_devices, model_parallel, devices_per_process)[0]
+    record = get(name)
+    return record.batch_ways(record.mesh_shape(num_devices, model_parallel, devices_per_process))
 
 
-def batch_mesh_axis(rules: LogicalRules) -> str:
-    """The mesh axis a strategy splits the batch's rows over: its rule for the logical `batch` axis."""
+def axes_of(mesh_axes: MeshAxes) -> Tuple[str, ...]:
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def batch_mesh_axis(rules: LogicalRules) -> MeshAxes:
+    """The mesh axis (or axes) a strategy splits the batch's rows over: its rule for the logical `batch` axis."""
     axis = next((mesh_axis for logical_name, mesh_axis in rules if logical_name == BATCH), None)
     if axis is None:
         raise KitError(f"a sharding rule list without a ({BATCH!r}, mesh axis) rule cannot split the batch; "

@@ -82,7 +82,8 @@ def test_job_submit_from_a_worker(ray_cluster):
 def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_on_one_winner(ray_cluster):
     """Six devices in three processes, each reading its own third of the batch: a tensor mesh whose model
     axis spans processes (2x3, 1x6) would need rows another process read (it used to fail the run:
-    "Invalid host data"), so auto tries tensor only inside a host. The three candidates are timed, and
+    "Invalid host data"), so auto tries tensor only inside a host, and hsdp as hosts x their devices.
+    The four candidates are timed, and
     every process takes process 0's times, so all train the one winner (processes on different programs
     would hang each other)."""
     report, _, _ = _submit(ray_cluster, "head", "--strategy", "auto", "--auto-trial-steps", "1",
@@ -90,8 +91,9 @@ def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_
     table = report["search"]
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
     timed = [row for row in table if row["step_time_s"]]
-    assert sorted(tuple(row["mesh_shape"]) for row in table) == [(3, 2), (6, 1), (6, 1)], table
-    assert len(timed) == 3, table
+    assert sorted((row["strategy"], tuple(row["mesh_shape"])) for row in table) == [
+        ("data", (6, 1)), ("fsdp", (6, 1)), ("hsdp", (3, 2)), ("tensor", (3, 2))], table
+    assert len(timed) == 4, table
     chosen = [row for row in table if row["chosen"]]
     assert len(chosen) == 1 and chosen[0]["step_time_s"] == min(row["step_time_s"] for row in timed)
     assert report["strategy"] == chosen[0]["strategy"] and report["mesh"]["shape"] == chosen[0]["mesh_shape"]
@@ -106,7 +108,7 @@ def test_auto_on_copies_on_three_hosts_every_process_ranks_alike_and_trains_one_
                            "--auto-rank-on", "copies", "--auto-trial-steps", "1", "--compile-cache", "none")
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
     timed = [row for row in report["search"] if row["step_time_s"]]
-    assert len(timed) == 3 and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
+    assert len(timed) == 4 and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
     chosen = [row for row in report["search"] if row["chosen"]]
     fastest = min(row["step_time_s"] for row in timed)
     ties = [row for row in timed if row["step_time_s"] <= fastest * 1.03]  # shallow_ranking.TIE
@@ -127,6 +129,18 @@ def test_tensor_on_three_hosts_keeps_its_model_axis_inside_each_host(ray_cluster
     assert p.returncode != 0
     assert "does not give each of the 3 processes its own rows of the batch" in p.stdout + p.stderr, p.stdout[-3000:]
     assert "JAX process" not in p.stdout + p.stderr  # refused before any started
+
+
+def test_hsdp_on_three_hosts_shards_within_each_host_and_trains_as_data_does(ray_cluster):
+    """Two-level: hsdp's mesh is hosts x their devices (3x2), its parameters split over each host's two
+    devices only, so some of its collectives stay inside a host; it computes data's losses."""
+    data, _, _ = _submit(ray_cluster, "head")
+    report, _, _ = _submit(ray_cluster, "head", "--strategy", "hsdp")
+    assert report["strategy"] == "hsdp" and report["mesh"] == {"shape": [3, 2], "axes": ["data", "fsdp"]}
+    assert report["summary"]["processes"] == 3 and report["compiles"] == 1
+    assert report["losses"] == pytest.approx(data["losses"], rel=1e-5)
+    network = report["network_traffic"]
+    assert network["hosts"] == 3 and 0 < network["collectives_across_hosts"] < network["collectives"], network
 
 
 def test_every_address_the_job_used_is_its_hosts_own(ray_cluster):

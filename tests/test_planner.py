@@ -123,12 +123,13 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
                            "--gpus-per-node", "4", "--num-layers", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "candidate 4/4" in proc.stderr  # progress per candidate
+    assert "candidate 5/5" in proc.stderr  # progress per candidate
     plan = json.loads((out / "plan.json").read_text())
     jsonschema.validate(plan, load_plan_schema())
     rows = plan["candidates"]
     assert {(r["strategy"], tuple(r["mesh_shape"])) for r in rows} == {
-        ("data", (8, 1)), ("fsdp", (8, 1)), ("tensor", (4, 2)), ("tensor", (2, 4))}  # model axis inside a node
+        ("data", (8, 1)), ("fsdp", (8, 1)), ("tensor", (4, 2)), ("tensor", (2, 4)),  # model axis inside a node
+        ("hsdp", (2, 4))}  # two-level: nodes x their GPUs
     ranked = sorted((r for r in rows if r["rank"]), key=lambda r: r["rank"])
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     assert plan["best"] is not None and plan["candidates"][plan["best"]]["rank"] == 1
@@ -136,6 +137,10 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     # data: the gradient all-reduce crosses nodes; tensor 2x4 keeps model in a node.
     assert by[("data", (8, 1))]["network_bytes"] > 0
     assert by[("tensor", (2, 4))]["axes"]["model"] == "inside a node"
+    # hsdp gathers inside a node and sends only its gradients' reduction across: fewer network bytes than fsdp
+    assert by[("hsdp", (2, 4))]["axes"] == {"data": "across nodes", "fsdp": "inside a node"}
+    assert 0 < by[("hsdp", (2, 4))]["network_bytes"] < by[("fsdp", (8, 1))]["network_bytes"]
+    assert "hsdp: no measured run yet" in " ".join(plan["assumptions"])
     assert plan["candidates"][plan["best"]]["params"]
     page = (out / "plan.html").read_text()
     assert "<svg" in page and "overlap" in page

@@ -26,7 +26,7 @@ from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
 from alpa_job.record import traffic
-from alpa_job.strategies import MESH_AXES, batch_mesh_axis
+from alpa_job.strategies import MESH_AXES, axes_of, batch_mesh_axis
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
@@ -37,13 +37,14 @@ class TrainState(train_state.TrainState):
     batch_stats: Any = None  # BatchNorm running statistics (wide_resnet); None elsewhere
 
 
-def make_mesh(mesh_shape: Tuple[int, int]) -> Mesh:
+def make_mesh(mesh_shape: Tuple[int, int], axis_names: Tuple[str, str] = MESH_AXES) -> Mesh:
+    """Devices in JAX's order, process-major: a row of a (hosts, devices per host) mesh is one host."""
     devices = jax.devices()
     need = mesh_shape[0] * mesh_shape[1]
     if need != len(devices):
         raise KitError(f"mesh {mesh_shape} needs {need} devices but {len(devices)} are visible; "
                        f"use --devices {need} or a mesh that multiplies to {len(devices)}")
-    return Mesh(np.asarray(devices).reshape(mesh_shape), MESH_AXES)
+    return Mesh(np.asarray(devices).reshape(mesh_shape), axis_names)
 
 
 class JaxEngine(Engine):
@@ -58,8 +59,8 @@ class JaxEngine(Engine):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         super().__init__(strategy)
         self.config, self.model = config, model
-        self.mesh = make_mesh(mesh_shape)
         self.strategy_record = strategies.get(strategy)  # the strategy's one record: rules, update split, XLA options
+        self.mesh = make_mesh(mesh_shape, self.strategy_record.mesh_axes)
         self.rules = self.strategy_record.param_rules
         self.activation_rules = self.strategy_record.activation_rules
         self.compiler_options = xla_options.compiler_options(strategy)  # the step's, in the report too
@@ -451,14 +452,14 @@ class JaxEngine(Engine):
         share = rows // processes
         for process, span in sorted(rows_by_process(self.batch_sharding, rows).items()):
             if span != (process * share, (process + 1) * share):
-                data = self.mesh.shape[self.batch_axis]
+                data = axis_size(self.mesh, self.batch_axis)
                 raise KitError(f"{self.strategy} on mesh {tuple(self.mesh.devices.shape)}: its data-parallel size "
                                f"{data} does not give each of the {processes} processes its own rows of the batch "
                                f"(process {process}'s devices hold rows {span[0]}-{span[1] - 1}); use a mesh whose "
                                f"data-parallel size is a multiple of {processes} (a smaller --model-parallel)")
 
     def _check_batch_divisible(self, batch: Dict[str, np.ndarray]) -> None:
-        data = self.mesh.shape[self.batch_axis]
+        data = axis_size(self.mesh, self.batch_axis)
         size = len(batch["mask"])
         if size % data:
             raise KitError(f"batch size {size} is not divisible by the data-parallel size {data}; "
@@ -484,6 +485,11 @@ def _named(fn: Callable, name: str) -> Callable:
     return step
 
 
+def axis_size(mesh: Mesh, mesh_axes) -> int:
+    """The number of ways `mesh_axes` (one mesh axis or several together) split a dimension."""
+    return int(np.prod([mesh.shape[a] for a in axes_of(mesh_axes)]))
+
+
 def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Mesh,
                  major_first: bool = False) -> PartitionSpec:
     """Map a leaf's logical axis names to mesh axes: rules in order, each mesh axis used once,
@@ -495,13 +501,14 @@ def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Me
     assigned: list = [None] * len(shape)
     used = set()
     for logical_name, mesh_axis in rules:
-        if mesh_axis in used or mesh.shape[mesh_axis] == 1:
+        size = axis_size(mesh, mesh_axis)
+        if used.intersection(axes_of(mesh_axis)) or size == 1:
             continue
         wanted = {n for n, axis in rules if axis == mesh_axis} if major_first else {logical_name}
         for dim, name in enumerate(names):
-            if name in wanted and assigned[dim] is None and shape[dim] % mesh.shape[mesh_axis] == 0:
+            if name in wanted and assigned[dim] is None and shape[dim] % size == 0:
                 assigned[dim] = mesh_axis
-                used.add(mesh_axis)
+                used.update(axes_of(mesh_axis))
                 break
     return PartitionSpec(*assigned)
 

@@ -83,7 +83,8 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
         "network bandwidth, and at least the part of links that compute cannot hide (links - compute)",
         "factors fitted to measured multi-GPU runs: " + ", ".join(
             f"{s} {f:.3f}" for s, f in sorted(constants.comm_factor.items())) +
-        f" (a factor < 1: the measured runs hid part of it behind compute); efficiency from the one-GPU runs",
+        f" (a factor < 1: the measured runs hid part of it behind compute); "
+        f"{_unfitted(rows, constants)}efficiency from the one-GPU runs",
         f"devices are placed node-major: device i on node i // {gpus_per_node}; each collective's nodes come from "
         "its replica groups in the compiled HLO (ring / hierarchical traffic per device)",
         f"GPU peak memory = state part of XLA's CPU estimate + its scratch x {constants.temp_ratio:.3f} (the GPU/CPU "
@@ -100,11 +101,19 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
         versions={"jax (compiling)": result.get("jax")})
 
 
+def _unfitted(rows: List[PlanCandidate], constants: estimate.Constants) -> str:
+    """The strategies no measured run fitted a factor for: they take the median of the fitted ones."""
+    names = sorted({r.strategy for r in rows} - set(constants.comm_factor))
+    return (f"{', '.join(names)}: no measured run yet, the median factor {constants.default_comm_factor:.3f}; "
+            if names else "")
+
+
 def _candidate(row: Dict[str, Any], devices: int, gpus_per_node: int, gpu: gpus.Gpu, network_bytes_s: float,
                usable: int, constants: estimate.Constants) -> PlanCandidate:
     mesh = tuple(row["mesh_shape"])
     out = PlanCandidate(strategy=row["strategy"], mesh_shape=list(mesh),
-                        axes=placement.node_axes(mesh, gpus_per_node))
+                        axes=placement.node_axes(mesh, gpus_per_node,
+                                                                strategy_records.get(row["strategy"]).mesh_axes))
     if "error" in row:
         out.note = f"does not compile for {devices} devices: {row['error']}"
         return out

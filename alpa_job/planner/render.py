@@ -4,6 +4,7 @@ from __future__ import annotations
 import html
 from typing import List
 
+from alpa_job import strategies as strategy_records
 from alpa_job.inspect.mesh_picture import jax_mesh_svg
 from alpa_job.record.plan_record import PlanCandidate, PlanRecord
 from alpa_job.record.run_record import DeviceInfo, MeshShape, RunRecord
@@ -57,7 +58,7 @@ def to_html(record: PlanRecord) -> str:
     picture = ""
     if record.best is not None:
         best = record.candidates[record.best]
-        run = RunRecord(engine="jax", strategy=best.strategy, mesh=MeshShape(best.mesh_shape, ["data", "model"]),
+        run = RunRecord(engine="jax", strategy=best.strategy, mesh=MeshShape(best.mesh_shape, list(strategy_records.get(best.strategy).mesh_axes)),
                         params=best.params, devices=DeviceInfo(count=record.cluster.devices))
         axes = "; ".join(f"{k}: {v}" for k, v in best.axes.items())
         picture = (f"<h2>Mesh of the best plan: {html.escape(best.strategy)} {html.escape(str(tuple(best.mesh_shape)))}"
