@@ -20,6 +20,7 @@ MESH_AXES = ("data", "model")  # a strategy's two named mesh axes unless its rec
 
 MeshAxes = Union[str, Tuple[str, ...]]  # one mesh axis, or several a dimension is split over together
 LogicalRules = List[Tuple[str, MeshAxes]]
+LAYERS = "layers"  # the logical axis the kit adds in front of a pipeline's stacked blocks
 
 
 def divisors(n: int) -> List[int]:
@@ -49,15 +50,22 @@ class Strategy:
     # Two-level: its second mesh axis is exactly one host's devices (one process per host), its first runs
     # across hosts, so what the second axis sends stays on the host's fast links.
     host_level: bool = False
+    # Pipeline stages: its first mesh axis holds stages of the model's repeated blocks (engines/pipeline.py),
+    # one per host by default, so what crosses hosts is the activations between stages.
+    pipelined: bool = False
     mesh_axes: Tuple[str, str] = MESH_AXES
     # Offered to a user whose state does not fit another strategy (memory advice): why it helps.
     memory_relief: Optional[str] = None
 
     def mesh_shape(self, num_devices: int, model_parallel: int = 0,
-                   devices_per_process: Optional[int] = None) -> Tuple[int, int]:
+                   devices_per_process: Optional[int] = None, stages: int = 0) -> Tuple[int, int]:
         """(data, model) sizes on `num_devices` devices, `devices_per_process` each (default: all in one).
         A model axis defaults to the largest size <= 4 that divides one process's devices: it must not span
-        processes, and inside one node it runs over the fastest links."""
+        processes, and inside one node it runs over the fastest links. A pipeline's `stages` default to
+        one per host (two on one host)."""
+        if self.pipelined:
+            count = pipeline_stages(num_devices, devices_per_process, stages)
+            return (count, num_devices // count)
         if self.host_level:
             per_host = devices_per_process or num_devices
             if num_devices % per_host:
@@ -78,6 +86,8 @@ class Strategy:
     def candidate_meshes(self, num_devices: int, devices_per_process: Optional[int] = None) -> List[Tuple[int, int]]:
         """Every mesh `auto` and the planner try: a model axis only inside one process's devices; a two-level
         mesh only where it differs from a flat one (several hosts of several devices each)."""
+        if self.pipelined:
+            return []  # not yet ranked by auto: its step time depends on --micro-batches, chosen by the user
         if self.host_level:
             per_host = devices_per_process or num_devices
             several = 1 < per_host < num_devices and num_devices % per_host == 0
@@ -167,8 +177,32 @@ HSDP = Strategy(
     # fsdp; suggesting both would be noise.
 )
 
-STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (DATA, FSDP, TENSOR, HSDP)}
+PIPELINE = Strategy(
+    name="pipeline",
+    summary="GPipe stages of the repeated blocks over a stage axis (one per host), data parallel within a stage",
+    # The stacked blocks' `layers` dimension over the stages; the shell (embeddings, head) whole everywhere.
+    param_rules=[(BATCH, ("stage", "data")), (LAYERS, "stage")],
+    activation_rules=[],  # the step runs under shard_map: every device's layout is explicit there
+    pipelined=True,
+    mesh_axes=("stage", "data"),
+)
+
+STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (DATA, FSDP, TENSOR, HSDP, PIPELINE)}
 AUTO = "auto"  # not a record: the search over every record's candidate meshes
+
+
+def pipeline_stages(num_devices: int, devices_per_process: Optional[int] = None, stages: int = 0) -> int:
+    """The stage count: as asked, or one per host (two on one host); one line where it leaves devices idle
+    or splits a host between stages that are not all on it."""
+    hosts = num_devices // (devices_per_process or num_devices)
+    chosen = stages or (hosts if hosts > 1 else 2)
+    if num_devices % chosen:
+        raise KitError(f"--pipeline-stages {chosen} does not divide the {num_devices} devices (it would leave some "
+                       f"idle); use one of: {', '.join(str(d) for d in divisors(num_devices) if d > 1)}")
+    if hosts > 1 and chosen % hosts and hosts % chosen:
+        raise KitError(f"--pipeline-stages {chosen} on {hosts} hosts would put one stage on parts of two hosts; use "
+                       f"a multiple or a divisor of {hosts} (default: one stage per host)")
+    return chosen
 
 
 def get(name: str) -> Strategy:

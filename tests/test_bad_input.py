@@ -101,10 +101,10 @@ CASES = [
     (["--config", "broken.yaml"], r"not valid YAML at line 2", 2),
     (["--steps", "abc"], r"argument --steps: invalid int value: 'abc'", 2),
     # inert flags: named, with why
-    (["--micro-batches", "4"], r"--micro-batches does nothing here: .*jax engine has none", 2),
+    (["--micro-batches", "4"], r"--micro-batches does nothing here: .*--strategy data has no stages", 2),
     (["--config", "ok.yaml"], r"--micro-batches does nothing here", 2),
     (["--model-parallel", "2"], r"--model-parallel does nothing here: .*--strategy tensor \(this run: jax/data\)", 2),
-    (["--pipeline-stages", "2"], r"--pipeline-stages does nothing here: .*pipeshard-manual", 2),
+    (["--pipeline-stages", "2"], r"--pipeline-stages does nothing here: .*stage count and --strategy data has no", 2),
     (["--plan-cache", "empty"], r"--plan-cache does nothing here", 2),
     (["--auto-trial-steps", "2"], r"--auto-trial-steps does nothing here: .*--strategy auto", 2),
     (["--strategy", "fsdp", "--memory-limit-gb", "1"], r"--memory-limit-gb does nothing here", 2),

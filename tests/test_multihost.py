@@ -143,6 +143,24 @@ def test_hsdp_on_three_hosts_shards_within_each_host_and_trains_as_data_does(ray
     assert network["hosts"] == 3 and 0 < network["collectives_across_hosts"] < network["collectives"], network
 
 
+GPT3 = ("--model", "gpt", "--num-layers", "3", "--d-model", "32", "--num-heads", "4", "--seq-len", "16",
+        "--vocab-size", "64")
+
+
+def test_pipeline_across_three_hosts_runs_a_stage_on_each_and_trains_as_data_does(ray_cluster):
+    """--strategy pipeline: one stage a host by default (GPT's 3 blocks, one on each), data parallel over
+    each host's 2 devices, 12 micro-batches; the losses are data's on the same global batch."""
+    data, _, _ = _submit(ray_cluster, "head", *GPT3)
+    report, _, _ = _submit(ray_cluster, "head", *GPT3, "--strategy", "pipeline")
+    assert report["mesh"] == {"shape": [3, 2], "axes": ["stage", "data"]}
+    assert report["summary"]["processes"] == 3 and report["compiles"] == 1
+    stages = report["pipeline"]["layers"]
+    assert [row["blocks"] for row in stages] == [["DecoderBlock_0"], ["DecoderBlock_1"], ["DecoderBlock_2"]]
+    assert [row["processes"] for row in stages] == [[0], [1], [2]]  # a stage a host
+    assert report["pipeline"]["micro_batches"] == 12
+    assert report["losses"] == pytest.approx(data["losses"], rel=1e-5)
+
+
 def test_every_address_the_job_used_is_its_hosts_own(ray_cluster):
     """The seed failure was a worker binding the head's IP (errno 99, asserted in test_testbed's
     test_binding_another_hosts_ip_fails). Here, on a job that ran: the coordinator address is the

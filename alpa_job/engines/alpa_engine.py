@@ -72,7 +72,7 @@ def method_settings(config, num_nodes: int, devices_per_node: int) -> Dict[str, 
                        f"{', '.join(ALPA_METHODS)}")
     devices = num_nodes * devices_per_node
     layers = model_layer_count(config)
-    micro = config.micro_batches
+    micro = config.micro_batches or 1
     if config.batch_size % micro:
         raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches {micro}")
     out: Dict[str, Any] = {"strategy": strategy, "micro_batches": micro}

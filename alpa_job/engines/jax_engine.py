@@ -76,7 +76,9 @@ class JaxEngine(Engine):
         self.tx = self.make_optimizer(config.learning_rate, self._horizon)
         start = time.perf_counter()
         model_checks.check_batch_field(model, self._example)
-        self._initializer = StateInitializer(model, self._example, self._make_state)
+        self.pipeline = self._pipeline(config, model) if self.strategy_record.pipelined else None
+        make_state = self._make_state if self.pipeline is None else self._make_pipelined_state
+        self._initializer = StateInitializer(model, self._example, make_state)
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
@@ -86,7 +88,12 @@ class JaxEngine(Engine):
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         if self.check_memory:
             memory_fit.check_state_fits(self._abstract_state, strategy, mesh_shape)  # before anything allocates
-        model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed, self._example)
+        if self.pipeline is None:
+            model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed, self._example)
+        else:  # the checks run the model, which takes its parameters as it names them
+            own = self._initializer.abstract_model_params()
+            model_checks.check_against_step(model, strategy, nn.get_partition_spec(own),
+                                            unboxed.replace(params=nn.meta.unbox(own)), self._example)
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
@@ -95,6 +102,23 @@ class JaxEngine(Engine):
         self._lowered_ahead = None  # (jitted, lowered) from lower_step(), for auto's candidates
         self.initialise_replicated = False  # auto's copies: their one state is created whole (auto_search)
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
+
+    # ----- pipeline stages (engines/pipeline.py) ------------------------------------------------
+    def _pipeline(self, config, model):
+        from alpa_job.engines.pipeline import Pipeline
+
+        stages = self.mesh.shape["stage"]
+        return Pipeline(model, self.mesh, config.micro_batches or 4 * stages, self._example)
+
+    def _make_pipelined_state(self, params, batch_stats):
+        return self._make_state(self.pipeline.stack(params), batch_stats)
+
+    def _model_layout_to_make(self):
+        """The initialiser's pieces make a pipeline's parameters in the model's own layout, whole on every
+        device; the state's first step stacks the blocks and splits them over the stages."""
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
+                                      nn.meta.unbox(self._initializer.abstract_model_params()))
 
     # ----- state -------------------------------------------------------------------------------
     def _state_sharding(self, strategy: str, config, unboxed):
@@ -164,7 +188,8 @@ class JaxEngine(Engine):
 
         def compile_init():
             start = time.perf_counter()
-            self._initializer.lower(self._initialised_layout())
+            self._initializer.lower(self._initialised_layout(),
+                                    None if self.pipeline is None else self._model_layout_to_make())
             self._initializer.compile()
             self.stats.init_compile_seconds = round(time.perf_counter() - start, 3)
 
@@ -175,6 +200,9 @@ class JaxEngine(Engine):
     # ----- the step ----------------------------------------------------------------------------
     def _train_step(self, state: TrainState, batch: Dict[str, jax.Array]):
         model = self.model
+        if self.pipeline is not None:
+            loss, grads = self.pipeline.value_and_grad(state.params, batch)
+            return state.apply_gradients(grads=grads), loss
 
         def loss_fn(params):
             return model.masked_loss(params, state.batch_stats, batch)
@@ -365,7 +393,10 @@ class JaxEngine(Engine):
         """(loss sum, real rows) of a placed batch, in inference mode; compiled once, on first use."""
         if getattr(self, "_eval_jitted", None) is None:
             model = self.model
-            self._eval_jitted = jax.jit(lambda st, b: model.eval_sums(st.params, st.batch_stats, b))
+            if self.pipeline is not None:
+                self._eval_jitted = jax.jit(lambda st, b: self.pipeline.eval_sums(st.params, b))
+            else:
+                self._eval_jitted = jax.jit(lambda st, b: model.eval_sums(st.params, st.batch_stats, b))
         with self.activation_layout():  # traced on the first call
             return self._eval_jitted(state, batch)
 
@@ -377,7 +408,8 @@ class JaxEngine(Engine):
             spec = resolve_spec(PartitionSpec(*axes), x.shape, self.activation_rules, self.mesh)
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-        token = api._ACTIVATION_LAYOUT.set(pin)
+        # A pipeline's step runs under shard_map, where each device's layout is explicit: nothing to pin.
+        token = api._ACTIVATION_LAYOUT.set(pin if self.pipeline is None else None)
         try:
             yield
         finally:
@@ -411,8 +443,10 @@ class JaxEngine(Engine):
         if self._compiled is not None:  # what XLA actually chose for the output state
             state_shardings = self._compiled.output_shardings[0]
         leaves = jax_program.plan_leaves(self.abstract_state, state_shardings, self.mesh)
-        batch = jax_program.plan_leaves(self._example, jax.tree_util.tree_map(lambda _: self.batch_sharding,
-                                                                              self._example),
+        # A pipeline reads its rows split over every device, and computes each data-parallel slot's rows on
+        # all its stages: the plan shows the latter, so the blocks' split over stages reads as model parallel.
+        computed = self.batch_sharding if self.pipeline is None else NamedSharding(self.mesh, PartitionSpec("data"))
+        batch = jax_program.plan_leaves(self._example, jax.tree_util.tree_map(lambda _: computed, self._example),
                                         self.mesh, prefix="batch")
         return jax_program.build_plan(self.mesh, leaves, batch)
 
@@ -426,8 +460,13 @@ class JaxEngine(Engine):
         }
 
     def extra_report(self) -> Dict[str, Any]:
-        return {"search": self.search_table, "compiler_options": self.compiler_options or None,
-                "network_traffic": self.network_traffic()}
+        out = {"search": self.search_table, "compiler_options": self.compiler_options or None,
+               "network_traffic": self.network_traffic()}
+        if self.pipeline is not None:
+            rows = self.mesh.devices  # (stage, data): a stage's devices are a row
+            out["pipeline"] = self.pipeline.describe(
+                [sorted({d.process_index for d in row}) for row in rows])
+        return out
 
     def network_traffic(self) -> Optional[Dict[str, Any]]:
         """What one train step sends per device within its host and across hosts: the compiled step's

@@ -66,6 +66,10 @@ def check_against_step(model, strategy: str, logical_params, abstract_state, exa
     """Every model, against the strategy (fsdp/tensor need logical axes); a model the user brings, against
     the step: its loss's shape (one trace of the forward pass, on abstract values)."""
     check_logical_axes(model.name, strategy, logical_params, abstract_state.params)
+    if strategies.get(strategy).pipelined:
+        from alpa_job.engines.pipeline import check_pipelinable
+
+        check_pipelinable(model)
     if not is_built_in(model.name):
         check_loss_shape(model, abstract_state, example)
 

@@ -88,16 +88,30 @@ class StateInitializer:
         params = self._assemble(shell, [block] * len(self.parts.names))
         return jax.eval_shape(lambda p: self.make_state(p, None), params)
 
+    def abstract_model_params(self):
+        """The model's own parameters (shapes, dtypes, logical boxes) as its apply takes them, where
+        make_state lays them out otherwise (a pipeline stacks the blocks)."""
+        if self.parts is None:
+            inputs = self._example[self.model.input_key]
+            kwargs = {"train": False} if self.model.has_batch_stats else {}
+            return jax.eval_shape(lambda seed: self.model.module.init(jax.random.PRNGKey(seed), _zeros(inputs),
+                                                                      **kwargs)["params"], _SCALAR)
+        shell = jax.eval_shape(self._shell_params, _SCALAR)
+        block = jax.eval_shape(self._block_params, _SCALAR, _SCALAR)
+        return self._assemble(shell, [block] * len(self.parts.names))
+
     # ----- compiled ------------------------------------------------------------------------------
-    def lower(self, abstract_state) -> None:
+    def lower(self, abstract_state, model_params=None) -> None:
         """Trace and lower every piece for `abstract_state` (the state's ShapeDtypeStructs, with the
-        shardings it must be created in)."""
+        shardings it must be created in). `model_params`: the pieces' parameters in the model's own
+        layout with the shardings to make them in, where make_state lays them out otherwise."""
         state_sharding = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
         if self.parts is None:
             whole = lambda seed: nn.meta.unbox(self._whole_boxed(seed))  # noqa: E731
             self._lowered["whole"] = jax.jit(whole, out_shardings=state_sharding).lower(_SCALAR)
             return
-        params_sharding = state_sharding.params
+        made = abstract_state.params if model_params is None else model_params
+        params_sharding = jax.tree_util.tree_map(lambda leaf: leaf.sharding, made)
         shell_sharding = _freeze_like({k: v for k, v in params_sharding.items() if k not in self.parts.names},
                                       params_sharding)
         shell = lambda seed: nn.meta.unbox(self._shell_params(seed))  # noqa: E731
@@ -108,8 +122,10 @@ class StateInitializer:
             _SCALAR, _SCALAR)
         # The parameters arrive in the shardings the pieces made them in: the state then reuses
         # (donation) their buffers.
-        make = jax.jit(lambda p: self.make_state(p, None), out_shardings=state_sharding, donate_argnums=(0,))
-        self._lowered["state"] = make.lower(abstract_state.params)
+        # (Not where make_state lays the parameters out otherwise: no output has the pieces' shapes.)
+        donate = (0,) if model_params is None else ()
+        make = jax.jit(lambda p: self.make_state(p, None), out_shardings=state_sharding, donate_argnums=donate)
+        self._lowered["state"] = make.lower(made)
 
     def compile(self) -> None:
         for name, lowered in self._lowered.items():

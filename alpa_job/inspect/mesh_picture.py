@@ -56,6 +56,19 @@ def _default_leaf(leaves: List[Leaf]) -> Optional[Leaf]:
     return max(split or params, key=lambda r: r.bytes)
 
 
+STAGE_LABEL_W = 300
+
+
+def _stage_labels(record: RunRecord, rows: int) -> List[str]:
+    """Per mesh row of a pipelined run: "stage i: first..last block, process(es) p"; none otherwise."""
+    pipeline = record.pipeline or {}
+    stages = pipeline.get("layers") or []
+    if len(stages) != rows:
+        return []
+    return [f"stage {row['stage']}: {row['blocks'][0]}..{row['blocks'][-1]}, process(es) "
+            f"{','.join(map(str, row['processes']))}" if row["blocks"] else f"stage {row['stage']}" for row in stages]
+
+
 def jax_mesh_svg(record: RunRecord) -> str:
     """The device grid (rows: the first mesh axis, columns: the second) and a parameter chooser."""
     shape = list(record.mesh.shape) or [record.devices.count or 1]
@@ -67,8 +80,13 @@ def jax_mesh_svg(record: RunRecord) -> str:
                      "slices": device_slices(r, shape, axes)} for r in leaves}
     chosen = _default_leaf(leaves)
     first = data.get(chosen.path) if chosen else None
-    width, height = cols * (CELL_W + GAP) + 60, rows * (CELL_H + GAP) + 50
+    stage_rows = _stage_labels(record, rows)  # a pipeline's rows are its stages: their blocks and processes
+    width = cols * (CELL_W + GAP) + 60 + (STAGE_LABEL_W if stage_rows else 0)
+    height = rows * (CELL_H + GAP) + 50
     cells = []
+    for i, label in enumerate(stage_rows):
+        x, y = 50 + cols * (CELL_W + GAP) + 4, 30 + i * (CELL_H + GAP) + CELL_H / 2
+        cells.append(f'<text class="stage" x="{x}" y="{y}" font-size="12">{html.escape(label)}</text>')
     for i in range(rows):
         for j in range(cols):
             k = i * cols + j

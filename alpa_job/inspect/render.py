@@ -33,6 +33,17 @@ def network_text(network: dict) -> str:
             + ("" if network["groups_read"] else "; some replica groups unread: counted as spanning every device"))
 
 
+def pipeline_text(pipeline: dict) -> str:
+    """One line: the stages, which blocks each runs and on which processes, and the schedule's bubble."""
+    def blocks(names):
+        return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+    where = "; ".join(f"stage {row['stage']}: {blocks(row['blocks'])} on process(es) "
+                      f"{','.join(map(str, row['processes']))}" for row in pipeline["layers"])
+    return (f"{pipeline['stages']} stages x {pipeline['micro_batches']} micro-batches ({pipeline['schedule']}, bubble "
+            f"{pipeline['bubble_fraction']:.0%}): {where}")
+
+
 def summary_pairs(record: RunRecord) -> List[tuple]:
     s = record.summary
     pairs = [
@@ -50,6 +61,8 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
             for name, value in sorted(record.compiler_options.items()))))
     if record.network_traffic:
         pairs.append(("traffic per device per step", network_text(record.network_traffic)))
+    if record.pipeline:
+        pairs.append(("pipeline stages", pipeline_text(record.pipeline)))
     pairs += [
         ("steps", record.steps),
         ("samples seen / dropped", f"{record.samples_seen} / {record.samples_dropped}"),

@@ -267,6 +267,8 @@ class ProcessResult:
     compiler_options: Optional[Dict[str, Any]] = None  # XLA options the JAX step compiled with (xla_options)
     # Per device per train step: bytes sent within its host and across hosts (record/traffic.py's summary).
     network_traffic: Optional[Dict[str, Any]] = None
+    # The JAX engine's pipeline: stages, micro-batches, schedule, bubble fraction, blocks and processes a stage.
+    pipeline: Optional[Dict[str, Any]] = None
     process: ProcessInfo = dataclasses.field(default_factory=ProcessInfo)
     devices: DeviceInfo = dataclasses.field(default_factory=DeviceInfo)
     versions: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)

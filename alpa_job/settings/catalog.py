@@ -99,10 +99,13 @@ HOW_TO_RUN = (
     Setting("compile_cache", Optional[str], None, "jax: persistent compile cache, so a second identical run skips "
             "compiling; on a cluster a folder every node sees", PARALLELISM, metavar="DIR",
             default_help="~/.cache/alpa_job/jax; 'none' turns it off", decides_step=False),
+    # Pipelines: the JAX engine's --strategy pipeline and Alpa's methods.
+    Setting("micro_batches", int, 0, "jax pipeline: micro-batches a step's batch is cut into (the bubble is "
+            "(stages - 1) / (micro-batches + stages - 1)); alpa: num_micro_batches", PARALLELISM, check=NON_NEGATIVE,
+            default_help="jax pipeline: 4 per stage; alpa: 1"),
+    Setting("pipeline_stages", int, 0, "jax pipeline and alpa pipeshard-manual: stages", PARALLELISM,
+            check=NON_NEGATIVE, default_help="one per node (jax: two on one node)"),
     # Alpa engine only.
-    Setting("micro_batches", int, 1, "alpa: num_micro_batches", PARALLELISM, check=POSITIVE),
-    Setting("pipeline_stages", int, 0, "alpa pipeshard-manual: stages", PARALLELISM, check=NON_NEGATIVE,
-            default_help="one per node"),
     Setting("pipeline_layers", int, 0, "alpa pipeshard-auto: AutoLayerOption layer_num", PARALLELISM,
             check=NON_NEGATIVE, default_help="the model's layers"),
     Setting("plan_cache", Optional[str], None, "alpa pipeshard-auto: folder to save/reuse the auto search result",

@@ -21,7 +21,8 @@ from alpa_job.settings import catalog
 from alpa_job.settings.config import JobConfig
 from alpa_job.settings.setting import flag_of
 
-ALPA_ONLY = ("micro_batches", "pipeline_stages", "pipeline_layers", "plan_cache")
+ALPA_ONLY = ("pipeline_layers", "plan_cache")
+PIPELINE_SETTINGS = ("micro_batches", "pipeline_stages")  # Alpa's methods and the JAX engine's pipeline
 JAX_AUTO_ONLY = ("auto_trial_steps", "auto_rank_on", "auto_compile_workers", "memory_limit_gb")
 
 
@@ -41,10 +42,12 @@ def check_inert(config: JobConfig, engine: str, given: FrozenSet[str], address: 
 
 def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Optional[str]:
     strategy = config.strategy
+    if name in PIPELINE_SETTINGS and engine == "jax" and not _is_pipelined(strategy):
+        what = {"micro_batches": "micro-batches", "pipeline_stages": "stage count"}[name]
+        return (f"it sets a pipeline's {what} and --strategy {strategy} has no stages; drop it or use --strategy "
+                "pipeline (or --engine alpa's pipeshard methods)")
     if name in ALPA_ONLY and engine != "alpa":
-        what = {"micro_batches": "Alpa's num_micro_batches (gradient accumulation/pipelining)",
-                "pipeline_stages": "Alpa pipeshard-manual's stage count",
-                "pipeline_layers": "Alpa pipeshard-auto's layer count",
+        what = {"pipeline_layers": "Alpa pipeshard-auto's layer count",
                 "plan_cache": "Alpa pipeshard-auto's saved search"}[name]
         return f"it sets {what} and the {engine} engine has none; drop it or use --engine alpa"
     if name == "pipeline_stages" and engine == "alpa" and strategy != "pipeshard-manual":
@@ -138,6 +141,10 @@ def planned_devices(config: JobConfig, engine: str, address: str) -> Optional[in
     return None  # a cluster: known after the join (check_cluster_size)
 
 
+def _is_pipelined(strategy: str) -> bool:
+    return strategy in strategies.STRATEGIES and strategies.get(strategy).pipelined
+
+
 def _has_model_axis(strategy: str) -> bool:
     return strategy in strategies.STRATEGIES and strategies.get(strategy).model_axis
 
@@ -156,6 +163,8 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
         raise KitError(f"{config.strategy} with --model-parallel {config.model_parallel}: its data-parallel size {data} does not "
                        f"give each of the {processes} processes its own rows of the batch; use a --model-parallel "
                        f"that divides one process's {devices_per_process} devices{where}")
+    if _is_pipelined(config.strategy):
+        _check_micro_batches(config, devices, devices_per_process, where)
     if config.batch_size % data:
         lower = config.batch_size // data * data
         near = [b for b in (lower, lower + data) if b > 0 and (rows is None or b <= rows)]
@@ -166,6 +175,18 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
         raise KitError(f"batch size {config.batch_size} is not divisible by the data-parallel size {data}, and no "
                        f"multiple of {data} fits the dataset's {rows} samples; use --devices {fewer} (its "
                        f"data-parallel size divides the batch){where}")
+
+
+def _check_micro_batches(config: JobConfig, devices: int, devices_per_process: Optional[int], where: str) -> None:
+    """A pipeline cuts each data-parallel slot's rows into micro-batches: the batch must split into both."""
+    stages, data = strategies.get(config.strategy).mesh_shape(devices, 0, devices_per_process, config.pipeline_stages)
+    micro = config.micro_batches or 4 * stages
+    if config.batch_size % (data * micro):
+        step = data * micro
+        near = sorted({max(step, config.batch_size // step * step), (config.batch_size // step + 1) * step})
+        raise KitError(f"--batch-size {config.batch_size} does not split into {micro} micro-batches on each of the "
+                       f"pipeline's {data} data-parallel slot(s) ({stages} stages on {devices} devices); use a multiple "
+                       f"of {step} (--batch-size {' or '.join(map(str, near))}) or other --micro-batches{where}")
 
 
 def _data_size(config: JobConfig, devices: int, devices_per_process: Optional[int] = None) -> int:
@@ -224,7 +245,7 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
         if config.checkpoint_every or config.resume:
             raise KitError("--checkpoint-every/--resume: the alpa engine does not checkpoint (its state lives in "
                            "Alpa's distributed arrays); drop the flags or use --engine jax")
-        if config.batch_size % config.micro_batches:
+        if config.micro_batches and config.batch_size % config.micro_batches:
             raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches "
                            f"{config.micro_batches}; use a multiple of {config.micro_batches}")
     parse_profile(config.profile)

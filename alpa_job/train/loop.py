@@ -77,7 +77,8 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
     else:
         engine = JaxEngine(config, model, data.example, config.strategy,
                            strategies.get(config.strategy).mesh_shape(len(devices), config.model_parallel,
-                                                                      jax.local_device_count()),
+                                                                      jax.local_device_count(),
+                                                                      config.pipeline_stages),
                            schedule_steps=horizon)
         with progress.timed(f"compiling train step ({config.model}, {config.strategy}, "
                             f"mesh {engine.mesh.devices.shape})"):

@@ -58,10 +58,25 @@ def synthetic(args: LlamaArgs, rng: np.random.Generator, n: int):
     return {"tokens": tokens.astype(np.int32)}
 
 
+def repeated_blocks(module: Llama, tokens) -> api.RepeatedBlocks:
+    """The shell (embedding, final norm, head: a Llama of 0 layers names them alike) plus num_layers
+    DecoderBlocks, each called on [batch, seq, d_model] activations: the fast initialiser makes one
+    block once, and --strategy pipeline cuts the model between blocks."""
+    import jax
+
+    return api.RepeatedBlocks(
+        shell=module.clone(num_layers=0),
+        block=DecoderBlock(module.num_heads, module.num_kv_heads, module.mlp_dim, module.dtype, module.rope_theta,
+                           module.attention),
+        block_input=jax.ShapeDtypeStruct(tuple(tokens.shape) + (module.d_model,), module.dtype),
+        names=tuple(f"layer_{i}" for i in range(module.num_layers)))
+
+
 def build(args: LlamaArgs, dtype) -> api.Model:
     check(args)
     module = Llama(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads,
                    num_kv_heads=args.num_kv_heads, mlp_dim=mlp_dim_of(args), vocab_size=args.vocab_size,
                    dtype=dtype, rope_theta=args.rope_theta, attention=args.attention)
     return api.Model(module=module, input_field="tokens", loss=next_token_loss, synthetic=synthetic,
+                     repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers")
