@@ -117,7 +117,8 @@ def auth_env(token_path: Optional[str]) -> Dict[str, str]:
 
 def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_memory: int = DEFAULT_OBJECT_STORE,
               include_dashboard: bool = True, firewall: bool = True, auth: bool = False,
-              timeout: float = DEFAULT_TIMEOUT, max_parallel: Optional[int] = None) -> dict:
+              timeout: float = DEFAULT_TIMEOUT, max_parallel: Optional[int] = None,
+              ray_env: Optional[Dict[str, str]] = None) -> dict:
     """Firewall + Ray on every host of ``bed`` + wait until all nodes are alive. Returns ``bed.ray``:
     {"address", "dashboard", "spec_path", "nodes", "auth", "token_path", "seconds": {step: s}, ...}.
 
@@ -142,7 +143,8 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     bed.ray = info  # recorded before starting anything: `down` stops what got started
     bed.save()
 
-    run = _RayStart(bed, spec, auth_env(token_path), timeout, num_cpus=num_cpus,
+    # ray_env: Ray's own settings for every `ray start` (RAY_<system config name>), e.g. its health checks.
+    run = _RayStart(bed, spec, {**auth_env(token_path), **(ray_env or {})}, timeout, num_cpus=num_cpus,
                     object_store_memory=object_store_memory, include_dashboard=include_dashboard)
     mark = time.monotonic()
     head_proc = run.start_head()

@@ -213,13 +213,13 @@ class RayCluster:
         return result.get("alive") == want and all(result["pinned"].get(ip, [None])[0] == ip for ip in want)
 
 
-def _start_ray(bed: Testbed) -> RayCluster:
+def _start_ray(bed: Testbed, ray_env: Optional[Dict[str, str]] = None) -> RayCluster:
     """The one bring-up (scripts/testbed_ray.start_ray: firewall, ray start everywhere, wait_nodes),
-    then the formation check (a task pinned to every node)."""
+    then the formation check (a task pinned to every node). `ray_env`: Ray settings for its daemons."""
     from alpa_job.cluster.spec import load_spec
 
     info = testbed_ray.start_ray(bed, num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE,
-                                 include_dashboard=True, timeout=RAY_START_TIMEOUT)
+                                 include_dashboard=True, timeout=RAY_START_TIMEOUT, ray_env=ray_env)
     spec_path = Path(info["spec_path"])
     cluster = RayCluster(bed, load_spec(str(spec_path)), spec_path)
     result = cluster.check(timeout=RAY_FORM_TIMEOUT)
