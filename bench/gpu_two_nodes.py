@@ -348,8 +348,8 @@ def model_args(args, steps: int) -> List[str]:
         size = ["--model", "gpt", "--num-layers", "2", "--d-model", "64", "--num-heads", "4", "--seq-len", "64",
                 "--vocab-size", "256", "--devices", str(args.devices), "--batch-size", str(batch)]
     else:
-        batch, samples = 16, 256  # the preset's: 8 sequences per GPU
-        size = ["--preset", args.preset]
+        batch, samples = args.batch_size or 16, 256  # default the preset's batch
+        size = ["--preset", args.preset] + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
     epochs = -(-steps * batch // samples) + 1  # --steps is capped by the epochs: never let them stop it first
     return size + ["--num-samples", str(samples), "--epochs", str(epochs)]
 
@@ -357,7 +357,41 @@ def model_args(args, steps: int) -> List[str]:
 def train_argv(args, cluster: Cluster, strategy: str, steps: int, out: str) -> List[str]:
     return [sys.executable, "-m", "alpa_job", "train", "--address", cluster.address, *model_args(args, steps),
             "--strategy", strategy, "--steps", str(steps), "--out", out, "--progress-every", str(args.progress_every),
-            "--max-restarts", "0"]
+            "--max-restarts", "0", *(shlex.split(args.pipeline_args) if strategy == "pipeline" else [])]
+
+
+def one_gpu_run(args, scratch: str, deadline: Deadline) -> dict:
+    """The same model on one GPU alone, no Ray (--address none): what scaling efficiency divides by."""
+    out = os.path.join(scratch, "run-one-gpu")
+    argv = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--preset", args.preset,
+            "--batch-size", str(args.one_gpu_batch), "--steps", str(args.steps), "--out", out, "--quiet"]
+    log(f"one GPU: {shown(argv)}")
+    env = dict(base_env(args), CUDA_VISIBLE_DEVICES="0")
+    started = time.monotonic()
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=deadline.phase())
+    except subprocess.TimeoutExpired:
+        return {"run": "one GPU", "strategy": "data", "error": "timed out"}
+    row = {"run": "one GPU", "strategy": "data", "command": shown(argv), "rc": p.returncode, "nccl": "-",
+           "wall_s": round(time.monotonic() - started, 1), "driver_tail": (p.stdout + p.stderr).splitlines()[-20:]}
+    if p.returncode != 0:
+        row["error"] = f"exit {p.returncode}"
+        return row
+    report = read_report(out)
+    steady = (report.get("timing") or {}).get("steady_step") or {}
+    row.update(processes=1, hosts=1, step_ms=round(steady["median_s"] * 1e3, 2) if steady.get("median_s") else None,
+               samples_per_s_report=steady.get("samples_per_s"), mfu=(report.get("timing") or {}).get("mfu"),
+               device=(report.get("devices") or {}).get("kind"))
+    return row
+
+
+def add_efficiency(rows: List[dict]) -> None:
+    """Two-node rows: samples/s over twice the one-GPU run's (1.0: two GPUs twice as fast as one)."""
+    alone = next((r.get("samples_per_s_report") for r in rows if r["run"] == "one GPU"), None)
+    for r in rows:
+        rate = r.get("samples_per_s_report")
+        if alone and rate and r["run"] != "one GPU":
+            r["scaling_efficiency"] = round(rate / (2 * alone), 3)
 
 
 def shown(argv: List[str]) -> str:
@@ -508,7 +542,7 @@ def fmt(v, spec: str = "") -> str:
 
 def table(rows: List[dict]) -> str:
     header = ["run", "strategy", "nccl", "proc", "hosts", "host IPs", "step ms", "MFU", "loss first->last", "samples/s progress",
-              "samples/s report", "ratio", "killed: s to named", "ok"]
+              "samples/s report", "ratio", "efficiency", "killed: s to named", "ok"]
     cells = [header]
     for r in rows:
         loss = (f"{r['loss_first']:.3f}->{r['loss_last']:.3f}" if r.get("loss_first") is not None
@@ -518,7 +552,8 @@ def table(rows: List[dict]) -> str:
         cells.append([r["run"], r.get("strategy") or "-", r.get("nccl") or "-", fmt(r.get("processes")), fmt(r.get("hosts")),
                       " ".join(r.get("ips") or []) or "-", fmt(r.get("step_ms"), ".2f"), fmt(r.get("mfu"), ".3f"), loss,
                       fmt(r.get("samples_per_s_progress"), ",.0f"), fmt(r.get("samples_per_s_report"), ",.1f"),
-                      fmt(r.get("progress_over_report"), ".3f"), killed, "yes" if not r.get("error") else "NO"])
+                      fmt(r.get("progress_over_report"), ".3f"), fmt(r.get("scaling_efficiency"), ".3f"), killed,
+                      "yes" if not r.get("error") else "NO"])
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -543,6 +578,13 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=1, help="--cpu: CPU devices per node")
     ap.add_argument("--strategies", nargs="*", default=["data", "fsdp"])
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--nccl-default", action="store_true", help="GPU mode: leave NCCL its own transports "
+                    "(NVLink between the two nodes' GPUs) instead of holding it to sockets")
+    ap.add_argument("--batch-size", type=int, default=0, help="GPU mode's global batch (default the preset's)")
+    ap.add_argument("--pipeline-args", default="", help="extra train flags for --strategies pipeline, e.g. "
+                    "'--micro-batches 8'")
+    ap.add_argument("--one-gpu-batch", type=int, default=0, help="GPU mode: first the model on one GPU alone at "
+                    "this batch (no Ray), for the scaling-efficiency column")
     ap.add_argument("--kill-steps", type=int, default=2000)
     ap.add_argument("--kill-after", type=int, default=10, help="kill node B's process after this step")
     ap.add_argument("--kill-strategy", default="data")
@@ -571,8 +613,11 @@ def main() -> int:
     cluster = None
     failure = None
     try:
+        if args.one_gpu_batch and not args.cpu:
+            rows.append(one_gpu_run(args, scratch, deadline))
+            log("one GPU: " + (rows[-1].get("error") or f"{rows[-1]['step_ms']} ms/step"))
         payload["ray_site"] = ensure_ray(args.whl, env)
-        cluster = Cluster(args, env, scratch, sockets=not args.cpu)
+        cluster = Cluster(args, env, scratch, sockets=not (args.cpu or args.nccl_default))
         cluster.start(deadline)
         payload.update(node_commands=cluster.commands, nodes=cluster.nodes, head_ip=cluster.head_ip)
         for strategy in args.strategies:
@@ -611,6 +656,7 @@ def main() -> int:
                 payload["nccl"] = dict(cluster.nccl_transports(), mode=nccl_mode(args, cluster))
                 log(f"NCCL channels by transport (workers' logs): {payload['nccl']['channels_by_transport']}")
             payload["left_alive"] = cluster.stop()
+    add_efficiency(rows)
     payload.update(rows=rows, failure=failure, wall_s=round(time.monotonic() - started, 1))
     text = table(rows)
     device = next((r.get("device") for r in rows if r.get("device")), "?")
