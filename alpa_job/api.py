@@ -36,8 +36,11 @@ What a builder returns, `Model`:
   "train" or "eval"; `path` is `--data-path` / `--eval-data-path`); each element is {field: array} for
   one row, and the kit shuffles, batches, shards and prefetches it like its own sources;
 - `repeated_blocks(example_input) -> RepeatedBlocks`: for a model made of identical layers, so the
-  kit initialises one block once instead of the whole model (the fast initialiser);
-- `layer_count` / `layer_class`: the repeated layers and their flax class, for Alpa's pipelines;
+  kit initialises one block once instead of the whole model (the fast initialiser), and
+  `--strategy pipeline` can cut the model between blocks (called one after the other, each on the
+  previous one's output);
+- `layer_count` / `layer_class`: the repeated layers and their flax class, for Alpa's pipelines and
+  the JAX engine's (it takes over at the model's first call of `layer_class`);
 - `depth_setting`: the name of the builder setting that counts those layers (e.g. "num_layers"), so
   `--strategy auto` can time its candidates on copies of the model with 1 and 3 layers and predict the
   whole model's step time and memory from them, compiling only the winner whole.

@@ -57,7 +57,6 @@ def check_pipelinable(model: ModelSpec) -> None:
     if model.has_batch_stats:
         raise KitError(f"--strategy pipeline cannot carry --model {model.name}'s BatchNorm statistics between "
                        "micro-batches; use --strategy data / fsdp")
-    return 0
 
 
 class Pipeline:
