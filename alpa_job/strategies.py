@@ -205,6 +205,24 @@ def pipeline_stages(num_devices: int, devices_per_process: Optional[int] = None,
     return chosen
 
 
+def micro_batches(asked: int, stages: int) -> int:
+    """A pipeline's micro-batches: as asked (--micro-batches), or 4 a stage (GPipe's bubble, (S - 1) / (M + S - 1),
+    then stays under a fifth)."""
+    return asked or 4 * stages
+
+
+def check_micro_batches(batch_size: int, mesh_shape: Tuple[int, int], micro: int, where: str = "") -> None:
+    """A pipeline cuts each data-parallel slot's rows into `micro` micro-batches: the batch must split into
+    both. One line naming batch sizes that do (the driver before Ray, and the engine for in-process callers)."""
+    stages, data = mesh_shape
+    step = data * micro
+    if batch_size % step:
+        near = sorted({max(step, batch_size // step * step), (batch_size // step + 1) * step})
+        raise KitError(f"--batch-size {batch_size} does not split into {micro} micro-batches on each of the "
+                       f"pipeline's {data} data-parallel slot(s) ({stages} stages on {stages * data} devices); use a "
+                       f"multiple of {step} (--batch-size {' or '.join(map(str, near))}) or other --micro-batches{where}")
+
+
 def get(name: str) -> Strategy:
     try:
         return STRATEGIES[name]

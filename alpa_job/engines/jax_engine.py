@@ -91,9 +91,9 @@ class JaxEngine(Engine):
         if self.pipeline is None:
             model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed, self._example)
         else:  # the checks run the model, which takes its parameters as it names them
-            own = self._initializer.abstract_model_params()
-            model_checks.check_against_step(model, strategy, nn.get_partition_spec(own),
-                                            unboxed.replace(params=nn.meta.unbox(own)), self._example)
+            self._own_params = self._initializer.abstract_model_params()  # boxed; the initialiser's too
+            model_checks.check_against_step(model, strategy, nn.get_partition_spec(self._own_params),
+                                            unboxed.replace(params=nn.meta.unbox(self._own_params)), self._example)
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
@@ -107,8 +107,8 @@ class JaxEngine(Engine):
     def _pipeline(self, config, model):
         from alpa_job.engines.pipeline import Pipeline
 
-        stages = self.mesh.shape["stage"]
-        return Pipeline(model, self.mesh, config.micro_batches or 4 * stages, self._example)
+        return Pipeline(model, self.mesh, strategies.micro_batches(config.micro_batches, self.mesh.shape["stage"]),
+                        self._example)
 
     def _make_pipelined_state(self, params, batch_stats):
         return self._make_state(self.pipeline.stack(params), batch_stats)
@@ -118,7 +118,7 @@ class JaxEngine(Engine):
         device; the state's first step stacks the blocks and splits them over the stages."""
         whole = NamedSharding(self.mesh, PartitionSpec())
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
-                                      nn.meta.unbox(self._initializer.abstract_model_params()))
+                                      nn.meta.unbox(self._own_params))
 
     # ----- state -------------------------------------------------------------------------------
     def _state_sharding(self, strategy: str, config, unboxed):

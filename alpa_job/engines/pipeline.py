@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 
 from alpa_job.errors import KitError
 from alpa_job.models import ModelSpec
-from alpa_job.strategies import LAYERS
+from alpa_job.strategies import LAYERS, check_micro_batches
 
 BLOCKS = "pipeline_blocks"  # the stacked blocks' key in the pipelined state's parameters
 STAGE, DATA = "stage", "data"  # the pipeline strategy's mesh axes
@@ -71,15 +71,11 @@ class Pipeline:
         self.block, self.names = parts.block, tuple(parts.names)
         self.layer_class = model.layer_class or type(parts.block)
         layers, rows = len(self.names), example["mask"].shape[0]
-        if self.stages > layers or layers % self.stages:
+        if layers % self.stages:
             fits = [s for s in range(2, layers + 1) if layers % s == 0]
             raise KitError(f"--pipeline-stages {self.stages} does not split --model {model.name}'s {layers} repeated "
                            f"blocks evenly; use one of: {', '.join(map(str, fits)) or 'none (one block)'}")
-        per_slot = rows // self.data  # the rows one data-parallel slot computes, on each of its stages
-        if per_slot % micro_batches:
-            raise KitError(f"--micro-batches {micro_batches} does not divide the {per_slot} rows each data-parallel "
-                           f"slot of the pipeline computes (--batch-size {rows} over data {self.data}); use a "
-                           f"--batch-size that is a multiple of {self.data * micro_batches}")
+        check_micro_batches(rows, (self.stages, self.data), micro_batches)
 
     # ----- the state's layout --------------------------------------------------------------------
     def stack(self, params):

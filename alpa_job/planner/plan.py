@@ -112,8 +112,7 @@ def _candidate(row: Dict[str, Any], devices: int, gpus_per_node: int, gpu: gpus.
                usable: int, constants: estimate.Constants) -> PlanCandidate:
     mesh = tuple(row["mesh_shape"])
     out = PlanCandidate(strategy=row["strategy"], mesh_shape=list(mesh),
-                        axes=placement.node_axes(mesh, gpus_per_node,
-                                                                strategy_records.get(row["strategy"]).mesh_axes))
+                        axes=placement.node_axes(mesh, gpus_per_node, strategy_records.get(row["strategy"]).mesh_axes))
     if "error" in row:
         out.note = f"does not compile for {devices} devices: {row['error']}"
         return out

@@ -58,7 +58,8 @@ def to_html(record: PlanRecord) -> str:
     picture = ""
     if record.best is not None:
         best = record.candidates[record.best]
-        run = RunRecord(engine="jax", strategy=best.strategy, mesh=MeshShape(best.mesh_shape, list(strategy_records.get(best.strategy).mesh_axes)),
+        axes_names = list(strategy_records.get(best.strategy).mesh_axes)
+        run = RunRecord(engine="jax", strategy=best.strategy, mesh=MeshShape(best.mesh_shape, axes_names),
                         params=best.params, devices=DeviceInfo(count=record.cluster.devices))
         axes = "; ".join(f"{k}: {v}" for k, v in best.axes.items())
         picture = (f"<h2>Mesh of the best plan: {html.escape(best.strategy)} {html.escape(str(tuple(best.mesh_shape)))}"

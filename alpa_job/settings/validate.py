@@ -178,15 +178,9 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
 
 
 def _check_micro_batches(config: JobConfig, devices: int, devices_per_process: Optional[int], where: str) -> None:
-    """A pipeline cuts each data-parallel slot's rows into micro-batches: the batch must split into both."""
-    stages, data = strategies.get(config.strategy).mesh_shape(devices, 0, devices_per_process, config.pipeline_stages)
-    micro = config.micro_batches or 4 * stages
-    if config.batch_size % (data * micro):
-        step = data * micro
-        near = sorted({max(step, config.batch_size // step * step), (config.batch_size // step + 1) * step})
-        raise KitError(f"--batch-size {config.batch_size} does not split into {micro} micro-batches on each of the "
-                       f"pipeline's {data} data-parallel slot(s) ({stages} stages on {devices} devices); use a multiple "
-                       f"of {step} (--batch-size {' or '.join(map(str, near))}) or other --micro-batches{where}")
+    mesh = strategies.get(config.strategy).mesh_shape(devices, 0, devices_per_process, config.pipeline_stages)
+    strategies.check_micro_batches(config.batch_size, mesh, strategies.micro_batches(config.micro_batches, mesh[0]),
+                                   where)
 
 
 def _data_size(config: JobConfig, devices: int, devices_per_process: Optional[int] = None) -> int:
