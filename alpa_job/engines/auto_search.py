@@ -49,8 +49,14 @@ def device_memory_budget(limit_gb: Optional[float]) -> int:
     return ram // max(len(jax.local_devices()), 1)
 
 
-def search(config, model, example_batch, batches, schedule_steps: Optional[int] = None
-           ) -> Tuple[JaxEngine, List[Dict[str, object]]]:
+# prefilter(candidates, budget bytes) -> the candidates to drop ({"strategy", "mesh_shape", "note"}): the
+# planner's prediction (planner.prefilter.for_auto), handed in by the caller, since the planner compiles
+# its candidates with this engine.
+Prefilter = Callable[[List[Tuple[str, Tuple[int, int]]], int], List[Dict[str, Any]]]
+
+
+def search(config, model, example_batch, batches, schedule_steps: Optional[int] = None,
+           prefilter: Optional[Prefilter] = None) -> Tuple[JaxEngine, List[Dict[str, object]]]:
     """Return the fastest fitting engine (compiled) and the table of every candidate.
     `schedule_steps`: the learning-rate schedule's horizon (JaxEngine)."""
     budget = device_memory_budget(config.memory_limit_gb)
@@ -62,7 +68,8 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
 
     table: List[Dict[str, object]] = [_row(strategy, mesh) for strategy, mesh in candidates]
     phase(f"[auto] searching {len(candidates)} candidates (strategy x mesh), budget {budget / 2**30:.1f} GiB/device")
-    _ask_planner(config, model, example_batch, candidates, budget, table)
+    if prefilter is not None:
+        _ask_planner(prefilter, candidates, budget, table)
     engines = _build_abstract(config, model, example_batch, schedule_steps, budget, table)
     copies = shallow_ranking.copies_for(config, model)
     started = time.perf_counter()
@@ -296,22 +303,14 @@ def _name(row: Dict[str, object]) -> str:
     return f"{row['strategy']}{tuple(row['mesh_shape'])}"
 
 
-def _ask_planner(config, model, example_batch, candidates, budget: int, table: List[Dict[str, object]]) -> None:
+def _ask_planner(prefilter: Prefilter, candidates, budget: int, table: List[Dict[str, object]]) -> None:
     """Several processes (a real cluster): drop what the planner, compiling on CPU devices in a worker
     process, predicts cannot fit or is far slower, before the GPUs compile anything. One process
     skips it: its candidates compile together in about the time the planner would take."""
     if jax.process_count() == 1 or jax.devices()[0].platform == "cpu":
         return
-    from alpa_job.planner import gpus
-    from alpa_job.planner.prefilter import drop_candidates
-
-    gpu = gpus.DEVICE_KINDS.get(jax.devices()[0].device_kind)
-    if gpu is None:
-        phase(f"[auto] planner skipped: it has no figures for {jax.devices()[0].device_kind}")
-        return
     try:
-        _, dropped = drop_candidates(config, model, example_batch, candidates, budget, jax.process_count(),
-                                     jax.local_device_count(), gpu)
+        dropped = prefilter(candidates, budget)
     except Exception as err:  # noqa: BLE001 - the planner only narrows the search; without it all are compiled
         phase(f"[auto] planner skipped ({type(err).__name__}: {err}); compiling every candidate")
         return

@@ -57,3 +57,21 @@ def drop_candidates(config, model, example_batch: Dict[str, Any], candidates: Se
 
 def _row(strategy: str, mesh, note: str) -> Dict[str, Any]:
     return {"strategy": strategy, "mesh_shape": list(mesh), "note": note}
+
+
+def for_auto(config, model, example_batch: Dict[str, Any]):
+    """`--strategy auto`'s prefilter (engines/auto_search.Prefilter) on this process's devices and cluster."""
+    def drop(candidates: Sequence[Candidate], budget: int) -> List[Dict[str, Any]]:
+        import jax
+
+        from alpa_job.progress import phase
+
+        gpu = gpus.DEVICE_KINDS.get(jax.devices()[0].device_kind)
+        if gpu is None:
+            phase(f"[auto] planner skipped: it has no figures for {jax.devices()[0].device_kind}")
+            return []
+        _, dropped = drop_candidates(config, model, example_batch, candidates, budget, jax.process_count(),
+                                     jax.local_device_count(), gpu)
+        return dropped
+
+    return drop

@@ -72,7 +72,10 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
     devices = jax.devices()  # the first call starts the backend (a GPU: seconds)
     opened = time.perf_counter() - started
     if config.strategy == "auto":
-        engine, table = auto_search.search(config, model, data.example, data.first(2), schedule_steps=horizon)
+        from alpa_job.planner import prefilter  # only auto asks it (its imports are the planner's)
+
+        engine, table = auto_search.search(config, model, data.example, data.first(2), schedule_steps=horizon,
+                                           prefilter=prefilter.for_auto(config, model, data.example))
         engine.search_table = table
     else:
         engine = JaxEngine(config, model, data.example, config.strategy,
