@@ -90,12 +90,7 @@ class StateInitializer:
 
     def abstract_model_params(self):
         """The model's own parameters (shapes, dtypes, logical boxes) as its apply takes them, where
-        make_state lays them out otherwise (a pipeline stacks the blocks)."""
-        if self.parts is None:
-            inputs = self._example[self.model.input_key]
-            kwargs = {"train": False} if self.model.has_batch_stats else {}
-            return jax.eval_shape(lambda seed: self.model.module.init(jax.random.PRNGKey(seed), _zeros(inputs),
-                                                                      **kwargs)["params"], _SCALAR)
+        make_state lays them out otherwise (a pipeline stacks the blocks: only models with parts)."""
         shell = jax.eval_shape(self._shell_params, _SCALAR)
         block = jax.eval_shape(self._block_params, _SCALAR, _SCALAR)
         return self._assemble(shell, [block] * len(self.parts.names))
