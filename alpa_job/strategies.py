@@ -85,13 +85,16 @@ class Strategy:
 
     def candidate_meshes(self, num_devices: int, devices_per_process: Optional[int] = None) -> List[Tuple[int, int]]:
         """Every mesh `auto` and the planner try: a model axis only inside one process's devices; a two-level
-        mesh only where it differs from a flat one (several hosts of several devices each)."""
+        mesh only where it differs from a flat one (several hosts of several devices each); pipeline stages
+        only across several hosts."""
+        per_host = devices_per_process or num_devices
+        several_hosts = per_host < num_devices and num_devices % per_host == 0
         if self.pipelined:
-            return []  # not yet ranked by auto: its step time depends on --micro-batches, chosen by the user
+            # One stage a host, where stages pay off: on one host every strategy has the fast links, and a
+            # pipeline only adds its bubble.
+            return [self.mesh_shape(num_devices, 0, per_host)] if several_hosts else []
         if self.host_level:
-            per_host = devices_per_process or num_devices
-            several = 1 < per_host < num_devices and num_devices % per_host == 0
-            return [self.mesh_shape(num_devices, 0, per_host)] if several else []
+            return [self.mesh_shape(num_devices, 0, per_host)] if several_hosts and per_host > 1 else []
         if not self.model_axis:
             return [(num_devices, 1)]
         return [(num_devices // m, m) for m in divisors(devices_per_process or num_devices) if m > 1]

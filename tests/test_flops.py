@@ -59,6 +59,22 @@ def test_a_scan_counts_its_body_per_iteration_and_a_cond_its_costliest_branch():
     assert step_flops(jax.jit(branched).trace(x, True)) == 2 * single
 
 
+def test_a_shard_map_counts_its_body_once_per_device_of_its_manual_axes():
+    """The pipeline's step is a shard_map: its body is one device's work, so the step's count (all devices
+    together) multiplies it by the devices that run it; an axis left automatic does not multiply."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from alpa_job.engines.pipeline import _shard_map
+
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    w = jnp.ones((64, 64))
+    x = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P(("stage", "data"))))
+    whole = step_flops(jax.jit(lambda v: v @ w).trace(x))
+    split = _shard_map()(lambda v: v @ w, mesh=mesh, in_specs=P(("stage", "data")), out_specs=P(("stage", "data")))
+    assert step_flops(jax.jit(split).trace(x)) == whole  # 8 devices, an eighth of the rows each
+    assert whole == 2 * 32 * 64 * 64
+
+
 def test_report_has_flops_and_tflops_on_cpu(tmp_path):
     from alpa_job.train.loop import train_process
 

@@ -123,13 +123,14 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
                            "--gpus-per-node", "4", "--num-layers", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "candidate 5/5" in proc.stderr  # progress per candidate
+    assert "candidate 6/6" in proc.stderr  # progress per candidate
     plan = json.loads((out / "plan.json").read_text())
     jsonschema.validate(plan, load_plan_schema())
     rows = plan["candidates"]
     assert {(r["strategy"], tuple(r["mesh_shape"])) for r in rows} == {
         ("data", (8, 1)), ("fsdp", (8, 1)), ("tensor", (4, 2)), ("tensor", (2, 4)),  # model axis inside a node
-        ("hsdp", (2, 4))}  # two-level: nodes x their GPUs
+        ("hsdp", (2, 4)),  # two-level: nodes x their GPUs
+        ("pipeline", (2, 4))}  # a stage a node, data parallel over its GPUs
     ranked = sorted((r for r in rows if r["rank"]), key=lambda r: r["rank"])
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     assert plan["best"] is not None and plan["candidates"][plan["best"]]["rank"] == 1
@@ -140,7 +141,15 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     # hsdp gathers inside a node and sends only its gradients' reduction across: fewer network bytes than fsdp
     assert by[("hsdp", (2, 4))]["axes"] == {"data": "across nodes", "fsdp": "inside a node"}
     assert 0 < by[("hsdp", (2, 4))]["network_bytes"] < by[("fsdp", (8, 1))]["network_bytes"]
-    assert "hsdp: no measured run yet" in " ".join(plan["assumptions"])
+    assert "hsdp, pipeline: no measured run yet" in " ".join(plan["assumptions"])
+    # pipeline: activations cross (permutes), and of the gradients only the shell's (the blocks' stay on their
+    # stage); every stage's FLOPs are counted, its bubble too
+    pipeline = by[("pipeline", (2, 4))]
+    assert pipeline["axes"] == {"stage": "across nodes", "data": "inside a node"}
+    assert pipeline["collectives"]["collective-permute"]["network_bytes"] > 0
+    assert 0 < pipeline["collectives"]["all-reduce"]["network_bytes"] < \
+        by[("data", (8, 1))]["collectives"]["all-reduce"]["network_bytes"] / 2
+    assert pipeline["flops_per_step"] > by[("data", (8, 1))]["flops_per_step"]
     assert plan["candidates"][plan["best"]]["params"]
     page = (out / "plan.html").read_text()
     assert "<svg" in page and "overlap" in page
@@ -155,6 +164,7 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     (["--model-parallel", "3"], "--model-parallel 3 does not divide"),
     (["--nodes", "0"], "must be >= 1"),
     (["--network-gbps", "0"], "--network-gbps must be > 0"),
+    (["--strategy", "pipeline", "--nodes", "1"], "pipeline several nodes (a stage a node)"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
     base = ["plan", "--preset", "gpt-small", "--nodes", "2", "--gpus-per-node", "4", "--out", str(tmp_path)]

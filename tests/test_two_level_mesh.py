@@ -30,6 +30,10 @@ def test_hsdp_mesh_is_hosts_by_their_devices():
     assert hsdp.candidate_meshes(8, 8) == [] and hsdp.candidate_meshes(4, 1) == []
     assert ("hsdp", (3, 2)) in strategies.auto_candidates(6, 2)
     assert strategies.data_axis_size("hsdp", 6, devices_per_process=2) == 6
+    # pipeline stages only across hosts (a stage a host, one host per process here), also of one device each
+    pipeline = strategies.get("pipeline")
+    assert pipeline.candidate_meshes(6, 2) == [(3, 2)] and pipeline.candidate_meshes(4, 1) == [(4, 1)]
+    assert pipeline.candidate_meshes(8, 8) == [] and pipeline.candidate_meshes(8) == []
 
 
 @pytest.fixture(scope="module")

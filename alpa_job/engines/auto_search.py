@@ -144,6 +144,12 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
     # Per candidate, its copies as (row, engine) pairs in DEPTHS order: the rows are _compile_together's.
     groups: List[Tuple[dict, JaxEngine, List[Tuple[dict, JaxEngine]]]] = []
     for row, engine in _likeliest_first(engines):
+        if engine.pipeline is not None:
+            # Each stage holds whole blocks, so a copy would need a multiple of the stages in layers; the
+            # copies' depths are fixed for every candidate alike, so a pipeline is ranked whole only.
+            row["note"] = (f"not ranked on copies: a pipeline of {row['mesh_shape'][0]} stages is timed only whole "
+                           "(--auto-rank-on whole)")
+            continue
         try:
             shallow = shallow_ranking.copy_engines(copies, row["strategy"], tuple(row["mesh_shape"]), example_batch,
                                                    schedule_steps)

@@ -10,7 +10,9 @@ discount).
 Counted: dot_general (2 * batch * M * N * K), conv_general_dilated (2 * output elements * the
 kernel's per-output multiply-adds), and cuDNN's fused attention (forward 4 * B * H * Sq * Sk * D,
 backward twice that). Loops: a scan counts its body `length` times; a while loop's trip count is
-unknown, so its body counts once; a cond counts its costliest branch.
+unknown, so its body counts once; a cond counts its costliest branch. A shard_map's body is one device's
+program, so it counts once per device of its manual mesh axes: what all the devices compute, which for a
+pipeline includes the ticks a stage idles in (its bubble), as the devices do run them.
 """
 from __future__ import annotations
 
@@ -50,6 +52,16 @@ def _inner(eqn) -> Iterator[Any]:
                 yield jaxpr
 
 
+def _manual_devices(params) -> int:
+    """How many devices run a shard_map's body: the product of its manual mesh axes' sizes."""
+    sizes = dict(params["mesh"].shape)
+    if "newly_manual_axes" in params:
+        manual = params["newly_manual_axes"]
+    else:  # older jax names the axes left automatic instead
+        manual = set(sizes) - set(params.get("auto", ()))
+    return int(math.prod(sizes[axis] for axis in manual))
+
+
 def jaxpr_flops(jaxpr) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
@@ -64,6 +76,8 @@ def jaxpr_flops(jaxpr) -> float:
             total += max((jaxpr_flops(b.jaxpr) for b in eqn.params["branches"]), default=0.0)
         elif name == "scan":
             total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"].jaxpr)
+        elif name == "shard_map":
+            total += _manual_devices(eqn.params) * jaxpr_flops(getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"]))
         else:
             total += sum(jaxpr_flops(inner) for inner in _inner(eqn))
     return total

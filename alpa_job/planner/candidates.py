@@ -1,6 +1,6 @@
 """The candidates of a plan: every strategy x mesh shape `--strategy auto` would try on N x G devices (one
 process a node, so tensor's model axis inside a node), less those whose data axis does not divide the
-global batch (each kept as a row saying so)."""
+global batch, or a pipeline's micro-batches (each kept as a row saying so)."""
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -12,19 +12,37 @@ Candidate = Tuple[str, Tuple[int, int]]
 
 
 def plan_candidates(nodes: int, gpus_per_node: int, batch_size: int,
-                    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES)) -> Tuple[List[Candidate], List[Dict]]:
+                    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES),
+                    micro_batches: int = 0) -> Tuple[List[Candidate], List[Dict]]:
     """(candidates to compile, rows of those skipped with a note)."""
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
     devices = nodes * gpus_per_node
     every = [(s, m) for s, m in strategy_records.auto_candidates(devices, gpus_per_node) if s in strategies]
-    kept = [(s, m) for s, m in every if batch_size % m[0] == 0]
-    skipped = [{"strategy": s, "mesh_shape": list(m),
-                "note": f"batch {batch_size} is not divisible by the data axis {m[0]}"} for s, m in every
-               if batch_size % m[0]]
+    if not every:
+        raise KitError(f"--strategy {', '.join(strategies)} has no candidate on {nodes} node(s) of {gpus_per_node} GPU(s): "
+                       "hsdp needs several nodes of several GPUs, pipeline several nodes (a stage a node); "
+                       "plan more --nodes or another --strategy")
+    notes = {(s, m): _batch_note(s, m, batch_size, micro_batches) for s, m in every}
+    kept = [(s, m) for s, m in every if not notes[(s, m)]]
+    skipped = [{"strategy": s, "mesh_shape": list(m), "note": notes[(s, m)]} for s, m in every if notes[(s, m)]]
     if not kept:
-        sizes = sorted({m[0] for _, m in every})
+        sizes = sorted({strategy_records.get(s).batch_ways(m) for s, m in every})
         raise KitError(f"--batch-size {batch_size} is not divisible by the data axis of any candidate on "
                        f"{devices} devices (data axes: {', '.join(map(str, sizes))}); use a multiple of "
                        f"{min(sizes)}, e.g. {devices} (one sequence per GPU)")
     return kept, skipped
+
+
+def _batch_note(strategy: str, mesh: Tuple[int, int], batch_size: int, micro_batches: int) -> str:
+    """Why the global batch cannot be split for this candidate ('' when it can)."""
+    record = strategy_records.get(strategy)
+    ways = record.batch_ways(mesh)
+    if batch_size % ways:
+        return f"batch {batch_size} is not divisible by the data axis {ways}"
+    if record.pipelined:
+        micro = strategy_records.micro_batches(micro_batches, mesh[0])
+        if batch_size % (mesh[1] * micro):
+            return (f"batch {batch_size} does not split into {micro} micro-batches on each of {mesh[1]} data-parallel "
+                    f"slot(s); pass --micro-batches or a multiple of {mesh[1] * micro}")
+    return ""

@@ -20,10 +20,6 @@ CPU devices. Writes OUT/plan.json (schema: alpa_job/record/plan.schema.json) and
 
 from alpa_job.planner.plan import MODEL_SETTINGS  # the job settings a plan reads
 
-# What the planner can compile and estimate: a pipeline's step time hangs on its micro-batches and its
-# collectives run inside the schedule's loop, which the traffic reader does not yet multiply out.
-PLANNED = tuple(name for name, record in strategy_records.STRATEGIES.items() if not record.pipelined)
-
 
 def add_parser(sub, add_setting) -> None:
     """The `plan` parser under `sub`; `add_setting(group, setting)` adds a catalogue setting's flags the way
@@ -51,7 +47,7 @@ def add_parser(sub, add_setting) -> None:
     c.add_argument("--network-gbps", type=float, default=400.0, metavar="Gb/S",
                    help="network bandwidth per GPU across nodes, one direction, Gbit/s (default: 400, one NDR NIC a GPU)")
     o = p.add_argument_group("plan")
-    o.add_argument("--strategy", default="all", choices=("all", *PLANNED),
+    o.add_argument("--strategy", default="all", choices=("all", *strategy_records.STRATEGIES),
                    help="which strategies to plan (default: all)")
     o.add_argument("--model-parallel", type=int, default=0, metavar="M", help="tensor: only this model axis size")
     o.add_argument("--out", metavar="DIR", default="plans/latest", help="where plan.json and plan.html go "
@@ -72,7 +68,7 @@ def run(args) -> int:
     if args.model_parallel < 0 or args.timeout <= 0:
         raise KitError("--model-parallel must be >= 0 and --timeout > 0")
     cli_values = model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES})
-    strategies = PLANNED if args.strategy == "all" else (args.strategy,)
+    strategies = tuple(strategy_records.STRATEGIES) if args.strategy == "all" else (args.strategy,)
     record = make_plan(args.preset, args.config, cli_values, args.nodes, args.gpus_per_node, gpu,
                        args.network_gbps, strategies, args.model_parallel, args.timeout)
     try:

@@ -53,7 +53,8 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
     devices = nodes * gpus_per_node
     config, values, batch_how = settings(preset, config_path, cli_values, devices)
     constants = estimate.fit(calibration or estimate.load())
-    kept, skipped = candidates_lib.plan_candidates(nodes, gpus_per_node, config.batch_size, strategies)
+    kept, skipped = candidates_lib.plan_candidates(nodes, gpus_per_node, config.batch_size, strategies,
+                                                   config.micro_batches)
     if model_parallel:
         if devices % model_parallel:
             raise KitError(f"--model-parallel {model_parallel} does not divide the {nodes} x {gpus_per_node} = "
@@ -149,12 +150,12 @@ def _leaves(compiled: List[Dict[str, Any]], row: PlanCandidate) -> List[Leaf]:
     return []
 
 
-MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype")
+MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches")
 
 
 def model_values(values: Dict[str, Any]) -> Dict[str, Any]:
     """The settings that decide the model and its step (what a plan compiles): the model, its own sizes
-    and args, the batch, the dtype; plain values (JSON), None left out."""
+    and args, the batch, the dtype, a pipeline's micro-batches; plain values (JSON), None left out."""
     from alpa_job.settings import catalog
 
     model = values.get("model")
