@@ -4,7 +4,8 @@ Node A is the head (`ray start --head --node-ip-address 127.0.0.1`: Ray replaces
 with the machine's own interface address, so the node list, not the flag, says which IP it has), node B
 joins it as 127.0.0.2. On GPUs each node sees one card (CUDA_VISIBLE_DEVICES=0 / =1, --num-gpus 1) and
 NCCL is held to sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo),
-so the two processes talk like two hosts; with --cpu each node's process emulates --devices CPU devices.
+so the two processes talk like two hosts; with --gpus-per-node G each node sees G cards and is a host of
+its own to NCCL (NCCL_HOSTID): NVLink within a node, sockets across; with --cpu each node's process emulates --devices CPU devices.
 Then, through the kit's one-process-per-node path (`python -m alpa_job train --address 127.0.0.1:PORT`):
 
   data, fsdp   a short run each: report.json must say 2 processes on 2 hosts and the losses must fall;
@@ -48,6 +49,9 @@ TAG_VAR = "GPU_TWO_NODES_TAG"  # every process a node starts inherits it: how th
 NODE_B_IP = "127.0.0.2"
 NCCL_OVER_SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
                      "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}
+# Nodes of several GPUs: each node a host of its own to NCCL (its own NCCL_HOSTID), so its GPUs talk over
+# NVLink (P2P) within it and over sockets to the other node's, as two hosts without InfiniBand would.
+TWO_HOSTS = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}
 # NCCL's own account of each channel's transport ("via NET/Socket/0") lands in the workers' logs: the
 # evidence that the two processes talked through sockets.
 NCCL_DEBUG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
@@ -200,15 +204,18 @@ class Cluster:
     def node_env(self, which: str) -> Dict[str, str]:
         env = dict(self.env, **{TAG_VAR: f"{self.tag}-{which}"})
         if not self.args.cpu:
-            env.update(NCCL_DEBUG, CUDA_VISIBLE_DEVICES="0" if which == "a" else "1", NCCL_NVLS_ENABLE="0")
+            per_node = self.args.gpus_per_node
+            first = 0 if which == "a" else per_node
+            env.update(NCCL_DEBUG, CUDA_VISIBLE_DEVICES=",".join(str(first + i) for i in range(per_node)),
+                       NCCL_NVLS_ENABLE="0")
             if self.sockets:
-                env.update(NCCL_OVER_SOCKETS)
+                env.update(NCCL_OVER_SOCKETS if per_node == 1 else dict(TWO_HOSTS, NCCL_HOSTID=f"{self.tag}-{which}"))
         return env
 
     def start(self, deadline: Deadline) -> None:
         per_node = ["--num-cpus", str(self.args.num_cpus), "--disable-usage-stats"]
         if not self.args.cpu:
-            per_node += ["--num-gpus", "1"]
+            per_node += ["--num-gpus", str(self.args.gpus_per_node)]
         head = self.ray("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
                         "--temp-dir", os.path.join(self.workdir, "ray-a"), "--include-dashboard=false", *per_node)
         # The dashboard agent's listen port is fixed by default (52365): the second node on this machine
@@ -218,7 +225,7 @@ class Cluster:
                           str(self.args.agent_port), *per_node)
         for which, argv in (("a", head), ("b", worker)):
             env = self.node_env(which)
-            shown = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", *NCCL_OVER_SOCKETS) if k in env}
+            shown = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", *NCCL_OVER_SOCKETS, "NCCL_HOSTID") if k in env}
             self.commands.append(" ".join([*(f"{k}={v}" for k, v in shown.items()), "ray",
                                            *map(shlex.quote, argv[3:])]))
             log(f"node {which.upper()}: {self.commands[-1]}")
@@ -258,8 +265,8 @@ class Cluster:
         self.head_ip = next(n["ip"] for n in nodes if n["ip"] != NODE_B_IP)
         gpus = [n["resources"].get("GPU", 0) for n in nodes]
         log(f"Ray lists 2 nodes: head {self.head_ip} (asked 127.0.0.1), {NODE_B_IP}; GPUs per node {gpus}")
-        if not self.args.cpu and gpus != [1, 1]:
-            raise Failed(f"each node should have 1 GPU, Ray lists {gpus}")
+        if not self.args.cpu and gpus != [self.args.gpus_per_node] * 2:
+            raise Failed(f"each node should have {self.args.gpus_per_node} GPU(s), Ray lists {gpus}")
 
     def stop(self) -> int:
         """Both nodes' processes ended; returns how many are still alive (0 expected)."""
@@ -385,13 +392,13 @@ def one_gpu_run(args, scratch: str, deadline: Deadline) -> dict:
     return row
 
 
-def add_efficiency(rows: List[dict]) -> None:
-    """Two-node rows: samples/s over twice the one-GPU run's (1.0: two GPUs twice as fast as one)."""
+def add_efficiency(rows: List[dict], gpus: int) -> None:
+    """Two-node rows: samples/s over `gpus` x the one-GPU run's (1.0: every GPU as fast as one alone)."""
     alone = next((r.get("samples_per_s_report") for r in rows if r["run"] == "one GPU"), None)
     for r in rows:
         rate = r.get("samples_per_s_report")
         if alone and rate and r["run"] != "one GPU":
-            r["scaling_efficiency"] = round(rate / (2 * alone), 3)
+            r["scaling_efficiency"] = round(rate / (gpus * alone), 3)
 
 
 def shown(argv: List[str]) -> str:
@@ -576,6 +583,8 @@ def main() -> int:
                     "not installed (default: .whl)")
     ap.add_argument("--preset", default="gpt-12l", help="GPU mode's model")
     ap.add_argument("--devices", type=int, default=1, help="--cpu: CPU devices per node")
+    ap.add_argument("--gpus-per-node", type=int, default=1, help="GPU mode: GPUs per node (node A the first ones); "
+                    "with 2 or more each node is a host of its own to NCCL (NVLink within, sockets across)")
     ap.add_argument("--strategies", nargs="*", default=["data", "fsdp"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--nccl-default", action="store_true", help="GPU mode: leave NCCL its own transports "
@@ -656,7 +665,7 @@ def main() -> int:
                 payload["nccl"] = dict(cluster.nccl_transports(), mode=nccl_mode(args, cluster))
                 log(f"NCCL channels by transport (workers' logs): {payload['nccl']['channels_by_transport']}")
             payload["left_alive"] = cluster.stop()
-    add_efficiency(rows)
+    add_efficiency(rows, 2 * (1 if args.cpu else args.gpus_per_node))
     payload.update(rows=rows, failure=failure, wall_s=round(time.monotonic() - started, 1))
     text = table(rows)
     device = next((r.get("device") for r in rows if r.get("device")), "?")

@@ -82,8 +82,9 @@ def test_job_submit_from_a_worker(ray_cluster):
 def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_on_one_winner(ray_cluster):
     """Six devices in three processes, each reading its own third of the batch: a tensor mesh whose model
     axis spans processes (2x3, 1x6) would need rows another process read (it used to fail the run:
-    "Invalid host data"), so auto tries tensor only inside a host, and hsdp as hosts x their devices.
-    The four candidates are timed, and
+    "Invalid host data"), so auto tries tensor only inside a host, hsdp as hosts x their devices, and
+    pipeline a stage a host (refused in its row: the MLP declares no repeated blocks).
+    The four others are timed, and
     every process takes process 0's times, so all train the one winner (processes on different programs
     would hang each other)."""
     report, _, _ = _submit(ray_cluster, "head", "--strategy", "auto", "--auto-trial-steps", "1",
@@ -92,8 +93,10 @@ def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
     timed = [row for row in table if row["step_time_s"]]
     assert sorted((row["strategy"], tuple(row["mesh_shape"])) for row in table) == [
-        ("data", (6, 1)), ("fsdp", (6, 1)), ("hsdp", (3, 2)), ("tensor", (3, 2))], table
+        ("data", (6, 1)), ("fsdp", (6, 1)), ("hsdp", (3, 2)), ("pipeline", (3, 2)), ("tensor", (3, 2))], table
     assert len(timed) == 4, table
+    pipeline = next(row for row in table if row["strategy"] == "pipeline")  # a stage a host, but the MLP has no
+    assert "declares none" in pipeline["note"] and not pipeline["step_time_s"], pipeline  # repeated blocks
     chosen = [row for row in table if row["chosen"]]
     assert len(chosen) == 1 and chosen[0]["step_time_s"] == min(row["step_time_s"] for row in timed)
     assert report["strategy"] == chosen[0]["strategy"] and report["mesh"]["shape"] == chosen[0]["mesh_shape"]
@@ -109,6 +112,8 @@ def test_auto_on_copies_on_three_hosts_every_process_ranks_alike_and_trains_one_
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
     timed = [row for row in report["search"] if row["step_time_s"]]
     assert len(timed) == 4 and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
+    pipeline = next(row for row in report["search"] if row["strategy"] == "pipeline")
+    assert "not ranked on copies" in pipeline["note"], pipeline
     chosen = [row for row in report["search"] if row["chosen"]]
     fastest = min(row["step_time_s"] for row in timed)
     ties = [row for row in timed if row["step_time_s"] <= fastest * 1.03]  # shallow_ranking.TIE
