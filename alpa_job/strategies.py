@@ -190,7 +190,22 @@ PIPELINE = Strategy(
     mesh_axes=("stage", "data"),
 )
 
-STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (DATA, FSDP, TENSOR, HSDP, PIPELINE)}
+PIPELINE_FSDP = Strategy(
+    name="pipeline-fsdp",
+    summary="pipeline stages as pipeline, each stage's parameters and optimizer state split over its devices "
+            "(fsdp within a stage)",
+    # The stacked blocks' `layers` dimension over the stages, then fsdp's rules over the devices of a stage:
+    # a stage's devices (one host by default) gather its parameters once a step over the host's fast links.
+    param_rules=[(BATCH, ("stage", "data")), (LAYERS, "stage"), (EMBED, "data"), (MLP, "data"), (CHANNELS, "data"),
+                 (VOCAB, "data"), (HEADS, "data"), (KV, "data"), (CONV_IN, "data"), (SEQ, "data")],
+    activation_rules=[],
+    major_dimension_first=True,
+    splits_parameters=True,
+    pipelined=True,
+    mesh_axes=("stage", "data"),
+)
+
+STRATEGIES: Dict[str, Strategy] = {s.name: s for s in (DATA, FSDP, TENSOR, HSDP, PIPELINE, PIPELINE_FSDP)}
 AUTO = "auto"  # not a record: the search over every record's candidate meshes
 
 

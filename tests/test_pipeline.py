@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -43,12 +44,22 @@ def gpt_data():
     return _losses(tiny_config("gpt", **GPT4), "data", (8, 1))[0]
 
 
-@pytest.mark.parametrize("mesh, micro", [((2, 4), 4), ((4, 2), 2)])
-def test_a_pipelined_gpt_computes_the_losses_data_does(gpt_data, mesh, micro):
-    """2 stages x data 4 (two blocks a stage, 4 micro-batches) and 4 stages x data 2 (one block a stage):
-    20 steps, fp32, equal to data's to 1e-5 relative."""
-    losses, engine, state, batches = _losses(tiny_config("gpt", micro_batches=micro, **GPT4), "pipeline", mesh)
+@pytest.mark.parametrize("strategy, mesh, micro", [("pipeline", (2, 4), 4), ("pipeline", (4, 2), 2),
+                                                   ("pipeline-fsdp", (2, 4), 4)])
+def test_a_pipelined_gpt_computes_the_losses_data_does(gpt_data, strategy, mesh, micro):
+    """2 stages x data 4 (two blocks a stage, 4 micro-batches) and 4 stages x data 2 (one block a stage),
+    and 2 x 4 with each stage's state split over its 4 devices (pipeline-fsdp): 20 steps, fp32, equal to
+    data's to 1e-5 relative."""
+    losses, engine, state, batches = _losses(tiny_config("gpt", micro_batches=micro, **GPT4), strategy, mesh)
     np.testing.assert_allclose(losses, gpt_data, rtol=1e-5)
+    if strategy == "pipeline-fsdp":  # the stage's devices hold a quarter of its state each, or close to it
+        from alpa_job.engines.jax_engine import JaxEngine  # the plain pipeline's state, built, not compiled
+
+        plain = JaxEngine(engine.config, engine.model, batches[0], "pipeline", mesh)
+        assert engine.state_bytes_per_device < 0.35 * plain.state_bytes_per_device
+        blocks = state.params["pipeline_blocks"]
+        specs = [leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(blocks) if leaf.ndim > 2]
+        assert specs and all(spec[0] == "stage" and "data" in spec[1:] for spec in specs), specs
     assert gpt_data[-1] < gpt_data[0]  # it trained
     # Eval through the same stages: the mean over the batch's rows is the step's loss before its update.
     total, rows = engine.eval_sums(state, engine.put_batch(batches[0]))

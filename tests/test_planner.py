@@ -123,14 +123,14 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
                            "--gpus-per-node", "4", "--num-layers", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "candidate 6/6" in proc.stderr  # progress per candidate
+    assert "candidate 7/7" in proc.stderr  # progress per candidate
     plan = json.loads((out / "plan.json").read_text())
     jsonschema.validate(plan, load_plan_schema())
     rows = plan["candidates"]
     assert {(r["strategy"], tuple(r["mesh_shape"])) for r in rows} == {
         ("data", (8, 1)), ("fsdp", (8, 1)), ("tensor", (4, 2)), ("tensor", (2, 4)),  # model axis inside a node
         ("hsdp", (2, 4)),  # two-level: nodes x their GPUs
-        ("pipeline", (2, 4))}  # a stage a node, data parallel over its GPUs
+        ("pipeline", (2, 4)), ("pipeline-fsdp", (2, 4))}  # a stage a node, data / fsdp over its GPUs
     ranked = sorted((r for r in rows if r["rank"]), key=lambda r: r["rank"])
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     assert plan["best"] is not None and plan["candidates"][plan["best"]]["rank"] == 1
@@ -141,7 +141,7 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     # hsdp gathers inside a node and sends only its gradients' reduction across: fewer network bytes than fsdp
     assert by[("hsdp", (2, 4))]["axes"] == {"data": "across nodes", "fsdp": "inside a node"}
     assert 0 < by[("hsdp", (2, 4))]["network_bytes"] < by[("fsdp", (8, 1))]["network_bytes"]
-    assert "hsdp, pipeline: no measured run yet" in " ".join(plan["assumptions"])
+    assert "hsdp, pipeline, pipeline-fsdp: no measured run yet" in " ".join(plan["assumptions"])
     # pipeline: activations cross (permutes), and of the gradients only the shell's (the blocks' stay on their
     # stage); every stage's FLOPs are counted, its bubble too
     pipeline = by[("pipeline", (2, 4))]
@@ -150,6 +150,10 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     assert 0 < pipeline["collectives"]["all-reduce"]["network_bytes"] < \
         by[("data", (8, 1))]["collectives"]["all-reduce"]["network_bytes"] / 2
     assert pipeline["flops_per_step"] > by[("data", (8, 1))]["flops_per_step"]
+    # fsdp within a stage: a quarter of the state a GPU, its gathers inside a node
+    split = by[("pipeline-fsdp", (2, 4))]
+    assert split["state_bytes_per_device"] < 0.35 * pipeline["state_bytes_per_device"]
+    assert split["collectives"]["all-gather"]["nvlink_bytes"] > 0
     assert plan["candidates"][plan["best"]]["params"]
     page = (out / "plan.html").read_text()
     assert "<svg" in page and "overlap" in page

@@ -84,6 +84,8 @@ class JaxEngine(Engine):
         unboxed = nn.meta.unbox(boxed)
         self._gather_dtypes = None  # the split parameters' dtypes as gathered (_gathered), found on first use
         self.state_sharding = self._state_sharding(strategy, config, unboxed)
+        if self.pipeline is not None:
+            self.pipeline.place(jax.tree_util.tree_map(lambda s: s.spec, self.state_sharding.params))
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
         if self.check_memory:

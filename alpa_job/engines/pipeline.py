@@ -5,7 +5,9 @@ shard_map over the mesh, activations handed to the next stage by collective perm
 The state keeps the blocks stacked: every block parameter gains a leading `layers` dimension, split
 over `stage`, so stage s holds blocks s*L/S .. (s+1)*L/S - 1 and their optimizer state, and nothing of a
 block ever crosses between stages; everything outside the blocks (the shell: embeddings, final norm,
-head) is whole on every device. Each step:
+head) is whole on every device. Under `pipeline-fsdp` a stage's devices split its state further, as fsdp
+splits it (most leaves along one dimension of their own), and gather the parameters whole once a step;
+the gather's gradient is a reduce-scatter, so each device updates only its share. Each step:
 
 1. every device reads its own rows, as under `data`; the rows of one data-parallel slot are gathered
    along `stage` (token ids: small), so every stage of the slot holds the same rows;
@@ -48,6 +50,15 @@ def _shard_map():
     return functools.partial(shard_map, check_rep=False)
 
 
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _over_data(axis) -> bool:
+    """Whether a PartitionSpec entry splits its dimension over a stage's devices."""
+    return axis == DATA or (isinstance(axis, tuple) and DATA in axis)
+
+
 def check_pipelinable(model: ModelSpec) -> None:
     """One line naming what to declare, for a model the pipeline cannot cut."""
     if model.repeated_blocks is None:
@@ -76,6 +87,7 @@ class Pipeline:
             raise KitError(f"--pipeline-stages {self.stages} does not split --model {model.name}'s {layers} repeated "
                            f"blocks evenly; use one of: {', '.join(map(str, fits)) or 'none (one block)'}")
         check_micro_batches(rows, (self.stages, self.data), micro_batches)
+        self.param_specs = None  # the state's split of the parameters (place), before anything is traced
 
     # ----- the state's layout --------------------------------------------------------------------
     def stack(self, params):
@@ -92,14 +104,38 @@ class Pipeline:
         params[BLOCKS] = jax.tree_util.tree_map(stacked, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned))
         return params
 
-    def _specs(self, params):
-        return {key: jax.tree_util.tree_map(lambda _: PartitionSpec(STAGE) if key == BLOCKS else PartitionSpec(),
-                                            value) for key, value in params.items()}
+    def place(self, param_specs) -> None:
+        """The parameters' PartitionSpecs in the state (the strategy's rules): the blocks' first dimension over
+        the stages, and under pipeline-fsdp one dimension of most leaves over a stage's devices as well."""
+        self.param_specs = param_specs
+
+    def _gathered(self, params):
+        """The parameters whole within a stage: each leaf split over its stage's devices gathered, once a
+        step (autodiff turns the gather into a reduce-scatter of its gradient)."""
+        def gather(spec, leaf):
+            for dim, axis in enumerate(spec):
+                if _over_data(axis):
+                    leaf = lax.all_gather(leaf, DATA, axis=dim, tiled=True)
+            return leaf
+
+        return jax.tree_util.tree_map(gather, self.param_specs, params, is_leaf=_is_spec)
+
+    def _reduced(self, grads):
+        """Each gradient summed where its parameter is replicated: over a stage's devices unless the gather
+        already reduce-scattered it, and over the stages for the shell, which every stage holds whole."""
+        def reduce(key):
+            def leaf(spec, grad):
+                axes = (() if key == BLOCKS else (STAGE,)) + (() if any(map(_over_data, spec)) else (DATA,))
+                return lax.psum(grad, axes) if axes else grad
+            return leaf
+
+        return {key: jax.tree_util.tree_map(reduce(key), self.param_specs[key], value, is_leaf=_is_spec)
+                for key, value in grads.items()}
 
     # ----- the step --------------------------------------------------------------------------------
     def value_and_grad(self, params, batch) -> Tuple[Any, Any]:
         """(the batch's mean loss over its real rows, the gradients in the parameters' layout)."""
-        specs = self._specs(params)
+        specs = self.param_specs
         rows = jax.tree_util.tree_map(lambda _: PartitionSpec((STAGE, DATA)), batch)
         run = _shard_map()(self._local_value_and_grad, mesh=self.mesh, in_specs=(specs, rows),
                            out_specs=(PartitionSpec(), specs))
@@ -108,7 +144,7 @@ class Pipeline:
     def eval_sums(self, params, batch) -> Tuple[Any, Any]:
         """(sum of the per-example loss over real rows, real rows), as ModelSpec.eval_sums."""
         rows = jax.tree_util.tree_map(lambda _: PartitionSpec((STAGE, DATA)), batch)
-        run = _shard_map()(self._local_eval_sums, mesh=self.mesh, in_specs=(self._specs(params), rows),
+        run = _shard_map()(self._local_eval_sums, mesh=self.mesh, in_specs=(self.param_specs, rows),
                            out_specs=(PartitionSpec(), PartitionSpec()))
         return run(dict(params), batch)
 
@@ -119,14 +155,14 @@ class Pipeline:
     def _local_value_and_grad(self, params, batch):
         batch = self._slot_rows(batch)
         real_rows = lax.psum(batch["mask"].sum(), DATA)  # the same on every stage
-        objective = lambda p: self._last_stage_loss_sum(p, batch) / jnp.maximum(real_rows, 1.0)  # noqa: E731
+        objective = lambda p: (self._last_stage_loss_sum(self._gathered(p), batch)  # noqa: E731
+                               / jnp.maximum(real_rows, 1.0))
         loss, grads = jax.value_and_grad(objective)(params)
-        grads = {key: lax.psum(value, DATA if key == BLOCKS else (STAGE, DATA)) for key, value in grads.items()}
-        return lax.psum(loss, (STAGE, DATA)), grads
+        return lax.psum(loss, (STAGE, DATA)), self._reduced(grads)
 
     def _local_eval_sums(self, params, batch):
         batch = self._slot_rows(batch)
-        return (lax.psum(self._last_stage_loss_sum(params, batch), (STAGE, DATA)),
+        return (lax.psum(self._last_stage_loss_sum(self._gathered(params), batch), (STAGE, DATA)),
                 lax.psum(batch["mask"].sum(), DATA))
 
     def _last_stage_loss_sum(self, params, batch):
