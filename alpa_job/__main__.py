@@ -1,4 +1,3 @@
-import sys
 import traceback
 
 from alpa_job.cli import main

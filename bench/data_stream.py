@@ -360,7 +360,8 @@ def testbed(args) -> Dict[str, object]:
         data = (["--dataset", "tokens", "--data-path", args.file, "--token-dtype", "uint16"]
                 if args.dataset == "tokens" else ["--dataset", args.dataset])
         argv = ["python", "-m", "alpa_job", "train", "--address", address, "--cluster-spec", str(info["spec_path"]),
-                "--preset", "gpt-small", *data, "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--devices", str(args.devices),
+                "--preset", "gpt-small", *data, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                "--devices", str(args.devices),
                 "--progress-every", "1", "--out", str(out)]
         sampler = RssSampler({h.name: h.pid for h in bed.hosts})
         sampler.start()

@@ -124,7 +124,7 @@ def main() -> None:
                                                 "parked": not args.no_park, "peak_tflops": args.peak_tflops,
                                                 "rows": rows})
     print(f"\n{device}, jax {jax.__version__}; median of {args.repeats} alternating rounds x {args.steps} steps")
-    print(f"| case | competent loop ms (MFU) | kit ms (MFU) | kit / loop | kit temp GB | loop temp GB |")
+    print("| case | competent loop ms (MFU) | kit ms (MFU) | kit / loop | kit temp GB | loop temp GB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['label']} | {r['peer_ms']} ({r['peer_mfu']}) | {r['kit_ms']} ({r['kit_mfu']}) | "

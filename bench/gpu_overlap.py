@@ -141,7 +141,9 @@ def main() -> None:
         x = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.01
         w = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.001
     grads = [jnp.ones((n * per_chunk,), jnp.bfloat16) for _ in range(args.chunks)]
-    put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, P("d")))
+    def put(a):
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, P("d")))
+
     x, w, grads = put(x), put(w), [put(g) for g in grads]
 
     rows = []

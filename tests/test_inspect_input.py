@@ -3,7 +3,6 @@ Input section of the terminal view, report.md and report.html, the eval points o
 run comparison's data wait and eval loss columns. Records are built in memory: no Ray, no training."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest

@@ -358,7 +358,8 @@ def cluster_drift(spec: ClusterSpec, label: str, cluster: Mapping[str, Any], sta
             if name not in PORT_NAMES:
                 errors.append("%s: container port %s=%s is not in the plan" % (where, name, number))
             elif number != spec.ports[PORT_NAMES[name]]:
-                errors.append("%s: container port %s=%s != ports.%s %s" % (where, name, number, PORT_NAMES[name], spec.ports[PORT_NAMES[name]]))
+                errors.append("%s: container port %s=%s != ports.%s %s"
+                              % (where, name, number, PORT_NAMES[name], spec.ports[PORT_NAMES[name]]))
         wanted_names = set(HEAD_SERVICE_PORTS) if role == "head" else set()
         if "runtime-env-agent-port" in want:
             wanted_names.add("runtime-env")

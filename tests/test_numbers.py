@@ -219,7 +219,7 @@ def test_devices_beyond_what_the_host_can_emulate_are_refused_before_ray(tmp_pat
     assert proc.returncode == 2, proc.stderr
     (error,) = error_lines(proc.stderr)
     cap = max(64, 16 * validate.host_cores())
-    assert f"--devices 10000 is more CPU devices than this host can emulate" in error
+    assert "--devices 10000 is more CPU devices than this host can emulate" in error
     assert f"use --devices {cap} or fewer" in error and time.monotonic() - started < 30
 
 

@@ -2,12 +2,12 @@
 
 JAX's persistent cache (compile_cache.py) must trace and lower the step before it can look the
 executable up, because its key is the lowered program; a serialised executable loads with no
-tracing or lowering at all, in less than half the time of a warm hit in JAX's cache. This store keys the serialised step by everything that decides the
-program instead: the kit's own source (and the source of a model the user brings), the job's settings that reach the step, the schedule's
-horizon, the batch's shapes, the strategy and mesh, the devices, the versions of Python, jax, jaxlib,
-flax, optax and numpy, XLA's and JAX's environment and the jax options that change lowering. Any
-change is a different key, so a stale executable is never loaded; an entry that fails to load is
-deleted and the step compiled as before.
+tracing or lowering at all, in less than half the time of a warm hit in JAX's cache. This store keys the
+serialised step by everything that decides the program instead: the kit's own source (and the source of a
+model the user brings), the job's settings that reach the step, the schedule's horizon, the batch's shapes,
+the strategy and mesh, the devices, the versions of Python, jax, jaxlib, flax, optax and numpy, XLA's and
+JAX's environment and the jax options that change lowering. Any change is a different key, so a stale
+executable is never loaded; an entry that fails to load is deleted and the step compiled as before.
 
 While the store is in use the step never goes through JAX's cache: re-serialising an executable
 that JAX loaded from its own cache gives one that fails to run (XLA:CPU, jax 0.10.2: "Function

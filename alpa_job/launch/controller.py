@@ -9,7 +9,8 @@ PLACING    choose the nodes (never a lost one), start a process on each (a node 
            is settled and replaced), check --out is one shared directory, and after a loss check the
            global batch divides the shrunk data axis;
 RUNNING    train on the worker group and watch it: the driver waits on every process at once (never
-           a blocking get on one), on SIGTERM has them agree on one step to stop and save at (preemption.py), and on the first failure gives the others a short grace to show
+           a blocking get on one), on SIGTERM has them agree on one step to stop and save at
+           (preemption.py), and on the first failure gives the others a short grace to show
            theirs (a dead peer makes the survivors' collectives fail too: the one to name is the
            process whose ACTOR died), then kills every actor; a process whose step stops advancing
            for --hang-timeout is a failure too (the watchdog: WorkerGroup.hung), handled as a loss;

@@ -1,10 +1,10 @@
 """One JAX process of a job on Ray: the actor (`JaxProcess`) that each chosen node runs.
 
 It says who it is (so a loss can be named after the process is gone), answers the driver's step
-polls and its proposals of a step to stop at (preemption: train/stop.py) from a second thread, takes part in the shared --out check, and trains: process 0 waits for
-the previous attempt's coordinator port to be free, every process joins the others
-(`init_distributed`: jax.distributed, before any device is opened), then the one training loop runs
-on the joined process.
+polls and its proposals of a step to stop at (preemption: train/stop.py) from a second thread, takes part in
+the shared --out check, and trains: process 0 waits for the previous attempt's coordinator port to be free,
+every process joins the others (`init_distributed`: jax.distributed, before any device is opened), then the
+one training loop runs on the joined process.
 
 Ray and jax are imported where used, so this module imports where neither is installed.
 """

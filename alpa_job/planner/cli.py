@@ -7,6 +7,7 @@ import os
 
 from alpa_job import strategies as strategy_records
 from alpa_job.errors import EXIT_OK, KitError
+from alpa_job.planner.plan import MODEL_SETTINGS  # the job settings a plan reads
 
 EPILOG = """examples:
   python -m alpa_job plan --preset gpt-24l --nodes 4 --gpus-per-node 8 --gpu h100
@@ -17,8 +18,6 @@ EPILOG = """examples:
 Nothing is trained and no GPU is needed: each candidate's train step is compiled for NODES x GPUS emulated
 CPU devices. Writes OUT/plan.json (schema: alpa_job/record/plan.schema.json) and OUT/plan.html.
 """
-
-from alpa_job.planner.plan import MODEL_SETTINGS  # the job settings a plan reads
 
 
 def add_parser(sub, add_setting) -> None:

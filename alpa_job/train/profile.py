@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from alpa_job.settings.validate import parse_profile
 

@@ -4,10 +4,11 @@ Without --out a run gets runs/<UTC time>-<model>-<strategy>/ and runs/latest bec
 (replaced atomically; a real runs/latest folder from an older kit is moved aside under its own time).
 An explicit --out that already holds checkpoints belongs to another run: it is refused unless --resume
 (continue it: the checkpoint must exist and be of the same model) or --overwrite (its checkpoints and
-reports are removed first); --resume auto is --resume when a complete checkpoint is there, else a new run. The folder is created and probed for writing before Ray starts, and
-run.json (the job config) is written into it so a later --resume can tell which model it holds.
-A folder that holds only an earlier run's reports (report.json, train.log, run.json, no checkpoints)
-is refused the same way: --overwrite replaces them, --resume needs a checkpoint.
+reports are removed first); --resume auto is --resume when a complete checkpoint is there, else a new run. The
+folder is created and probed for writing before Ray starts, and run.json (the job config) is written into it
+so a later --resume can tell which model it holds. A folder that holds only an earlier run's reports
+(report.json, train.log, run.json, no checkpoints) is refused the same way: --overwrite replaces them,
+--resume needs a checkpoint.
 
 One run per folder: the driver holds a lock on --out from the checks until it exits (run_lock.py).
 

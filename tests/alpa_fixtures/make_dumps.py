@@ -514,7 +514,7 @@ def fixture_pipeshard_zero(out: str):
     prefix = os.path.join(out, "train_step")
     av = avals_by_path(state)
     stage_meshes = [0, 1, 1, 0]  # forward 0, forward 1, backward 1, backward 0 (+ apply_grad fused)
-    texts, all_counts, mems = [], [], []
+    all_counts, mems = [], []
     for i, m in enumerate(stage_meshes):
         mine = [p for p in sorted(av) if p.startswith("params/") and mesh_of(p) == m]
         if i < 2:  # forward: all-gather the ZeRO-3 head weight

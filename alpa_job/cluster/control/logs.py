@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from alpa_job.errors import KitError
-from alpa_job.cluster.control.ray_http import RayHttp, RayHttpError, token_from_env
+from alpa_job.cluster.control.ray_http import RayHttp, token_from_env
 from alpa_job import strict_json
 
 DEFAULT_DEADLINE_S = 300.0
