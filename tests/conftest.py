@@ -25,35 +25,28 @@ pytest_plugins = [
 ]
 
 
-# ---- running in parallel (pytest-xdist, `-n 3` in pyproject.toml) -------------------------------------
-# The modules that build test beds run in two lanes, each on ONE worker, a module after the other: the
-# sites lane (SSH, Ansible, Docker engines, images: the machine's one image store and registry cache) and
-# the Ray lane (Ray clusters and JAX processes on the beds). Each worker's beds are its own (a prefix per
-# worker, fixtures_testbed.py), so the two lanes run side by side; the beds mostly wait on the network and
-# on each other's processes, which leaves a third worker room for the rest, a module at a time (its
-# module-scoped fixtures built once), heaviest first. Found from the source, so a new module joins its lane.
+# ---- running in parallel (pytest-xdist, `-n 2` in pyproject.toml) -------------------------------------
+# Every module that builds test beds (or images, or a site from them) runs on ONE worker, one after the
+# other: two beds' Ray clusters side by side only slow each other on two cores, and the beds share a
+# machine-wide lock and image cache. The other worker takes the rest, a module at a time (its module-scoped
+# fixtures built once), heaviest first. Found from the source, so a new test-bed module joins the lane.
 BED_USE = re.compile(r"mark\.testbed\b|[(,]\s*testbed\s*[,)]"  # the marker, the `testbed` fixture as an argument,
                      r"|\b(testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|site_bed|podman_env|cpu_image)\b")
-SITE_USE = re.compile(r"\b(ssh_bed|site_bed|podman_env|cpu_image)\b|ansible")
-BED_LANE, SITES_LANE = "test-bed", "test-bed-sites"
+BED_LANE = "test-bed"
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
 
 
 @functools.lru_cache(maxsize=None)
-def _lane(module_path: str) -> str:
-    """The module's bed lane, or '' when it builds no test bed."""
+def _uses_beds(module_path: str) -> bool:
     try:
-        text = Path(module_path).read_text()
+        return bool(BED_USE.search(Path(module_path).read_text()))
     except OSError:
-        return ""
-    if not BED_USE.search(text):
-        return ""
-    return SITES_LANE if SITE_USE.search(text) else BED_LANE
+        return False
 
 
 def group_of(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
-    return _lane(str(REPO_ROOT / module)) or PurePath(module).stem
+    return BED_LANE if _uses_beds(str(REPO_ROOT / module)) else PurePath(module).stem
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest without xdist (the Python 3.9 side) has no such hook
