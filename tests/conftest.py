@@ -30,8 +30,10 @@ pytest_plugins = [
 # other: two beds' Ray clusters side by side only slow each other on two cores, and the beds share a
 # machine-wide lock and image cache. The other worker takes the rest, a module at a time (its module-scoped
 # fixtures built once), heaviest first. Found from the source, so a new test-bed module joins the lane.
-BED_USE = re.compile(r"mark\.testbed\b|[(,]\s*testbed\s*[,)]"  # the marker, the `testbed` fixture as an argument,
-                     r"|\b(testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|site_bed|podman_env|cpu_image)\b")
+# The marker, or a bed fixture among a function's arguments (a test's or another fixture's): not the words
+# alone, which also name e.g. the Ansible role `ray_cluster`.
+BED_USE = re.compile(r"mark\.testbed\b|def \w+\((?:[^)]*,)?\s*(testbed|testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|"
+                     r"site_bed|podman_env|cpu_image)\s*[,):=]")
 BED_LANE = "test-bed"
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
 
