@@ -72,6 +72,22 @@ def open_source(config, split: str = TRAIN, model=None) -> RowSource:
     raise KitError(f"--dataset {kind!r} is not known")
 
 
+def open_train(config, model=None):
+    """(the training rows, their fixed-shape epoch plan, the first global batch): the batch is the one shape
+    every step is compiled for, and its fields must include the model's input."""
+    from alpa_job.data.batching import plan_epoch
+    from alpa_job.data.pipeline import InputStream
+
+    source = open_source(config, TRAIN, model)
+    epoch = plan_epoch(len(source), config.batch_size, config.remainder)
+    example = InputStream(source, epoch, config.batch_size, config.seed, 1).local_batch(0)
+    if model is not None and model.input_key not in example:
+        fields = ", ".join(sorted(k for k in example if k != "mask"))
+        raise KitError(f"--dataset {config.dataset} gives the field(s) {fields}, and --model {config.model} reads "
+                       f"{model.input_key!r}; give the data that field or change the model's input_field")
+    return source, epoch, example
+
+
 def _model_dataset(config, model, path: str, split: str):
     if model is None:
         from alpa_job.models import get_model

@@ -41,8 +41,8 @@ def _batch_note(strategy: str, mesh: Tuple[int, int], batch_size: int, micro_bat
     if batch_size % ways:
         return f"batch {batch_size} is not divisible by the data axis {ways}"
     if record.pipelined:
-        micro = strategy_records.micro_batches(micro_batches, mesh[0])
-        if batch_size % (mesh[1] * micro):
-            return (f"batch {batch_size} does not split into {micro} micro-batches on each of {mesh[1]} data-parallel "
-                    f"slot(s); pass --micro-batches or a multiple of {mesh[1] * micro}")
+        try:
+            strategy_records.check_micro_batches(batch_size, mesh, strategy_records.micro_batches(micro_batches, mesh[0]))
+        except KitError as err:
+            return str(err)
     return ""

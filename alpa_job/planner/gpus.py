@@ -6,7 +6,7 @@ from typing import Dict, Optional
 
 from alpa_job.choices import not_known
 from alpa_job.errors import KitError
-from alpa_job.train.timing import PEAK_BF16_FLOPS
+from alpa_job.engines.flops import PEAK_BF16_FLOPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Gpu:
                 f"NVLink {self.nvlink_bytes_s / 1e9:.0f} GB/s")
 
 
-# H100 and H200 peaks are the rates measured on the lent machines (train/timing.py), the ones the
+# H100 and H200 peaks are the rates measured on the lent machines (engines/flops.py), the ones the
 # calibration runs' MFU used, so the fitted efficiency applies to them unchanged. A100's is the datasheet's.
 # NVLink: one direction per GPU (H100/H200 NVLink 4: 900 GB/s both ways; A100 NVLink 3: 600).
 CATALOGUE: Dict[str, Gpu] = {

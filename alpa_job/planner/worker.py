@@ -20,12 +20,12 @@ def build(request: Dict[str, Any]):
     """(config, model, example batch) from the request's settings: the same layers `train` reads."""
     from alpa_job.models import get_model
     from alpa_job.settings import config as config_lib
-    from alpa_job.train.train_data import prepare_data
+    from alpa_job.data.open import open_train
 
     layers = config_lib.load_layers(request.get("preset"), request.get("config"))
     config = config_lib.build_config(config_lib.merge_layers(layers), request["cli_values"])
     model = get_model(config)
-    return config, model, prepare_data(config, model).example
+    return config, model, open_train(config, model)[2]
 
 
 def run(request: Dict[str, Any]) -> Dict[str, Any]:

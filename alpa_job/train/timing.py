@@ -12,12 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-# Dense bf16 matmul rates measured on these devices (an 8192^3 product on random data, not the
-# datasheet's peak), keyed by jax's device_kind; MFU is reported only for these.
-PEAK_BF16_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 798e12,
-    "NVIDIA H200": 788e12,
-}
+from alpa_job.engines.flops import PEAK_BF16_FLOPS  # MFU is reported only for these devices
 
 
 def process_age_s() -> Optional[float]:

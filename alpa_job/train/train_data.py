@@ -10,7 +10,6 @@ import numpy as np
 from alpa_job.data import EpochPlan, plan_epoch
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.data.sources import RowSource
-from alpa_job.errors import KitError
 from alpa_job.record.run_record import InputRecord
 
 
@@ -53,15 +52,9 @@ class TrainData:
 def prepare_data(config, model=None) -> TrainData:
     """The dataset and its fixed-shape batches; `model` (a models.ModelSpec) makes synthetic data, decodes
     records or gives its own dataset."""
-    from alpa_job.data.open import EVAL, TRAIN, open_source
+    from alpa_job.data.open import EVAL, open_source, open_train
 
-    source = open_source(config, TRAIN, model)
-    epoch = plan_epoch(len(source), config.batch_size, config.remainder)
-    example = InputStream(source, epoch, config.batch_size, config.seed, 1).local_batch(0)
-    if model is not None and model.input_key not in example:
-        fields = ", ".join(sorted(k for k in example if k != "mask"))
-        raise KitError(f"--dataset {config.dataset} gives the field(s) {fields}, and --model {config.model} reads "
-                       f"{model.input_key!r}; give the data that field or change the model's input_field")
+    source, epoch, example = open_train(config, model)
     eval_source = open_source(config, EVAL, model) if getattr(config, "eval_data_path", None) else None
     return TrainData(source, epoch, config.batch_size, config.remainder, config.seed, example,
                      threads=config.data_threads, prefetch=config.prefetch, eval_source=eval_source,
