@@ -135,12 +135,17 @@ DATA = Strategy(
     compiler_options=COMBINED_GATHERS,  # its sharded update gathers and reduce-scatters as fsdp does
 )
 
+def fsdp_rules(axis: str) -> LogicalRules:
+    """fsdp's parameter rules on `axis`: every named dimension it may split (the outermost that divides, with
+    major_dimension_first). Channels before conv_in: a stem conv has 3 input channels, which no device
+    count divides."""
+    return [(name, axis) for name in (EMBED, MLP, CHANNELS, VOCAB, HEADS, KV, CONV_IN, SEQ)]
+
+
 FSDP = Strategy(
     name="fsdp",
     summary="ZeRO-3 / FSDP: every parameter and its optimizer state split over the devices",
-    # channels before conv_in: a stem conv has 3 input channels, which no device count divides.
-    param_rules=[(BATCH, "data"), (EMBED, "data"), (MLP, "data"), (CHANNELS, "data"), (VOCAB, "data"),
-                 (HEADS, "data"), (KV, "data"), (CONV_IN, "data"), (SEQ, "data")],
+    param_rules=[(BATCH, "data"), *fsdp_rules("data")],
     # No activation's model width is split: that is what makes XLA gather each layer's parameters rather
     # than reshard the activations to match the split parameters.
     activation_rules=[(BATCH, "data")],
@@ -168,8 +173,7 @@ HSDP = Strategy(
     summary="hybrid sharded data parallel: fsdp among one host's devices, data parallel across hosts",
     # FSDP's rules on the within-host axis: its gathers and reduce-scatters (every layer, twice a step) run
     # over a host's fast links; across hosts only the gradients' all-reduce, once a step, as data's.
-    param_rules=[(BATCH, ("data", "fsdp")), (EMBED, "fsdp"), (MLP, "fsdp"), (CHANNELS, "fsdp"), (VOCAB, "fsdp"),
-                 (HEADS, "fsdp"), (KV, "fsdp"), (CONV_IN, "fsdp"), (SEQ, "fsdp")],
+    param_rules=[(BATCH, ("data", "fsdp")), *fsdp_rules("fsdp")],
     activation_rules=[(BATCH, ("data", "fsdp"))],
     major_dimension_first=True,
     compiler_options=COMBINED_GATHERS,
@@ -196,8 +200,7 @@ PIPELINE_FSDP = Strategy(
             "(fsdp within a stage)",
     # The stacked blocks' `layers` dimension over the stages, then fsdp's rules over the devices of a stage:
     # a stage's devices (one host by default) gather its parameters once a step over the host's fast links.
-    param_rules=[(BATCH, ("stage", "data")), (LAYERS, "stage"), (EMBED, "data"), (MLP, "data"), (CHANNELS, "data"),
-                 (VOCAB, "data"), (HEADS, "data"), (KV, "data"), (CONV_IN, "data"), (SEQ, "data")],
+    param_rules=[(BATCH, ("stage", "data")), (LAYERS, "stage"), *fsdp_rules("data")],
     activation_rules=[],
     major_dimension_first=True,
     splits_parameters=True,
