@@ -22,6 +22,15 @@ def test_a_figure_is_extrapolated_linearly_from_the_copies_to_the_whole_depth():
     assert shallow_ranking.extrapolate([5.0, 5.0], 48) == pytest.approx(5.0)  # layers that cost nothing
 
 
+def test_copies_timed_out_of_order_still_predict_a_positive_time_and_say_why():
+    # Times from a CI run whose shallower copies ran beside a whole compile: a line through them falls below
+    # zero, and no candidate could then be within the tie of the fastest.
+    assert shallow_ranking.predict_step_time([0.010, 0.030], 6) == (pytest.approx(0.060), "")
+    for shallow, deep in ((0.03594, 0.00909), (0.05949, 0.01154)):
+        predicted, note = shallow_ranking.predict_step_time([shallow, deep], 6)
+        assert predicted == pytest.approx(deep * 2) and "timed slower than the 3-layer one" in note
+
+
 def _candidate(strategy, step_ms, peak_gb):
     return ({"strategy": strategy, "mesh_shape": [2, 1], "step_time_s": step_ms / 1e3,
              "peak_bytes_per_device": int(peak_gb * 1e9), "note": "predicted"}, strategy)
@@ -148,7 +157,7 @@ def test_auto_on_copies_predicts_each_candidate_and_compiles_only_the_winner_who
     assert len(timed) >= 3
     for row in timed:
         assert row.predicted_from == [1, 3] and len(row.copy_step_time_s) == 2
-        assert row.step_time_s == pytest.approx(shallow_ranking.extrapolate(row.copy_step_time_s, 6))
+        assert row.step_time_s == pytest.approx(shallow_ranking.predict_step_time(row.copy_step_time_s, 6)[0])
         assert "predicted for 6 layers from copies with 1 and 3" in row.note
     chosen = [r for r in result.search if r.chosen]
     fastest = min(r.step_time_s for r in timed)

@@ -211,8 +211,8 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
             row["note"] = f"{copies.note()}: needs {peak} B per device, budget {budget} B"
             continue
         row["copy_step_time_s"] = measured
-        row["step_time_s"] = shallow_ranking.extrapolate(measured, copies.full_depth)
-        row["note"] = copies.note()
+        row["step_time_s"], disturbed = shallow_ranking.predict_step_time(measured, copies.full_depth)
+        row["note"] = copies.note() + (f"; {disturbed}" if disturbed else "")
         fitting.append((row, engine))
     return fitting, background
 

@@ -62,6 +62,20 @@ def extrapolate(values: Sequence[float], full_depth: int) -> float:
     return v1 + (full_depth - d1) * (v2 - v1) / (d2 - d1)
 
 
+def predict_step_time(measured: Sequence[float], full_depth: int) -> Tuple[float, str]:
+    """The whole model's step time from its copies' (one per DEPTHS), and a note when the copies' times
+    could not be extrapolated: a deeper copy that ran faster than a shallower one was disturbed (another
+    program's burst on a busy machine), and a line through the two would predict less than nothing. The
+    deeper copy's time per layer then stands for every layer: an overestimate (the embeddings and head
+    counted once a layer), never below the deeper copy itself."""
+    shallow, deep = measured
+    if deep >= shallow:
+        return extrapolate(measured, full_depth), ""
+    return (deep * full_depth / DEPTHS[-1],
+            f"the {DEPTHS[0]}-layer copy timed slower than the {DEPTHS[-1]}-layer one (a busy machine?), so the "
+            f"{DEPTHS[-1]}-layer copy's time per layer is scaled to {full_depth}")
+
+
 def least_memory_among_ties(ranked: List[Tuple[dict, Any]], peaks: Optional[Sequence[float]] = None
                             ) -> List[Tuple[dict, Any]]:
     """`ranked` (auto's (row, engine) pairs, fastest predicted first) with the winner moved to the front:
