@@ -97,7 +97,9 @@ def test_the_synthetic_data_are_learnable_patterns():
 ])
 def test_llama_trains_with_every_strategy(strategy, label, tmp_path):
     out = str(tmp_path / "run")
-    proc, report = train("llama", TINY_LLAMA, "--strategy", strategy, "--steps", "2", "--out", out)
+    # auto on 2 devices: its 3 candidates (data, fsdp, tensor) prove a user's model searches as well as 8's many
+    devices = ["--devices", "2"] if strategy == "auto" else []
+    proc, report = train("llama", TINY_LLAMA, "--strategy", strategy, "--steps", "2", "--out", out, *devices)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["status"] == "ok" and report["steps"] == 2 and report["compiles"] == 1
     found = labels(report)
@@ -120,24 +122,16 @@ def test_llama_declares_its_depth_so_auto_can_rank_on_copies(tmp_path):
     assert report["status"] == "ok" and report["steps"] == 2 and report["compiles"] == 1
 
 
-def test_resnet_with_batch_norm_and_pad_remainder_compiles_once(tmp_path):
-    out = str(tmp_path / "run")
-    # 40 samples in batches of 16: two full batches and a padded one per epoch, still one compile.
-    proc, report = train("resnet", TINY_RESNET, "--num-samples", "40", "--epochs", "2", "--pad-remainder",
-                         "--strategy", "fsdp", "--out", out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert report["compiles"] == 1 and report["steps"] == 6 and report["samples_dropped"] == 0
-    assert "ZeRO" in labels(report).values()
-
-
 def test_the_seeds_resnet50_trains_with_pad_remainder_in_one_compile_and_inspects(tmp_path):
     # The full ResNet-50 (3-4-6-3 bottlenecks, width 64) on CIFAR-10 shapes: 12 samples in batches of 8
-    # leave a ragged last batch, padded and masked; the step still compiles once.
+    # leave a ragged last batch each epoch, padded and masked; with BatchNorm's statistics under fsdp, the
+    # step still compiles once over both epochs.
     out = str(tmp_path / "run")
-    proc, report = train("resnet", [], "--batch-size", "8", "--num-samples", "12", "--epochs", "1",
-                         "--pad-remainder", "--out", out)
+    proc, report = train("resnet", [], "--batch-size", "8", "--num-samples", "12", "--epochs", "2",
+                         "--pad-remainder", "--strategy", "fsdp", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert report["compiles"] == 1 and report["steps"] == 2 and report["samples_dropped"] == 0
+    assert report["compiles"] == 1 and report["steps"] == 4 and report["samples_dropped"] == 0
+    assert "ZeRO" in labels(report).values()
     assert report["config"]["model_args"]["stage_sizes"] == "3,4,6,3"
     params = [row for row in report["params"] if row["path"].startswith("params/")]
     assert sum(int(np.prod(row["shape"])) for row in params) == 23_520_842
@@ -147,7 +141,7 @@ def test_the_seeds_resnet50_trains_with_pad_remainder_in_one_compile_and_inspect
     assert shown.returncode == 0, shown.stderr[-2000:]
     read = json.loads(shown.stdout)  # inspect reads the run back without the example on its path
     assert read["config"]["model"] == "resnet_example.model:build"
-    assert labels(read) == labels(report) and "ZeRO" in labels(read).values()  # data's sharded update
+    assert labels(read) == labels(report)
 
 
 def test_llama_checkpoint_resumes(tmp_path):
