@@ -71,7 +71,7 @@ def mgmt_cluster(testbed_factory):
     from alpa_job.cluster.ray_start import ray_start_args
     from alpa_job.cluster.spec import load_spec
 
-    bed = testbed_factory(2, mgmt=("head", "w1"), tag="mgmt")
+    bed = testbed_factory(2, mgmt=("head", "w1"), tag="mgmt", held=True)
     spec_path = bed.state_dir / "cluster-spec-mgmt.yaml"
     spec_path.write_text("cluster_cidr: %s\n" % bed.subnet)
     spec = load_spec(str(spec_path))

@@ -125,7 +125,7 @@ class SshBed:
 def ssh_bed(testbed_factory):
     if shutil.which(SSHD) is None or shutil.which("ssh-keygen") is None:
         pytest.skip("openssh-server / ssh-keygen not installed (scripts/setup --test installs them)")
-    bed = testbed_factory(3, tag="ssh")
+    bed = testbed_factory(3, tag="ssh", held=True)
     sb = SshBed(bed)
     try:
         sb.start()

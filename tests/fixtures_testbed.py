@@ -2,11 +2,11 @@
 
 Fixtures (all session-scoped):
 
-* ``testbed_factory(hosts=3, mgmt=(), shm_size="2g", tag="", site=False, cgroups=False)`` ->
+* ``testbed_factory(hosts=3, mgmt=(), shm_size="2g", tag="", site=False, cgroups=False, held=False)`` ->
   ``Testbed``: one test bed per distinct shape, created on first request, shared by every test
-  that asks for that shape, torn down at
-  session end (also after failures). Skips the test with the reason when not root or ip / unshare /
-  nsenter / tini are missing.
+  that asks for that shape, torn down once no test left in the run needs it (pytest_runtest_teardown
+  below; ``held``: a fixture's bed, which ends with that fixture) or at session end (also after
+  failures). Skips the test with the reason when not root or ip / unshare / nsenter / tini are missing.
 * ``testbed``: the shared bed: 3 hosts head/w1/w2 on 10.77.0.0/24, w2 with a management NIC
   (192.168.77.3) holding its default route. Nothing else is loaded in it (no firewall, no Ray):
   tests that start things in it must stop them.
@@ -35,8 +35,9 @@ input=None)`` -> CompletedProcess (text stdout/stderr), ``.popen(host, *cmd, env
 -> Popen, ``.exec_argv(host, cmd)``. Commands run with the caller's venv on PATH, PYTHONPATH = repo.
 
 Parallel pytest sessions on one machine are serialised by a lock (``/run/lock/<prefix>-testbed.lock``,
-wait up to $AKT_TESTBED_LOCK_TIMEOUT s, default 900). Prefix: $AKT_TESTBED_PREFIX (default ``aktp``;
-the CLI's default is ``akt``, so a bed you brought up by hand is left alone). Leftovers of a killed
+wait up to $AKT_TESTBED_LOCK_TIMEOUT s, default 900). Prefix: $AKT_TESTBED_PREFIX (default ``aktp``, and
+one per pytest-xdist worker: ``akta`` for gw0, ``aktb`` for gw1, ...; the CLI's default is ``akt``, so a bed
+you brought up by hand is left alone). Leftovers of a killed
 session with the same prefix are removed at the start of the next one.
 """
 from __future__ import annotations
@@ -58,7 +59,16 @@ import testbed_ray  # noqa: E402
 import testbed_site  # noqa: E402
 from testbed_lib import Testbed, TestbedError  # noqa: E402,F401
 
-PREFIX = os.environ.get("AKT_TESTBED_PREFIX", "aktp")
+def _default_prefix() -> str:
+    """aktp, or under pytest-xdist one prefix per worker (gw0: akta, gw1: aktb, ...): the two bed lanes run
+    side by side (conftest.py), each worker's beds on bridges and namespaces, and under a lock, of its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < 15:
+        return "akt" + "abcdefghijklmno"[int(worker[2:])]
+    return "aktp"
+
+
+PREFIX = os.environ.get("AKT_TESTBED_PREFIX") or _default_prefix()
 LOCK_TIMEOUT = float(os.environ.get("AKT_TESTBED_LOCK_TIMEOUT", "900"))
 
 
@@ -68,6 +78,7 @@ class _Beds:
     def __init__(self):
         self.beds: Dict[tuple, Testbed] = {}
         self.lock_fd: Optional[int] = None
+        self.asked_by: Dict[tuple, set] = {}  # bed key -> the test modules that asked for it
 
     def _lock(self):
         if self.lock_fd is not None:
@@ -91,12 +102,14 @@ class _Beds:
             testbed_lib.down(prefix=p)
 
     def get(self, hosts: int, mgmt=(), shm_size: str = testbed_lib.DEFAULT_SHM, tag: str = "",
-            site: bool = False, cgroups: bool = False) -> Testbed:
+            site: bool = False, cgroups: bool = False, held: bool = False) -> Testbed:
         why = testbed_lib.missing_requirements()
         if why:
             pytest.skip("multi-host test bed unavailable: " + "; ".join(why))
         key = (hosts, tuple(sorted(mgmt)), shm_size, tag, site, cgroups)
         shape = dict(mgmt=mgmt, shm_size=shm_size, site=site, cgroups=cgroups)
+        if not held and _running_module[0]:  # a fixture's bed ends with the fixture (BED_FIXTURES)
+            self.asked_by.setdefault(key, set()).add(_running_module[0])
         bed = self.beds.get(key)
         if bed is not None and not bed.status()["up"]:  # torn down (ray_cluster's) or broken: rebuild
             bed.down()
@@ -107,6 +120,16 @@ class _Beds:
             bed = Testbed.up(hosts, prefix=prefix, **shape)
             self.beds[key] = bed
         return bed
+
+    def release_unless(self, keep) -> None:
+        """Take down every bed asked for only by modules for which `keep(module)` is false: a bed's Ray or
+        Docker daemons left idle for the rest of the session would take the two cores' time from the tests
+        still running. A test that asks for a released bed again gets it rebuilt (get)."""
+        for key, bed in list(self.beds.items()):
+            users = self.asked_by.get(key)
+            if users and not any(keep(module) for module in users):
+                bed.down()
+                del self.asked_by[key]
 
     def close(self):
         errors = []
@@ -123,18 +146,55 @@ class _Beds:
             raise TestbedError("test bed teardown failed: " + "; ".join(errors))
 
 
+_running_module = [""]  # the module of the test running now (which tests asked for which bed)
+_session_beds: list = []  # the session's _Beds, once testbed_factory made it
+
+
 @pytest.fixture(scope="session")
 def testbed_factory():
     beds = _Beds()
+    _session_beds.append(beds)
     try:
         yield beds.get
     finally:
+        _session_beds.clear()
         beds.close()
+
+
+# ---- beds end with their last user -------------------------------------------------------------------
+# The fixtures that hold a bed and its daemons for the session. Each is finished (its own teardown runs)
+# once no test left in this run asks for it; pytest makes it anew for a later test that does.
+BED_FIXTURES = ("ray_cluster", "mgmt_cluster", "ssh_bed", "site_bed", "testbed")
+
+
+def pytest_runtest_setup(item):
+    _running_module[0] = item.module.__name__
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """At the end of a module: finish the bed fixtures no later test of the run asks for, and take down the
+    beds a test asked testbed_factory for directly once neither a later test of their modules nor the next
+    module (which may reuse them through those modules, as the preemption tests use node loss's) is left."""
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1:]
+    wanted = set().union(*(other.fixturenames for other in later))
+    manager = item.session._fixturemanager
+    for name in BED_FIXTURES:
+        for definition in manager.getfixturedefs(name, item) or ():
+            if name not in wanted and definition.cached_result is not None:
+                definition.finish(item._request)
+    if _session_beds:
+        later_modules = {other.module.__name__ for other in later}
+        next_source = Path(nextitem.module.__file__).read_text() if nextitem is not None else ""
+        _session_beds[0].release_unless(lambda module: module in later_modules or module in next_source)
 
 
 @pytest.fixture(scope="session")
 def testbed(testbed_factory) -> Testbed:
-    return testbed_factory(3, mgmt=("w2",))
+    return testbed_factory(3, mgmt=("w2",), held=True)
 
 
 # ---- Ray on the test bed ---------------------------------------------------------------------------
@@ -232,7 +292,7 @@ def _start_ray(bed: Testbed, ray_env: Optional[Dict[str, str]] = None) -> RayClu
 @pytest.fixture(scope="session")
 def ray_cluster(testbed_factory) -> RayCluster:
     pytest.importorskip("ray")
-    bed = testbed_factory(3, tag="ray")
+    bed = testbed_factory(3, tag="ray", held=True)
     try:
         cluster = _start_ray(bed)
     except BaseException:
@@ -291,7 +351,7 @@ def site_bed(testbed_factory) -> SiteBed:
         why.append("openssh-server not installed")
     if why:
         pytest.skip("site test bed unavailable: " + "; ".join(why) + " (scripts/setup --test installs them)")
-    bed = testbed_factory(3, tag="site", site=True, cgroups=True)
+    bed = testbed_factory(3, tag="site", site=True, cgroups=True, held=True)
     ssh = SshBed(bed)
     try:
         # The registry's blobs live in the image cache: the first session pushes every layer, later ones

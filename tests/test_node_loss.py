@@ -280,13 +280,19 @@ def _out(name: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.testbed
 def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
+    # A user's model (the LLaMA example package, found on every host through the job's Python path),
+    # pipelined: its 6 blocks run as 3 stages, one a host. --max-restarts knows nothing of the model: the
+    # restart re-plans them as 2 stages on the 2 survivors, from the checkpoint the 3 stages saved, and every
+    # process reads its share of the one batch order before and after.
     cluster = _cluster(testbed_factory)
     out = _out("restart")
     (out / "trace").mkdir()
-    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1",
-                                           env={"ALPA_JOB_INPUT_TRACE": str(out / "trace")})
+    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1", "--strategy", "pipeline",
+                                           model=LLAMA, env={"PYTHONPATH": LLAMA_PATH,
+                                                             "ALPA_JOB_INPUT_TRACE": str(out / "trace")})
     assert rc == 0, text[-5000:]
     report = json.loads((out / "report.json").read_text())
+    assert report["config"]["model"] == "llama_example.model:build"
     _every_host_read_its_share_of_one_order(out / "trace", report)
     assert report["steps"] == STEPS  # the final trajectory, each step once
     assert report["samples_seen"] == STEPS * BATCH
@@ -298,6 +304,8 @@ def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
     assert 0 <= r["steps_lost"] <= EVERY, r  # at most one checkpoint interval
     assert r["processes_after"] == 2 and r["recover_seconds"] and r["recover_seconds"] > 0
     assert "lost JAX process 2 on host w2" in text
+    assert report["mesh"]["shape"] == [2, 2] and [row["blocks"] for row in report["pipeline"]["layers"]] == [
+        ["layer_0", "layer_1", "layer_2"], ["layer_3", "layer_4", "layer_5"]]
     _SAVED_ON_TWO_HOSTS.append(out)  # test_resume_on_more_hosts_than_saved continues it on 3
 
 
@@ -324,28 +332,6 @@ def _every_host_read_its_share_of_one_order(trace: Path, report: dict) -> None:
     assert set(range(1, KILL_AFTER_CHECKPOINT)) <= counts[3]
     hosts_after = {e["host"] for e in seen if e["count"] == 2}
     assert hosts_after == {"head", "w1"}
-
-
-@pytest.mark.slow
-@pytest.mark.testbed
-def test_a_users_model_restarts_on_the_survivors_too(testbed_factory):
-    # --max-restarts knows nothing of the model: a user's package (found on every host through the job's
-    # Python path) restarts from its checkpoint on the survivors like a built-in. Pipelined: its 6 blocks
-    # ran as 3 stages, one a host; the restart re-plans them as 2 stages on the 2 survivors, from the
-    # checkpoint the 3 stages saved.
-    cluster = _cluster(testbed_factory)
-    out = _out("usermodel")
-    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1", "--strategy", "pipeline",
-                                           model=LLAMA, env={"PYTHONPATH": LLAMA_PATH})
-    assert rc == 0, text[-5000:]
-    report = json.loads((out / "report.json").read_text())
-    assert report["config"]["model"] == "llama_example.model:build" and report["steps"] == STEPS
-    assert sorted(p["host"] for p in report["processes"]) == ["head", "w1"]
-    (r,) = report["restarts"]
-    assert r["host"] == "w2" and r["resumed_from_step"] >= KILL_AFTER_CHECKPOINT
-    assert report["mesh"]["shape"] == [2, 2] and [row["blocks"] for row in report["pipeline"]["layers"]] == [
-        ["layer_0", "layer_1", "layer_2"], ["layer_3", "layer_4", "layer_5"]]
-    shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -377,17 +363,20 @@ def test_worker_host_killed_without_restarts_fails_fast_naming_the_host(testbed_
 @pytest.mark.slow
 @pytest.mark.testbed
 def test_resume_on_more_hosts_than_saved(testbed_factory):
-    """The restart test's run ended on 2 hosts; the bed is whole again (3 hosts): --resume reshards onto 6 devices."""
+    """The restart test's run ended on 2 hosts (2 stages); the bed is whole again (3 hosts): --resume re-plans
+    the stages onto the 3 hosts' 6 devices."""
     if not _SAVED_ON_TWO_HOSTS:
         pytest.skip("needs test_worker_host_killed_job_restarts_on_the_survivors's run directory")
     cluster = _cluster(testbed_factory)
     out = _SAVED_ON_TWO_HOSTS[0]
     assert latest_complete_step(str(out / "checkpoints")) == STEPS
-    p = cluster.testbed.exec("head", *_train_argv(cluster, str(out), "--resume", steps=STEPS + 10), timeout=400,
-                             check=False, env={"RAY_ADDRESS": cluster.address})
+    argv = _train_argv(cluster, str(out), "--resume", "--strategy", "pipeline", steps=STEPS + 10, model=LLAMA)
+    p = cluster.testbed.exec("head", *argv, timeout=400, check=False,
+                             env={"RAY_ADDRESS": cluster.address, "PYTHONPATH": LLAMA_PATH})
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     report = json.loads((out / "report.json").read_text())
     assert report["summary"]["hosts"] == 3 and report["summary"]["devices"] == 6
+    assert report["mesh"]["shape"] == [3, 2] and len(report["pipeline"]["layers"]) == 3
     assert report["resumed_from_step"] == STEPS and report["steps"] == 10
     assert latest_complete_step(str(out / "checkpoints")) == STEPS + 10
     shutil.rmtree(out, ignore_errors=True)

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from alpa_job import strategies
-from alpa_job.engines import compile_cache, shallow_ranking
+from alpa_job.engines import compile_cache, every_process, shallow_ranking
 from alpa_job.engines.executable_store import key_digest, step_key
 from alpa_job.engines.jax_engine import JaxEngine, make_mesh
 from alpa_job.errors import KitError
@@ -76,6 +76,7 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     memory_decided = False  # shallow_ranking.least_memory_among_ties chose over the fastest prediction
     if copies is None:
         _compile_together(engines, config.auto_compile_workers or len(engines))
+        every_process.wait("alpa_job_auto_candidates_compiled")
         _time_whole(engines, config, batches, budget)
         ranked = _ranked([(row, engine) for row, engine in engines if row["fits"]])
         best = ranked[0][1] if ranked else None
@@ -186,10 +187,12 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
                       initialised={id(source[1])} if source else set(), after_first=start_likeliest)
     lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
     likeliest_lowered.result()
+    every_process.wait("alpa_job_auto_deeper_copies_compiled")  # their first programs spanning processes follow
     template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
     times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
                          batches, budget)
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())
+    every_process.wait("alpa_job_auto_shallower_copies_compiled")
     times.update(_time_copies([p for p in shallower if not p[0]["note"]], shallow_ranking.DEPTHS[0], template,
                               config, batches, budget))
     del template

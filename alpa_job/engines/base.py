@@ -105,6 +105,9 @@ class EngineRunner(abc.ABC):
     def wait(self, state: Any) -> None:
         """Block until `state` is computed (so the loop's wall time is honest)."""
 
+    def wait_for_every_process(self) -> None:
+        """Block until every process of the job is ready to run its first program (the default: no wait)."""
+
     def eval_loss(self, state: Any, batch: Dict[str, Any]) -> Optional[float]:
         """The report's eval loss when the run has no eval split: a host batch's masked mean loss, from
         engines that evaluate it anyway; None (the default) spares the others a second compile."""

@@ -27,6 +27,7 @@ from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
 from alpa_job.record import traffic
 from alpa_job.strategies import MESH_AXES, axes_of, batch_mesh_axis
+from alpa_job.engines import every_process
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
 from alpa_job.record import jax_program, plan as plan_model
@@ -179,6 +180,15 @@ class JaxEngine(Engine):
         self._init_compiled.result()
         self._count_cache_hits()
         return self._initializer(seed)
+
+    def wait_for_every_process(self) -> None:
+        """Across processes: wait until every one has compiled its step and initialiser (every_process)."""
+        if jax.process_count() == 1:
+            return
+        if self._init_compiled is None:
+            self._start_init_compile()
+        self._init_compiled.result()
+        every_process.wait("alpa_job_compiled")
 
     def _count_cache_hits(self) -> None:
         if self.stats.compile_cache_dir:

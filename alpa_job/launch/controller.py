@@ -103,6 +103,8 @@ class JobController:
             self._enter(JobState.FAILED, failures.first_line(err))
             if self.group is not None:
                 self.group.kill()
+            if self.restarts:  # the failed run's report lists the restarts it did before it failed
+                err.restarts = [r.record for r in self.restarts]
             raise
         return self.results
 

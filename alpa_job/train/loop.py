@@ -214,6 +214,7 @@ def checkpoint_notes(config, total_steps: int) -> List[str]:
 def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Optional[Dict[str, Any]]]:
     """(state, its step, the input stream's saved state): from the last complete checkpoint with
     --resume, else fresh."""
+    engine.wait_for_every_process()  # the first program spanning processes runs below
     if config.resume:
         state, data_state = checkpointer.restore(engine.abstract_state)
         start_step = int(engine.to_floats([state.step])[0])
