@@ -31,45 +31,37 @@ pytest_plugins = [
 
 
 # ---- running in parallel (pytest-xdist, `-n 2` in pyproject.toml) -------------------------------------
-# The modules that build test beds (or images, or a site from them) run in two lanes, each on ONE worker,
-# a module after the other: the sites lane (SSH, Ansible, Docker engines, images: the machine's one image
-# store and registry cache) and the Ray lane (Ray clusters and JAX processes on the beds). Each worker's
-# beds are its own (a prefix per worker, fixtures_testbed.py). A lane is about a third of the suite's work:
-# once a worker's lane is done it takes the other modules, a module at a time (its module-scoped fixtures
-# built once), heaviest first, so both workers stay busy to the end instead of one bed lane running alone.
-# A module joins a lane by the marker, or a bed fixture among a function's arguments (a test's or another
-# fixture's): not the words alone, which also name e.g. the Ansible role `ray_cluster`.
+# Every module that builds test beds (or images, or a site from them) runs on ONE worker, one after the
+# other: two beds' Ray clusters side by side overload two cores (tried twice: Gloo's 30 s rendezvous and the
+# doctor's 10 s probes time out), and the beds share a machine-wide lock and image cache. The other worker
+# takes the rest, a module at a time (its module-scoped fixtures built once), heaviest first. Found from
+# the source, so a new test-bed module joins the lane: by the marker, or a bed fixture among a function's
+# arguments (a test's or another fixture's), not the words alone, which also name e.g. the Ansible role
+# `ray_cluster`.
 BED_USE = re.compile(r"mark\.testbed\b|def \w+\((?:[^)]*,)?\s*(testbed|testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|"
                      r"site_bed|podman_env|cpu_image)\s*[,):=]")
-SITE_USE = re.compile(r"def \w+\((?:[^)]*,)?\s*(ssh_bed|site_bed|podman_env|cpu_image)\s*[,):=]")
-BED_LANE, SITES_LANE = "test-bed", "test-bed-sites"
-# Each lane's modules in an order that puts the users of one bed next to each other (ssh; ray; site; ...),
-# so that a bed is taken down soon after its last user (fixtures_testbed) instead of idling to the end of
-# the session. test_testbed, which uses no site fixture, joins the sites lane by name: it shares the plain
-# bed with test_testbed_site. Modules not named here follow, in file order.
-SITES_LANE_ORDER = ("test_ansible", "test_cluster_ops", "test_testbed", "test_testbed_site", "test_ansible_docker",
-                    "test_image_build")
-BED_LANE_ORDER = ("test_doctor", "test_multihost", "test_failed_run_logs", "test_user_model_cluster",
+BED_LANE = "test-bed"
+# The lane's modules in an order that puts the users of one bed next to each other (site; ssh; ray and the
+# plain bed; mgmt; node loss's), so that a bed is taken down soon after its last user (fixtures_testbed)
+# instead of idling to the end of the session. Modules not named here follow, in file order.
+BED_LANE_ORDER = ("test_ansible_docker", "test_testbed_site", "test_ansible", "test_cluster_ops", "test_testbed",
+                  "test_doctor", "test_multihost", "test_failed_run_logs", "test_user_model_cluster",
                   "test_doctor_skew", "test_kuberay_testbed", "test_node_loss", "test_preemption_testbed",
                   "test_watchdog")
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
 
 
 @functools.lru_cache(maxsize=None)
-def _lane(module_path: str) -> str:
-    """The module's bed lane, or '' when it builds no test bed."""
+def _uses_beds(module_path: str) -> bool:
     try:
-        text = Path(module_path).read_text()
+        return bool(BED_USE.search(Path(module_path).read_text()))
     except OSError:
-        return ""
-    if not BED_USE.search(text):
-        return ""
-    return SITES_LANE if SITE_USE.search(text) or PurePath(module_path).stem in SITES_LANE_ORDER else BED_LANE
+        return False
 
 
 def group_of(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
-    return _lane(str(REPO_ROOT / module)) or PurePath(module).stem
+    return BED_LANE if _uses_beds(str(REPO_ROOT / module)) else PurePath(module).stem
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest without xdist (the Python 3.9 side) has no such hook
@@ -86,7 +78,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """The heaviest groups first, so that the longest never starts last (a module keeps its own order; the
-    bed lanes' modules go in their *_LANE_ORDER)."""
+    bed lane's modules go in BED_LANE_ORDER)."""
     weight: dict = {}
     for item in items:
         group = group_of(item.nodeid)
@@ -95,7 +87,6 @@ def pytest_collection_modifyitems(config, items):
 
     def place_in_group(item) -> int:
         stem = PurePath(item.nodeid.split("::", 1)[0]).stem
-        order = SITES_LANE_ORDER + BED_LANE_ORDER
-        return order.index(stem) if stem in order else len(order)
+        return BED_LANE_ORDER.index(stem) if stem in BED_LANE_ORDER else len(BED_LANE_ORDER)
 
     items.sort(key=lambda item: (rank[group_of(item.nodeid)], place_in_group(item)))

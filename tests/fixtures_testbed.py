@@ -35,9 +35,8 @@ input=None)`` -> CompletedProcess (text stdout/stderr), ``.popen(host, *cmd, env
 -> Popen, ``.exec_argv(host, cmd)``. Commands run with the caller's venv on PATH, PYTHONPATH = repo.
 
 Parallel pytest sessions on one machine are serialised by a lock (``/run/lock/<prefix>-testbed.lock``,
-wait up to $AKT_TESTBED_LOCK_TIMEOUT s, default 900). Prefix: $AKT_TESTBED_PREFIX (default ``aktp``, and
-one per pytest-xdist worker: ``akta`` for gw0, ``aktb`` for gw1, ...; the CLI's default is ``akt``, so a bed
-you brought up by hand is left alone). Leftovers of a killed
+wait up to $AKT_TESTBED_LOCK_TIMEOUT s, default 900). Prefix: $AKT_TESTBED_PREFIX (default ``aktp``;
+the CLI's default is ``akt``, so a bed you brought up by hand is left alone). Leftovers of a killed
 session with the same prefix are removed at the start of the next one.
 """
 from __future__ import annotations
@@ -59,16 +58,7 @@ import testbed_ray  # noqa: E402
 import testbed_site  # noqa: E402
 from testbed_lib import Testbed, TestbedError  # noqa: E402,F401
 
-def _default_prefix() -> str:
-    """aktp, or under pytest-xdist one prefix per worker (gw0: akta, gw1: aktb, ...): the two bed lanes run
-    side by side (conftest.py), each worker's beds on bridges and namespaces, and under a lock, of its own."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < 15:
-        return "akt" + "abcdefghijklmno"[int(worker[2:])]
-    return "aktp"
-
-
-PREFIX = os.environ.get("AKT_TESTBED_PREFIX") or _default_prefix()
+PREFIX = os.environ.get("AKT_TESTBED_PREFIX", "aktp")
 LOCK_TIMEOUT = float(os.environ.get("AKT_TESTBED_LOCK_TIMEOUT", "900"))
 
 
