@@ -108,7 +108,10 @@ def test_preflight_catches_a_port_already_in_use(ssh_bed):
     bed = ssh_bed.testbed
     port = 8076  # the plan's node_manager port (cluster.yaml): every node needs it
     squatter = bed.popen("w1", str(VENV_PYTHON), "-c",
-                         "import os,socket,time; s=socket.socket(); s.bind(('0.0.0.0', %d)); s.listen(); "
+                         # SO_REUSEADDR as servers bind: the connections of a Ray that just stopped on w1 may
+                         # still be in TIME_WAIT on the port, which only a plain bind minds
+                         "import os,socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+                         "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', %d)); s.listen(); "
                          "print('listening', os.getpid(), flush=True); time.sleep(120)" % port,
                          stdout=subprocess.PIPE, text=True)
     try:
