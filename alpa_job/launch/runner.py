@@ -155,8 +155,7 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown, 
     record = None
     try:
         record = failed_report(config, engine, status, message, shown.last_step, address=address,
-                               losses=getattr(err, "losses", None))
-        record.restarts = list(getattr(err, "restarts", None) or [])
+                               losses=getattr(err, "losses", None), restarts=getattr(err, "restarts", None))
         record.tensorboard = metrics.tensorboard_dir if metrics is not None else None
         kept = _kept_report(config, shown.last_step)
         if kept:  # a resume that trained nothing: the earlier run's report still says what that run did

@@ -29,14 +29,17 @@ def build_report(config, results: Iterable[Any], address: Optional[str] = None) 
 
 
 def failed_report(config, engine: str, status: str, error: str, steps_done: int,
-                  address: Optional[str] = None, losses: Optional[List[float]] = None) -> RunRecord:
+                  address: Optional[str] = None, losses: Optional[List[float]] = None,
+                  restarts: Optional[list] = None) -> RunRecord:
     """The record of a run that stopped part-way: what was asked, how far it got, and why it stopped
-    (`losses`: those it read back, where the error carried them: a diverged run's curve)."""
+    (`losses`: those it read back, where the error carried them: a diverged run's curve; `restarts`: those
+    it did before it failed)."""
     from alpa_job import versions
 
     record = RunRecord(engine=engine, strategy=config.strategy, requested_strategy=config.strategy,
                        steps=int(steps_done or 0), config=config.as_dict(), created=created_now(), address=address,
-                       status=status, error=error, versions=versions.collect(), losses=list(losses or []))
+                       status=status, error=error, versions=versions.collect(), losses=list(losses or []),
+                       restarts=list(restarts or []))
     record.summary = record.summarize()
     return record
 
