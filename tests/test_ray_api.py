@@ -172,7 +172,18 @@ def local_ray():
     socket paths must fit 107 bytes)."""
     ray = pytest.importorskip("ray")
     temp_dir = tempfile.mkdtemp(prefix="akt-ray-", dir="/tmp")
-    ray_api.join_ray(ray_api.LOCAL, num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    # Workers inherit the raylet's environment, which this process starts: the kit is importable there from
+    # the first task on. (Ray 2.1 adds the driver's folder by a message to every worker that, under load,
+    # can arrive after the first task's import: "No module named 'alpa_job'".)
+    saved_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, saved_path) if p)
+    try:
+        ray_api.join_ray(ray_api.LOCAL, num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    finally:
+        if saved_path is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved_path
     try:
         ray.temp_dir = temp_dir
         yield ray
