@@ -21,6 +21,7 @@ MESH_AXES = ("data", "model")  # a strategy's two named mesh axes unless its rec
 MeshAxes = Union[str, Tuple[str, ...]]  # one mesh axis, or several a dimension is split over together
 LogicalRules = List[Tuple[str, MeshAxes]]
 LAYERS = "layers"  # the logical axis the kit adds in front of a pipeline's stacked blocks
+REPEATS = "repeats"  # a circular pipeline's time round, in front of `layers`: never split (every stage has each)
 
 
 def divisors(n: int) -> List[int]:

@@ -44,14 +44,28 @@ def gpt_data():
     return _losses(tiny_config("gpt", **GPT4), "data", (8, 1))[0]
 
 
-@pytest.mark.parametrize("strategy, mesh, micro", [("pipeline", (2, 4), 4), ("pipeline", (4, 2), 2),
-                                                   ("pipeline-fsdp", (2, 4), 4)])
-def test_a_pipelined_gpt_computes_the_losses_data_does(gpt_data, strategy, mesh, micro):
+@pytest.mark.parametrize("strategy, mesh, micro, repeats", [
+    ("pipeline", (2, 4), 4, 1), ("pipeline", (4, 2), 2, 1), ("pipeline-fsdp", (2, 4), 4, 1), ("pipeline", (2, 4), 2, 2),
+    ("pipeline", (2, 4), 4, 2)])
+def test_a_pipelined_gpt_computes_the_losses_data_does(gpt_data, strategy, mesh, micro, repeats):
     """2 stages x data 4 (two blocks a stage, 4 micro-batches) and 4 stages x data 2 (one block a stage),
-    and 2 x 4 with each stage's state split over its 4 devices (pipeline-fsdp): 20 steps, fp32, equal to
-    data's to 1e-5 relative."""
-    losses, engine, state, batches = _losses(tiny_config("gpt", micro_batches=micro, **GPT4), strategy, mesh)
+    2 x 4 with each stage's state split over its 4 devices (pipeline-fsdp), and the circular schedule (each
+    stage two chunks of one block, the micro-batches going round twice, handed back from the last stage with
+    no tick to wait (M = S) or kept two ticks (M = 2S)): 20 steps, fp32, equal to data's to 1e-5 relative."""
+    config = tiny_config("gpt", micro_batches=micro, pipeline_repeats=repeats, **GPT4)
+    losses, engine, state, batches = _losses(config, strategy, mesh)
     np.testing.assert_allclose(losses, gpt_data, rtol=1e-5)
+    if repeats > 1:  # stage s holds chunks s and s + 2, in the model's order: (repeats, layers) over stages
+        from alpa_job.inspect.render import pipeline_text
+
+        described = engine.pipeline.describe([[0], [0]])
+        assert described["layers"][0]["blocks"] == ["DecoderBlock_0", "DecoderBlock_2"]
+        assert described["bubble_fraction"] == round(1 / (2 * micro + 1), 4)
+        assert pipeline_text(described) == (
+            f"2 stages x {micro} micro-batches (circular, bubble {1 / (2 * micro + 1):.0%}): stage 0: DecoderBlock_0 "
+            "+ DecoderBlock_2 on process(es) 0; stage 1: DecoderBlock_1 + DecoderBlock_3 on process(es) 0")
+        specs = {leaf.sharding.spec[:2] for leaf in jax.tree_util.tree_leaves(state.params["pipeline_blocks"])}
+        assert specs == {(None, "stage")}, specs
     if strategy == "pipeline-fsdp":  # the stage's devices hold a quarter of its state each, or close to it
         from alpa_job.engines.jax_engine import JaxEngine  # the plain pipeline's state, built, not compiled
 
@@ -125,6 +139,9 @@ def test_stage_counts_default_to_one_per_host_and_refuse_idle_devices():
     (["--num-layers", "3"], "--pipeline-stages 2 does not split --model gpt's 3 repeated blocks evenly; use one of: 3"),
     (["--micro-batches", "3"], "does not split into 3 micro-batches on each of the pipeline's 4 data-parallel slot(s)"),
     (["--pipeline-stages", "3"], "--pipeline-stages 3 does not divide the 8 devices"),
+    (["--pipeline-repeats", "3"], "--pipeline-repeats 3 x 2 stages does not split --model gpt's 4 repeated blocks "
+                                  "into equal chunks; use one of: 2"),
+    (["--pipeline-repeats", "2", "--micro-batches", "1"], "needs at least a micro-batch a stage: --micro-batches 1"),
 ])
 def test_what_cannot_be_pipelined_is_one_line_exit_2(tmp_path, argv, words):
     base = ["--model", "gpt", "--num-layers", "4", "--d-model", "32", "--num-heads", "4", "--seq-len", "16",

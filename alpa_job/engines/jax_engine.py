@@ -111,7 +111,7 @@ class JaxEngine(Engine):
         from alpa_job.engines.pipeline import Pipeline
 
         return Pipeline(model, self.mesh, strategies.micro_batches(config.micro_batches, self.mesh.shape["stage"]),
-                        self._example)
+                        self._example, repeats=config.pipeline_repeats)
 
     def _make_pipelined_state(self, params, batch_stats):
         return self._make_state(self.pipeline.stack(params), batch_stats)

@@ -1,10 +1,20 @@
 """Pipeline stages for the JAX engine: a model's repeated blocks cut into S stages along the mesh's
-`stage` axis, the batch into M micro-batches, GPipe's schedule run SPMD (one program on every device,
-shard_map over the mesh, activations handed to the next stage by collective permutes).
+`stage` axis, the batch into M micro-batches, run SPMD (one program on every device, shard_map over the
+mesh, activations handed to the next stage by collective permutes). Two schedules:
+
+- GPipe (`--pipeline-repeats 1`): stage s holds one contiguous run of L/S blocks; the bubble is
+  (S - 1) / (M + S - 1) of the ticks.
+- circular (`--pipeline-repeats R`, R > 1): the blocks cut into R x S chunks; stage s holds chunks s, s + S,
+  s + 2S, ..., and each micro-batch goes round the ring of stages R times, the last stage handing it back to
+  the first. A tick runs 1/R of GPipe's work, so the bubble shrinks to (S - 1) / (R x M + S - 1) at R times
+  the permutes (each 1/R the compute to hide behind). Needs M >= S: a micro-batch back from the last stage
+  waits in a buffer until stage 0 is free for it.
 
 The state keeps the blocks stacked: every block parameter gains a leading `layers` dimension, split
 over `stage`, so stage s holds blocks s*L/S .. (s+1)*L/S - 1 and their optimizer state, and nothing of a
-block ever crosses between stages; everything outside the blocks (the shell: embeddings, final norm,
+block ever crosses between stages. Circular: the stacked blocks, still in the model's order, are shaped
+(R, L/R) (`repeats`, `layers`) and split over `stage` on the second dimension, which gives stage s exactly
+its chunks, and keeps a checkpoint's layout the same for any stage count; everything outside the blocks (the shell: embeddings, final norm,
 head) is whole on every device. Under `pipeline-fsdp` a stage's devices split its state further, as fsdp
 splits it (most leaves along one dimension of their own), and gather the parameters whole once a step;
 the gather's gradient is a reduce-scatter, so each device updates only its share. Each step:
@@ -35,7 +45,7 @@ from jax.sharding import PartitionSpec
 
 from alpa_job.errors import KitError
 from alpa_job.models import ModelSpec
-from alpa_job.strategies import LAYERS, check_micro_batches
+from alpa_job.strategies import LAYERS, REPEATS, check_micro_batches
 
 BLOCKS = "pipeline_blocks"  # the stacked blocks' key in the pipelined state's parameters
 STAGE, DATA = "stage", "data"  # the pipeline strategy's mesh axes
@@ -73,10 +83,10 @@ def check_pipelinable(model: ModelSpec) -> None:
 class Pipeline:
     """One model's pipelined step on one mesh (axes stage x data)."""
 
-    def __init__(self, model: ModelSpec, mesh, micro_batches: int, example: Dict[str, Any]):
+    def __init__(self, model: ModelSpec, mesh, micro_batches: int, example: Dict[str, Any], repeats: int = 1):
         self.model, self.mesh = model, mesh
         self.stages, self.data = mesh.shape[STAGE], mesh.shape[DATA]
-        self.micro_batches = micro_batches
+        self.micro_batches, self.repeats = micro_batches, repeats
         check_pipelinable(model)
         parts = model.repeated_blocks(example[model.input_key])
         self.block, self.names = parts.block, tuple(parts.names)
@@ -86,6 +96,14 @@ class Pipeline:
             fits = [s for s in range(2, layers + 1) if layers % s == 0]
             raise KitError(f"--pipeline-stages {self.stages} does not split --model {model.name}'s {layers} repeated "
                            f"blocks evenly; use one of: {', '.join(map(str, fits)) or 'none (one block)'}")
+        if repeats > 1 and layers % (self.stages * repeats):
+            fits = [r for r in range(2, layers // self.stages + 1) if layers % (self.stages * r) == 0]
+            raise KitError(f"--pipeline-repeats {repeats} x {self.stages} stages does not split --model {model.name}'s "
+                           f"{layers} repeated blocks into equal chunks; use one of: {', '.join(map(str, fits)) or '1'}")
+        if repeats > 1 and micro_batches < self.stages:
+            raise KitError(f"--pipeline-repeats {repeats} (circular) needs at least a micro-batch a stage: "
+                           f"--micro-batches {micro_batches} < {self.stages} stages; use --micro-batches "
+                           f"{self.stages} or more, or --pipeline-repeats 1")
         check_micro_batches(rows, (self.stages, self.data), micro_batches)
         self.param_specs = None  # the state's split of the parameters (place), before anything is traced
 
@@ -95,11 +113,18 @@ class Pipeline:
         params = dict(params)
         blocks = [params.pop(name) for name in self.names]
 
+        repeats = self.repeats
+        axes = (LAYERS,) if repeats == 1 else (REPEATS, LAYERS)
+
+        def shaped(leaves):
+            whole = jnp.stack(leaves)
+            return whole if repeats == 1 else whole.reshape((repeats, whole.shape[0] // repeats) + whole.shape[1:])
+
         def stacked(*leaves):
             if isinstance(leaves[0], nn.Partitioned):  # the logical axes' boxes: `layers` joins the names
-                return leaves[0].replace(value=jnp.stack([leaf.value for leaf in leaves]),
-                                         names=(LAYERS,) + tuple(leaves[0].names))
-            return jnp.stack(leaves)
+                return leaves[0].replace(value=shaped([leaf.value for leaf in leaves]),
+                                         names=axes + tuple(leaves[0].names))
+            return shaped(leaves)
 
         params[BLOCKS] = jax.tree_util.tree_map(stacked, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned))
         return params
@@ -193,41 +218,74 @@ class Pipeline:
         return jnp.where(lax.axis_index(STAGE) == self.stages - 1, per_example.sum(), 0.0)
 
     def _run_stages(self, blocks, x, rest, kwargs):
-        """GPipe over the stage axis: the first block's input in, the last block's output out (valid on the
-        last stage; zeros elsewhere, which only the masked-out head reads)."""
-        stages, micro = self.stages, self.micro_batches
+        """The schedule over the stage axis: the first block's input in, the last block's output out (valid on
+        the last stage; zeros elsewhere, which only the masked-out head reads)."""
+        stages, micro, repeats = self.stages, self.micro_batches, self.repeats
         inputs = x.reshape((micro, x.shape[0] // micro) + x.shape[1:])
         stage = lax.axis_index(STAGE)
+        last_repeat_starts = (repeats - 1) * micro  # the items (repeat x micro-batch) of the last time round
 
-        def run_my_blocks(h):
+        def run_chunk(h, chunk):
             def one(h, layer_params):
                 return self.block.apply({"params": layer_params}, h, *rest, **kwargs), None
 
-            return lax.scan(one, h, blocks, unroll=True)[0]
+            return lax.scan(one, h, chunk, unroll=True)[0]
+
+        def first_stage_input(t, circling):
+            """GPipe: micro-batch t. Circular: item t, a fresh micro-batch on the first time round and on later
+            ones what the last stage handed back."""
+            if repeats == 1:
+                return lax.dynamic_index_in_dim(inputs, jnp.minimum(t, micro - 1), keepdims=False)
+            m = jnp.clip(t, 0, repeats * micro - 1) % micro
+            return jnp.where(t < micro, lax.dynamic_index_in_dim(inputs, m, keepdims=False),
+                             lax.dynamic_index_in_dim(circling, m, keepdims=False))
+
+        def my_chunk(t):
+            """This stage's blocks for the item it runs at tick t (circular: the chunk of that time round)."""
+            if repeats == 1:
+                return blocks
+            repeat = jnp.clip(t - stage, 0, repeats * micro - 1) // micro
+            return jax.tree_util.tree_map(lambda leaf: lax.dynamic_index_in_dim(leaf, repeat, keepdims=False), blocks)
 
         def tick(carry, t):
-            handed, outputs = carry
-            h = jnp.where(stage == 0, lax.dynamic_index_in_dim(inputs, jnp.minimum(t, micro - 1), keepdims=False),
-                          handed)
-            out = run_my_blocks(h)
-            slot = t - (stages - 1)  # the micro-batch the last stage finishes at tick t
-            written = lax.dynamic_update_index_in_dim(outputs, out, jnp.maximum(slot, 0), 0)
-            outputs = jnp.where((stage == stages - 1) & (slot >= 0), written, outputs)
-            handed = lax.ppermute(out, STAGE, [(s, (s + 1) % stages) for s in range(stages)])
-            return (handed, outputs), None
+            handed, circling, outputs = carry
+            if repeats > 1:  # stage 0 keeps what the last stage ran at t - 1 until it runs its next time round
+                back = t - stages
+                kept = lax.dynamic_update_index_in_dim(circling, handed, jnp.maximum(back, 0) % micro, 0)
+                circling = jnp.where((stage == 0) & (back >= 0) & (back < last_repeat_starts), kept, circling)
+            h = jnp.where(stage == 0, first_stage_input(t, circling), handed)
+            out = run_chunk(h, my_chunk(t))
+            done = t - (stages - 1) - last_repeat_starts  # the micro-batch the last stage finishes at tick t
+            written = lax.dynamic_update_index_in_dim(outputs, out, jnp.maximum(done, 0), 0)
+            outputs = jnp.where((stage == stages - 1) & (done >= 0), written, outputs)
+            handed = lax.ppermute(out, STAGE, hand_offs)
+            return (handed, circling, outputs), None
 
-        start = (jnp.zeros_like(inputs[0]), jnp.zeros_like(inputs))
+        # GPipe hands nothing from the last stage to the first (a permute pair costs its bytes, across hosts
+        # the network's); the circular schedule hands each micro-batch back round the ring.
+        hand_offs = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
+
+        circling = jnp.zeros_like(inputs) if repeats > 1 else jnp.zeros((), inputs.dtype)
+        start = (jnp.zeros_like(inputs[0]), circling, jnp.zeros_like(inputs))
         # Both loops unrolled (one program of ticks x blocks, compiled longer): with XLA while loops around the
         # blocks and the permutes, a GPT 24L step on two H200s took 1.6x as long.
-        (_, outputs), _ = lax.scan(tick, start, jnp.arange(micro + stages - 1), unroll=True)
+        (_, _, outputs), _ = lax.scan(tick, start, jnp.arange(self.ticks), unroll=True)
         return outputs.reshape(x.shape)
+
+    @property
+    def ticks(self) -> int:
+        return self.repeats * self.micro_batches + self.stages - 1
 
     # ----- what the report says ----------------------------------------------------------------------
     def describe(self, processes_of_stage) -> Dict[str, Any]:
         """Stages, micro-batches, the bubble, and which blocks run where (a stage's JAX processes: one a host)."""
-        per = len(self.names) // self.stages
-        ticks = self.micro_batches + self.stages - 1
-        return {"stages": self.stages, "micro_batches": self.micro_batches, "schedule": "gpipe",
-                "bubble_fraction": round((self.stages - 1) / ticks, 4),
-                "layers": [{"stage": s, "blocks": list(self.names[s * per:(s + 1) * per]),
+        per = len(self.names) // (self.stages * self.repeats)  # blocks a chunk; stage s holds chunks s + r x S
+
+        def chunks_of(stage):
+            return [list(self.names[c * per:(c + 1) * per]) for c in range(stage, len(self.names) // per, self.stages)]
+
+        return {"stages": self.stages, "micro_batches": self.micro_batches, "repeats": self.repeats,
+                "schedule": "gpipe" if self.repeats == 1 else "circular",
+                "bubble_fraction": round((self.stages - 1) / self.ticks, 4),
+                "layers": [{"stage": s, "blocks": sum(chunks_of(s), []), "chunks": chunks_of(s),
                             "processes": processes_of_stage[s]} for s in range(self.stages)]}

@@ -10,6 +10,7 @@ import html
 import json
 from typing import Any, Dict, List, Optional, Sequence
 
+from alpa_job.inspect.units import stage_blocks_text
 from alpa_job.record.run_record import Leaf, RunRecord
 from alpa_job import strict_json
 
@@ -65,7 +66,7 @@ def _stage_labels(record: RunRecord, rows: int) -> List[str]:
     stages = pipeline.get("layers") or []
     if len(stages) != rows:
         return []
-    return [f"stage {row['stage']}: {row['blocks'][0]}..{row['blocks'][-1]}, process(es) "
+    return [f"stage {row['stage']}: {stage_blocks_text(row)}, process(es) "
             f"{','.join(map(str, row['processes']))}" if row["blocks"] else f"stage {row['stage']}" for row in stages]
 
 

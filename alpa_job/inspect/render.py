@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 from alpa_job.inspect.plots import all_plots
 from alpa_job.record.run_record import InputRecord, MemoryRecord, RunRecord
-from alpa_job.inspect.units import human_bytes, plan_title
+from alpa_job.inspect.units import human_bytes, plan_title, stage_blocks_text
 from alpa_job import strict_json
 
 PARAM_COLUMNS = ("path", "shape", "dtype", "bytes", "bytes_per_device", "spec", "mesh_ids", "strategy")
@@ -35,10 +35,7 @@ def network_text(network: dict) -> str:
 
 def pipeline_text(pipeline: dict) -> str:
     """One line: the stages, which blocks each runs and on which processes, and the schedule's bubble."""
-    def blocks(names):
-        return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-
-    where = "; ".join(f"stage {row['stage']}: {blocks(row['blocks'])} on process(es) "
+    where = "; ".join(f"stage {row['stage']}: {stage_blocks_text(row)} on process(es) "
                       f"{','.join(map(str, row['processes']))}" for row in pipeline["layers"])
     return (f"{pipeline['stages']} stages x {pipeline['micro_batches']} micro-batches ({pipeline['schedule']}, bubble "
             f"{pipeline['bubble_fraction']:.0%}): {where}")

@@ -17,3 +17,12 @@ def plan_title(record) -> str:
     if requested and requested != record.strategy and requested in ("auto", "pipeshard-auto"):
         return f"{requested} → {chosen}"
     return chosen
+
+
+def stage_blocks_text(row) -> str:
+    """A pipeline stage's blocks: 'Block_0..Block_1', or its chunks under a circular schedule
+    ('Block_0 + Block_2'). Reports written before chunks existed list the blocks alone."""
+    def span(names):
+        return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+    return " + ".join(span(chunk) for chunk in row.get("chunks") or [row["blocks"]] if chunk)

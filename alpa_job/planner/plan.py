@@ -150,7 +150,7 @@ def _leaves(compiled: List[Dict[str, Any]], row: PlanCandidate) -> List[Leaf]:
     return []
 
 
-MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches")
+MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches", "pipeline_repeats")
 
 
 def model_values(values: Dict[str, Any]) -> Dict[str, Any]:

@@ -105,6 +105,10 @@ HOW_TO_RUN = (
             default_help="jax pipeline: 4 per stage; alpa: 1"),
     Setting("pipeline_stages", int, 0, "jax pipeline and alpa pipeshard-manual: stages", PARALLELISM,
             check=NON_NEGATIVE, default_help="one per node (jax: two on one node)"),
+    Setting("pipeline_repeats", int, 1, "jax pipeline: chunks of blocks each stage holds; above 1 the schedule is "
+            "circular, micro-batches going round the stages that many times (bubble (stages - 1) / (repeats x "
+            "micro-batches + stages - 1), at repeats x the hand-offs)", PARALLELISM, check=POSITIVE,
+            default_help="1: GPipe"),
     # Alpa engine only.
     Setting("pipeline_layers", int, 0, "alpa pipeshard-auto: AutoLayerOption layer_num", PARALLELISM,
             check=NON_NEGATIVE, default_help="the model's layers"),

@@ -22,7 +22,7 @@ from alpa_job.settings.config import JobConfig
 from alpa_job.settings.setting import flag_of
 
 ALPA_ONLY = ("pipeline_layers", "plan_cache")
-PIPELINE_SETTINGS = ("micro_batches", "pipeline_stages")  # Alpa's methods and the JAX engine's pipeline
+PIPELINE_SETTINGS = ("micro_batches", "pipeline_stages", "pipeline_repeats")  # Alpa's and the JAX engine's pipelines
 JAX_AUTO_ONLY = ("auto_trial_steps", "auto_rank_on", "auto_compile_workers", "memory_limit_gb")
 
 
@@ -43,13 +43,16 @@ def check_inert(config: JobConfig, engine: str, given: FrozenSet[str], address: 
 def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Optional[str]:
     strategy = config.strategy
     if name in PIPELINE_SETTINGS and engine == "jax" and not _is_pipelined(strategy):
-        what = {"micro_batches": "micro-batches", "pipeline_stages": "stage count"}[name]
+        what = {"micro_batches": "micro-batches", "pipeline_stages": "stage count",
+                "pipeline_repeats": "circular schedule"}[name]
         return (f"it sets a pipeline's {what} and --strategy {strategy} has no stages; drop it or use --strategy "
                 "pipeline (or --engine alpa's pipeshard methods)")
     if name in ALPA_ONLY and engine != "alpa":
         what = {"pipeline_layers": "Alpa pipeshard-auto's layer count",
                 "plan_cache": "Alpa pipeshard-auto's saved search"}[name]
         return f"it sets {what} and the {engine} engine has none; drop it or use --engine alpa"
+    if name == "pipeline_repeats" and engine != "jax":
+        return "it sets the JAX engine's circular pipeline, and Alpa schedules its own stages; drop it or use --engine jax"
     if name == "pipeline_stages" and engine == "alpa" and strategy != "pipeshard-manual":
         return f"it is read by --strategy pipeshard-manual only (this run: {strategy}); drop it or switch strategy"
     if name in ("pipeline_layers", "plan_cache") and engine == "alpa" and strategy != "pipeshard-auto":
