@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG_VAR = "GPU_TWO_NODES_TAG"  # every process a node starts inherits it: how they are found and stopped
@@ -55,6 +55,7 @@ TWO_HOSTS = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENAB
 # NCCL's own account of each channel's transport ("via NET/Socket/0") lands in the workers' logs: the
 # evidence that the two processes talked through sockets.
 NCCL_DEBUG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+MAX_NCCL_LINES = 20000
 TRANSPORT = re.compile(r"via (NET/\S+|P2P\S*|SHM\S*|CollNet\S*)")
 NAMED_WITHIN_S = 15.0
 STEP_LINE = re.compile(r"\[train\] step (\d+)/")
@@ -287,11 +288,14 @@ class Cluster:
         """How NCCL connected the processes, from the workers' logs of both nodes: each transport's count."""
         counts: Dict[str, int] = {}
         sample: List[str] = []
+        lines: List[str] = []  # NCCL's INIT/NET lines as they are, for the doctor's tests on real logs
         for path in glob.glob(os.path.join(self.workdir, "ray-*", "session_latest", "logs", "**", "worker-*"),
                               recursive=True):
             try:
                 with open(path, errors="replace") as f:
                     for line in f:
+                        if "NCCL INFO" in line and len(lines) < MAX_NCCL_LINES:
+                            lines.append(line.rstrip("\n"))
                         m = TRANSPORT.search(line) if "NCCL INFO" in line else None
                         if m:
                             kind = m.group(1).split("/")[0] + ("/" + m.group(1).split("/")[1]
@@ -301,7 +305,7 @@ class Cluster:
                                 sample.append(line.strip())
             except OSError:
                 continue
-        return {"channels_by_transport": counts, "sample": sample}
+        return {"channels_by_transport": counts, "sample": sample, "lines": lines}
 
 
 # ---- one training run ---------------------------------------------------------------------------------
@@ -361,10 +365,18 @@ def model_args(args, steps: int) -> List[str]:
     return size + ["--num-samples", str(samples), "--epochs", str(epochs)]
 
 
-def train_argv(args, cluster: Cluster, strategy: str, steps: int, out: str) -> List[str]:
+def run_spec(spec: str) -> Tuple[str, str, List[str]]:
+    """--strategies entry: STRATEGY, or NAME=STRATEGY+FLAG,VALUE,... (a variant with its own train flags)."""
+    name, _, rest = spec.partition("=") if "=" in spec else (spec, "", spec)
+    strategy, _, extra = rest.partition("+")
+    return name, strategy, [x for x in extra.split(",") if x]
+
+
+def train_argv(args, cluster: Cluster, strategy: str, steps: int, out: str, extra: Sequence[str] = ()) -> List[str]:
     return [sys.executable, "-m", "alpa_job", "train", "--address", cluster.address, *model_args(args, steps),
             "--strategy", strategy, "--steps", str(steps), "--out", out, "--progress-every", str(args.progress_every),
-            "--max-restarts", "0", *(shlex.split(args.pipeline_args) if strategy == "pipeline" else [])]
+            "--max-restarts", "0", *(shlex.split(args.pipeline_args) if strategy.startswith("pipeline") else []),
+            *extra]
 
 
 def one_gpu_run(args, scratch: str, deadline: Deadline) -> dict:
@@ -440,10 +452,11 @@ def progress_rate(driver: Driver) -> Optional[float]:
     return None
 
 
-def short_run(args, cluster: Cluster, strategy: str, scratch: str, deadline: Deadline, name: str = "") -> dict:
-    name = name or strategy
+def short_run(args, cluster: Cluster, spec: str, scratch: str, deadline: Deadline, name: str = "") -> dict:
+    own_name, strategy, extra = run_spec(spec)
+    name = name or own_name
     out = os.path.join(scratch, f"run-{name}")
-    argv = train_argv(args, cluster, strategy, args.steps, out)
+    argv = train_argv(args, cluster, strategy, args.steps, out, extra)
     log(f"{strategy}: {shown(argv)}")
     driver = Driver(argv, cluster.env)
     rc = driver.wait(deadline.phase())
@@ -571,6 +584,11 @@ def save(out_dir: str, payload: dict) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"gpu_two_nodes-{stamp}.json")
+    nccl_lines = (payload.get("nccl") or {}).pop("lines", None)
+    if nccl_lines:  # beside the JSON, as the workers wrote them
+        payload["nccl"]["log"] = os.path.basename(path)[:-len(".json")] + "-nccl.log"
+        with open(os.path.join(out_dir, payload["nccl"]["log"]), "w") as f:
+            f.write("\n".join(nccl_lines) + "\n")
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     return path
@@ -585,7 +603,8 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=1, help="--cpu: CPU devices per node")
     ap.add_argument("--gpus-per-node", type=int, default=1, help="GPU mode: GPUs per node (node A the first ones); "
                     "with 2 or more each node is a host of its own to NCCL (NVLink within, sockets across)")
-    ap.add_argument("--strategies", nargs="*", default=["data", "fsdp"])
+    ap.add_argument("--strategies", nargs="*", default=["data", "fsdp"], help="STRATEGY, or NAME=STRATEGY+FLAG,VALUE,... "
+                    "for a variant with its own train flags (e.g. circ=pipeline+--pipeline-repeats,2)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--nccl-default", action="store_true", help="GPU mode: leave NCCL its own transports "
                     "(NVLink between the two nodes' GPUs) instead of holding it to sockets")
@@ -629,7 +648,7 @@ def main() -> int:
         cluster = Cluster(args, env, scratch, sockets=not (args.cpu or args.nccl_default))
         cluster.start(deadline)
         payload.update(node_commands=cluster.commands, nodes=cluster.nodes, head_ip=cluster.head_ip)
-        for strategy in args.strategies:
+        for strategy in args.strategies:  # STRATEGY or NAME=STRATEGY+FLAG,VALUE,...
             rows.append(short_run(args, cluster, strategy, scratch, deadline))
             r = rows[-1]
             if r.get("error") and cluster.sockets and nccl_suspect(r):

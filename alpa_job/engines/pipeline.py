@@ -240,21 +240,25 @@ class Pipeline:
             return jnp.where(t < micro, lax.dynamic_index_in_dim(inputs, m, keepdims=False),
                              lax.dynamic_index_in_dim(circling, m, keepdims=False))
 
-        def my_chunk(t):
-            """This stage's blocks for the item it runs at tick t (circular: the chunk of that time round)."""
-            if repeats == 1:
-                return blocks
-            repeat = jnp.clip(t - stage, 0, repeats * micro - 1) // micro
-            return jax.tree_util.tree_map(lambda leaf: lax.dynamic_index_in_dim(leaf, repeat, keepdims=False), blocks)
+        def my_chunk(t: int):
+            """Circular: this stage's blocks for the item it runs at tick t (the chunk of that time round). The tick
+            is a Python int, so each chunk is a static slice; a tick where the stages are on different time rounds
+            (at most two: M >= S) selects between two. (A traced index would make every tick's gradient a
+            dynamic update of all the stage's blocks: on GPUs that compiled for minutes.)"""
+            round_of = [min(max(t - s, 0) // micro, repeats - 1) for s in range(stages)]
+            low, high = min(round_of), max(round_of)
+            later = stage < sum(r == high for r in round_of)  # the first stages are a round ahead
+            return jax.tree_util.tree_map(
+                lambda leaf: leaf[low] if low == high else jnp.where(later, leaf[high], leaf[low]), blocks)
 
-        def tick(carry, t):
+        def tick(carry, t, chunk):
             handed, circling, outputs = carry
             if repeats > 1:  # stage 0 keeps what the last stage ran at t - 1 until it runs its next time round
                 back = t - stages
                 kept = lax.dynamic_update_index_in_dim(circling, handed, jnp.maximum(back, 0) % micro, 0)
                 circling = jnp.where((stage == 0) & (back >= 0) & (back < last_repeat_starts), kept, circling)
             h = jnp.where(stage == 0, first_stage_input(t, circling), handed)
-            out = run_chunk(h, my_chunk(t))
+            out = run_chunk(h, chunk)
             done = t - (stages - 1) - last_repeat_starts  # the micro-batch the last stage finishes at tick t
             written = lax.dynamic_update_index_in_dim(outputs, out, jnp.maximum(done, 0), 0)
             outputs = jnp.where((stage == stages - 1) & (done >= 0), written, outputs)
@@ -266,11 +270,15 @@ class Pipeline:
         hand_offs = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
 
         circling = jnp.zeros_like(inputs) if repeats > 1 else jnp.zeros((), inputs.dtype)
-        start = (jnp.zeros_like(inputs[0]), circling, jnp.zeros_like(inputs))
+        carry = (jnp.zeros_like(inputs[0]), circling, jnp.zeros_like(inputs))
         # Both loops unrolled (one program of ticks x blocks, compiled longer): with XLA while loops around the
         # blocks and the permutes, a GPT 24L step on two H200s took 1.6x as long.
-        (_, _, outputs), _ = lax.scan(tick, start, jnp.arange(self.ticks), unroll=True)
-        return outputs.reshape(x.shape)
+        if repeats == 1:
+            carry, _ = lax.scan(lambda c, t: tick(c, t, blocks), carry, jnp.arange(self.ticks), unroll=True)
+        else:
+            for t in range(self.ticks):
+                carry, _ = tick(carry, t, my_chunk(t))
+        return carry[2].reshape(x.shape)
 
     @property
     def ticks(self) -> int:
