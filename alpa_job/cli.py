@@ -143,6 +143,8 @@ def _doctor_parser(sub) -> None:
     p.add_argument("--node-timeout", type=float, default=10.0,
                    help="seconds a probe pinned to one node may take before that node fails (default: 10)")
     p.add_argument("--skip-ports", help="comma-separated planned port names not to probe (Kubernetes: ssh)")
+    p.add_argument("--network", action="store_true", help="also measure every link between the nodes, both ways "
+                   "(Gb/s, round trip) on the ephemeral range training traffic uses, and name slow hosts or links")
 
 
 def _cluster_parser(sub) -> None:

@@ -132,9 +132,12 @@ def test_unreachable_head_fails_fast_with_one_line():
 @pytest.mark.slow
 def test_doctor_green_on_three_hosts(ray_cluster):
     bed = ray_cluster.testbed
-    rc, data, p, seconds = run_doctor(bed, "head", ray_cluster.address, ray_cluster.spec_path)
+    rc, data, p, seconds = run_doctor(bed, "head", ray_cluster.address, ray_cluster.spec_path, "--network")
     assert rc == 0 and data is not None and data["ok"] is True, (p.stdout[-4000:], p.stderr[-2000:])
     assert sorted(data["nodes"]) == sorted(bed.ips.values())
+    # --network: every link measured both ways, even enough for no verdict
+    links = data["network"]["links"]
+    assert len(links) == 6 and all(r["gbps"] and r["rtt_ms"] for r in links), links
     for h in bed.hosts:
         node = data["nodes"][h.ip]
         assert node["hostname"] == h.name and h.ip in node["addresses"]["eth0"]
@@ -153,6 +156,30 @@ def test_doctor_green_on_three_hosts(ray_cluster):
     table = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", ray_cluster.address,
                      "--cluster-spec", str(ray_cluster.spec_path), timeout=90)
     assert "TCP reachability" in table.stdout and "FAIL" not in table.stdout
+
+
+@pytest.mark.testbed
+@pytest.mark.slow
+def test_doctor_network_names_a_rate_limited_host(ray_cluster):
+    """A token bucket on w2's link (100 Mbit/s out of it): --network names w2 as the slow host, its links at
+    the limit within 30 %, and no other host or link."""
+    bed = ray_cluster.testbed
+    w2 = bed.host("w2").ip
+    bed.exec("w2", "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "100mbit", "burst", "64kb",
+             "latency", "50ms")
+    try:
+        rc, data, p, seconds = run_doctor(bed, "head", ray_cluster.address, ray_cluster.spec_path, "--network")
+    finally:
+        bed.exec("w2", "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+    assert rc == EXIT_CHECK_FAILED and data is not None, (p.stdout[-3000:], p.stderr[-2000:])
+    failed = [c for c in data["checks"] if not c["ok"]]
+    named = [c for c in failed if c["name"] == "network" and c["node"] == w2]
+    assert len(named) == 1 and "every link from %s is slow" % w2 in named[0]["detail"], failed
+    assert [c for c in failed if c["node"] not in (w2, None)] == [], failed
+    out_of_w2 = [r["gbps"] for r in data["network"]["links"] if r["src"] == w2]
+    assert len(out_of_w2) == 2 and all(0.07 <= g <= 0.13 for g in out_of_w2), data["network"]["links"]
+    assert "every link from %s is slow" % w2 in p.stderr  # the one-line summary
+    assert seconds < 60
 
 
 def _nft_handles(bed, host, comment):

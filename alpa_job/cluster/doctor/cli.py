@@ -18,7 +18,8 @@ def main(args) -> int:
     deadline = float(getattr(args, "deadline", None) or DEFAULT_DEADLINE_S)
     node_timeout = float(getattr(args, "node_timeout", None) or NODE_TIMEOUT_S)
     skip = [n.strip() for n in (getattr(args, "skip_ports", None) or "").split(",") if n.strip()]
-    result = run_doctor(address, spec, deadline_s=deadline, node_timeout_s=node_timeout, skip_ports=skip)
+    result = run_doctor(address, spec, deadline_s=deadline, node_timeout_s=node_timeout, skip_ports=skip,
+                        network=bool(getattr(args, "network", False)))
     print(render_json(result) if getattr(args, "format", "table") == "json" else render_table(result))
     if not result["ok"]:
         print(failure_summary(result), file=sys.stderr)

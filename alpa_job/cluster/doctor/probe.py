@@ -161,6 +161,26 @@ class NodeProbe:
 
     def __init__(self):
         self.listeners = Listeners()
+        self.link_receiver = None
+
+    # `doctor --network`: this node's side of the link probe (links.py)
+    def link_listen(self, node_ip, port_range, hold_s):
+        from alpa_job.cluster.doctor.links import LinkReceiver
+
+        self.link_receiver = LinkReceiver(node_ip, tuple(port_range), hold_s)
+        return self.link_receiver.port
+
+    def link_send(self, src, dst, port, seconds, connect_timeout_s):
+        from alpa_job.cluster.doctor.links import send_stream
+
+        return send_stream(src, dst, port, seconds, connect_timeout_s)
+
+    def link_received(self, peer):
+        return self.link_receiver.take(peer) if self.link_receiver is not None else None
+
+    def link_close(self):
+        if self.link_receiver is not None:
+            self.link_receiver.close()
 
     def facts(self) -> Dict[str, Any]:
         return node_facts()

@@ -21,6 +21,8 @@ def render_table(result: Mapping[str, Any]) -> str:
         lines += [""] + _nodes_table(result["nodes"])
     if result.get("matrix"):
         lines += ["", "TCP reachability (row: source, column: target)"] + _matrix_table(result["matrix"])
+    if (result.get("network") or {}).get("links"):
+        lines += ["", "Links, Gb/s (row: sender, column: receiver)"] + _links_table(result["network"]["links"])
     lines.append("")
     lines += [_check_line(c) for c in result.get("checks", [])]
     return "\n".join(lines)
@@ -42,6 +44,19 @@ def _matrix_table(matrix: Mapping[str, Mapping[str, Any]]) -> List[str]:
     ips = sorted(set(matrix) | {d for row in matrix.values() for d in row})
     rows = [(src,) + tuple(_matrix_cell(matrix.get(src, {}).get(dst), src == dst) for dst in ips) for src in ips]
     return grid(("source \\ target",) + tuple(ips), rows)
+
+
+def _links_table(links: Sequence[Mapping[str, Any]]) -> List[str]:
+    by_pair = {(r["src"], r["dst"]): r for r in links}
+    ips = sorted({r["src"] for r in links} | {r["dst"] for r in links})
+
+    def cell(src: str, dst: str) -> str:
+        r = by_pair.get((src, dst))
+        if src == dst or r is None:
+            return "-"
+        return "%.3g (%s ms)" % (r["gbps"], r["rtt_ms"]) if r["gbps"] is not None else "failed"
+
+    return grid(("sender \\ receiver",) + tuple(ips), [(src,) + tuple(cell(src, dst) for dst in ips) for src in ips])
 
 
 def _matrix_cell(cell: Optional[Mapping[str, Any]], diagonal: bool) -> str:

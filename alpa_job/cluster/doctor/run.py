@@ -53,11 +53,12 @@ def wait_refs(ray, refs: Mapping[str, Any], timeout_s: float) -> Tuple[Dict[str,
 
 def run_doctor(address: str, spec, deadline_s: float = DEFAULT_DEADLINE_S,
                node_timeout_s: float = NODE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-               skip_ports: Sequence[str] = ()) -> Dict[str, Any]:
+               skip_ports: Sequence[str] = (), network: bool = False) -> Dict[str, Any]:
     """Run every check against the cluster at `address`; returns the JSON-ready result.
 
     `spec`: the ClusterSpec the entry point resolved. `skip_ports`: names of planned ports/ranges not to
     probe (e.g. "ssh" on Kubernetes: pods run no sshd and k8s/networkpolicy.yaml does not open it).
+    `network`: also measure every link between the nodes (network.py).
     """
     unknown = sorted(set(skip_ports) - set(spec.ports) - set(spec.ranges))
     if unknown:
@@ -73,7 +74,7 @@ def run_doctor(address: str, spec, deadline_s: float = DEFAULT_DEADLINE_S,
     import ray
 
     try:
-        Session(ray, spec, deadline, node_timeout_s, connect_timeout_s, result).run(address)
+        Session(ray, spec, deadline, node_timeout_s, connect_timeout_s, result, network).run(address)
     finally:
         result["seconds"] = round(time.monotonic() - t0, 2)
         result["ok"] = all(c["ok"] for c in result["checks"])
@@ -84,8 +85,9 @@ class Session:
     """One doctor run on a joined cluster: the nodes, a probe actor pinned to each, and the phases."""
 
     def __init__(self, ray, spec, deadline: Deadline, node_timeout_s: float, connect_timeout_s: float,
-                 result: Dict[str, Any]):
+                 result: Dict[str, Any], network: bool = False):
         self.ray, self.spec, self.deadline, self.result = ray, spec, deadline, result
+        self.network = network
         self.node_timeout_s, self.connect_timeout_s = node_timeout_s, connect_timeout_s
         self.checks: List[Dict[str, Any]] = result["checks"]
         self.nodes: Dict[str, ray_api.RayNode] = {}
@@ -106,6 +108,8 @@ class Session:
                 self.checks.append(deadline_check(self.deadline.seconds, "after the per-node probe"))
                 return
             self.probe_ports(facts)
+            if self.network and len(facts) > 1:
+                self.probe_links([ip for ip in self.actors if ip in facts])
         finally:
             for actor in self.actors.values():
                 try:
@@ -198,6 +202,18 @@ class Session:
                 for src in sources}
         need = self.connect_timeout_s * 4 + 5  # parallel connects: a few rounds of timeouts at most
         return wait_refs(self.ray, refs, self.deadline.left(max(need, self.node_timeout_s)))
+
+    # ---- phase 4 (--network): the links between every pair, both ways ---------------------------------
+    def probe_links(self, nodes: Sequence[str]) -> None:
+        from alpa_job.cluster.doctor import network
+
+        declared = getattr(getattr(self.spec, "network", None), "gbps", 0) or 0
+        rows, checks = network.measure(self.ray, {ip: self.actors[ip] for ip in nodes}, self.spec, self.deadline,
+                                       self.connect_timeout_s, self.node_timeout_s, wait_refs)
+        self.result["network"] = {"links": rows, "declared_gbps": declared, **network.summary(rows)}
+        self.checks.extend(checks + network.verdicts(rows, declared))
+        if self.deadline.passed:
+            self.checks.append(deadline_check(self.deadline.seconds, "during the link probe"))
 
     def close_listeners(self, listening) -> None:
         """Phase 3: close the listeners (they also close themselves after LISTEN_HOLD_S)."""
