@@ -117,12 +117,35 @@ def test_calibration_cpu_block_is_current():
         0.02 * stored["memory"]["temp_size_in_bytes"]
 
 
+def _doctor_result_over_loopback(path):
+    """A doctor --network result of one link measured for real (loopback, both ways), as the doctor writes it."""
+    from alpa_job.cluster.doctor import links, network
+
+    rows = []
+    for src, dst in (("127.0.0.2", "127.0.0.3"), ("127.0.0.3", "127.0.0.2")):
+        receiver = links.LinkReceiver(dst, (40000, 49999), hold_s=30)
+        try:
+            sent = links.send_stream(src, dst, receiver.port, 0.2, 2.0)
+            rows.append(network.link_row(src, dst, sent, receiver.take(src), None))
+        finally:
+            receiver.close()
+    result = {"ok": True, "network": {"links": rows, "declared_gbps": 0, **network.summary(rows)}}
+    path.write_text(json.dumps(result))
+    return result["network"]["median_gbps"]
+
+
 def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     out = tmp_path / "plan"
+    median = _doctor_result_over_loopback(tmp_path / "doctor.json")
     proc = subprocess.run([sys.executable, "-m", "alpa_job", "plan", "--preset", "gpt-small", "--nodes", "2",
-                           "--gpus-per-node", "4", "--num-layers", "2", "--out", str(out)],
+                           "--gpus-per-node", "4", "--num-layers", "2", "--out", str(out),
+                           "--network-from", str(tmp_path / "doctor.json")],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    # the measured link, shared by a node's 4 GPUs, is the plan's network figure, and it says so
+    assert plan["cluster"]["network_bytes_s"] == pytest.approx(median / 4 * 1e9 / 8, rel=1e-6)
+    assert any(a.startswith("network ") and "doctor.json) shared by 4 GPU(s) a node" in a for a in plan["assumptions"])
     assert "candidate 7/7" in proc.stderr  # progress per candidate
     plan = json.loads((out / "plan.json").read_text())
     jsonschema.validate(plan, load_plan_schema())
@@ -169,8 +192,13 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     (["--nodes", "0"], "must be >= 1"),
     (["--network-gbps", "0"], "--network-gbps must be > 0"),
     (["--strategy", "pipeline", "--nodes", "1"], "pipeline several nodes (a stage a node)"),
+    (["--network-from", "/nonexistent/doctor.json"], "cannot read it"),
+    (["--network-from", "{tmp}/plain.json"], "holds no link measurements: run the doctor with --network"),
+    (["--network-from", "{tmp}/plain.json", "--network-gbps", "10"], "both set the network figure; keep one"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
+    (tmp_path / "plain.json").write_text(json.dumps({"ok": True, "checks": []}))  # a doctor run without --network
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     base = ["plan", "--preset", "gpt-small", "--nodes", "2", "--gpus-per-node", "4", "--out", str(tmp_path)]
     args = base + argv
     if "--nodes" in argv:

@@ -43,8 +43,10 @@ def add_parser(sub, add_setting) -> None:
     c.add_argument("--gpu-memory-gb", type=float, metavar="GB", help="memory of one GPU")
     c.add_argument("--gpu-tflops", type=float, metavar="T", help="dense bf16 peak of one GPU, TFLOP/s")
     c.add_argument("--nvlink-gbps", type=float, metavar="GB/S", help="NVLink bandwidth of one GPU, one direction, GB/s")
-    c.add_argument("--network-gbps", type=float, default=400.0, metavar="Gb/S",
+    c.add_argument("--network-gbps", type=float, default=None, metavar="Gb/S",
                    help="network bandwidth per GPU across nodes, one direction, Gbit/s (default: 400, one NDR NIC a GPU)")
+    c.add_argument("--network-from", metavar="FILE", help="the network figure measured on your cluster: the JSON of "
+                   "python -m alpa_job doctor --network --format json (its median link, shared by a node's GPUs)")
     o = p.add_argument_group("plan")
     o.add_argument("--strategy", default="all", choices=("all", *strategy_records.STRATEGIES),
                    help="which strategies to plan (default: all)")
@@ -53,6 +55,17 @@ def add_parser(sub, add_setting) -> None:
                                                                        "(default: plans/latest)")
     o.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                    help="seconds the compiling may take in all (default: 1800)")
+
+
+def _network(args):
+    """(Gb/s per GPU, where it came from or None): typed, measured by the doctor, or the default."""
+    if args.network_from and args.network_gbps is not None:
+        raise KitError("--network-gbps and --network-from both set the network figure; keep one")
+    if args.network_from:
+        from alpa_job.planner.network_from import network_gbps_from
+
+        return network_gbps_from(args.network_from, max(1, args.gpus_per_node))
+    return (400.0 if args.network_gbps is None else args.network_gbps), None
 
 
 def run(args) -> int:
@@ -68,8 +81,9 @@ def run(args) -> int:
         raise KitError("--model-parallel must be >= 0 and --timeout > 0")
     cli_values = model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES})
     strategies = tuple(strategy_records.STRATEGIES) if args.strategy == "all" else (args.strategy,)
+    network_gbps, network_source = _network(args)
     record = make_plan(args.preset, args.config, cli_values, args.nodes, args.gpus_per_node, gpu,
-                       args.network_gbps, strategies, args.model_parallel, args.timeout)
+                       network_gbps, strategies, args.model_parallel, args.timeout, network_source=network_source)
     try:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "plan.json"), "w") as f:

@@ -45,7 +45,8 @@ def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict
 def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], nodes: int,
               gpus_per_node: int, gpu: gpus.Gpu, network_gbps: float = DEFAULT_NETWORK_GBPS,
               strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES), model_parallel: int = 0,
-              timeout_s: float = 1800.0, calibration: Optional[Dict[str, Any]] = None) -> PlanRecord:
+              timeout_s: float = 1800.0, calibration: Optional[Dict[str, Any]] = None,
+              network_source: Optional[str] = None) -> PlanRecord:
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
     if network_gbps <= 0:
@@ -91,7 +92,8 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
         f"GPU peak memory = state part of XLA's CPU estimate + its scratch x {constants.temp_ratio:.3f} (the GPU/CPU "
         f"scratch ratio measured on the calibration runs); fits = at most {usable / 1e9:.1f} GB "
         "(JAX's default share of the card x the kit's usable fraction)",
-        "not verified on a multi-node GPU cluster: the network term is the model above, unmeasured",
+        network_source or "not verified on a multi-node GPU cluster: the network term is the model above, with the "
+        "bandwidth given (--network-gbps), not measured (--network-from a doctor --network result)",
     ]
     return PlanRecord(
         model=config.model, preset=preset, settings=_model_settings(config), cluster=PlanCluster(
