@@ -138,6 +138,10 @@ def test_doctor_green_on_three_hosts(ray_cluster):
     # --network: every link measured both ways, even enough for no verdict
     links = data["network"]["links"]
     assert len(links) == 6 and all(r["gbps"] and r["rtt_ms"] for r in links), links
+    # ... and one JAX process a node, joined as a job's are, timed an all-reduce over their CPU devices
+    reduced = data["network"]["all_reduce"]
+    assert reduced["devices"] >= 3 and reduced["backend"] == "cpu" and reduced["bus_gbps"] > 0, reduced
+    assert [c for c in data["checks"] if c["name"] == "collective"][0]["ok"]
     for h in bed.hosts:
         node = data["nodes"][h.ip]
         assert node["hostname"] == h.name and h.ip in node["addresses"]["eth0"]

@@ -214,6 +214,33 @@ class Session:
         self.checks.extend(checks + network.verdicts(rows, declared))
         if self.deadline.passed:
             self.checks.append(deadline_check(self.deadline.seconds, "during the link probe"))
+            return
+        self.all_reduce(nodes, declared)
+
+    def all_reduce(self, nodes: Sequence[str], declared: float) -> None:
+        """One JAX process a node (with the node's GPUs), joined as a job joins them, times an all-reduce."""
+        from alpa_job.cluster.doctor import collective
+
+        ordered = sorted(nodes, key=lambda ip: (ip != self.head, ip))  # the coordinator on the head
+        # One below the job's own coordinator port: a doctor run beside a training job must not take its port.
+        coordinator = "%s:%d" % (ordered[0], self.spec.jax_coordinator_port - 1)
+        probe = self.ray.remote(max_calls=1, num_cpus=0)(collective.all_reduce)  # a fresh process each
+        env = {"PYTHONPATH": worker_pythonpath()}
+        refs = {ip: probe.options(num_gpus=self.nodes[ip].resources.get("GPU", 0), runtime_env={"env_vars": env},
+                                  **ray_api.pin_to_node(ip)).remote(coordinator, len(ordered), i)
+                for i, ip in enumerate(ordered)}
+        done, failed = wait_refs(self.ray, refs, self.deadline.left(collective.JOIN_TIMEOUT_S + 30))
+        for ip in failed:  # a process still waiting to join: its worker is killed, not left waiting
+            try:
+                self.ray.cancel(refs[ip], force=True)
+            except Exception:
+                pass
+        fabric = getattr(getattr(self.spec, "network", None), "fabric", "ethernet") or "ethernet"
+        first = done[ordered[0]] if ordered[0] in done else None
+        self.result["network"]["all_reduce"] = None if first is None else {
+            **{k: first[k] for k in ("backend", "devices", "bytes", "seconds")}, "bus_gbps": collective.bus_gbps(first),
+            "nccl_lines": sum(len(r.get("nccl_lines") or []) for r in done.values())}
+        self.checks.extend(collective.verdicts(done, failed, declared, fabric))
 
     def close_listeners(self, listening) -> None:
         """Phase 3: close the listeners (they also close themselves after LISTEN_HOLD_S)."""
