@@ -145,6 +145,12 @@ def _doctor_parser(sub) -> None:
     p.add_argument("--skip-ports", help="comma-separated planned port names not to probe (Kubernetes: ssh)")
     p.add_argument("--network", action="store_true", help="also measure every link between the nodes, both ways "
                    "(Gb/s, round trip) on the ephemeral range training traffic uses, and name slow hosts or links")
+    p.add_argument("--nccl-log", nargs="+", metavar="FILE",
+                   help="read NCCL's INFO logs (files, or run/log directories) instead of probing the cluster: "
+                        "which transports NCCL chose and what is wrong with them (exit 3 on a problem)")
+    p.add_argument("--fabric", choices=("ib", "roce", "ethernet"),
+                   help="with --nccl-log: the network NCCL should use (default: the cluster spec's "
+                        "network.fabric, else ethernet)")
 
 
 def _cluster_parser(sub) -> None:
