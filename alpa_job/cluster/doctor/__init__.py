@@ -16,6 +16,7 @@ and fails. Exit 0 when every check passes, 3 (EXIT_CHECK_FAILED) otherwise.
 
 The rooms: probe.py (what runs on every node), checks.py (verdicts on a node's facts), matrix.py (the
 all-pairs plan and its results), render.py (table / JSON / summary line), run.py (the driver), cli.py
-(the CLI entry). It imports on the Alpa image's stack too (Python 3.9, ray 2.1.0): only the
+(the CLI entry), nccl_log.py (`--nccl-log`: NCCL's own INFO log read into transports and verdicts,
+with no cluster running). It imports on the Alpa image's stack too (Python 3.9, ray 2.1.0): only the
 standard library at module level; ray and the spec's yaml are imported when the doctor runs.
 """
