@@ -112,6 +112,12 @@ def test_ibext_plugin_and_ib_failures():
     a, b, c = s.processes
     assert a.networks == ["IBext_v8"] and a.channels == {"NET/IB": 1}
     assert b.ib_no_device and b.ib_failed and c.ib_failed and not a.ib_failed
+    # The SHARP plugin failing while NCCL's own IB works: IB is up.
+    fallback = _parse("d:1:1 [0] NCCL INFO Failed to initialize NET plugin IBext_v8\n"
+                      "d:1:1 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [RO]; OOB eth0:10.0.0.4<0>\n"
+                      "d:1:1 [0] NCCL INFO Using network IB\n")
+    assert not fallback.processes[0].ib_failed
+    assert "IB did not initialise" not in nccl_log.transports_line(fallback)
 
 
 def test_env_overrides_both_wordings():

@@ -107,6 +107,9 @@ class ProcessNccl:
 
     @property
     def ib_failed(self) -> bool:
+        """IB did not come up at all (a failed IBext plugin with NCCL's own IB working is no failure)."""
+        if self.ib_devices or any(n.startswith("IB") for n in self.networks):
+            return False
         return self.ib_no_device or bool(self.ib_errors) or any(n.startswith("IB") for n in self.failed_networks)
 
 
