@@ -76,3 +76,20 @@ def test_a_stream_that_failed_names_both_ends_and_the_firewall():
     rows = [{"src": "a", "dst": "b", "gbps": None, "rtt_ms": None, "error": "connect b:41000: Connection refused"}]
     (c,) = network.verdicts(rows)
     assert not c["ok"] and "no stream a -> b" in c["detail"] and "alpa_job.cluster.firewall" in c["fix"]
+
+
+def test_nccl_lines_of_the_all_reduce_become_per_node_checks():
+    """The real socket-only log of two H200 processes, as the probe on one node would have kept it."""
+    from pathlib import Path
+
+    from alpa_job.cluster.doctor import collective
+
+    lines = (Path(__file__).parent / "data" / "nccl" / "sockets-two-hosts.log").read_text().splitlines()
+    result = {"backend": "gpu", "devices": 2, "bytes": 32 << 20, "seconds": 0.022, "nccl_lines": lines}
+    checks = collective.verdicts({"10.0.0.1": result}, {}, declared_gbps=100, fabric="ib")
+    assert collective.bus_gbps(result) == pytest.approx(2 * 1 / 2 * (32 << 20) / 0.022 * 8 / 1e9, rel=1e-3)
+    group, transports, *problems = checks
+    assert not group["ok"] and "(declared 100 Gb/s)" in group["detail"]  # 12.2 Gb/s on a 100 Gb/s fabric
+    assert transports["ok"] and "NET/Socket" in transports["detail"]
+    assert problems and all(c["node"] == "10.0.0.1" and not c["ok"] for c in problems)
+    assert any("fell back to sockets" in c["detail"] for c in problems), problems

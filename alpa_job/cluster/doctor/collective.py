@@ -99,10 +99,8 @@ def verdicts(results: Dict[str, Dict[str, Any]], failed: Dict[str, str], declare
 
 def nccl_checks(results: Dict[str, Dict[str, Any]], fabric: str) -> List[Dict[str, Any]]:
     """What NCCL's own lines say, a node at a time (none on CPU hosts: no NCCL there)."""
-    try:
-        from alpa_job.cluster.doctor import nccl_log
-    except ImportError:
-        return []
+    from alpa_job.cluster.doctor import nccl_log
+
     out = []
     for ip in sorted(results):
         lines = results[ip].get("nccl_lines") or []
@@ -110,7 +108,8 @@ def nccl_checks(results: Dict[str, Dict[str, Any]], fabric: str) -> List[Dict[st
             continue
         summary = nccl_log.parse_lines(lines)
         problems = nccl_log.verdicts(summary, fabric, host=ip)
-        out.append(check("nccl", ip, not problems, nccl_log.transports_line(summary),
-                         problems[0] if problems else ""))
-        out += [check("nccl", ip, False, line, line) for line in problems[1:]]
+        out.append(check("nccl", ip, True, nccl_log.transports_line(summary)))
+        for line in problems:  # "what is wrong on HOST: the fix"
+            what, _, fix = line.rpartition(": ")
+            out.append(check("nccl", ip, False, what or line, fix))
     return out
