@@ -1,7 +1,7 @@
 """The cluster's shape, loaded once from cluster.yaml (plus a user's overrides) and validated.
 
-Everything that renders an artefact (`ray start` arguments, firewall rules, sysctl lines, the doctor's
-checks) reads a `ClusterSpec` from `load_spec()`, never the YAML itself, so a port is written once.
+Everything that renders an artefact (`ray start` arguments, firewall rules, sysctl lines, NCCL's fabric
+environment, the doctor's checks) reads a `ClusterSpec` from `load_spec()`, never the YAML itself, so a port is written once.
 
 Override order: the package's cluster.yaml, then the user's file (the `path` argument, else the
 ALPA_KIT_CLUSTER_SPEC environment variable), deep-merged: only the keys the user sets change, and a
@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import yaml
 
+from alpa_job.cluster.fabric import NetworkSpec, network_from_dict
 from alpa_job.errors import KitError
 
 DEFAULT_SPEC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster.yaml")
@@ -67,11 +68,12 @@ class ClusterSpec:
     jax_coordinator_port: int
     versions: Mapping[str, str]
     images: Mapping[str, str]
+    network: NetworkSpec
     # Where the values came from, for error messages; not part of the shape.
     source: str = field(default="package defaults", compare=False)
 
     @property
-    def network(self) -> ipaddress.IPv4Network:
+    def cluster_network(self) -> ipaddress.IPv4Network:
         return ipaddress.IPv4Network(self.cluster_cidr)
 
     def cluster_ipv4(self, ip: str, what: str, not_an_ip_fix: str, outside_fix: str) -> str:
@@ -80,7 +82,7 @@ class ClusterSpec:
             address = ipaddress.ip_address(str(ip).strip())
         except ValueError:
             raise KitError("%s %r is not an IP address; %s" % (what, ip, not_an_ip_fix)) from None
-        if address.version != 4 or address not in self.network:
+        if address.version != 4 or address not in self.cluster_network:
             raise KitError("%s %s is not inside cluster_cidr %s; %s" % (what, address, self.cluster_cidr, outside_fix))
         return str(address)
 
@@ -134,6 +136,10 @@ class ClusterSpec:
         lo, hi = self.ranges["ephemeral"]
         return {"net.ipv4.ip_local_port_range": "%d %d" % (lo, hi)}
 
+    def nccl_env(self) -> Dict[str, str]:
+        """NCCL's environment for the declared fabric (network.fabric): what every runtime sets."""
+        return self.network.nccl_env()
+
     def as_dict(self) -> Dict[str, Any]:
         """Plain data in cluster.yaml's layout (lists, dicts, str, int): JSON- and YAML-ready."""
         return {
@@ -146,6 +152,7 @@ class ClusterSpec:
             "jax_coordinator_port": self.jax_coordinator_port,
             "versions": dict(self.versions),
             "images": dict(self.images),
+            "network": self.network.as_dict(),
         }
 
 
@@ -217,6 +224,7 @@ def spec_from_dict(raw: Mapping[str, Any], source: str = "a cluster spec") -> Cl
     versions = _str_mapping(raw["versions"], "versions", source)
     _require(versions, REQUIRED_VERSIONS, "versions", source)
     images = _str_mapping(raw["images"], "images", source)
+    network = network_from_dict(raw["network"], source)
     return ClusterSpec(
         cluster_cidr=cluster_cidr,
         admin_cidrs=admin_cidrs,
@@ -227,6 +235,7 @@ def spec_from_dict(raw: Mapping[str, Any], source: str = "a cluster spec") -> Cl
         jax_coordinator_port=coordinator,
         versions=MappingProxyType(versions),
         images=MappingProxyType(images),
+        network=network,
         source=source,
     )
 
