@@ -277,6 +277,75 @@ def test_docker_runtime_without_gpus_uses_the_cpu_image_and_no_device_requests()
     assert list(container["ulimits"]) == ["nofile:20000:20000"]  # "" leaves memlock to the engine
 
 
+# ---- the fabric: cluster.yaml's network section reaches the container --------------------------------
+FABRICS = {  # alpa_kit_network as an inventory sets it (merged key by key over cluster.yaml's)
+    "ethernet": {},
+    "ib": {"fabric": "ib", "gbps": 400, "ib_hca": "mlx5_0:1,mlx5_1:1"},
+    "roce": {"fabric": "roce", "gbps": 200, "ib_hca": "=mlx5_2", "ib_gid_index": 3},
+}
+
+
+def nccl_fabric_drift(env, spec) -> list:
+    """Where a runtime's NCCL_IB_* environment differs from what spec.nccl_env() renders for the fabric."""
+    have = {k: v for k, v in env.items() if k.startswith("NCCL_IB_")}
+    want = spec.nccl_env()
+    return ["%s = %r, the fabric (%s) says %r" % (k, have.get(k), spec.network.fabric, want.get(k))
+            for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k)]
+
+
+def _fabric_spec(network):
+    from alpa_job.cluster.spec import load_spec, spec_from_dict
+
+    plan = load_spec().as_dict()
+    return spec_from_dict(dict(plan, network=dict(plan["network"], **network)), source="test")
+
+
+@pytest.mark.parametrize("fabric", sorted(FABRICS))
+def test_both_runtimes_set_the_nccl_env_the_fabric_renders(fabric):
+    spec = _fabric_spec(FABRICS[fabric])
+    docker = Render("docker", alpa_kit_network=FABRICS[fabric])
+    assert docker.var("alpa_kit_spec")["network"] == spec.network.as_dict()
+    env = dict(docker.task_args("docker.yml", "community.docker.docker_container")["env"])
+    assert nccl_fabric_drift(env, spec) == []
+    process = dict(Render("process", alpa_kit_network=FABRICS[fabric]).var("__ray_cluster_process_env"))
+    assert nccl_fabric_drift(process, spec) == []
+    assert env["NCCL_SOCKET_IFNAME"] == "ens5"  # NCCL's bootstrap stays on the cluster interface
+
+
+def test_the_nccl_drift_check_fails_when_a_runtime_overrides_the_fabric():
+    spec = _fabric_spec(FABRICS["ib"])
+    r = Render("docker", alpa_kit_network=FABRICS["ib"], ray_cluster_env_extra={"NCCL_IB_DISABLE": "1"})
+    env = dict(r.task_args("docker.yml", "community.docker.docker_container")["env"])
+    assert nccl_fabric_drift(env, spec) == ["NCCL_IB_DISABLE = '1', the fabric (ib) says '0'"]
+    assert nccl_fabric_drift({"NCCL_IB_DISABLE": "1", "NCCL_IB_HCA": "mlx5_0"}, _fabric_spec({})) == [
+        "NCCL_IB_HCA = 'mlx5_0', the fabric (ethernet) says None"]
+
+
+@pytest.mark.parametrize("fabric", ["ib", "roce"])
+def test_an_rdma_fabric_hands_the_verbs_devices_ipc_lock_and_unlimited_memlock_to_the_container(fabric):
+    # Rendered and asserted only: no InfiniBand or RoCE hardware here.
+    r = Render("docker", alpa_kit_network=FABRICS[fabric], ray_cluster_memlock=65536)
+    container = r.task_args("docker.yml", "community.docker.docker_container")
+    assert list(container["devices"]) == ["/dev/infiniband"]
+    assert list(container["capabilities"]) == ["IPC_LOCK"]
+    assert list(container["ulimits"]) == ["nofile:65536:65536", "memlock:-1:-1"]  # pinned buffers: no limit
+    assert container["network_mode"] == "host"
+
+
+def test_ethernet_adds_no_device_capability_or_limit():
+    r = Render("docker", ray_cluster_memlock="")
+    container = r.task_args("docker.yml", "community.docker.docker_container")
+    assert list(container["devices"]) == [] and list(container["capabilities"]) == []
+    assert list(container["ulimits"]) == ["nofile:65536:65536"]
+
+
+def test_an_unknown_fabric_stops_the_render_with_the_allowed_values():
+    from ansible.errors import AnsibleError
+
+    with pytest.raises(AnsibleError, match="network.fabric is 'infiniband'; use one of: ib, roce, ethernet"):
+        Render("docker", alpa_kit_network={"fabric": "infiniband"}).var("__ray_cluster_env")
+
+
 def test_image_reference_parts():
     sys.path.insert(0, str(ANSIBLE_DIR / "filter_plugins"))
     try:

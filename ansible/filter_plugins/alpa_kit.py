@@ -1,7 +1,7 @@
 """Jinja filters that call the kit's own renderers (alpa_job.cluster), so Ansible renders nothing itself.
 
 The playbooks never spell a port, a flag or an nft rule: `ray start` argv, the nftables ruleset, the
-sysctl lines and the node IP all come from the same functions as the CLIs
+sysctl lines, NCCL's fabric environment and the node IP all come from the same functions as the CLIs
 (`python -m alpa_job.cluster.ray_start | firewall | node_ip`). The plan itself is read here too:
 `alpa_kit_load_spec` loads alpa_job/cluster/cluster.yaml (plus the user's file, like `--cluster-spec`)
 for the alpa_kit role's DEFAULTS, and `alpa_kit_spec_over` merges whatever alpa_kit_<key> the inventory
@@ -246,6 +246,16 @@ def xla_env(raw_spec):
     return dict(_spec(raw_spec).xla_env())
 
 
+def nccl_env(raw_spec):
+    """NCCL's environment for the declared fabric (ClusterSpec.nccl_env): sockets for ethernet, IB for ib/roce."""
+    return dict(_spec(raw_spec).nccl_env())
+
+
+def rdma(raw_spec):
+    """Whether the declared fabric is RDMA (ib, roce): the container then needs the RDMA devices."""
+    return _spec(raw_spec).network.rdma
+
+
 def ray_version_at_least(version, minimum):
     """True when Ray `version` >= `minimum` (both MAJOR.MINOR[.PATCH])."""
     _, ray_start, _, _, KitError = _kit()
@@ -274,5 +284,7 @@ class FilterModule:
             "alpa_kit_sysctl_text": sysctl_text,
             "alpa_kit_sysctl": sysctl_map,
             "alpa_kit_xla_env": xla_env,
+            "alpa_kit_nccl_env": nccl_env,
+            "alpa_kit_rdma": rdma,
             "alpa_kit_ray_version_at_least": ray_version_at_least,
         }
