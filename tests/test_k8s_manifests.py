@@ -4,7 +4,9 @@ Every manifest and every kustomize overlay's rendered output (`kubectl kustomize
 - Ray CRs (RayCluster, RayJob) against the CRD's openAPIV3Schema for the served version v1, with unknown
   fields refused (what `kubectl apply`'s strict field validation does);
 - core objects (NetworkPolicy) and the pod templates inside the Ray CRs with kubernetes-validate (1.32).
-Then every port, range, env var, image tag and rayVersion is compared with alpa_job/cluster/cluster.yaml.
+Then every port, range, env var, image tag and rayVersion is compared with alpa_job/cluster/cluster.yaml,
+and NCCL's fabric variables (with the RDMA device and IPC_LOCK) with spec.nccl_env() of the source's spec
+(cluster.yaml, or overlays/rdma/network.yaml merged over it).
 
 The CRDs come from ../shared/kuberay beside the repository (or $ALPA_KIT_KUBERAY_CRDS).
 """
@@ -50,7 +52,12 @@ RENDERS = {  # kustomize directories, relative to k8s/
     "overlays/alpa": "legacy",
     "overlays/jax": "modern",
     "overlays/cpu-smoke": "modern-cpu",
+    "overlays/rdma": "modern",
 }
+# The cluster-spec override a source is rendered from (merged over cluster.yaml); others use cluster.yaml.
+SOURCE_SPECS = {"overlays/rdma": K8S / "overlays" / "rdma" / "network.yaml"}
+# The RDMA device resource k8s/overlays/rdma requests (the example name of NVIDIA's shared device plugin).
+RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 # Container port name → cluster.yaml port (names: IANA_SVC_NAME, at most 15 characters).
 PORT_NAMES = {
     "gcs-server": "gcs",
@@ -139,6 +146,12 @@ def load_source(kind: str, name: str) -> List[Dict[str, Any]]:
 
 def source_stack(kind: str, name: str) -> str:
     return MANIFESTS[name] if kind == "file" else RENDERS[name]
+
+
+def source_spec(kind: str, name: str) -> ClusterSpec:
+    """The spec a source must match: cluster.yaml, with the source's own override merged over it."""
+    override = SOURCE_SPECS.get(name) if kind == "kustomize" else None
+    return load_spec(str(override) if override else None)
 
 
 SOURCE_IDS = ["%s:%s" % s for s in all_sources()]
@@ -371,14 +384,37 @@ def cluster_drift(spec: ClusterSpec, label: str, cluster: Mapping[str, Any], sta
                 errors.append("%s: env %s = %r, plan says %r" % (where, key, env.get(key, {}).get("value"), value))
         if env.get("MY_POD_IP", {}).get("valueFrom") != {"fieldRef": {"fieldPath": "status.podIP"}}:
             errors.append("%s: env MY_POD_IP must come from fieldRef status.podIP" % where)
-        for key in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"):
-            if key not in env:
-                errors.append("%s: env %s missing" % (where, key))
+        if "NCCL_SOCKET_IFNAME" not in env:
+            errors.append("%s: env NCCL_SOCKET_IFNAME missing" % where)
+        errors += nccl_fabric_drift(spec, where, role, group, env)
         sysctls = {s["name"]: s["value"] for s in
                    (group["template"]["spec"].get("securityContext") or {}).get("sysctls") or []}
         for key, value in spec.sysctl().items():
             if sysctls.get(key) != value:
                 errors.append("%s: sysctl %s = %r, plan says %r" % (where, key, sysctls.get(key), value))
+    return errors
+
+
+def nccl_fabric_drift(spec: ClusterSpec, where: str, role: str, group: Mapping[str, Any],
+                      env: Mapping[str, Mapping[str, Any]]) -> List[str]:
+    """NCCL's fabric variables equal spec.nccl_env(); GPU workers on RDMA get the device and IPC_LOCK."""
+    errors = []
+    have = {k: e.get("value") for k, e in env.items() if k.startswith("NCCL_IB_")}
+    want = spec.nccl_env()
+    for key in sorted(set(have) | set(want)):
+        if have.get(key) != want.get(key):
+            errors.append("%s: env %s = %r, network.fabric %s says %r"
+                          % (where, key, have.get(key), spec.network.fabric, want.get(key)))
+    container = kuberay.ray_container(group)
+    added = ((container.get("securityContext") or {}).get("capabilities") or {}).get("add") or []
+    resources = container.get("resources") or {}
+    devices = {part: (resources.get(part) or {}).get(RDMA_RESOURCE) for part in ("limits", "requests")}
+    wants_rdma = spec.network.rdma and role == "worker"
+    if ("IPC_LOCK" in added) != wants_rdma:
+        errors.append("%s: capability IPC_LOCK %s, network.fabric is %s"
+                      % (where, "added" if "IPC_LOCK" in added else "missing", spec.network.fabric))
+    if (devices == {"limits": "1", "requests": "1"}) != wants_rdma or (not wants_rdma and any(devices.values())):
+        errors.append("%s: %s %s, network.fabric is %s" % (where, RDMA_RESOURCE, devices, spec.network.fabric))
     return errors
 
 
@@ -442,8 +478,8 @@ def drift_errors(spec: ClusterSpec, docs: List[Mapping[str, Any]], stack: str) -
 
 
 @pytest.mark.parametrize("source", all_sources(), ids=SOURCE_IDS)
-def test_manifests_match_the_cluster_spec(spec, source):
-    assert drift_errors(spec, load_source(*source), source_stack(*source)) == []
+def test_manifests_match_the_cluster_spec(source):
+    assert drift_errors(source_spec(*source), load_source(*source), source_stack(*source)) == []
 
 
 def _mutated(spec: ClusterSpec, section: str, key: str, value: Any) -> ClusterSpec:
@@ -462,6 +498,8 @@ def _mutated(spec: ClusterSpec, section: str, key: str, value: Any) -> ClusterSp
     ("ranges", "ephemeral", [41000, 49999], "ip_local_port_range"),
     ("images", "alpa", "alpa-cluster-kit/alpa:0.2.4", "image"),
     ("versions", "ray_legacy", "2.2.0", "rayVersion"),
+    ("network", "fabric", "ib", "env NCCL_IB_DISABLE = '1', network.fabric ib says '0'"),
+    ("network", "fabric", "roce", "capability IPC_LOCK missing"),
 ], ids=lambda v: str(v))
 def test_drift_check_fails_when_the_spec_differs(spec, section, key, value, expected):
     if section == "ranges" and key == "xla_grpc":
@@ -517,6 +555,39 @@ def test_overlays_render_what_each_stack_needs(spec):
         assert kuberay.quantity_value(container["resources"]["limits"]["cpu"]) <= 2
 
 
+def test_rdma_overlay_is_the_jax_overlay_plus_the_fabric_only():
+    """Take the fabric's additions out of the rdma render and the jax render is left, field for field."""
+    spec = source_spec("kustomize", "overlays/rdma")
+    assert spec.network.rdma and spec.nccl_env()["NCCL_IB_DISABLE"] == "0"
+    rdma = copy.deepcopy(render("overlays/rdma"))
+    for doc in rdma:
+        for _, cluster in cluster_specs(doc):
+            for role, _, group in groups(cluster):
+                container = kuberay.ray_container(group)
+                container["env"] = [e for e in container["env"] if e["name"] not in ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX")]
+                for e in container["env"]:
+                    if e["name"] == "NCCL_IB_DISABLE":
+                        e["value"] = "1"
+                if role == "worker":
+                    assert container.pop("securityContext") == {"capabilities": {"add": ["IPC_LOCK"]}}
+                    for part in ("limits", "requests"):
+                        assert container["resources"][part].pop(RDMA_RESOURCE) == "1"
+    assert rdma == render("overlays/jax")
+
+
+def test_rdma_overlay_drift_is_caught_against_its_own_spec():
+    docs = render("overlays/rdma")
+    # Against cluster.yaml's default (ethernet) the overlay is wrong: IB on, devices requested.
+    errors = drift_errors(load_spec(), docs, "modern")
+    assert any("env NCCL_IB_DISABLE = '0', network.fabric ethernet says '1'" in e for e in errors), errors
+    assert any("capability IPC_LOCK added" in e for e in errors), errors
+    # Against its own network.yaml with another GID index, the env value is caught.
+    raw = source_spec("kustomize", "overlays/rdma").as_dict()
+    raw["network"]["ib_gid_index"] = 5
+    errors = drift_errors(spec_from_dict(raw, source="mutated copy"), docs, "modern")
+    assert any("env NCCL_IB_GID_INDEX = '3', network.fabric roce says '5'" in e for e in errors), errors
+
+
 def test_kuberay_adds_metrics_and_agent_ports_equal_to_the_plan(spec):
     """KubeRay hard-codes --metrics-export-port=8080 and --dashboard-agent-listen-port=52365."""
     assert kuberay.DEFAULT_METRICS_PORT == str(spec.ports["metrics_export"])
@@ -533,5 +604,5 @@ def test_kuberay_adds_metrics_and_agent_ports_equal_to_the_plan(spec):
 def test_readme_documents_install_and_every_overlay():
     text = (K8S / "README.md").read_text()
     for needle in ["kuberay-operator", "--version 1.7.0", "--server-side", "kubectl create -f"] + \
-            ["k8s/overlays/%s" % o for o in ("alpa", "jax", "cpu-smoke")]:
+            ["k8s/overlays/%s" % o for o in ("alpa", "jax", "cpu-smoke", "rdma")]:
         assert needle in text, needle

@@ -150,6 +150,7 @@ def _clusters():
     yield "rayjob.embedded.yaml", lambda: job["spec"]["rayClusterSpec"]
     yield "overlays/jax", lambda: _rendered("overlays/jax")["spec"]
     yield "overlays/cpu-smoke", lambda: _rendered("overlays/cpu-smoke")["spec"]
+    yield "overlays/rdma", lambda: _rendered("overlays/rdma")["spec"]
 
 
 @pytest.mark.parametrize("name, get_cluster", list(_clusters()), ids=[n for n, _ in _clusters()])
