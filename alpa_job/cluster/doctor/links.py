@@ -90,11 +90,12 @@ class LinkReceiver:
                 received += len(data)
         except OSError as err:
             self.streams[peer] = {"error": "%s" % (err.strerror or err)}
-            return
-        finally:
             conn.close()
+            return
         seconds = (last - first) if first is not None and last is not None else 0.0
+        # Recorded before the close: the sender returns at the close, and the driver asks right after.
         self.streams[peer] = {"bytes": received, "seconds": round(seconds, 4)}
+        conn.close()
 
     def take(self, peer: str) -> Optional[Dict[str, Any]]:
         return self.streams.pop(peer, None)
