@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import jax
+import jsonschema
 import numpy as np
 import pytest
 
 from alpa_job import strategies
 from alpa_job.data import epoch_batches, synthetic
 from alpa_job.errors import KitError
+from alpa_job.record.run_record import load_schema
 from alpa_job.settings.config import JobConfig
 from helpers_train import tiny_config
 
@@ -60,6 +62,7 @@ def test_a_pipelined_gpt_computes_the_losses_data_does(gpt_data, strategy, mesh,
 
         described = engine.pipeline.describe([[0], [0]])
         assert described["layers"][0]["blocks"] == ["DecoderBlock_0", "DecoderBlock_2"]
+        jsonschema.validate(described, load_schema()["properties"]["pipeline"])  # as the report holds it
         assert described["bubble_fraction"] == round(1 / (2 * micro + 1), 4)
         assert pipeline_text(described) == (
             f"2 stages x {micro} micro-batches (circular, bubble {1 / (2 * micro + 1):.0%}): stage 0: DecoderBlock_0 "
