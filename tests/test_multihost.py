@@ -57,6 +57,9 @@ def _check_report(ray_cluster, report):
     network = report["network_traffic"]  # data's gathers and reduce-scatters span the three hosts
     assert network["hosts"] == 3 and network["across_hosts_bytes"] > 0 and network["within_host_bytes"] > 0
     assert network["collectives_across_hosts"] > 0 and network["groups_read"], network
+    # ... and what they measured before the first step: an all-reduce over the six devices of three hosts
+    measured = report["network_measured"]
+    assert measured["devices"] == 6 and measured["processes"] == 3 and measured["bus_gbps"] > 0, measured
     coordinator = "%s:%d" % (ray_cluster.head_ip, ray_cluster.spec.jax_coordinator_port)
     procs = sorted(report["processes"], key=lambda p: p["id"])
     assert [p["id"] for p in procs] == [0, 1, 2]
@@ -71,6 +74,7 @@ def test_job_submit_from_head(ray_cluster):
     report, seconds, p = _submit(ray_cluster, "head")
     _check_report(ray_cluster, report)
     assert "succeeded" in p.stdout + p.stderr
+    assert "[alpa_job] network: all-reduce of 4 MiB a device over 6 cpu device(s)" in p.stdout + p.stderr
 
 
 def test_job_submit_from_a_worker(ray_cluster):

@@ -33,6 +33,19 @@ def network_text(network: dict) -> str:
             + ("" if network["groups_read"] else "; some replica groups unread: counted as spanning every device"))
 
 
+def measured_network_text(record: RunRecord) -> str:
+    """The start's all-reduce, then each process's NCCL transports where they differ and every problem."""
+    m = record.network_measured
+    text = (f"all-reduce of {human_bytes(m['bytes'])} a device over {m['devices']} {m['backend']} device(s): "
+            f"{m['bus_gbps']} Gb/s bus bandwidth ({m['seconds'] * 1e3:.3g} ms)")
+    rows = [(p.id, p.nccl) for p in record.processes if p.nccl]
+    lines = sorted({nccl["transports"] for _, nccl in rows})
+    if lines:
+        text += "; " + " | ".join(lines)
+    problems = [f"process {pid}: {v}" for pid, nccl in rows for v in nccl["verdicts"]]
+    return text + ("; " + "; ".join(problems) if problems else "")
+
+
 def pipeline_text(pipeline: dict) -> str:
     """One line: the stages, which blocks each runs and on which processes, and the schedule's bubble."""
     where = "; ".join(f"stage {row['stage']}: {stage_blocks_text(row)} on process(es) "
@@ -60,6 +73,8 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         pairs.append(("traffic per device per step", network_text(record.network_traffic)))
     if record.pipeline:
         pairs.append(("pipeline stages", pipeline_text(record.pipeline)))
+    if record.network_measured:
+        pairs.append(("network measured", measured_network_text(record)))
     pairs += [
         ("steps", record.steps),
         ("samples seen / dropped", f"{record.samples_seen} / {record.samples_dropped}"),

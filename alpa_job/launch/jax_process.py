@@ -115,6 +115,10 @@ def actor_class():
             progress.send_to(channel)  # process 0 feeds the driver's display; the others keep quiet
             if process_id == 0 and coordinator:
                 wait_port_free(int(coordinator.rpartition(":")[2]))
+            if num_processes > 1:  # NCCL's transports, for the report (train/own_network.py)
+                from alpa_job.launch.network_probe import ask_nccl_for_its_log
+
+                ask_nccl_for_its_log()
             init_distributed(coordinator, num_processes, process_id)  # before the loop touches a device
             return train_process(cfg, coordinator, on_step=on_step, stop=self.stop)
 

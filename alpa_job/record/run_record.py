@@ -150,6 +150,8 @@ class ProcessInfo:
     # Preempted: the step this process stopped at (the run's stopped_at_step is process 0's; each one's own
     # shows that none trained past the agreed step).
     stopped_at_step: Optional[int] = None
+    # GPUs of a multi-process run: the transports NCCL chose for this process, and what is wrong with them.
+    nccl: Optional[Dict[str, Any]] = None
 
 
 @dataclasses.dataclass
@@ -269,6 +271,8 @@ class ProcessResult:
     network_traffic: Optional[Dict[str, Any]] = None
     # The JAX engine's pipeline: stages, micro-batches, schedule, bubble fraction, blocks and processes a stage.
     pipeline: Optional[Dict[str, Any]] = None
+    # A multi-process run: an all-reduce over every device timed before the first step (train/own_network.py).
+    network_measured: Optional[Dict[str, Any]] = None
     process: ProcessInfo = dataclasses.field(default_factory=ProcessInfo)
     devices: DeviceInfo = dataclasses.field(default_factory=DeviceInfo)
     versions: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from alpa_job import progress, strategies, versions
-from alpa_job.train import timing
+from alpa_job.train import own_network, timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine, check_supported
 from alpa_job.record.run_record import ProcessResult
@@ -133,6 +133,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
               "init_or_restore": time.perf_counter() - built}
 
     process = engine.topology()["process"]
+    network = own_network.measure(config, process["count"]) if engine.name == "jax" else (None, None)
     shard = Shard(process["id"], process["count"])
     stream = data.stream(total_steps, shard)
     stream.check_state(data_state, start_step)
@@ -165,6 +166,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
     result.evals = evaluator.points
     result.notes = notes
+    result.network_measured, result.process.nccl = network
     result.stopped_at_step = stopped_at
     result.process.stopped_at_step = stopped_at
     result.input = input_record(data, stream, read_before, start_step, total_steps, stats["loop_seconds"])
