@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import testbed_lib as tb
 
@@ -359,7 +359,8 @@ def token_of(bed: "tb.Testbed") -> Optional[str]:
     return Path(path).read_text().strip() if path and os.path.exists(path) else None
 
 
-def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_timeout: Optional[float] = None) -> dict:
+def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_timeout: Optional[float] = None,
+           extra: Sequence[str] = ()) -> dict:
     """``python -m alpa_job doctor --format json`` inside the head against the bed's Ray; the parsed
     report ({"ok": bool, "checks": [...]}) plus "rc"; {"ok": False, "error": ...} when it printed no JSON.
     ``node_timeout``: doctor's per-node probe limit (its default, 10 s, is short for a first task on a
@@ -368,7 +369,8 @@ def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_t
         raise tb.TestbedError(f"no Ray on test bed {bed.prefix!r}: `scripts/testbed up --hosts N --ray` first")
     p = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", bed.ray["address"], "--cluster-spec",
                  bed.ray["spec_path"], "--format", "json", "--deadline", "%.0f" % deadline,
-                 *(["--node-timeout", "%.0f" % node_timeout] if node_timeout else []), timeout=timeout, check=False)
+                 *(["--node-timeout", "%.0f" % node_timeout] if node_timeout else []), *extra, timeout=timeout,
+                 check=False)
     try:
         report = json.loads(p.stdout)
     except ValueError:
