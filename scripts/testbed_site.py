@@ -27,6 +27,7 @@ before it kills the hosts.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import shutil
 import signal
@@ -109,12 +110,26 @@ def _have_image(ref: str, env: Dict[str, str]) -> bool:
     return p.returncode == 0
 
 
+def kit_source_hash() -> str:
+    """What the CPU image bakes in: the kit's package, the Dockerfiles and locks, the project file."""
+    digest = hashlib.sha256()
+    root = tb.REPO_ROOT
+    files = [f for pattern in ("alpa_job/**/*.py", "alpa_job/**/*.yaml", "alpa_job/**/*.json", "docker/**/*")
+             for f in root.glob(pattern) if f.is_file() and "__pycache__" not in f.parts]
+    for f in sorted(set(files)) + [root / "pyproject.toml"]:
+        digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def ensure_cpu_image(log=print) -> str:
-    """The modern CPU image in the image cache's storage (built if missing); returns its local ref."""
+    """The modern CPU image in the image cache's storage, built if missing or if the kit it bakes in has
+    changed since (a stale image runs old code: a newer cluster plan's keys are then refused); its ref."""
     env = image_env()
     tag = cpu_image_tag()
     ref = _local_ref(tag)
-    if _have_image(ref, env):
+    stamp = IMAGE_CACHE / "cpu-image.source-hash"
+    wanted = kit_source_hash()
+    if _have_image(ref, env) and stamp.exists() and stamp.read_text().strip() == wanted:
         return ref
     full = {**os.environ, **env, "PYTHON": sys.executable}
     if not _have_image(BASE_IMAGE, env):
@@ -135,6 +150,7 @@ def ensure_cpu_image(log=print) -> str:
     log(f"scripts/build-images --cpu -> {tag} (minutes)")
     _check([str(tb.REPO_ROOT / "scripts" / "build-images"), "--cpu", "--base", BASE_IMAGE, "--tool", "buildah"],
            1800, full)
+    stamp.write_text(wanted + "\n")
     return ref
 
 

@@ -64,13 +64,13 @@ def test_a_shard_map_counts_its_body_once_per_device_of_its_manual_axes():
     together) multiplies it by the devices that run it; an axis left automatic does not multiply."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from alpa_job.engines.pipeline import _shard_map
+    from alpa_job.jax_compat import shard_map
 
     mesh = jax.make_mesh((2, 4), ("stage", "data"))
     w = jnp.ones((64, 64))
     x = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P(("stage", "data"))))
     whole = step_flops(jax.jit(lambda v: v @ w).trace(x))
-    split = _shard_map()(lambda v: v @ w, mesh=mesh, in_specs=P(("stage", "data")), out_specs=P(("stage", "data")))
+    split = shard_map()(lambda v: v @ w, mesh=mesh, in_specs=P(("stage", "data")), out_specs=P(("stage", "data")))
     assert step_flops(jax.jit(split).trace(x)) == whole  # 8 devices, an eighth of the rows each
     assert whole == 2 * 32 * 64 * 64
 

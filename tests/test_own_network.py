@@ -8,7 +8,7 @@ from pathlib import Path
 import jsonschema
 
 from alpa_job import progress
-from alpa_job.launch import network_probe
+from alpa_job.cluster import network_probe
 from alpa_job.record.run_record import RunRecord, load_schema
 from alpa_job.train import own_network
 

@@ -34,7 +34,6 @@ the other, each on the previous one's output (GPT's and LLaMA's decoders do).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, Tuple
 
 import flax.linen as nn
@@ -44,20 +43,12 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from alpa_job.errors import KitError
+from alpa_job.jax_compat import shard_map
 from alpa_job.models import ModelSpec
 from alpa_job.strategies import LAYERS, REPEATS, check_micro_batches
 
 BLOCKS = "pipeline_blocks"  # the stacked blocks' key in the pipelined state's parameters
 STAGE, DATA = "stage", "data"  # the pipeline strategy's mesh axes
-
-
-def _shard_map():
-    """jax.shard_map (jax >= 0.6) or its experimental predecessor (the Python 3.9 side's jax 0.4)."""
-    if hasattr(jax, "shard_map"):
-        return functools.partial(jax.shard_map, check_vma=False)
-    from jax.experimental.shard_map import shard_map
-
-    return functools.partial(shard_map, check_rep=False)
 
 
 def _is_spec(x) -> bool:
@@ -162,14 +153,14 @@ class Pipeline:
         """(the batch's mean loss over its real rows, the gradients in the parameters' layout)."""
         specs = self.param_specs
         rows = jax.tree_util.tree_map(lambda _: PartitionSpec((STAGE, DATA)), batch)
-        run = _shard_map()(self._local_value_and_grad, mesh=self.mesh, in_specs=(specs, rows),
+        run = shard_map()(self._local_value_and_grad, mesh=self.mesh, in_specs=(specs, rows),
                            out_specs=(PartitionSpec(), specs))
         return run(dict(params), batch)
 
     def eval_sums(self, params, batch) -> Tuple[Any, Any]:
         """(sum of the per-example loss over real rows, real rows), as ModelSpec.eval_sums."""
         rows = jax.tree_util.tree_map(lambda _: PartitionSpec((STAGE, DATA)), batch)
-        run = _shard_map()(self._local_eval_sums, mesh=self.mesh, in_specs=(self.param_specs, rows),
+        run = shard_map()(self._local_eval_sums, mesh=self.mesh, in_specs=(self.param_specs, rows),
                            out_specs=(PartitionSpec(), PartitionSpec()))
         return run(dict(params), batch)
 

@@ -15,7 +15,7 @@ import socket
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from alpa_job.errors import KitError
+from alpa_job.cluster.jax_join import init_distributed  # noqa: F401 - the actor's, and its callers' name for it
 from alpa_job.launch import failures, shared_out
 
 PORT_FREE_TIMEOUT_S = 30.0  # process 0 waits for the last attempt's coordinator to release the port
@@ -36,32 +36,6 @@ def wait_port_free(port: int, timeout_s: float = PORT_FREE_TIMEOUT_S) -> None:
             time.sleep(0.25)
         finally:
             s.close()
-
-
-HEARTBEAT_TIMEOUT_S = 30  # a peer silent this long ends the others (backstop: the driver kills them first)
-
-
-def init_distributed(coordinator: Optional[str], num_processes: int, process_id: int, timeout_s: int = 60) -> None:
-    """Join the JAX processes of a multi-host job (no-op for one process); before jax opens a device."""
-    if num_processes <= 1:
-        return
-    import inspect
-
-    import jax
-
-    # Each bound where this jax has it (0.4.13, the newest on Python 3.9, has neither keyword; the
-    # driver's own deadline on the processes' first report is then the only bound).
-    accepted = inspect.signature(jax.distributed.initialize).parameters
-    bounds = {"initialization_timeout": timeout_s,
-              "heartbeat_timeout_seconds": HEARTBEAT_TIMEOUT_S}  # never block forever on a dead peer
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                               **{k: v for k, v in bounds.items() if k in accepted})
-    # Old jax on CPU (0.4.13) "joins" and then keeps each process on its own devices: the job would
-    # train N unrelated replicas and report one. Refuse that instead.
-    if jax.process_count() != num_processes:
-        raise KitError(f"jax {jax.__version__} on {jax.default_backend()} did not join the {num_processes} JAX "
-                       f"processes into one device set (jax.process_count() = {jax.process_count()}); multi-host "
-                       "training needs a jax whose backend supports several processes (the kit's modern image, or GPUs)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +90,7 @@ def actor_class():
             if process_id == 0 and coordinator:
                 wait_port_free(int(coordinator.rpartition(":")[2]))
             if num_processes > 1:  # NCCL's transports, for the report (train/own_network.py)
-                from alpa_job.launch.network_probe import ask_nccl_for_its_log
+                from alpa_job.cluster.network_probe import ask_nccl_for_its_log
 
                 ask_nccl_for_its_log()
             init_distributed(coordinator, num_processes, process_id)  # before the loop touches a device

@@ -21,7 +21,7 @@ def measure(config, process_count: int) -> Tuple[Optional[Dict[str, Any]], Optio
         return None, None
     import jax
 
-    from alpa_job.launch import network_probe
+    from alpa_job.cluster import network_probe
 
     backend = jax.default_backend()
     measured = network_probe.time_all_reduce(PROBE_BYTES.get(backend, PROBE_BYTES["gpu"]), PROBE_REPEATS)
@@ -36,7 +36,7 @@ def _nccl(config) -> Optional[Dict[str, Any]]:
     """What NCCL's own lines of this process say (they exist once the probe's all-reduce built its
     communicators)."""
     from alpa_job.cluster.doctor import nccl_log
-    from alpa_job.launch import network_probe
+    from alpa_job.cluster import network_probe
 
     path = network_probe.own_nccl_log()
     if not os.path.exists(path):

@@ -4,7 +4,7 @@ CPU collectives on CPU hosts), reported as nccl-tests report it, bus bandwidth =
 
 On GPUs NCCL writes its INFO lines (INIT, NET) to a file a process, which the doctor reads back for the
 transports it chose on each channel and the interface it bound. The probe's pieces are a training run's
-own (alpa_job.launch.network_probe): the doctor measures what a job would see.
+own (alpa_job.cluster.network_probe): the doctor measures what a job would see.
 
 The probe side imports jax only inside `all_reduce` (the doctor itself runs on the Alpa image's stack too).
 """
@@ -24,8 +24,8 @@ def all_reduce(coordinator: str, processes: int, index: int, nbytes: int = ALL_R
                repeats: int = REPEATS, join_timeout_s: int = JOIN_TIMEOUT_S) -> Dict[str, Any]:
     """(probe side, a fresh process) Join the doctor's JAX processes, time a psum of `nbytes` a device: its
     figures, and on GPUs NCCL's own log lines."""
-    from alpa_job.launch import network_probe
-    from alpa_job.launch.jax_process import init_distributed
+    from alpa_job.cluster import network_probe
+    from alpa_job.cluster.jax_join import init_distributed
 
     log = network_probe.ask_nccl_for_its_log()
     init_distributed(coordinator, processes, index, join_timeout_s)
@@ -40,7 +40,7 @@ def all_reduce(coordinator: str, processes: int, index: int, nbytes: int = ALL_R
 
 
 def bus_gbps(result: Dict[str, Any]) -> Optional[float]:
-    from alpa_job.launch.network_probe import bus_gbps as gbps
+    from alpa_job.cluster.network_probe import bus_gbps as gbps
 
     return gbps(result)
 

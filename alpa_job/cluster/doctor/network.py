@@ -4,8 +4,9 @@ verdicts name the slow host or link.
 
 The pairs run in rounds where no node is in two pairs (a round-robin schedule: N - 1 rounds for N nodes),
 so a link is measured alone and a round takes one stream's time: 8 nodes in 7 rounds of about two seconds.
-A link is slow below half the median of all the links measured, or below half of what the cluster spec
-declares (`network.gbps`); a host whose every link one way is slow is named once, as the cause.
+A link is slow below a quarter of the median of all the links measured, or of what the cluster spec declares
+(`network.gbps`), and still slow when it streams again alone; a host whose every link one way is slow is
+named once, as the cause.
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from alpa_job.cluster.doctor.checks import check
 
 STREAM_S = 1.0  # one direction's bulk stream
-SLOW_FRACTION = 0.5  # slower than this share of the reference is a slow link
+# Slower than this share of the reference is a slow link: a misconfigured link (a 1 Gb/s port among 10s and
+# 100s, sockets where RDMA was meant) is many times slower, while busy nodes move a healthy link's figure by
+# a factor of two.
+SLOW_FRACTION = 0.25
 ROUND_SLACK_S = 15.0  # a round's streams (and their buffered tail on a slow link) end within this
 MIN_LINKS_FOR_MEDIAN = 3  # fewer measured links give no median to compare against
 
@@ -61,20 +65,42 @@ def measure(ray, actors: Mapping[str, Any], spec, deadline, connect_timeout_s: f
                               deadline.left(node_timeout_s))
     checks = [check("network", ip, False, "could not listen for the link probe: %s" % why,
                     "free a port in the ephemeral range %d-%d on %s" % (lo, hi, ip)) for ip, why in sorted(failed.items())]
-    rows: List[Dict[str, Any]] = []
-    for pairs in round_robin([ip for ip in nodes if ip in ports]):
-        if deadline.passed:
-            break
-        directed = [(a, b) for a, b in pairs] + [(b, a) for a, b in pairs]
+    def streams(directed: Sequence[Tuple[str, str]]) -> List[Dict[str, Any]]:
+        """These directed links' streams at once (no node sends twice, nor receives twice)."""
         keys = {"%s>%s" % (s, d): (s, d) for s, d in directed}
         sent, send_failed = wait_refs(ray, {k: actors[s].link_send.remote(s, d, ports[d], STREAM_S, connect_timeout_s)
                                             for k, (s, d) in keys.items()}, deadline.left(STREAM_S + ROUND_SLACK_S))
         received, _ = wait_refs(ray, {k: actors[d].link_received.remote(s) for k, (s, d) in keys.items()},
                                 deadline.left(node_timeout_s))
-        rows += [link_row(s, d, sent.get(k), received.get(k), send_failed.get(k)) for k, (s, d) in keys.items()]
+        return [link_row(s, d, sent.get(k), received.get(k), send_failed.get(k)) for k, (s, d) in keys.items()]
+
+    rows: List[Dict[str, Any]] = []
+    for pairs in round_robin([ip for ip in nodes if ip in ports]):
+        if deadline.passed:
+            break
+        rows += streams([(a, b) for a, b in pairs] + [(b, a) for a, b in pairs])
+    # A link that looked slow streams again, alone: a busy moment on a node (another job, a compile) must not
+    # be named as a slow link; a link that is slow stays slow. The better of the two counts.
+    for i, row in enumerate(rows):
+        if row in suspects(rows, declared_gbps(spec)) and not deadline.passed:
+            again = streams([(row["src"], row["dst"])])[0]
+            if (again["gbps"] or 0) > (row["gbps"] or 0):
+                rows[i] = dict(again, remeasured=True)
     for ip in ports:
         actors[ip].link_close.remote()
     return rows, checks
+
+
+def declared_gbps(spec) -> float:
+    return getattr(getattr(spec, "network", None), "gbps", 0) or 0
+
+
+def suspects(rows: Sequence[Mapping[str, Any]], declared: float = 0.0) -> List[Mapping[str, Any]]:
+    """Measured links below SLOW_FRACTION of the median of all of them, or of the declared bandwidth."""
+    measured = [r for r in rows if r["gbps"] is not None]
+    median = statistics.median([r["gbps"] for r in measured]) if len(measured) >= MIN_LINKS_FOR_MEDIAN else None
+    refs = [x for x in (median, declared or None) if x]
+    return [r for r in measured if any(r["gbps"] < SLOW_FRACTION * ref for ref in refs)]
 
 
 def verdicts(rows: Sequence[Mapping[str, Any]], declared_gbps: float = 0.0) -> List[Dict[str, Any]]:
@@ -88,8 +114,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]], declared_gbps: float = 0.0) -> L
         return out
     rates = [r["gbps"] for r in measured]
     median = statistics.median(rates) if len(measured) >= MIN_LINKS_FOR_MEDIAN else None
-    refs = [x for x in (median, declared_gbps or None) if x]
-    slow = [r for r in measured if any(r["gbps"] < SLOW_FRACTION * ref for ref in refs)]
+    slow = suspects(measured, declared_gbps)
     reference = "median of the links %s Gb/s" % _gbps(median) if median else ""
     if declared_gbps:
         reference += ("; " if reference else "") + "declared %s Gb/s" % _gbps(declared_gbps)

@@ -207,7 +207,7 @@ class Session:
     def probe_links(self, nodes: Sequence[str]) -> None:
         from alpa_job.cluster.doctor import network
 
-        declared = getattr(getattr(self.spec, "network", None), "gbps", 0) or 0
+        declared = network.declared_gbps(self.spec)
         rows, checks = network.measure(self.ray, {ip: self.actors[ip] for ip in nodes}, self.spec, self.deadline,
                                        self.connect_timeout_s, self.node_timeout_s, wait_refs)
         self.result["network"] = {"links": rows, "declared_gbps": declared, **network.summary(rows)}

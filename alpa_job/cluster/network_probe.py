@@ -49,14 +49,14 @@ def time_all_reduce(nbytes: int, repeats: int) -> Dict[str, Any]:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from alpa_job.engines.pipeline import _shard_map
+    from alpa_job.jax_compat import shard_map
 
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("all",))
     per_device = max(1, nbytes // 4)
     x = jax.make_array_from_callback((len(devices) * per_device,), NamedSharding(mesh, PartitionSpec("all")),
                                      lambda where: np.ones((per_device,), np.float32))
-    summed = jax.jit(_shard_map()(lambda a: jax.lax.psum(a, "all"), mesh=mesh, in_specs=PartitionSpec("all"),
+    summed = jax.jit(shard_map()(lambda a: jax.lax.psum(a, "all"), mesh=mesh, in_specs=PartitionSpec("all"),
                                   out_specs=PartitionSpec("all")))
     summed(x).block_until_ready()
     times = []
