@@ -165,23 +165,25 @@ def test_doctor_green_on_three_hosts(ray_cluster):
 @pytest.mark.testbed
 @pytest.mark.slow
 def test_doctor_network_names_a_rate_limited_host(ray_cluster):
-    """A token bucket on w2's link (100 Mbit/s out of it): --network names w2 as the slow host, its links at
-    the limit within 30 %, and no other host or link."""
+    """A token bucket on w2's link (20 Mbit/s out of it, far below what the bed's links carry even when the
+    machine is busy): --network names w2 as the slow host, its links at the limit within 30 %, and no other
+    host or link."""
     bed = ray_cluster.testbed
     w2 = bed.host("w2").ip
-    bed.exec("w2", "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "100mbit", "burst", "64kb",
+    bed.exec("w2", "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "20mbit", "burst", "32kb",
              "latency", "50ms")
     try:
         rc, data, p, seconds = run_doctor(bed, "head", ray_cluster.address, ray_cluster.spec_path, "--network")
     finally:
         bed.exec("w2", "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
-    assert rc == EXIT_CHECK_FAILED and data is not None, (p.stdout[-3000:], p.stderr[-2000:])
+    links = (data or {}).get("network", {}).get("links")
+    assert rc == EXIT_CHECK_FAILED and data is not None, (links, p.stderr[-2000:])
     failed = [c for c in data["checks"] if not c["ok"]]
     named = [c for c in failed if c["name"] == "network" and c["node"] == w2]
     assert len(named) == 1 and "every link from %s is slow" % w2 in named[0]["detail"], failed
     assert [c for c in failed if c["node"] not in (w2, None)] == [], failed
     out_of_w2 = [r["gbps"] for r in data["network"]["links"] if r["src"] == w2]
-    assert len(out_of_w2) == 2 and all(0.07 <= g <= 0.13 for g in out_of_w2), data["network"]["links"]
+    assert len(out_of_w2) == 2 and all(0.014 <= g <= 0.026 for g in out_of_w2), data["network"]["links"]
     assert "every link from %s is slow" % w2 in p.stderr  # the one-line summary
     assert seconds < 60
 

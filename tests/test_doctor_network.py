@@ -93,3 +93,11 @@ def test_nccl_lines_of_the_all_reduce_become_per_node_checks():
     assert transports["ok"] and "NET/Socket" in transports["detail"]
     assert problems and all(c["node"] == "10.0.0.1" and not c["ok"] for c in problems)
     assert any("fell back to sockets" in c["detail"] for c in problems), problems
+
+
+def test_the_all_reduce_shrinks_to_what_the_slowest_link_moves_in_a_quarter_second():
+    from alpa_job.cluster.doctor import collective
+
+    assert collective.probe_bytes(None) == collective.probe_bytes(100.0) == 32 << 20
+    assert collective.probe_bytes(0.02) == int(0.02e9 / 8 / 4)  # 20 Mbit/s: 625 kB
+    assert collective.probe_bytes(0.001) == collective.MIN_BYTES

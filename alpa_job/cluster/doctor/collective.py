@@ -14,8 +14,10 @@ import os
 from typing import Any, Dict, List, Optional
 
 from alpa_job.cluster.doctor.checks import check
+from alpa_job.units import human_bytes
 
 ALL_REDUCE_BYTES = 32 << 20  # each device's buffer: large enough to be bandwidth-bound on sockets and NVLink
+MIN_BYTES = 256 << 10
 REPEATS = 5
 JOIN_TIMEOUT_S = 30
 
@@ -39,6 +41,15 @@ def all_reduce(coordinator: str, processes: int, index: int, nbytes: int = ALL_R
     return result
 
 
+def probe_bytes(slowest_link_gbps: Optional[float]) -> int:
+    """The all-reduce's size a device: ALL_REDUCE_BYTES, less where the slowest link measured would take more
+    than a quarter of a second a repeat (the probe measures; it must not outlast the doctor's deadline)."""
+    if not slowest_link_gbps:
+        return ALL_REDUCE_BYTES
+    fits = int(slowest_link_gbps * 1e9 / 8 * 0.25)
+    return max(MIN_BYTES, min(ALL_REDUCE_BYTES, fits))
+
+
 def bus_gbps(result: Dict[str, Any]) -> Optional[float]:
     from alpa_job.cluster.network_probe import bus_gbps as gbps
 
@@ -49,15 +60,16 @@ def verdicts(results: Dict[str, Dict[str, Any]], failed: Dict[str, str], declare
              fabric: str = "ethernet") -> List[Dict[str, Any]]:
     """Checks: nodes whose JAX process did not join or finish, the group's bus bandwidth (against the declared
     bandwidth, where one is declared), and on GPUs what NCCL's own log says."""
-    out = [check("collective", ip, False, "the all-reduce probe did not finish on %s: %s" % (ip, why),
-                 "open the xla_grpc range (the coordinator) and the ephemeral range (NCCL, gloo) between members: "
-                 "python -m alpa_job.cluster.firewall") for ip, why in sorted(failed.items())]
+    fix = ("open the xla_grpc range (the coordinator) and the ephemeral range (NCCL, gloo) between members "
+           "(python -m alpa_job.cluster.firewall), and see the link checks: a very slow link outlasts the probe")
+    out = [check("collective", ip, False, "the all-reduce probe did not finish on %s: %s" % (ip, why), fix)
+           for ip, why in sorted(failed.items())]
     if not results or failed:
         return out
     first = results[sorted(results)[0]]
     gbps = bus_gbps(first)
-    detail = "all-reduce of %d MiB a device over %d %s device(s) on %d node(s): %.3g ms, bus bandwidth %s Gb/s" % (
-        first["bytes"] >> 20, first["devices"], first["backend"], len(results), first["seconds"] * 1e3,
+    detail = "all-reduce of %s a device over %d %s device(s) on %d node(s): %.3g ms, bus bandwidth %s Gb/s" % (
+        human_bytes(first["bytes"]), first["devices"], first["backend"], len(results), first["seconds"] * 1e3,
         "%.3g" % gbps if gbps is not None else "-")
     slow = bool(gbps is not None and declared_gbps and gbps < 0.5 * declared_gbps)
     out.append(check("collective", None, not slow, detail + (" (declared %.3g Gb/s)" % declared_gbps if declared_gbps

@@ -226,8 +226,9 @@ class Session:
         coordinator = "%s:%d" % (ordered[0], self.spec.jax_coordinator_port - 1)
         probe = self.ray.remote(max_calls=1, num_cpus=0)(collective.all_reduce)  # a fresh process each
         env = {"PYTHONPATH": worker_pythonpath()}
+        nbytes = collective.probe_bytes(self.result["network"].get("min_gbps"))
         refs = {ip: probe.options(num_gpus=self.nodes[ip].resources.get("GPU", 0), runtime_env={"env_vars": env},
-                                  **ray_api.pin_to_node(ip)).remote(coordinator, len(ordered), i)
+                                  **ray_api.pin_to_node(ip)).remote(coordinator, len(ordered), i, nbytes)
                 for i, ip in enumerate(ordered)}
         done, failed = wait_refs(self.ray, refs, self.deadline.left(collective.JOIN_TIMEOUT_S + 30))
         for ip in failed:  # a process still waiting to join: its worker is killed, not left waiting
