@@ -101,3 +101,15 @@ def test_the_all_reduce_shrinks_to_what_the_slowest_link_moves_in_a_quarter_seco
     assert collective.probe_bytes(None) == collective.probe_bytes(100.0) == 32 << 20
     assert collective.probe_bytes(0.02) == int(0.02e9 / 8 / 4)  # 20 Mbit/s: 625 kB
     assert collective.probe_bytes(0.001) == collective.MIN_BYTES
+
+
+def test_the_route_to_a_host_is_read_without_sending_and_a_mismatch_is_named():
+    here = links.route_to("127.0.0.1")
+    assert here["source"] == "127.0.0.1" and here["iface"] == "lo" and here["error"] is None
+    routes = {"10.0.0.2": {"source": "10.0.0.2", "iface": "eth0"},
+              "10.0.0.3": {"source": "192.168.5.3", "iface": "eth1", "error": None}}
+    (c,) = network.route_checks(routes, {"10.0.0.2": "eth0", "10.0.0.3": "eth0"}, "10.0.0.1")
+    assert c["node"] == "10.0.0.3" and not c["ok"]
+    assert c["detail"] == ("Ray is bound to 10.0.0.3 (eth0) on 10.0.0.3, but the route to the head 10.0.0.1 "
+                           "leaves from 192.168.5.3 (eth1)")
+    assert "--node-ip-address 192.168.5.3" in c["fix"]

@@ -104,6 +104,23 @@ class LinkReceiver:
         self._stop.set()
 
 
+def route_to(dst: str) -> Dict[str, Any]:
+    """The address (and its interface) this host's kernel sends from toward `dst`: a UDP socket's connect
+    chooses the route without sending anything."""
+    from alpa_job.cluster.node_ip import local_ipv4_addresses
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.connect((dst, 9))
+        source = sock.getsockname()[0]
+    except OSError as err:
+        return {"source": None, "iface": None, "error": "%s" % (err.strerror or err)}
+    finally:
+        sock.close()
+    iface = next((name for name, ips in local_ipv4_addresses().items() if source in ips), None)
+    return {"source": source, "iface": iface, "error": None}
+
+
 def send_stream(src: str, dst: str, port: int, seconds: float, connect_timeout_s: float) -> Dict[str, Any]:
     """From this node's address `src` (the receiver knows the sender by it), ping `dst` PINGS times, then
     stream to it for `seconds`: {rtt_ms, sent_bytes} or {error}."""

@@ -91,6 +91,24 @@ def measure(ray, actors: Mapping[str, Any], spec, deadline, connect_timeout_s: f
     return rows, checks
 
 
+def route_checks(routes: Mapping[str, Mapping[str, Any]], ray_ifaces: Mapping[str, Optional[str]],
+                 head: str) -> List[Dict[str, Any]]:
+    """A node whose route to the head leaves from another address than its Ray address: Ray and the traffic
+    it starts take different interfaces (the head sees the wrong source, a firewall drops it, or the
+    training traffic takes the slow network)."""
+    out = []
+    for ip in sorted(routes):
+        route = routes[ip]
+        if route.get("error") or not route.get("source") or route["source"] == ip:
+            continue
+        out.append(check("network", ip, False, "Ray is bound to %s (%s) on %s, but the route to the head %s leaves "
+                         "from %s (%s)" % (ip, ray_ifaces.get(ip) or "?", ip, head, route["source"],
+                                          route.get("iface") or "?"),
+                         "route the cluster CIDR through %s on that node (ip route), or restart its Ray with "
+                         "--node-ip-address %s" % (ray_ifaces.get(ip) or "Ray's interface", route["source"])))
+    return out
+
+
 def declared_gbps(spec) -> float:
     return getattr(getattr(spec, "network", None), "gbps", 0) or 0
 

@@ -175,6 +175,11 @@ class NodeProbe:
 
         return send_stream(src, dst, port, seconds, connect_timeout_s)
 
+    def route_to(self, dst):
+        from alpa_job.cluster.doctor.links import route_to
+
+        return route_to(dst)
+
     def link_received(self, peer):
         return self.link_receiver.take(peer) if self.link_receiver is not None else None
 

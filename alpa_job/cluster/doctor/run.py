@@ -212,10 +212,23 @@ class Session:
                                        self.connect_timeout_s, self.node_timeout_s, wait_refs)
         self.result["network"] = {"links": rows, "declared_gbps": declared, **network.summary(rows)}
         self.checks.extend(checks + network.verdicts(rows, declared))
+        self.check_routes(nodes)
         if self.deadline.passed:
             self.checks.append(deadline_check(self.deadline.seconds, "during the link probe"))
             return
         self.all_reduce(nodes, declared)
+
+    def check_routes(self, nodes: Sequence[str]) -> None:
+        """Each worker's route to the head leaves from its Ray address."""
+        from alpa_job.cluster.doctor import network
+
+        others = [ip for ip in nodes if ip != self.head]
+        routes, _ = wait_refs(self.ray, {ip: self.actors[ip].route_to.remote(self.head) for ip in others},
+                              self.deadline.left(self.node_timeout_s))
+        self.result["network"]["routes_to_head"] = routes
+        ifaces = {ip: next((name for name, ips in (self.result["nodes"].get(ip, {}).get("addresses") or {}).items()
+                            if ip in ips), None) for ip in others}
+        self.checks.extend(network.route_checks(routes, ifaces, self.head or "?"))
 
     def all_reduce(self, nodes: Sequence[str], declared: float) -> None:
         """One JAX process a node (with the node's GPUs), joined as a job joins them, times an all-reduce."""
