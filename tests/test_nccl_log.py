@@ -263,19 +263,3 @@ def test_parses_on_python39():
     assert p.stdout.split("\n")[:2] == ["NCCL 2.28.9: 16 channels NET/Socket (lo), 2 nodes; IB did not initialise", "2"]
 
 
-def test_spec_fabric_reads_network_fabric_defensively():
-    class Network:
-        fabric = "roce"
-
-    class Spec:
-        network = Network()
-
-    class OldSpec:  # a spec without a network section
-        pass
-
-    class DictSpec:
-        network = {"fabric": "ib", "gbps": 400}
-
-    assert nccl_log.spec_fabric(Spec()) == "roce"
-    assert nccl_log.spec_fabric(DictSpec()) == "ib"
-    assert nccl_log.spec_fabric(OldSpec()) == "ethernet" and nccl_log.spec_fabric(None) == "ethernet"

@@ -50,10 +50,9 @@ def _nccl(config) -> Optional[Dict[str, Any]]:
 
 
 def _fabric(config) -> str:
-    from alpa_job.cluster.doctor import nccl_log
     from alpa_job.cluster.spec import load_spec
 
     try:
-        return nccl_log.spec_fabric(load_spec(getattr(config, "cluster_spec", None)))
+        return load_spec(getattr(config, "cluster_spec", None)).network.fabric
     except Exception:  # noqa: BLE001 - a spec this node cannot read: the default fabric, as the doctor's
         return "ethernet"

@@ -35,7 +35,7 @@ def nccl_main(args) -> int:
     from alpa_job.cluster.doctor import nccl_log
     from alpa_job.cluster.spec import load_spec
 
-    fabric = args.fabric or nccl_log.spec_fabric(load_spec(getattr(args, "cluster_spec", None)))
+    fabric = args.fabric or load_spec(getattr(args, "cluster_spec", None)).network.fabric
     summary = nccl_log.read_logs(args.nccl_log)
     if not summary.lines:
         raise KitError("no NCCL INFO lines in %s; %s and give its log" % (", ".join(args.nccl_log),

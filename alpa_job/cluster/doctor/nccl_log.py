@@ -33,12 +33,11 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from alpa_job.cluster.fabric import FABRICS, RDMA_FABRICS  # noqa: F401 - the fabrics, declared once
 from alpa_job.errors import KitError
 
-FABRICS = ("ib", "roce", "ethernet")  # the cluster spec's network.fabric values
-RDMA_FABRICS = ("ib", "roce")  # NCCL drives both through its IB plugin
 NCCL_DEBUG_HINT = "run with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET"
 # How RDMA reaches a container; one place, so every verdict that needs it says the same.
 RDMA_INTO_CONTAINER = ("pass /dev/infiniband, IPC_LOCK and unlimited memlock into the container "
@@ -261,14 +260,6 @@ def run_summary(run_dir_or_files) -> NcclSummary:
     """The NCCL summary of a run: its directory (every log file in it) or a list of log files."""
     paths = [run_dir_or_files] if isinstance(run_dir_or_files, (str, os.PathLike)) else list(run_dir_or_files)
     return read_logs([os.fspath(p) for p in paths])
-
-
-def spec_fabric(spec) -> str:
-    """The fabric a cluster spec declares (its network.fabric), else ethernet: a spec of an older kit has
-    no network section, and sockets are what NCCL uses without RDMA."""
-    network = getattr(spec, "network", None)
-    fabric = network.get("fabric") if isinstance(network, Mapping) else getattr(network, "fabric", None)
-    return str(fabric) if fabric else "ethernet"
 
 
 def verdicts(summary: NcclSummary, declared_fabric: str, host: str = "") -> List[str]:

@@ -232,7 +232,7 @@ class Session:
 
     def all_reduce(self, nodes: Sequence[str], declared: float) -> None:
         """One JAX process a node (with the node's GPUs), joined as a job joins them, times an all-reduce."""
-        from alpa_job.cluster.doctor import collective, nccl_log
+        from alpa_job.cluster.doctor import collective
 
         ordered = sorted(nodes, key=lambda ip: (ip != self.head, ip))  # the coordinator on the head
         # One below the job's own coordinator port: a doctor run beside a training job must not take its port.
@@ -249,7 +249,7 @@ class Session:
                 self.ray.cancel(refs[ip], force=True)
             except Exception:
                 pass
-        fabric = nccl_log.spec_fabric(self.spec)
+        fabric = self.spec.network.fabric
         first = done[ordered[0]] if ordered[0] in done else None
         self.result["network"]["all_reduce"] = None if first is None else {
             **{k: first[k] for k in ("backend", "devices", "bytes", "seconds")}, "bus_gbps": collective.bus_gbps(first),
