@@ -82,12 +82,13 @@ def test_nccl_lines_of_the_all_reduce_become_per_node_checks():
     """The real socket-only log of two H200 processes, as the probe on one node would have kept it."""
     from pathlib import Path
 
+    from alpa_job.cluster import network_probe
     from alpa_job.cluster.doctor import collective
 
     lines = (Path(__file__).parent / "data" / "nccl" / "sockets-two-hosts.log").read_text().splitlines()
     result = {"backend": "gpu", "devices": 2, "bytes": 32 << 20, "seconds": 0.022, "nccl_lines": lines}
     checks = collective.verdicts({"10.0.0.1": result}, {}, declared_gbps=100, fabric="ib")
-    assert collective.bus_gbps(result) == pytest.approx(2 * 1 / 2 * (32 << 20) / 0.022 * 8 / 1e9, rel=1e-3)
+    assert network_probe.bus_gbps(result) == pytest.approx(2 * 1 / 2 * (32 << 20) / 0.022 * 8 / 1e9, rel=1e-3)
     group, transports, *problems = checks
     assert not group["ok"] and "(declared 100 Gb/s)" in group["detail"]  # 12.2 Gb/s on a 100 Gb/s fabric
     assert transports["ok"] and "NET/Socket" in transports["detail"]

@@ -6,7 +6,6 @@ The doctor (`doctor --network`) runs the same all-reduce in processes of its own
 """
 from __future__ import annotations
 
-import glob
 import os
 import socket
 import statistics
@@ -76,7 +75,3 @@ def bus_gbps(result: Dict[str, Any]) -> Optional[float]:
     if n < 2 or seconds <= 0:
         return None
     return round(2 * (n - 1) / n * result["bytes"] / seconds * 8 / 1e9, 4)
-
-
-def leftover_logs() -> List[str]:
-    return glob.glob(NCCL_FILE_PREFIX + ".*.log")

@@ -14,6 +14,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from alpa_job.cluster.doctor.checks import check
+from alpa_job.cluster import network_probe
 from alpa_job.units import human_bytes
 
 ALL_REDUCE_BYTES = 32 << 20  # each device's buffer: large enough to be bandwidth-bound on sockets and NVLink
@@ -26,7 +27,6 @@ def all_reduce(coordinator: str, processes: int, index: int, nbytes: int = ALL_R
                repeats: int = REPEATS, join_timeout_s: int = JOIN_TIMEOUT_S) -> Dict[str, Any]:
     """(probe side, a fresh process) Join the doctor's JAX processes, time a psum of `nbytes` a device: its
     figures, and on GPUs NCCL's own log lines."""
-    from alpa_job.cluster import network_probe
     from alpa_job.cluster.jax_join import init_distributed
 
     log = network_probe.ask_nccl_for_its_log()
@@ -50,12 +50,6 @@ def probe_bytes(slowest_link_gbps: Optional[float]) -> int:
     return max(MIN_BYTES, min(ALL_REDUCE_BYTES, fits))
 
 
-def bus_gbps(result: Dict[str, Any]) -> Optional[float]:
-    from alpa_job.cluster.network_probe import bus_gbps as gbps
-
-    return gbps(result)
-
-
 def verdicts(results: Dict[str, Dict[str, Any]], failed: Dict[str, str], declared_gbps: float = 0.0,
              fabric: str = "ethernet") -> List[Dict[str, Any]]:
     """Checks: nodes whose JAX process did not join or finish, the group's bus bandwidth (against the declared
@@ -67,7 +61,7 @@ def verdicts(results: Dict[str, Dict[str, Any]], failed: Dict[str, str], declare
     if not results or failed:
         return out
     first = results[sorted(results)[0]]
-    gbps = bus_gbps(first)
+    gbps = network_probe.bus_gbps(first)
     detail = "all-reduce of %s a device over %d %s device(s) on %d node(s): %.3g ms, bus bandwidth %s Gb/s" % (
         human_bytes(first["bytes"]), first["devices"], first["backend"], len(results), first["seconds"] * 1e3,
         "%.3g" % gbps if gbps is not None else "-")

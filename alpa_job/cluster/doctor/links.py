@@ -10,6 +10,7 @@ Imports on the Alpa image's stack (Python 3.9, ray 2.1.0): standard library only
 """
 from __future__ import annotations
 
+import random
 import socket
 import statistics
 import threading
@@ -23,18 +24,9 @@ IO_TIMEOUT_S = 10.0  # no socket operation of the probe waits longer
 
 
 def bind_in_range(ip: str, lo: int, hi: int, tries: int = 64) -> socket.socket:
-    """A listening socket on `ip` at a free port in [lo, hi] (the kernel's choice when it falls inside)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((ip, 0))
-    port = sock.getsockname()[1]
-    if lo <= port <= hi:
-        sock.listen(8)
-        return sock
-    sock.close()
-    start = lo + (hash((ip, time.time())) % max(1, hi - lo + 1))
-    for i in range(tries):
-        port = lo + (start - lo + i * 97) % (hi - lo + 1)
+    """A listening socket on `ip` at a free port in [lo, hi]: the kernel's choice when it falls inside (nodes
+    pin their ephemeral range to it), else the first free one of a random sample."""
+    for port in [0] + random.sample(range(lo, hi + 1), min(tries, hi - lo + 1)):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -42,8 +34,10 @@ def bind_in_range(ip: str, lo: int, hi: int, tries: int = 64) -> socket.socket:
         except OSError:
             sock.close()
             continue
-        sock.listen(8)
-        return sock
+        if lo <= sock.getsockname()[1] <= hi:
+            sock.listen(8)
+            return sock
+        sock.close()
     raise OSError("no free port in %d-%d on %s" % (lo, hi, ip))
 
 

@@ -82,7 +82,7 @@ def measure(ray, actors: Mapping[str, Any], spec, deadline, connect_timeout_s: f
     # A link that looked slow streams again, alone: a busy moment on a node (another job, a compile) must not
     # be named as a slow link; a link that is slow stays slow. The better of the two counts.
     for i, row in enumerate(rows):
-        if row in suspects(rows, declared_gbps(spec)) and not deadline.passed:
+        if row in suspects(rows, spec.network.gbps) and not deadline.passed:
             again = streams([(row["src"], row["dst"])])[0]
             if (again["gbps"] or 0) > (row["gbps"] or 0):
                 rows[i] = dict(again, remeasured=True)
@@ -107,10 +107,6 @@ def route_checks(routes: Mapping[str, Mapping[str, Any]], ray_ifaces: Mapping[st
                          "route the cluster CIDR through %s on that node (ip route), or restart its Ray with "
                          "--node-ip-address %s" % (ray_ifaces.get(ip) or "Ray's interface", route["source"])))
     return out
-
-
-def declared_gbps(spec) -> float:
-    return getattr(getattr(spec, "network", None), "gbps", 0) or 0
 
 
 def suspects(rows: Sequence[Mapping[str, Any]], declared: float = 0.0) -> List[Mapping[str, Any]]:

@@ -93,14 +93,14 @@ class Session:
         self.nodes: Dict[str, ray_api.RayNode] = {}
         self.head: Optional[str] = None
         self.actors: Dict[str, Any] = {}
+        # Every probe keeps the node's own PYTHONPATH visible (worker_path explains why).
+        self.probe_env = {"env_vars": {"PYTHONPATH": worker_pythonpath()}}
 
     def run(self, address: str) -> None:
         if not self.find_nodes(address):
             return
         Probe = self.ray.remote(num_cpus=0)(NodeProbe)
-        # Keeps the node's own PYTHONPATH visible to the probe (worker_path explains why).
-        env = {"PYTHONPATH": worker_pythonpath()}
-        self.actors = {ip: Probe.options(runtime_env={"env_vars": env}, **ray_api.pin_to_node(ip)).remote()
+        self.actors = {ip: Probe.options(runtime_env=self.probe_env, **ray_api.pin_to_node(ip)).remote()
                        for ip in self.nodes}
         try:
             facts = self.probe_nodes()
@@ -207,7 +207,7 @@ class Session:
     def probe_links(self, nodes: Sequence[str]) -> None:
         from alpa_job.cluster.doctor import network
 
-        declared = network.declared_gbps(self.spec)
+        declared = self.spec.network.gbps
         rows, checks = network.measure(self.ray, {ip: self.actors[ip] for ip in nodes}, self.spec, self.deadline,
                                        self.connect_timeout_s, self.node_timeout_s, wait_refs)
         self.result["network"] = {"links": rows, "declared_gbps": declared, **network.summary(rows)}
@@ -238,9 +238,8 @@ class Session:
         # One below the job's own coordinator port: a doctor run beside a training job must not take its port.
         coordinator = "%s:%d" % (ordered[0], self.spec.jax_coordinator_port - 1)
         probe = self.ray.remote(max_calls=1, num_cpus=0)(collective.all_reduce)  # a fresh process each
-        env = {"PYTHONPATH": worker_pythonpath()}
         nbytes = collective.probe_bytes(self.result["network"].get("min_gbps"))
-        refs = {ip: probe.options(num_gpus=self.nodes[ip].resources.get("GPU", 0), runtime_env={"env_vars": env},
+        refs = {ip: probe.options(num_gpus=self.nodes[ip].resources.get("GPU", 0), runtime_env=self.probe_env,
                                   **ray_api.pin_to_node(ip)).remote(coordinator, len(ordered), i, nbytes)
                 for i, ip in enumerate(ordered)}
         done, failed = wait_refs(self.ray, refs, self.deadline.left(collective.JOIN_TIMEOUT_S + 30))
@@ -252,7 +251,7 @@ class Session:
         fabric = self.spec.network.fabric
         first = done[ordered[0]] if ordered[0] in done else None
         self.result["network"]["all_reduce"] = None if first is None else {
-            **{k: first[k] for k in ("backend", "devices", "bytes", "seconds")}, "bus_gbps": collective.bus_gbps(first),
+            **{k: first[k] for k in ("backend", "devices", "bytes", "seconds")}, "bus_gbps": first["bus_gbps"],
             "nccl_lines": sum(len(r.get("nccl_lines") or []) for r in done.values())}
         self.checks.extend(collective.verdicts(done, failed, declared, fabric))
 
