@@ -167,7 +167,8 @@ class Display:
         rate = event.get("rate")
         if self._rich is not None:
             self._rich.update(self._task, completed=event.get("done", 0),
-                              loss="-" if loss is None else f"{loss:.4g}", eval=format_eval(event),
+                              loss="-" if loss is None else f"{loss:.4g}",
+                              eval="  ".join(t for t in (format_eval(event), event.get("alert")) if t),
                               rate="-" if rate is None else f"{rate:,.0f}",
                               eta="-" if event.get("eta") is None else _duration(event["eta"]))
         every = self.every or max(1, (self.total or 10) // 10)
@@ -195,6 +196,8 @@ def format_step(event: Event) -> str:
         parts.append(f"{event['rate']:,.0f} samples/s")
     if event.get("eta") is not None:
         parts.append(f"ETA {_duration(event['eta'])}")
+    if event.get("alert"):
+        parts.append(event["alert"])
     return "  ".join(parts)
 
 
@@ -363,6 +366,7 @@ class Progress:
         self._prev_loss: Any = None
         self._shown_loss: Optional[float] = None
         self._eval: Dict[str, Optional[float]] = {}
+        self._alert: Optional[str] = None
         if unit == "step":
             emit("start", desc=desc, total=total, first=first)
 
@@ -401,11 +405,15 @@ class Progress:
             eta = (self.total - self.n) * elapsed / self.n if self.total and self.n else None
         emit("step", desc=self.desc, done=self.n, total=self.total, step=self.first + self.n,
              total_step=self.first + (self.total or 0), loss=self._shown_loss, rate=rate, eta=eta, last=last,
-             epoch=postfix.get("epoch"), **self._eval)
+             epoch=postfix.get("epoch"), alert=self._alert, **self._eval)
 
     def set_eval(self, loss: float, perplexity: Optional[float] = None) -> None:
         """The latest evaluation, shown with every step from now on."""
         self._eval = {"eval_loss": loss, "eval_perplexity": perplexity}
+
+    def set_alert(self, text: Optional[str]) -> None:
+        """A standing warning (a straggler named) shown with every step until it is cleared with None."""
+        self._alert = text
 
     def close(self) -> None:
         if self.unit == "step":

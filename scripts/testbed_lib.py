@@ -636,6 +636,62 @@ class Testbed:
                     _launchers=self._launchers)
 
 
+def host_pids(host_pid: int) -> List[int]:
+    """Every process (seen from outside) in the PID namespace whose PID 1 is ``host_pid``: one host's processes."""
+    try:
+        ns = os.readlink(f"/proc/{host_pid}/ns/pid")
+    except OSError:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                    pids.append(int(entry))
+            except OSError:
+                continue  # it ended while we looked
+    return pids
+
+
+class CpuQuota:
+    """A host slowed on purpose: every process of it (and every one they start later, which inherit it) in a
+    CPU cgroup of ``cores`` CPUs' worth of time. ``with CpuQuota(bed, "w1", 0.25): ...``; on exit the processes
+    go back to the machine's root group and the group is removed. cgroup v1 (a `cpu` hierarchy) or v2."""
+
+    def __init__(self, bed: "Testbed", host: str, cores: float, period_us: int = 100_000):
+        self.bed, self.host, self.cores, self.period_us = bed, host, cores, period_us
+        v1 = Path("/sys/fs/cgroup/cpu")
+        self.root = v1 if (v1 / "cpu.cfs_quota_us").exists() else Path("/sys/fs/cgroup")
+        self.group = self.root / f"{bed.prefix}-{host}-quota"
+
+    def __enter__(self) -> "CpuQuota":
+        self.group.mkdir(exist_ok=True)
+        quota = max(1000, int(self.cores * self.period_us))
+        if (self.group / "cpu.cfs_quota_us").exists():
+            (self.group / "cpu.cfs_period_us").write_text(str(self.period_us))
+            (self.group / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (self.group / "cpu.max").write_text(f"{quota} {self.period_us}")
+        self._move(self.group)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._move(self.root)
+        for _ in range(50):  # a process still leaving keeps the group busy for a moment
+            try:
+                self.group.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    def _move(self, group: Path) -> None:
+        for pid in host_pids(self.bed.host(self.host).pid):
+            try:
+                (group / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                continue  # it ended, or is a kernel thread
+
+
 def cgroup_mount_lines(mountinfo: str = "/proc/self/mountinfo") -> List[str]:
     """Shell lines that mount, inside a host, the same cgroup hierarchies the machine has.
 

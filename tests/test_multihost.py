@@ -6,6 +6,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import testbed_lib
 from helpers_report import assert_valid_report
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -203,3 +204,29 @@ def test_head_with_mgmt_nic_joins_by_cluster_cidr_address(mgmt_cluster):
     p = bed.exec("head", "python", "-c", _NODE_IPS, env={"RAY_ADDRESS": mgmt_cluster.address}, timeout=120)
     nodes = json.loads([x for x in p.stdout.splitlines() if x.startswith("NODES ")][-1][6:])
     assert head.ip in nodes and head.mgmt_ip not in nodes
+
+
+def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ray_cluster):
+    """Stragglers: 300 steps on three clean hosts name nobody; with w1's processes held to a quarter of a CPU
+    (a real cgroup quota), the run names process w1 - in the log, the progress line and the report - once the
+    first 50-step window is full."""
+
+    clean, _, _ = _submit(ray_cluster, "head", "--steps", "300")
+    stragglers = clean["stragglers"]
+    assert stragglers["every"] == 5 and stragglers["measure"]["kind"] == "cpu time + run-queue wait"
+    assert sorted(u["host"] for u in stragglers["units"]) == sorted(ray_cluster.testbed.ips)
+    assert stragglers["events"] == [] and stragglers["slow_now"] == [], stragglers
+    assert max(stragglers["latest"]["work_ratio"]) < 1.10, stragglers["latest"]
+
+    with testbed_lib.CpuQuota(ray_cluster.testbed, "w1", 0.3):
+        out, p = _job(ray_cluster, "head", "--steps", "70")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert_valid_report(report)
+    slow = [e for e in report["stragglers"]["events"] if e["event"] == "slow"]
+    assert [(e["host"], e["what"]) for e in slow] == [("w1", "devices")], report["stragglers"]
+    assert slow[0]["step"] == 50 and slow[0]["slower_by"] >= 0.3, slow  # named once the window is full
+    assert any(s.startswith("process %d on w1 +" % slow[0]["process"]) for s in report["stragglers"]["slow_now"])
+    log = p.stdout + p.stderr
+    assert "straggler: process %d (host w1): its own work takes" % slow[0]["process"] in log, log[-3000:]
+    assert "slow: process %d on w1 +" % slow[0]["process"] in log, log[-3000:]  # the progress line

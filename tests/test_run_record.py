@@ -288,7 +288,7 @@ SCHEMA_DEFS = {"meshShape": rec.MeshShape, "meshRecord": rec.MeshRecord, "leaf":
 # Keys added to schema_version 1 after reports were already written: declared, but optional, so a report
 # from before them still validates as it is on disk (the kit writes them always: the record's to_dict).
 ADDED_LATER = {"<root>": {"input", "evals", "notes", "stopped_at_step", "tensorboard", "compiler_options",
-                        "network_traffic", "pipeline", "network_measured"},
+                        "network_traffic", "pipeline", "network_measured", "stragglers"},
                "process": {"rows_read", "bytes_read", "stopped_at_step", "nccl"},
                "searchCandidate": {"predicted_from", "copy_step_time_s", "whole_compile_s"}}
 

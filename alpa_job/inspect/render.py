@@ -46,6 +46,21 @@ def measured_network_text(record: RunRecord) -> str:
     return text + ("; " + "; ".join(problems) if problems else "")
 
 
+def stragglers_text(stragglers: dict) -> str:
+    """Who was slow and when (or that nobody was), then the slowest device's ratio at the end."""
+    slow = [e for e in stragglers["events"] if e["event"] == "slow"]
+    text = (f"measured every {stragglers['every']} steps over {stragglers['window_steps']}-step windows: "
+            + ("; ".join(f"process {e['process']} ({e['host']}{' ' + e['device'] if e.get('device') else ''}) "
+                         f"{e['what']} +{e['slower_by'] * 100:.0f}% at step {e['step']}" for e in slow)
+               if slow else "no process slower than the others"))
+    if stragglers["slow_now"]:
+        text += "; still slow at the end: " + ", ".join(stragglers["slow_now"])
+    latest = stragglers.get("latest")
+    if latest and latest.get("work_ratio"):
+        text += f"; slowest at the end x{max(latest['work_ratio']):.2f} the others' median"
+    return text
+
+
 def pipeline_text(pipeline: dict) -> str:
     """One line: the stages, which blocks each runs and on which processes, and the schedule's bubble."""
     where = "; ".join(f"stage {row['stage']}: {stage_blocks_text(row)} on process(es) "
@@ -75,6 +90,8 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         pairs.append(("pipeline stages", pipeline_text(record.pipeline)))
     if record.network_measured:
         pairs.append(("network measured", measured_network_text(record)))
+    if record.stragglers:
+        pairs.append(("stragglers", stragglers_text(record.stragglers)))
     pairs += [
         ("steps", record.steps),
         ("samples seen / dropped", f"{record.samples_seen} / {record.samples_dropped}"),

@@ -273,6 +273,8 @@ class ProcessResult:
     pipeline: Optional[Dict[str, Any]] = None
     # A multi-process run: an all-reduce over every device timed before the first step (train/own_network.py).
     network_measured: Optional[Dict[str, Any]] = None
+    # A multi-process run: each process's own share timed every few steps, and who was slow (train/stragglers.py).
+    stragglers: Optional[Dict[str, Any]] = None
     process: ProcessInfo = dataclasses.field(default_factory=ProcessInfo)
     devices: DeviceInfo = dataclasses.field(default_factory=DeviceInfo)
     versions: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)

@@ -81,6 +81,10 @@ HOW_TO_RUN = (
             metavar="ADDR", default_help="RAY_ADDRESS, else local", decides_step=False),
     Setting("processes", int, 0, "JAX processes, one per node", CLUSTER, check=NON_NEGATIVE,
             default_help="every alive node", decides_step=False),
+    Setting("straggler_every", int, 5, "several JAX processes: every N steps each times its own devices (a fixed "
+            "probe) and input; a device or input 10 percent slower than the others' median over 50 steps is named "
+            "in the log, the progress line, the report and TensorBoard (0: off)", CLUSTER, check=NON_NEGATIVE,
+            metavar="N", decides_step=False),
     Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE,
             decides_step=False),
     Setting("auto_rank_on", str, "copies", "auto: where candidates are timed: copies (a model that declares its "

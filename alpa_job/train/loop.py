@@ -25,6 +25,7 @@ from alpa_job.train.divergence import check_finite
 from alpa_job.train.evaluate import Evaluator
 from alpa_job.train.loop_metrics import LoopMetrics
 from alpa_job.train.profile import StepProfile
+from alpa_job.train.stragglers import StragglerWatch
 from alpa_job.train.rundir import checkpoint_dir
 from alpa_job.train.train_data import TrainData, input_record, prepare_data  # noqa: F401 - callers import them here
 
@@ -140,11 +141,12 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     evaluator = Evaluator(engine, data, config, shard)
     metrics = _loop_metrics(config, engine, data)
     metrics.setup(start_step, phases)
+    watch = StragglerWatch.for_run(config, engine, process["count"])
     read_before = (data.source.rows_read, data.source.bytes_read)
     compiles_since = engine.watch_compiles()
     try:
         state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
-                                evaluator=evaluator, stop=stop, metrics=metrics, config=config)
+                                evaluator=evaluator, stop=stop, metrics=metrics, config=config, watch=watch)
     except BaseException:
         if checkpointer is not None:
             checkpointer.abandon()  # bounded; a save that cannot finish never holds the failing run
@@ -167,6 +169,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     result.evals = evaluator.points
     result.notes = notes
     result.network_measured, result.process.nccl = network
+    result.stragglers = watch.summary() if watch is not None else None
     result.stopped_at_step = stopped_at
     result.process.stopped_at_step = stopped_at
     result.input = input_record(data, stream, read_before, start_step, total_steps, stats["loop_seconds"])
@@ -230,13 +233,15 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
 def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
              checkpointer=None, on_step: Optional[Callable[[int], None]] = None,
              evaluator: Optional[Evaluator] = None, stop=None,
-             metrics: Optional[LoopMetrics] = None, config=None) -> Tuple[Any, Dict[str, Any]]:
+             metrics: Optional[LoopMetrics] = None, config=None,
+             watch: Optional[StragglerWatch] = None) -> Tuple[Any, Dict[str, Any]]:
     """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches; returns
     (final state, loop statistics). `metrics` gets the numbers the loop has on the host anyway (the
     losses it reads back, each timing window) for the run's metrics log.
 
     The stream is a pure function of (seed, step), and its position is saved with every checkpoint, so
-    a resumed run continues the exact batch sequence."""
+    a resumed run continues the exact batch sequence. `watch` (several processes) times each process's own
+    share every few steps and names a slow one (train/stragglers.py)."""
     steps = samples_seen = samples_dropped = 0
     losses: List[float] = []
     global_step = start_step
@@ -275,10 +280,19 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     stopped_at = None
 
     profile = StepProfile.from_config(config) if config is not None else None
-    for batch, real in stream.batches(start_step):
+    batches = stream.batches(start_step)
+    while True:
+        fetch_started = time.perf_counter()
+        try:
+            batch, real = next(batches)
+        except StopIteration:
+            break
         if profile is not None:
             profile.before_step(global_step + 1)
-        state, loss = engine.step(state, engine.put_batch(batch))
+        placed = engine.put_batch(batch)
+        if watch is not None:  # this process's own input work: what a slow disk or CPU stretches
+            watch.input_time(time.perf_counter() - fetch_started)
+        state, loss = engine.step(state, placed)
         if profile is not None:
             profile.after_step(global_step + 1, engine, state)
         pending.append(loss)
@@ -320,6 +334,12 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
                     metrics.evaluation(point)
             if first_done is not None:  # the eval's time is not a step's: the timing window restarts here
                 mark, mark_step, mark_samples = time.perf_counter(), steps, samples_seen
+        if watch is not None and first_done is not None and watch.due(global_step) and global_step < total_steps:
+            # Its probe times the devices idle: every queued step done first (the newest loss read back).
+            fresh = read_back(len(pending)) or fresh
+            # The probe's time is not a step's: the timing window's start moves past it.
+            mark += watch(global_step, timing.percentile_sorted(ordered, 0.5) if ordered else None)
+            bar.set_alert(watch.alert())
         bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real,
                    read_loss=fresh[-1] if fresh else None,
                    step_s=timing.percentile_sorted(ordered, 0.5) if ordered else None)
