@@ -60,3 +60,19 @@ def without_input(report: dict) -> dict:
             row.pop("rows_read", None)
             row.pop("bytes_read", None)
     return old
+
+
+def read_events(folder):
+    """{tag: [(step, value)]} and {text tag: text} of a TensorBoard run folder, through TensorBoard's reader."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(folder), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    texts = {tag.split("/")[0]: acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
+             for tag in acc.Tags()["tensors"]}
+    return scalars, texts
+
+
+def close_to(logged, expected):
+    return abs(logged - expected) <= 1e-5 * max(1.0, abs(expected))  # event files hold float32

@@ -129,7 +129,7 @@ def test_no_arguments_trains_the_mlp_on_local_ray(default_run):
 
 def test_default_run_writes_tensorboard_events_on_the_driver(default_run):
     """Through local Ray process 0 trains in an actor; its losses reach the driver, the one writer."""
-    from test_metrics_log import close_to, read_events
+    from helpers_report import close_to, read_events
 
     out, _ = default_run
     report = json.loads((out / "report.json").read_text())

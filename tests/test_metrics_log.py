@@ -16,25 +16,10 @@ import numpy as np
 import pytest
 
 from helpers_train import tiny_config
+from helpers_report import close_to, read_events
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = dict(num_layers=1, d_model=32, num_heads=4, seq_len=16, vocab_size=64)
-
-
-def read_events(folder):
-    """{tag: [(step, value)]} and {text tag: text} of a TensorBoard run folder, through TensorBoard's reader."""
-    from tensorboard.backend.event_processing import event_accumulator as ea
-
-    acc = ea.EventAccumulator(str(folder), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
-    acc.Reload()
-    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    texts = {tag.split("/")[0]: acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
-             for tag in acc.Tags()["tensors"]}
-    return scalars, texts
-
-
-def close_to(logged, expected):
-    return abs(logged - expected) <= 1e-5 * max(1.0, abs(expected))  # event files hold float32
 
 
 def run(**overrides):

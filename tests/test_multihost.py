@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import testbed_lib
-from helpers_report import assert_valid_report
+from helpers_report import assert_valid_report, read_events
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -235,3 +235,7 @@ def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ra
     log = p.stdout + p.stderr
     assert "straggler: process %d (host w1): its own work takes" % slow[0]["process"] in log, log[-3000:]
     assert "slow: process %d on w1 +" % slow[0]["process"] in log, log[-3000:]  # the progress line
+    scalars, texts = read_events(out / "tensorboard")
+    assert max(v for _, v in scalars["stragglers/slowest_ratio"]) >= 1.3, scalars["stragglers/slowest_ratio"]
+    assert "process %d (w1) devices +" % slow[0]["process"] in texts["stragglers"], texts
+    assert "all-reduce of" in texts["network"], texts

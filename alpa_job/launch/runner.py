@@ -98,8 +98,15 @@ def _finish_metrics(metrics: Optional[metrics_log.RunMetrics], record, shown) ->
         return
     if record is None:
         metrics.close("failed")
-    else:
-        metrics.finish(record)
+        return
+    from alpa_job.inspect.render import measured_network_text, stragglers_text
+
+    # What the run measured of its network and its processes, as inspect words it (NCCL's transports too).
+    if record.network_measured:
+        metrics.text("network", measured_network_text(record))
+    if record.stragglers:
+        metrics.text("stragglers", stragglers_text(record.stragglers))
+    metrics.finish(record)
 
 
 def _resolve_model(config, engine: str, address: str):
