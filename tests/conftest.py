@@ -41,13 +41,15 @@ pytest_plugins = [
 BED_USE = re.compile(r"mark\.testbed\b|def \w+\((?:[^)]*,)?\s*(testbed|testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|"
                      r"site_bed|podman_env|cpu_image)\s*[,):=]")
 BED_LANE = "test-bed"
-# The lane's modules in an order that puts the users of one bed next to each other (site; ssh; ray and the
-# plain bed; mgmt; node loss's), so that a bed is taken down soon after its last user (fixtures_testbed)
-# instead of idling to the end of the session. Modules not named here follow, in file order.
-BED_LANE_ORDER = ("test_ansible_docker", "test_testbed_site", "test_ansible", "test_cluster_ops", "test_testbed",
-                  "test_doctor", "test_multihost", "test_failed_run_logs", "test_user_model_cluster",
-                  "test_doctor_skew", "test_kuberay_testbed", "test_node_loss", "test_preemption_testbed",
-                  "test_watchdog")
+# The lane's modules in an order that puts the users of one bed next to each other (site; ssh; node loss's;
+# ray and the plain bed; mgmt), so that a bed is taken down soon after its last user (fixtures_testbed)
+# instead of idling to the end of the session. The lane outlasts the other worker, so the modules that
+# compile most (three JAX processes on two cores) come last, when they have the cores to themselves.
+# Modules not named here follow, in file order.
+BED_LANE_ORDER = ("test_ansible_docker", "test_testbed_site", "test_ansible", "test_node_loss",
+                  "test_preemption_testbed", "test_watchdog", "test_cluster_ops", "test_testbed", "test_doctor",
+                  "test_failed_run_logs", "test_user_model_cluster", "test_doctor_skew", "test_kuberay_testbed",
+                  "test_multihost")
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
 
 
