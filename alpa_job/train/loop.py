@@ -8,7 +8,7 @@ data; it never formats a report.
 """
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import os
 import socket
 import sys
@@ -17,11 +17,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from alpa_job import progress, strategies, versions
-from alpa_job.train import own_network, timing
+from alpa_job.train import hooks, own_network, timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine, check_supported
 from alpa_job.record.run_record import ProcessResult
-from alpa_job.train.divergence import check_finite
 from alpa_job.train.evaluate import Evaluator
 from alpa_job.train.loop_metrics import LoopMetrics
 from alpa_job.train.profile import StepProfile
@@ -144,44 +143,43 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     watch = StragglerWatch.for_run(config, engine, process["count"])
     read_before = (data.source.rows_read, data.source.bytes_read)
     compiles_since = engine.watch_compiles()
+    profile = StepProfile.from_config(config)
+    run_hooks = loop_hooks(stream, start_step, total_steps, checkpointer, on_step=on_step,
+                           evaluator=evaluator, stop=stop, watch=watch, profile=profile)
     try:
-        state, stats = run_loop(engine, state, stream, start_step, total_steps, checkpointer, on_step=on_step,
-                                evaluator=evaluator, stop=stop, metrics=metrics, config=config, watch=watch)
+        state, looped = run_loop(engine, state, stream, start_step, total_steps, run_hooks, metrics, checkpointer)
     except BaseException:
         if checkpointer is not None:
             checkpointer.abandon()  # bounded; a save that cannot finish never holds the failing run
         raise
     loop_compiles = compiles_since()
-    stopped_at = stats.pop("stopped_at")
-    profiled = stats.pop("profile")
-    if stopped_at is not None:
-        checkpointer = save_at_stop(config, checkpointer, stopped_at, state, stream)
+    if looped.stopped_at is not None:
+        checkpointer = save_at_stop(config, checkpointer, looped.stopped_at, state, stream)
     if checkpointer is not None:
         checkpointer.close()
     eval_loss = evaluator.points[-1].loss if evaluator.points else engine.eval_loss(state, data.example)
 
-    first_done = stats.pop("first_step_done_at")
-    phases["first_step"] = stats.pop("first_step_s")
+    first_done = looped.first_step_done_at
+    phases["first_step"] = looped.first_step_s
     phases["to_first_step"] = first_done - started if first_done is not None else None
     # The same from the process's start: Python, imports and (in a Ray actor) the worker's start too.
-    phases["process_to_first_step"] = stats.pop("process_age_at_first_step")
-    result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, stats)
-    result.evals = evaluator.points
-    result.notes = notes
-    result.network_measured, result.process.nccl = network
-    result.stragglers = watch.summary() if watch is not None else None
-    result.stopped_at_step = stopped_at
-    result.process.stopped_at_step = stopped_at
-    result.input = input_record(data, stream, read_before, start_step, total_steps, stats["loop_seconds"])
-    result.process.rows_read, result.process.bytes_read = result.input.rows_read, result.input.bytes_read
-    result.timing = timing.summary(
-        phases, stats["window_step_s"], engine.stats.flops_per_step, result.devices.kind, config.dtype,
-        result.devices.count or 1, engine.peak_memory_bytes(),
-        (engine.stats.memory or {}).get("peak_estimate_bytes"),
-        samples_per_step=stats["samples_seen"] / stats["steps"] if stats["steps"] else None)
-    result.timing["compile_cache"] = engine.stats.cache_report()
+    phases["process_to_first_step"] = looped.process_age_at_first_step
+    read = input_record(data, stream, read_before, start_step, total_steps, looped.loop_seconds)
+    devices = engine.topology()["devices"]
+    run_timing = timing.summary(
+        phases, looped.window_step_s, engine.stats.flops_per_step, devices.get("kind"), config.dtype,
+        devices.get("count") or 1, engine.peak_memory_bytes(), (engine.stats.memory or {}).get("peak_estimate_bytes"),
+        samples_per_step=looped.samples_seen / looped.steps if looped.steps else None)
+    run_timing["compile_cache"] = engine.stats.cache_report()
+    profiled = profile.summary() if profile is not None else None
     if profiled is not None:
-        result.timing["profile"] = profiled
+        run_timing["profile"] = profiled
+    result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, looped.statistics(),
+                     evals=evaluator.points, notes=notes, network_measured=network[0],
+                     stragglers=watch.summary() if watch is not None else None, stopped_at_step=looped.stopped_at,
+                     input=read, timing=run_timing,
+                     process_extra={"nccl": network[1], "stopped_at_step": looped.stopped_at,
+                                    "rows_read": read.rows_read, "bytes_read": read.bytes_read})
     if config.out:
         engine.finish(config.out)
     if return_state:
@@ -230,135 +228,88 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
     return state, 0, None
 
 
+@dataclasses.dataclass
+class LoopResult:
+    """What a loop returns besides the state: its counts, losses and timing, and how it ended."""
+
+    steps: int
+    samples_seen: int
+    samples_dropped: int
+    loop_seconds: float
+    losses: List[float]
+    window_step_s: List[float]
+    first_step_s: Optional[float]
+    first_step_done_at: Optional[float]  # perf_counter when the first step was done (None: no step ran)
+    process_age_at_first_step: Optional[float]
+    stopped_at: Optional[int]  # the step a stop point ended the run at (preemption)
+
+    def statistics(self) -> Dict[str, Any]:
+        """The report's loop numbers, computed the same way for every engine."""
+        return loop_statistics(self.steps, self.samples_seen, self.samples_dropped, self.loop_seconds, self.losses)
+
+
+def loop_hooks(stream: InputStream, start_step: int, total_steps: int, checkpointer=None,
+               on_step: Optional[Callable[[int], None]] = None, evaluator: Optional[Evaluator] = None,
+               stop=None, watch: Optional[StragglerWatch] = None, profile: Optional[StepProfile] = None
+               ) -> List[hooks.Hook]:
+    """The loop's hooks for this run, in the order that keeps its numbers right (train/hooks.py)."""
+    chosen: List[hooks.Hook] = []
+    if profile is not None:
+        chosen.append(hooks.ProfileHook(profile))
+    if checkpointer is not None:
+        chosen.append(hooks.CheckpointHook(checkpointer, stream))
+    if on_step is not None:
+        chosen.append(hooks.CallbackHook(on_step))
+    chosen.append(hooks.StepTimer(total_steps - start_step))
+    if evaluator is not None:
+        chosen.append(hooks.EvalHook(evaluator))
+    if watch is not None:
+        chosen.append(hooks.StragglerHook(watch))
+    chosen.append(hooks.ProgressHook(stream.epoch.steps))
+    if stop is not None:
+        chosen.append(hooks.StopHook(stop))
+    return chosen
+
+
 def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
-             checkpointer=None, on_step: Optional[Callable[[int], None]] = None,
-             evaluator: Optional[Evaluator] = None, stop=None,
-             metrics: Optional[LoopMetrics] = None, config=None,
-             watch: Optional[StragglerWatch] = None) -> Tuple[Any, Dict[str, Any]]:
-    """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches; returns
-    (final state, loop statistics). `metrics` gets the numbers the loop has on the host anyway (the
-    losses it reads back, each timing window) for the run's metrics log.
+             run_hooks: List[hooks.Hook], metrics: Optional[LoopMetrics] = None,
+             checkpointer=None) -> Tuple[Any, LoopResult]:
+    """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches, each followed by
+    the hooks that are due; returns (final state, LoopResult). `metrics` gets the numbers the loop has on the
+    host anyway (the losses it reads back, each timing window) for the run's metrics log.
 
     The stream is a pure function of (seed, step), and its position is saved with every checkpoint, so
-    a resumed run continues the exact batch sequence. `watch` (several processes) times each process's own
-    share every few steps and names a slow one (train/stragglers.py)."""
-    steps = samples_seen = samples_dropped = 0
-    losses: List[float] = []
-    global_step = start_step
-    steps_per_epoch = stream.epoch.steps
-    bar = progress.Progress("train", total_steps - start_step, first=start_step)
-    # Timing without a per-step sync: the first step alone, then one sync per window (timing.py).
-    window, window_step_s = timing.window_size(total_steps - start_step), []
-    ordered: List[float] = []  # window_step_s sorted: the steady median for every progress event, cheaply
-    first_step_s = first_done = process_age = None
-    mark_step = 0  # the step (counted in this run) whose completion `mark` timed
-    loop_start = mark = time.perf_counter()
-    pending: List[Any] = []  # losses still on the device, oldest first
-    mark_samples = 0  # samples_seen when `mark` was taken (a window's throughput)
-
-    def read_back(count: int) -> List[float]:
-        # The oldest `count` pending losses in one host sync, checked: a non-finite one stops the run.
-        first = global_step - len(pending) + 1
-        values = engine.to_floats(pending[:count])
-        del pending[:count]
-        losses.extend(values)
-        if metrics is not None:  # before the check: a diverged run's curve ends with its non-finite loss
-            metrics.losses(first, values)
-        check_finite(values, first, global_step, checkpointer, losses)
-        return values
-
-    def close_window(steps_at: int, timed_step: int, samples_at: int) -> None:
-        # A timing window ends now (its last step synced): its per-step time, the sorted copy the
-        # progress line's median reads, the metrics log; the next window starts here.
-        nonlocal mark, mark_step, mark_samples
-        now = time.perf_counter()
-        window_step_s.append((now - mark) / window)
-        bisect.insort(ordered, window_step_s[-1])
-        if metrics is not None:
-            metrics.window(timed_step, window, now - mark, samples_at - mark_samples)
-        mark, mark_step, mark_samples = now, steps_at, samples_at
-    stopped_at = None
-
-    profile = StepProfile.from_config(config) if config is not None else None
+    a resumed run continues the exact batch sequence."""
+    loop = hooks.Loop(engine, state, start_step, total_steps, metrics, checkpointer)
+    for hook in run_hooks:
+        hook.start(loop)
+    started = time.perf_counter()
     batches = stream.batches(start_step)
-    while True:
+    while loop.stopped_at is None:
         fetch_started = time.perf_counter()
         try:
             batch, real = next(batches)
         except StopIteration:
             break
-        if profile is not None:
-            profile.before_step(global_step + 1)
+        for hook in run_hooks:
+            hook.before_step(loop)
         placed = engine.put_batch(batch)
-        if watch is not None:  # this process's own input work: what a slow disk or CPU stretches
-            watch.input_time(time.perf_counter() - fetch_started)
-        state, loss = engine.step(state, placed)
-        if profile is not None:
-            profile.after_step(global_step + 1, engine, state)
-        pending.append(loss)
-        global_step += 1
-        steps += 1
-        samples_seen += real
-        if global_step % steps_per_epoch == 0:
-            samples_dropped += stream.epoch.samples_dropped  # the epoch ran to its end: its tail was dropped
-        fresh = None  # losses read back at this step (the progress line shows the newest)
-        if checkpointer is not None:
-            if checkpointer.every and global_step % checkpointer.every == 0:
-                fresh = read_back(len(pending))  # a checkpoint never holds a state past a non-finite loss
-            checkpointer.maybe_save(global_step, state, stream.state(global_step))
-        if on_step is not None:
-            on_step(global_step)
-        if first_done is None:
-            fresh = read_back(len(pending)) or fresh  # sync: the first step is done
-            now = time.perf_counter()
-            first_step_s, first_done, process_age = now - loop_start, now, timing.process_age_s()
-            mark, mark_step, mark_samples = now, steps, samples_seen
-            if metrics is not None:
-                metrics.first_step(global_step, first_step_s)
-        elif steps - 1 - mark_step == window:
-            # Sync on the step before this one: this one is already queued, so the device does not
-            # idle while the host reads the clock and dispatches again (a sync on the newest step
-            # drains the queue every window: ~3 ms a step on GPT 24L, one H100). The losses up to
-            # that step come back in the same sync.
-            fresh = read_back(len(pending) - 1) or fresh
-            close_window(steps - 1, global_step - 1, samples_seen - real)
-        if first_done is not None and global_step == total_steps and steps - mark_step == window:
-            # the last window ends with the run: closed here, so the last progress event's rate counts it too
-            fresh = read_back(len(pending)) or fresh
-            close_window(steps, global_step, samples_seen)
-        if evaluator is not None and evaluator.due(global_step, global_step == total_steps):
-            point = evaluator(global_step, state)
-            if point is not None:
-                bar.set_eval(point.loss, point.perplexity)
-                if metrics is not None:
-                    metrics.evaluation(point)
-            if first_done is not None:  # the eval's time is not a step's: the timing window restarts here
-                mark, mark_step, mark_samples = time.perf_counter(), steps, samples_seen
-        if watch is not None and first_done is not None and watch.due(global_step) and global_step < total_steps:
-            # Its probe times the devices idle: every queued step done first (the newest loss read back).
-            fresh = read_back(len(pending)) or fresh
-            # The probe's time is not a step's: the timing window's start moves past it.
-            mark += watch(global_step, timing.percentile_sorted(ordered, 0.5) if ordered else None)
-            bar.set_alert(watch.alert())
-        bar.update(1, epoch=(global_step - 1) // steps_per_epoch + 1, loss=loss, samples=real,
-                   read_loss=fresh[-1] if fresh else None,
-                   step_s=timing.percentile_sorted(ordered, 0.5) if ordered else None)
-        if stop is not None and global_step < total_steps and stop.after_step(global_step):
-            stopped_at = global_step
-            break
-    read_back(len(pending))
-    if profile is not None:
-        profile.stop(engine, state)  # a run that ended (or stopped) inside the traced steps
-    if first_done is not None and steps - mark_step == window:  # a run stopped early: its last window ends here
-        close_window(steps, global_step, samples_seen)
-    engine.wait(state)
-    loop_seconds = time.perf_counter() - loop_start
-    bar.close()
-    stats = loop_statistics(steps, samples_seen, samples_dropped, loop_seconds, losses)
-    stats.update(first_step_s=first_step_s, first_step_done_at=first_done, window_step_s=window_step_s,
-                 process_age_at_first_step=process_age, stopped_at=stopped_at,
-                 profile=profile.summary() if profile is not None else None)
-    return state, stats
+        loop.input_seconds += time.perf_counter() - fetch_started  # this process's own input work
+        loop.state, loss = engine.step(loop.state, placed)
+        loop.dispatched(loss, real, stream.epoch.steps, stream.epoch.samples_dropped)
+        for hook in run_hooks:
+            if hook.due(loop):
+                hook.after_step(loop)
+    loop.read_back()
+    for hook in run_hooks:
+        hook.finish(loop)
+    engine.wait(loop.state)
+    timer = next(h for h in run_hooks if isinstance(h, hooks.StepTimer))
+    return loop.state, LoopResult(
+        steps=loop.steps, samples_seen=loop.samples_seen, samples_dropped=loop.samples_dropped,
+        loop_seconds=time.perf_counter() - started, losses=loop.losses, window_step_s=timer.window_step_s,
+        first_step_s=timer.first_step_s, first_step_done_at=timer.first_done,
+        process_age_at_first_step=timer.process_age, stopped_at=loop.stopped_at)
 
 
 def save_at_stop(config, checkpointer, step: int, state: Any, stream: InputStream):
@@ -389,8 +340,10 @@ def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_se
 
 
 def _result(config, engine: Engine, coordinator: Optional[str], loop_compiles: int, start_step: int,
-            eval_loss: Optional[float], loop_stats: Dict[str, Any]) -> ProcessResult:
-    """One process's result: the same fields for every engine, plus the engine's extras."""
+            eval_loss: Optional[float], loop_stats: Dict[str, Any], process_extra: Optional[Dict[str, Any]] = None,
+            **run_fields: Any) -> ProcessResult:
+    """One process's result, built once: the same fields for every engine, the run's (`run_fields`: evals,
+    timing, input, ...), this process's extras, and the engine's own."""
     topology = engine.topology()
     plan = engine.plan()
     stats = engine.stats
@@ -411,11 +364,13 @@ def _result(config, engine: Engine, coordinator: Optional[str], loop_compiles: i
         "search": None,
         "resumed_from_step": start_step if config.resume else None,
         "process": {"id": process["id"], "count": process["count"], "host": socket.gethostname(),
-                    "ip": _node_ip(), "local_devices": process["local_devices"], "coordinator": coordinator},
+                    "ip": _node_ip(), "local_devices": process["local_devices"], "coordinator": coordinator,
+                    **(process_extra or {})},
         "devices": topology["devices"],
         "versions": versions.collect(),
         "eval_loss": eval_loss,
         **loop_stats,
+        **run_fields,
     }
     fields.update(engine.extra_report())
     return ProcessResult.coerce(fields)  # plain rows -> the record's typed rows

@@ -139,7 +139,7 @@ def describe(event: Dict[str, Any]) -> str:
 
 
 class StragglerWatch:
-    """The loop's side: `due(step)`, `input_time(s)` for each batch, and `__call__(step, step_s)` on due steps
+    """The loop's side (train/hooks.StragglerHook, every `every` steps): `input_time(s, steps)`, then `__call__(step, step_s)`
     (the devices idle: the loop has waited for its queued steps), which measures, exchanges, judges and
     reports; it returns the seconds it took, which are not a step's."""
 
@@ -161,12 +161,9 @@ class StragglerWatch:
             return None
         return cls(every, config.dtype)
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
-
-    def input_time(self, seconds: float) -> None:
-        self._input_s += seconds
-        self._input_steps += 1
+    def input_time(self, seconds: float, steps: int) -> None:
+        """This process's input time over the `steps` since the last round."""
+        self._input_s, self._input_steps = seconds, steps
 
     def __call__(self, step: int, step_s: Optional[float]) -> float:
         from jax.experimental import multihost_utils
