@@ -12,7 +12,7 @@ from alpa_job.errors import LostProcessError
 from alpa_job.launch import controller as controller_module
 from alpa_job.launch import failures
 from alpa_job.launch.controller import TRANSITIONS, JobController, JobState
-from alpa_job.launch.failure_policy import FailurePolicy
+from alpa_job.launch.failure_policy import FAIL, RETRY, WAIT, Decision, FailurePolicy
 from alpa_job.record.run_record import ProcessResult, RestartRecord
 from helpers_train import tiny_config
 
@@ -148,3 +148,38 @@ def test_without_restarts_a_loss_fails_naming_the_process(scripted):
     with pytest.raises(LostProcessError, match=r"JAX process 1 on host h1 .* died at step 7"):
         job.run()
     assert job.state is JobState.FAILED and scripted.made[0].killed
+
+
+class ScriptedPolicy:
+    """Returns the decisions it was given, one a call, and keeps what it was shown."""
+
+    def __init__(self, *decisions):
+        self.decisions, self.seen = list(decisions), []
+        self.max_restarts = 1
+
+    def decide(self, status):
+        self.seen.append(status)
+        return self.decisions.pop(0)
+
+
+def test_the_controller_does_what_the_policy_decides_wait_then_retry_on_its_count(scripted, monkeypatch):
+    monkeypatch.setattr(controller_module, "REPLACEMENT_POLL_S", 0.01)
+    scripted.SCRIPT = [0, "ok"]
+    policy = ScriptedPolicy(Decision(WAIT, "settle first"), Decision(WAIT, "a replacement may join"),
+                            Decision(RETRY, "on one", processes=1))
+    job = JobController(tiny_config(address="10.0.0.1:6379", batch_size=48), spec=None, policy=policy)
+    results = job.run()
+    assert job.state is JobState.FINISHED and [len(g) for g in scripted.made] == [3, 1]
+    # What it was shown: the loss, then (settled) the two nodes left, counted again after the wait.
+    assert [(s.restarts_so_far, s.processes, s.eligible) for s in policy.seen] == [(0, 3, None), (0, 3, 2), (0, 3, 2)]
+    assert policy.seen[0].lost[0].index == 0 and policy.seen[2].waited_s > 0
+    assert results[0].restarts[0].processes_after == 1
+
+
+def test_the_controller_fails_with_the_policys_reason_once_nodes_are_counted(scripted):
+    scripted.SCRIPT = [1]
+    policy = ScriptedPolicy(Decision(WAIT, "settle first"), Decision(FAIL, "no node the job may use is left"))
+    job = JobController(tiny_config(address="10.0.0.1:6379", batch_size=48), spec=None, policy=policy)
+    with pytest.raises(LostProcessError, match=r"^no node the job may use is left \(lost: .*10\.77\.0\.2.*\); add nodes"):
+        job.run()
+    assert job.state is JobState.FAILED and len(scripted.made) == 1

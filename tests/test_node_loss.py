@@ -27,7 +27,8 @@ from alpa_job.train.checkpoint_files import latest_complete_step
 from alpa_job.cluster import ray_api
 from alpa_job.launch import shared_out
 from alpa_job.errors import KitError
-from alpa_job.launch.failure_policy import FailurePolicy, check_batch_divides, eligible_nodes
+from alpa_job.launch.failure_policy import FAIL, RETRY, WAIT, FailurePolicy, PollStatus
+from alpa_job.launch.placement import check_batch_divides, eligible_nodes
 from alpa_job.launch.failures import Lost, view_settled
 from alpa_job.launch.recovery import samples_in_steps, trajectory_counts
 from alpa_job.data import plan_epoch
@@ -149,18 +150,22 @@ def test_a_save_killed_midway_never_counts_as_the_latest_checkpoint(tmp_path):
     assert latest_complete_step(str(tmp_path / "missing")) is None
 
 
-def test_failure_policy_from_the_restart_flags(monkeypatch):
-    from alpa_job.launch import failure_policy
-
+def test_failure_policy_from_the_restart_flags_decides_from_what_was_seen():
     assert FailurePolicy.from_config(tiny_config()) == FailurePolicy(0, 0.0)  # fail fast by default
     policy = FailurePolicy.from_config(tiny_config(max_restarts=2, restart_wait=1.0))
-    assert policy.may_restart(0) and policy.may_restart(1) and not policy.may_restart(2)
-    monkeypatch.setattr(failure_policy, "REPLACEMENT_POLL_S", 0.01)
-    counts = iter([1, 1, 3])  # a replacement node joins on the third look
-    t0 = time.monotonic()
-    policy.wait_for_replacements(lambda: next(counts), want=3)
-    assert time.monotonic() - t0 < 1.0
-    FailurePolicy(1, 0.0).wait_for_replacements(lambda: 0, want=3)  # no wait: goes on with the nodes there are
+
+    def decide(restarts, eligible=None, waited=0.0, processes=3):
+        decision = policy.decide(PollStatus(LOST, restarts, processes, eligible, waited))
+        return decision.action, decision.processes
+
+    assert decide(2) == (FAIL, 0)  # restarts spent: fail at once, before any settling
+    assert decide(0) == (WAIT, 0)  # Ray's view of the loss not settled yet
+    assert decide(0, eligible=2) == (WAIT, 0)  # a replacement may still join ...
+    assert decide(0, eligible=2, waited=1.0) == (RETRY, 2)  # ... not within --restart-wait: the survivors
+    assert decide(1, eligible=4) == (RETRY, 3)  # never more processes than the attempt that failed
+    assert decide(1, eligible=0, waited=1.0) == (FAIL, 0)
+    assert "no restart left (--max-restarts 0)" in FailurePolicy().decide(PollStatus(LOST, 0, 3)).reason
+    assert FailurePolicy(1, 0.0).decide(PollStatus(LOST, 0, 3, 1)).action == RETRY  # no wait asked: go on
 
 
 def test_a_restart_record_is_typed_from_the_loss_to_the_first_step():

@@ -15,9 +15,10 @@ RUNNING    train on the worker group and watch it: the driver waits on every pro
            process whose ACTOR died), then kills every actor; a process whose step stops advancing
            for --hang-timeout is a failure too (the watchdog: WorkerGroup.hung), handled as a loss;
 RECOVERING name the lost process (host, node IP, Ray node id, index, step, its log's last lines or
-           where the log is), then fail, or - as the FailurePolicy allows - wait for Ray's settled
-           view and for replacement nodes, and place again: the next attempt resumes from the last
-           complete checkpoint (orbax restores onto the new mesh), so the same data stream continues.
+           where the log is), then do what the FailurePolicy decides from what was seen: fail with its
+           reason, wait (for Ray's settled view, for replacement nodes), or place again on the processes
+           it says: the next attempt resumes from the last complete checkpoint (orbax restores onto the
+           new mesh), so the same data stream continues.
 
 Every transition goes through `_enter` (the allowed ones are `TRANSITIONS`) and is written to the
 run's train.log.
@@ -33,8 +34,9 @@ from alpa_job import progress
 from alpa_job.cluster import ray_api
 from alpa_job.errors import KitError, LostProcessError
 from alpa_job.launch import failures, preemption
-from alpa_job.launch.failure_policy import FailurePolicy, check_batch_divides, eligible_nodes
+from alpa_job.launch.failure_policy import FAIL, WAIT, FailurePolicy, PollStatus
 from alpa_job.launch.failures import GroupLost, Lost
+from alpa_job.launch.placement import check_batch_divides, eligible_nodes
 from alpa_job.launch.recovery import Recovery, with_restarts
 from alpa_job.launch.worker_group import PlacementFailed, WorkerGroup, training_nodes
 from alpa_job.record.run_record import ProcessResult
@@ -44,6 +46,7 @@ from alpa_job.train.rundir import checkpoint_dir
 GRACE_S = 3.0  # after the first failure: time for the others' to arrive (the dead one is the one to name)
 PLACEMENT_RETRIES = 3  # a node that died before its process started: settle and choose again
 TRAJECTORY_TIMEOUT_S = 60
+REPLACEMENT_POLL_S = 0.5  # while the policy waits for replacement nodes: how often the nodes are counted
 
 
 class JobState(enum.Enum):
@@ -239,22 +242,38 @@ class JobController:
 
     # ----- RECOVERING ------------------------------------------------------------------------------
     def _recover(self) -> None:
+        """Ask the policy what to do about the loss, and do it: settle Ray's view and count the nodes while it
+        says wait, then fail with its reason or place the next attempt on the processes it says."""
         failed = self.failed
         self._name_the_loss(failed)
-        if not self.policy.may_restart(len(self.restarts)):
+        settled_at: Optional[float] = None
+        while True:
+            status = PollStatus(failed.lost, len(self.restarts), len(self.group),
+                                eligible=None if settled_at is None else self._eligible_count(),
+                                waited_s=0.0 if settled_at is None else time.monotonic() - settled_at)
+            decision = self.policy.decide(status)
+            if decision.action != WAIT:
+                break
+            if settled_at is None:
+                progress.note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.policy.max_restarts}: waiting for "
+                              f"Ray to settle (node {failed.lost[0].ip} marked dead, or answering again)")
+                self._settle(failed.lost)
+                settled_at = time.monotonic()
+            else:
+                time.sleep(REPLACEMENT_POLL_S)
+        if decision.action == FAIL and status.eligible is None:  # the restarts are spent: name the loss
             x = failed.lost[0]
             raise LostProcessError(failures.failure_message(x, failed.slots.get(x.index), self._latest_checkpoint(),
                                                             self._log_shown,
                                                             also=[y.index for y in failed.lost[1:]])) from None
-        progress.note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.policy.max_restarts}: waiting for Ray to "
-                      f"settle (node {failed.lost[0].ip} marked dead, or answering again)")
-        self._settle(failed.lost)
-        self.policy.wait_for_replacements(self._eligible_count, len(self.group))
+        if decision.action == FAIL:
+            raise LostProcessError(f"{decision.reason} (lost: {', '.join(x.where() for x in self.lost) or '-'}); "
+                                   "add nodes, then rerun with --resume")
         self.recovering = Recovery.after(failed)
         self.restarts.append(self.recovering)
-        self.want = len(self.group)
+        self.want = decision.processes
         self.attempt += 1
-        self._enter(JobState.PLACING, f"restart {len(self.restarts)}/{self.policy.max_restarts}")
+        self._enter(JobState.PLACING, decision.reason)
 
     def _name_the_loss(self, failed: GroupLost) -> None:
         """The lost process's log tail (when Ray still serves it) and one line per lost process."""

@@ -1,27 +1,37 @@
-"""What a job does when it loses a JAX process: fail fast, or restart on the nodes that are left.
+"""What a job does when it loses a JAX process: a decision from what the controller saw.
 
-`FailurePolicy` is built from --max-restarts / --restart-wait (like Ray Train's FailureConfig):
-0 restarts (the default) fails at the first loss; N restarts up to N times, each time waiting up to
---restart-wait seconds for replacement nodes before going on with fewer processes.
-
-The rules a restart follows are pure functions of plain data (node rows, sizes), so they are
-tested without a cluster:
-- `eligible_nodes(nodes, lost)`: the alive nodes a new attempt may use; a lost node's id never, its IP
-  not while Ray still lists the lost id alive there (after that, a node at that IP is a replacement);
-- `check_batch_divides(...)`: the global batch stays the same on the shrunk mesh (the data stream must
-  not change) and must divide its data axis; else one line naming the sizes.
+`FailurePolicy` is built from --max-restarts / --restart-wait (like Ray Train's FailureConfig). The
+controller hands it a `PollStatus` (the losses, the restarts so far, the nodes eligible now and how long it
+has waited for replacements) and acts on the `Decision` it returns: fail (with the reason), wait (for Ray's
+settled view, then for replacement nodes, up to --restart-wait), or retry on that many processes. A pure
+function of plain data: tested without a cluster, and the controller's own tests script decisions.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable, Iterable, List, Optional, Sequence, Set
+from typing import Optional, Sequence
 
-from alpa_job import strategies
-from alpa_job.errors import KitError
 from alpa_job.launch.failures import Lost
 
-REPLACEMENT_POLL_S = 0.5
+FAIL, WAIT, RETRY = "fail", "wait", "retry"
+
+
+@dataclasses.dataclass(frozen=True)
+class PollStatus:
+    """What the controller knows after a loss."""
+
+    lost: Sequence[Lost]  # this attempt's lost processes, the one to name first
+    restarts_so_far: int
+    processes: int  # the failed attempt's
+    eligible: Optional[int] = None  # nodes a new attempt may use; None until Ray's view of the loss has settled
+    waited_s: float = 0.0  # since the view settled
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: str  # FAIL | WAIT | RETRY
+    reason: str
+    processes: int = 0  # RETRY: the next attempt's process count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,53 +46,16 @@ class FailurePolicy:
         return cls(max_restarts=int(getattr(config, "max_restarts", 0) or 0),
                    restart_wait=float(getattr(config, "restart_wait", 0) or 0))
 
-    def may_restart(self, restarts_so_far: int) -> bool:
-        """Whether one more loss is survived (False: the job fails, naming the lost process)."""
-        return restarts_so_far < self.max_restarts
-
-    def wait_for_replacements(self, eligible_count: Callable[[], int], want: int) -> None:
-        """Up to `restart_wait` seconds, until `want` nodes are eligible: a replacement node that joins
-        meanwhile is used too; after that the restart goes on with the nodes there are."""
-        deadline = time.monotonic() + self.restart_wait
-        while eligible_count() < want and time.monotonic() < deadline:
-            time.sleep(REPLACEMENT_POLL_S)
-
-
-def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], min_cpus: float = 1.0,
-                   healthy_ids: Optional[Set[str]] = None) -> List:
-    """Alive nodes a new attempt may run on, in the given order.
-
-    Excluded: every lost node id (unless it was found healthy: its process died, the node did not), and
-    every node at a lost IP while Ray still lists the lost id there as alive (the stale view). Once Ray has
-    marked it dead, a node alive at that IP has a new id: a replacement (its raylet restarted), usable.
-    """
-    nodes = list(nodes)
-    healthy_ids = healthy_ids or set()
-    lost_ids = {x.node_id for x in lost if x.node_id} - healthy_ids
-    stale_ips = {n.ip for n in nodes if n.alive and n.node_id in lost_ids}
-    out = []
-    for n in nodes:
-        if not n.alive or not n.ip or n.cpus() < min_cpus or n.node_id in lost_ids or n.ip in stale_ips:
-            continue
-        out.append(n)
-    return out
-
-
-def check_batch_divides(batch_size: int, processes: int, devices_per_process: int, strategy: str,
-                        model_parallel: int = 0, before: Optional[int] = None) -> int:
-    """The data axis of `processes` x `devices_per_process` devices; a KitError when the global batch
-    does not divide it (the batch never changes on a restart: the data stream must stay the same)."""
-    data = strategies.data_axis_size(strategy, processes * devices_per_process, model_parallel, devices_per_process)
-    if batch_size % data:
-        was = " (was %d process(es))" % before if before else ""
-        raise KitError("cannot restart on %d process(es)%s: --batch-size %d is not divisible by the new data axis %d "
-                       "(%d process(es) x %d devices); use a batch size that every surviving process count divides, "
-                       "e.g. %d" % (processes, was, batch_size, data, processes, devices_per_process,
-                                    _lcm_multiple(batch_size, data)))
-    return data
-
-
-def _lcm_multiple(batch: int, data: int) -> int:
-    from math import gcd
-
-    return batch * data // gcd(batch, data)
+    def decide(self, status: PollStatus) -> Decision:
+        if status.restarts_so_far >= self.max_restarts:
+            return Decision(FAIL, "no restart left (--max-restarts %d)" % self.max_restarts)
+        if status.eligible is None:
+            return Decision(WAIT, "Ray's view of the lost node has not settled")
+        if status.eligible < status.processes and status.waited_s < self.restart_wait:
+            return Decision(WAIT, "%d of %d nodes eligible; waiting up to %.0f s for replacements"
+                            % (status.eligible, status.processes, self.restart_wait))
+        if status.eligible == 0:
+            return Decision(FAIL, "no alive Ray node with a free CPU is left to run the JAX processes on")
+        processes = min(status.eligible, status.processes)
+        return Decision(RETRY, "restart %d/%d on %d process(es)" % (status.restarts_so_far + 1, self.max_restarts,
+                                                                     processes), processes)
