@@ -166,6 +166,18 @@ def test_a_dataclass_builder_trains_from_the_command_line(packages, tmp_path):
     assert kernels and all(any(p["split_axes"]) for p in kernels), kernels  # fsdp split them by their logical axes
 
 
+def test_plan_takes_a_users_builder_and_its_model_args(packages, tmp_path):
+    """`plan --model PKG.MODULE:FN --model-arg K=V` plans that model with those args (it used to end in a
+    traceback reading the flags' KEY=VALUE texts as a mapping)."""
+    proc = _cli(packages, "plan", "--model", f"{PACKAGE}.net:build", "--model-arg", "width=32",
+                "--model-arg", "layers=2", "--nodes", "1", "--gpus-per-node", "2", "--strategy", "data",
+                "--batch-size", "16", "--out", str(tmp_path / "plan"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["settings"]["model_args"] == {"width": 32, "layers": 2, "noise": 0.1}  # typed, as train records
+    assert plan["model"] == f"{PACKAGE}.net:build"
+
+
 def test_a_keyword_builder_takes_yaml_model_args_and_flags_override_one_key(packages, tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(f"model: {PACKAGE}.net:build_kw\nmodel_args:\n  width: 8\n  noise: 0.2\n")

@@ -28,6 +28,7 @@ def usable_bytes(gpu: gpus.Gpu) -> int:
 
 def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], devices: int):
     """(validated JobConfig, the values the worker rebuilds it from, how the batch was chosen)."""
+    from alpa_job.models import resolve
     from alpa_job.settings import config as config_lib
 
     layers = config_lib.load_layers(preset, config_path)
@@ -39,7 +40,12 @@ def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict
         batch = base.batch_size * devices
         how = f"{base.batch_size} per GPU (the settings' batch) x {devices} GPUs; --batch-size sets the global batch"
     values = {**given, **plan_values(batch)}
-    return config_lib.build_config(config_lib.merge_layers(layers), values), values, how
+    # A model the user brings: its builder imported and its settings typed by its own declaration, as a
+    # training run does before Ray (a wrong one is a one-line error here, and the plan records typed values).
+    config = resolve(config_lib.build_config(config_lib.merge_layers(layers), values))
+    if config.model_args:
+        values["model_args"] = dict(config.model_args)
+    return config, values, how
 
 
 def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], nodes: int,
@@ -159,6 +165,7 @@ def model_values(values: Dict[str, Any]) -> Dict[str, Any]:
     """The settings that decide the model and its step (what a plan compiles): the model, its own sizes
     and args, the batch, the dtype, a pipeline's micro-batches; plain values (JSON), None left out."""
     from alpa_job.settings import catalog
+    from alpa_job.settings.setting import model_args
 
     model = values.get("model")
 
@@ -166,7 +173,9 @@ def model_values(values: Dict[str, Any]) -> Dict[str, Any]:
         owner = catalog.BY_NAME[key].model if key in catalog.BY_NAME else None
         return key in MODEL_SETTINGS or (owner is not None and model in (None, owner))
 
-    return {k: (dict(v) if k == "model_args" else v) for k, v in values.items() if v is not None and wanted(k)}
+    # model_args: a mapping (a config's), or the KEY=VALUE texts of repeated --model-arg flags
+    return {k: (dict(model_args(v, "--model-arg")) if k == "model_args" else v)
+            for k, v in values.items() if v is not None and wanted(k)}
 
 
 def _model_settings(config) -> Dict[str, Any]:
