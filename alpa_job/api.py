@@ -51,7 +51,8 @@ names (GPT's convention: the model reads tokens[:, :-1] and predicts tokens[:, 1
 
 Sharding: parameters name *logical* axes with `logical(initializer, axes)`, using the names below;
 the strategies' rules map them to the device mesh (`data` needs none; `fsdp` and `tensor` need every
-large parameter to carry them). Activations may name theirs too, with `constrain(x, axes)` where a
+parameter of 1 MiB or more with 2 or more dimensions to carry them, and keep smaller unnamed ones whole on
+every device, with a note in the report). Activations may name theirs too, with `constrain(x, axes)` where a
 layer's output leaves it (e.g. `constrain(x, (BATCH, SEQ, EMBED))` after each block): the engine pins
 them to the strategy's layout there (rows over the data axis; under `tensor`, the MLP's and
 attention's inner widths over the model axis), so XLA moves

@@ -82,7 +82,7 @@ def build_needs(args: Needs, dtype):
     return build(Args(args.width), dtype)
 
 
-def build_no_axes(*, dtype, width: int = 16):
+def build_no_axes(*, dtype, width: int = 512):  # default: a 4 MiB kernel, over the unnamed limit
     return api.Model(Net(width, 1, dtype, axes=False), input_field="x", loss=api.mse,
                      synthetic=lambda args, rng, n: synthetic(Args(width), rng, n))
 
@@ -176,6 +176,19 @@ def test_plan_takes_a_users_builder_and_its_model_args(packages, tmp_path):
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["settings"]["model_args"] == {"width": 32, "layers": 2, "noise": 0.1}  # typed, as train records
     assert plan["model"] == f"{PACKAGE}.net:build"
+
+
+def test_small_parameters_without_axis_names_stay_whole_under_fsdp_with_a_note(packages, tmp_path):
+    """A model whose weights name no logical axes but are small (16 x 64: 4 KiB) trains under fsdp: they stay
+    whole on every device, and the report says which."""
+    proc = _train(packages, tmp_path / "run", "--model", f"{PACKAGE}.net:build_no_axes", "--model-arg", "width=16",
+                  "--strategy", "fsdp")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path / "run")
+    (note,) = [n for n in report["notes"] if "name no logical axes" in n]
+    assert "2 parameter(s)" in note and "Dense_0/kernel (16, 64)" in note and "Dense_1/kernel (64, 16)" in note
+    kernels = [p for p in report["params"] if p["path"].startswith("params/") and p["path"].endswith("kernel")]
+    assert kernels and not any(any(p["split_axes"]) for p in kernels), kernels  # whole on every device
 
 
 def test_a_keyword_builder_takes_yaml_model_args_and_flags_override_one_key(packages, tmp_path):
@@ -274,7 +287,8 @@ BAD = [
      r"--model-arg 'width' is not KEY=VALUE; write e.g. --model-arg num_layers=4"),
     (["--model", f"{PACKAGE}.net:build_no_axes", "--strategy", "tensor"],
      r"--strategy tensor splits parameters by their logical axes, and --model .*build_no_axes's parameter "
-     r"Dense_0/kernel \(shape \(16, 64\)\) carries none; wrap its initializer with alpa_job.api.logical.*"),
+     r"Dense_0/kernel \(shape \(512, 2048\), 4\.0 MiB\) carries none; wrap its initializer with "
+     r"alpa_job.api.logical.*\(parameters under 1\.0 MiB may go unnamed: they stay whole on every device\)"),
     (["--model", f"{PACKAGE}.net:build_scalar_loss"],
      r"--model .*build_scalar_loss: its loss returns shape \(\) for a batch of 16 rows; return one loss per "
      r"example, shape \(16,\).*"),

@@ -140,6 +140,10 @@ class EngineReport(abc.ABC):
         """Engine-specific result fields (JAX: the auto-search table; Alpa: method, stages, plan cache)."""
         return {}
 
+    def notes(self) -> List[str]:
+        """Lines that stay true of the run, for the report (a choice the engine made for the user's model)."""
+        return []
+
     def peak_memory_bytes(self) -> Optional[int]:
         """Measured peak device memory of this process (the largest over its devices); None: unknown."""
         return None

@@ -92,11 +92,13 @@ class JaxEngine(Engine):
         if self.check_memory:
             memory_fit.check_state_fits(self._abstract_state, strategy, mesh_shape)  # before anything allocates
         if self.pipeline is None:
-            model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed, self._example)
+            self._notes = model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed,
+                                                          self._example)
         else:  # the checks run the model, which takes its parameters as it names them
             self._own_params = self._initializer.abstract_model_params()  # boxed; the initialiser's too
-            model_checks.check_against_step(model, strategy, nn.get_partition_spec(self._own_params),
-                                            unboxed.replace(params=nn.meta.unbox(self._own_params)), self._example)
+            self._notes = model_checks.check_against_step(
+                model, strategy, nn.get_partition_spec(self._own_params),
+                unboxed.replace(params=nn.meta.unbox(self._own_params)), self._example)
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
@@ -470,6 +472,9 @@ class JaxEngine(Engine):
             "devices": {"count": jax.device_count(), "platform": jax.devices()[0].platform,
                         "kind": jax.devices()[0].device_kind},
         }
+
+    def notes(self) -> List[str]:
+        return list(self._notes)
 
     def extra_report(self) -> Dict[str, Any]:
         out = {"search": self.search_table, "compiler_options": self.compiler_options or None,

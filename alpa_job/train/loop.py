@@ -119,6 +119,9 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         raise TypeError(f"{type(engine).__name__} is not an alpa_job.engines.base.Engine: subclass it "
                         "and implement its abstract members")
     check_supported(config, engine)
+    for line in engine.notes():
+        progress.note(f"[alpa_job] note: {line}")
+    notes += engine.notes()
 
     checkpointer = None
     if config.checkpoint_every:
