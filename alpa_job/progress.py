@@ -194,6 +194,8 @@ def format_step(event: Event) -> str:
         parts.append(format_eval(event))
     if event.get("rate") is not None:
         parts.append(f"{event['rate']:,.0f} samples/s")
+    if event.get("tokens_per_s_device") is not None:
+        parts.append(f"{event['tokens_per_s_device']:,.0f} tokens/s a device")
     if event.get("eta") is not None:
         parts.append(f"ETA {_duration(event['eta'])}")
     if event.get("alert"):
@@ -367,6 +369,7 @@ class Progress:
         self._shown_loss: Optional[float] = None
         self._eval: Dict[str, Optional[float]] = {}
         self._alert: Optional[str] = None
+        self._tokens_a_sample_a_device: Optional[float] = None  # tokens/s a device from samples/s
         if unit == "step":
             emit("start", desc=desc, total=total, first=first)
 
@@ -405,11 +408,17 @@ class Progress:
             eta = (self.total - self.n) * elapsed / self.n if self.total and self.n else None
         emit("step", desc=self.desc, done=self.n, total=self.total, step=self.first + self.n,
              total_step=self.first + (self.total or 0), loss=self._shown_loss, rate=rate, eta=eta, last=last,
-             epoch=postfix.get("epoch"), alert=self._alert, **self._eval)
+             epoch=postfix.get("epoch"), alert=self._alert, **self._eval,
+             tokens_per_s_device=rate * self._tokens_a_sample_a_device if rate and self._tokens_a_sample_a_device
+             else None)
 
     def set_eval(self, loss: float, perplexity: Optional[float] = None) -> None:
         """The latest evaluation, shown with every step from now on."""
         self._eval = {"eval_loss": loss, "eval_perplexity": perplexity}
+
+    def set_tokens(self, tokens_per_sample: Optional[int], devices: int) -> None:
+        """A model with a sequence length: the line gives tokens/s a device beside samples/s."""
+        self._tokens_a_sample_a_device = tokens_per_sample / max(devices, 1) if tokens_per_sample else None
 
     def set_alert(self, text: Optional[str]) -> None:
         """A standing warning (a straggler named) shown with every step until it is cleared with None."""

@@ -85,3 +85,33 @@ def test_report_has_flops_and_tflops_on_cpu(tmp_path):
     assert timing["flops_per_step"] and timing["flops_per_step"] > 0
     assert timing["tflops_per_device"] is not None
     assert timing["mfu"] is None  # no known peak for a CPU
+
+
+def test_mfu_on_both_bases_in_each_precision_and_the_report_names_the_peaks():
+    """A step's rate against the measured matmul peak and the datasheet's, for the precision the run's
+    matmuls take (bf16; float32 on Hopper's TF32 tensor cores); none where the device or precision is unknown."""
+    from alpa_job.inspect.render import speed_text
+    from alpa_job.train import timing
+
+    def summary(kind, dtype, flops=394e12 * 2):  # a step of 2 devices at 394 TFLOP/s each, 1 s
+        return timing.summary({}, [1.0, 1.0], flops, kind, dtype, 2, None, None, samples_per_step=8,
+                              tokens_per_sample=1024)
+
+    bf16 = summary("NVIDIA H200", "bfloat16")
+    assert bf16["peak"] == {"precision": "bf16", "measured_tflops": 788.0, "datasheet_tflops": 989.4}
+    assert bf16["mfu"] == 0.5 and bf16["mfu_datasheet"] == round(394 / 989.4, 3)
+    assert bf16["tokens_per_s_per_device"] == 4096.0  # 8 samples x 1024 tokens a second, over 2 devices
+    fp32 = summary("NVIDIA H200", "float32", flops=170.5e12 * 2)
+    assert fp32["peak"]["precision"] == "tf32" and fp32["mfu"] == 0.5 and fp32["mfu_datasheet"] == 0.345
+    h100_fp32 = summary("NVIDIA H100 80GB HBM3", "float32")
+    assert h100_fp32["mfu"] is None and h100_fp32["mfu_datasheet"] is not None  # no measured TF32 peak there
+    cpu = summary("cpu", "float32")
+    assert cpu["peak"] == {"precision": "fp32", "measured_tflops": None, "datasheet_tflops": None}
+    assert cpu["mfu"] is None and cpu["mfu_datasheet"] is None
+    from alpa_job import progress
+
+    line = progress.format_step({"desc": "train", "step": 3, "total_step": 9, "rate": 8.0, "tokens_per_s_device": 4096})
+    assert line == "[train] step 3/9  8 samples/s  4,096 tokens/s a device", line
+    text = speed_text(bf16)
+    assert text == ("steady step 1000 ms; 4,096 tokens/s a device; 394.0 TFLOP/s a device; MFU 0.50 of 788.0 "
+                    "TFLOP/s (bf16, measured); MFU 0.40 of 989.4 TFLOP/s (bf16, datasheet)"), text

@@ -109,4 +109,5 @@ def test_report_times_phases_and_the_steady_state_apart():
     assert steady["windows"] == 20  # 40 steps after the first, windows of 2
     assert 0 < steady["p10_s"] <= steady["median_s"] <= steady["p90_s"]
     assert t["flops_per_step"] > 0 and t["tflops_per_device"] is not None
-    assert t["mfu"] is None  # CPU: no known peak, no MFU
+    assert t["mfu"] is None and t["mfu_datasheet"] is None  # CPU: no known peak, no MFU
+    assert t["peak"]["precision"] == "fp32" and t["tokens_per_s_per_device"] > 0  # GPT declares its seq_len

@@ -20,12 +20,29 @@ import math
 from typing import Any, Iterator
 
 
-# Dense bf16 matmul rates measured on these devices (an 8192^3 product on random data, not the
-# datasheet's peak), keyed by jax's device_kind: what MFU divides by, and the planner's GPU peaks.
-PEAK_BF16_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 798e12,
-    "NVIDIA H200": 788e12,
+# Dense matmul rates (FLOP/s) by jax's device_kind and the precision a step's matmuls run in: (measured on
+# the lent GPUs with bench/gpu_peaks.py's product on random data, None where not measured; the vendor's
+# datasheet number, dense). MFU is reported on both bases; the planner's GPU peaks are the measured bf16.
+PEAKS = {
+    "NVIDIA H100 80GB HBM3": {"bf16": (798e12, 989.4e12), "tf32": (None, 494.7e12), "fp8": (None, 1978.9e12)},
+    "NVIDIA H200": {"bf16": (788e12, 989.4e12), "tf32": (341e12, 494.7e12), "fp8": (1116e12, 1978.9e12)},
 }
+PEAK_BF16_FLOPS = {kind: rates["bf16"][0] for kind, rates in PEAKS.items()}
+
+
+def precision_of(dtype: str) -> str:
+    """The precision a run's matmuls run in: bf16 under --dtype bfloat16; float32 runs on Hopper's TF32 tensor
+    cores (jax's default matmul precision there)."""
+    return {"bfloat16": "bf16", "float8": "fp8"}.get(dtype, "tf32")
+
+
+def peak(device_kind: str, dtype: str) -> dict:
+    """{"precision", "measured", "datasheet"} (FLOP/s, None where unknown) for a run on `device_kind` (a
+    device not in PEAKS, a CPU: float32 stays fp32)."""
+    known = PEAKS.get(device_kind or "")
+    precision = precision_of(dtype) if known else {"bfloat16": "bf16"}.get(dtype, "fp32")
+    measured, datasheet = (known or {}).get(precision, (None, None))
+    return {"precision": precision, "measured": measured, "datasheet": datasheet}
 
 
 def _size(shape) -> int:

@@ -61,6 +61,24 @@ def stragglers_text(stragglers: dict) -> str:
     return text
 
 
+def speed_text(timing: dict) -> str:
+    """The steady step, tokens/s a device, TFLOP/s a device and MFU on both bases, naming the peaks."""
+    steady = timing.get("steady_step") or {}
+    if not steady.get("median_s"):
+        return "-"
+    parts = [f"steady step {steady['median_s'] * 1e3:.4g} ms"]
+    if timing.get("tokens_per_s_per_device"):
+        parts.append(f"{timing['tokens_per_s_per_device']:,.0f} tokens/s a device")
+    if timing.get("tflops_per_device") is not None:
+        parts.append(f"{timing['tflops_per_device']} TFLOP/s a device")
+    peak = timing.get("peak") or {}
+    for key, basis in (("mfu", "measured_tflops"), ("mfu_datasheet", "datasheet_tflops")):
+        if timing.get(key) is not None:
+            parts.append(f"MFU {timing[key]:.2f} of {peak.get(basis)} TFLOP/s ({peak.get('precision')}, "
+                         f"{basis.split('_')[0]})")
+    return "; ".join(parts)
+
+
 def pipeline_text(pipeline: dict) -> str:
     """One line: the stages, which blocks each runs and on which processes, and the schedule's bubble."""
     where = "; ".join(f"stage {row['stage']}: {stage_blocks_text(row)} on process(es) "
@@ -97,6 +115,7 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         ("samples seen / dropped", f"{record.samples_seen} / {record.samples_dropped}"),
         ("step time (s)", record.step_time_s),
         ("throughput (samples/s)", record.throughput),
+        ("speed", speed_text(record.timing or {})),
         ("loss first -> last", f"{s.loss_first} -> {s.loss_last}"),
         ("state bytes total / per device", f"{human_bytes(s.state_bytes)} / {human_bytes(s.state_bytes_per_device)}"),
         ("strategy counts (params)", s.strategy_counts.get("params")),

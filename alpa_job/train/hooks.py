@@ -239,13 +239,14 @@ class ProgressHook(Hook):
     """The progress line after every step: the loss the loop has read back, the steady rate, the eval and any
     standing alert."""
 
-    def __init__(self, steps_per_epoch: int):
-        self.steps_per_epoch = steps_per_epoch
+    def __init__(self, steps_per_epoch: int, tokens_per_sample: Optional[int] = None, devices: int = 1):
+        self.steps_per_epoch, self.tokens_per_sample, self.devices = steps_per_epoch, tokens_per_sample, devices
         self.bar: Optional[progress.Progress] = None
         self._eval = None
 
     def start(self, loop: Loop) -> None:
         self.bar = progress.Progress("train", loop.total_steps - loop.start_step, first=loop.start_step)
+        self.bar.set_tokens(self.tokens_per_sample, self.devices)
 
     def after_step(self, loop: Loop) -> None:
         if loop.eval_point is not None and loop.eval_point is not self._eval:

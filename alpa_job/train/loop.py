@@ -148,7 +148,8 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     compiles_since = engine.watch_compiles()
     profile = StepProfile.from_config(config)
     run_hooks = loop_hooks(stream, start_step, total_steps, checkpointer, on_step=on_step,
-                           evaluator=evaluator, stop=stop, watch=watch, profile=profile)
+                           evaluator=evaluator, stop=stop, watch=watch, profile=profile,
+                           tokens_per_sample=_seq_len(config), devices=engine.topology()["devices"].get("count") or 1)
     try:
         state, looped = run_loop(engine, state, stream, start_step, total_steps, run_hooks, metrics, checkpointer)
     except BaseException:
@@ -172,7 +173,8 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     run_timing = timing.summary(
         phases, looped.window_step_s, engine.stats.flops_per_step, devices.get("kind"), config.dtype,
         devices.get("count") or 1, engine.peak_memory_bytes(), (engine.stats.memory or {}).get("peak_estimate_bytes"),
-        samples_per_step=looped.samples_seen / looped.steps if looped.steps else None)
+        samples_per_step=looped.samples_seen / looped.steps if looped.steps else None,
+        tokens_per_sample=_seq_len(config))
     run_timing["compile_cache"] = engine.stats.cache_report()
     profiled = profile.summary() if profile is not None else None
     if profiled is not None:
@@ -191,10 +193,15 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
 
 
 def _loop_metrics(config, engine: Engine, data: TrainData) -> LoopMetrics:
+    return LoopMetrics.for_run(config, engine, data, _seq_len(config))
+
+
+def _seq_len(config) -> Optional[int]:
+    """Tokens a sample, for a model that declares a sequence length (tokens/s); None for the others."""
     from alpa_job.data.open import model_setting
 
     seq_len = model_setting(config, "seq_len")
-    return LoopMetrics.for_run(config, engine, data, int(seq_len) if isinstance(seq_len, int) else None)
+    return int(seq_len) if isinstance(seq_len, int) else None
 
 
 def checkpoint_notes(config, total_steps: int) -> List[str]:
@@ -253,8 +260,8 @@ class LoopResult:
 
 def loop_hooks(stream: InputStream, start_step: int, total_steps: int, checkpointer=None,
                on_step: Optional[Callable[[int], None]] = None, evaluator: Optional[Evaluator] = None,
-               stop=None, watch: Optional[StragglerWatch] = None, profile: Optional[StepProfile] = None
-               ) -> List[hooks.Hook]:
+               stop=None, watch: Optional[StragglerWatch] = None, profile: Optional[StepProfile] = None,
+               tokens_per_sample: Optional[int] = None, devices: int = 1) -> List[hooks.Hook]:
     """The loop's hooks for this run, in the order that keeps its numbers right (train/hooks.py)."""
     chosen: List[hooks.Hook] = []
     if profile is not None:
@@ -268,7 +275,7 @@ def loop_hooks(stream: InputStream, start_step: int, total_steps: int, checkpoin
         chosen.append(hooks.EvalHook(evaluator))
     if watch is not None:
         chosen.append(hooks.StragglerHook(watch))
-    chosen.append(hooks.ProgressHook(stream.epoch.steps))
+    chosen.append(hooks.ProgressHook(stream.epoch.steps, tokens_per_sample, devices))
     if stop is not None:
         chosen.append(hooks.StopHook(stop))
     return chosen

@@ -73,10 +73,13 @@ class LoopMetrics:
         scalars: Dict[str, Optional[float]] = {"perf/step_time_s": step_s, "perf/samples_per_s": samples / seconds}
         if self.seq_len:
             scalars["perf/tokens_per_s"] = samples * self.seq_len / seconds
-        tflops, mfu = timing.device_rate(self.flops_per_step, self.device_count, step_s, self.device_kind,
-                                         self.dtype)
+        tflops, mfu, mfu_datasheet = timing.device_rate(self.flops_per_step, self.device_count, step_s,
+                                                        self.device_kind, self.dtype)
         scalars["perf/tflops_per_device"] = tflops
         scalars["perf/mfu"] = mfu
+        scalars["perf/mfu_datasheet"] = mfu_datasheet
+        if self.seq_len:
+            scalars["perf/tokens_per_s_per_device"] = samples * self.seq_len / seconds / max(self.device_count, 1)
         if self.peak_memory is not None:
             try:
                 scalars["perf/peak_memory_bytes"] = self.peak_memory()

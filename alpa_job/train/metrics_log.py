@@ -135,6 +135,8 @@ class RunMetrics:
         steady = timing.get("steady_step") or {}
         final = {"run/steady_step_s": steady.get("median_s"), "run/samples_per_s": record.throughput,
                  "run/tflops_per_device": timing.get("tflops_per_device"), "run/mfu": timing.get("mfu"),
+                 "run/mfu_datasheet": timing.get("mfu_datasheet"),
+                 "run/tokens_per_s_per_device": timing.get("tokens_per_s_per_device"),
                  "run/peak_memory_bytes": timing.get("peak_memory_bytes"),
                  "run/peak_estimate_bytes": timing.get("peak_estimate_bytes")}
         final = {k: v for k, v in final.items() if _number(v)}

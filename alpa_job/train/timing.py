@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from alpa_job.engines.flops import PEAK_BF16_FLOPS  # MFU is reported only for these devices
+from alpa_job.engines.flops import peak  # MFU is reported for the devices and precisions it knows
 
 
 def process_age_s() -> Optional[float]:
@@ -68,30 +68,45 @@ def steady_rate(samples_per_step: Optional[float], median_step_s: Optional[float
 
 def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flops_per_step: Optional[float],
             device_kind: Optional[str], dtype: str, device_count: int, peak_memory_bytes: Optional[int],
-            peak_estimate_bytes: Optional[int], samples_per_step: Optional[float] = None) -> Dict[str, Any]:
+            peak_estimate_bytes: Optional[int], samples_per_step: Optional[float] = None,
+            tokens_per_sample: Optional[int] = None) -> Dict[str, Any]:
     """The report's `timing`: phases (seconds), steady state, TFLOP/s and MFU, memory measured vs estimated.
 
     `flops_per_step` is XLA's count for the whole step over all `device_count` devices (cost analysis
-    of the unpartitioned module); TFLOP/s is per device. MFU only for bf16 compute on a device whose
-    peak is in PEAK_BF16_FLOPS."""
+    of the unpartitioned module); TFLOP/s is per device. MFU on two bases, where the device and the
+    precision are in flops.PEAKS: `mfu` against the measured matmul rate, `mfu_datasheet` against the
+    vendor's; `peak` names both and the precision. Tokens/s per device for a model with a sequence length."""
     steady = steady_state(window_step_s, samples_per_step)
+    rates = peak(device_kind, dtype)
     out: Dict[str, Any] = {"phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
                            "steady_step": steady, "flops_per_step": flops_per_step, "tflops_per_device": None,
-                           "mfu": None, "peak_memory_bytes": peak_memory_bytes,
+                           "mfu": None, "mfu_datasheet": None,
+                           "peak": {"precision": rates["precision"],
+                                    "measured_tflops": _tera(rates["measured"]),
+                                    "datasheet_tflops": _tera(rates["datasheet"])},
+                           "peak_memory_bytes": peak_memory_bytes,
                            "peak_estimate_bytes": peak_estimate_bytes, "devices": device_count}
     if steady:
-        tflops, mfu = device_rate(flops_per_step, device_count, steady["median_s"], device_kind, dtype)
+        tflops, mfu, mfu_datasheet = device_rate(flops_per_step, device_count, steady["median_s"], device_kind, dtype)
         out["tflops_per_device"] = round(tflops, 1) if tflops is not None else None
         out["mfu"] = round(mfu, 3) if mfu is not None else None
+        out["mfu_datasheet"] = round(mfu_datasheet, 3) if mfu_datasheet is not None else None
+        if tokens_per_sample and steady.get("samples_per_s"):
+            out["tokens_per_s_per_device"] = round(steady["samples_per_s"] * tokens_per_sample / max(device_count, 1), 1)
     return out
 
 
+def _tera(flops: Optional[float]) -> Optional[float]:
+    return round(flops / 1e12, 1) if flops else None
+
+
 def device_rate(flops_per_step: Optional[float], device_count: int, step_s: float, device_kind: Optional[str],
-                dtype: str) -> Tuple[Optional[float], Optional[float]]:
-    """(TFLOP/s per device, MFU) of a step taking `step_s`; None where unknown (MFU: bf16 on a device
-    whose peak is in PEAK_BF16_FLOPS)."""
+                dtype: str) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+    """(TFLOP/s per device, MFU on the measured peak, MFU on the datasheet's) of a step taking `step_s`; None
+    where unknown (an MFU: a device and precision not in flops.PEAKS)."""
     if not flops_per_step or not step_s or step_s <= 0:
-        return None, None
+        return None, None, None
     rate = flops_per_step / max(device_count, 1) / step_s
-    peak = PEAK_BF16_FLOPS.get(device_kind or "")
-    return rate / 1e12, (rate / peak if peak and dtype == "bfloat16" else None)
+    rates = peak(device_kind, dtype)
+    return (rate / 1e12, rate / rates["measured"] if rates["measured"] else None,
+            rate / rates["datasheet"] if rates["datasheet"] else None)
