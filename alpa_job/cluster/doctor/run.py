@@ -110,6 +110,8 @@ class Session:
             self.probe_ports(facts)
             if self.network and len(facts) > 1:
                 self.probe_links([ip for ip in self.actors if ip in facts])
+            elif self.network and facts:
+                self.probe_one_node(next(ip for ip in self.actors if ip in facts))
         finally:
             for actor in self.actors.values():
                 try:
@@ -217,6 +219,16 @@ class Session:
             self.checks.append(deadline_check(self.deadline.seconds, "during the link probe"))
             return
         self.all_reduce(nodes, declared)
+
+    def probe_one_node(self, ip: str) -> None:
+        """--network on one node: no link to stream; a node of several GPUs still has its all-reduce (NVLink
+        or PCIe, and the transports NCCL chose between its GPUs)."""
+        declared = self.spec.network.gbps
+        from alpa_job.cluster.doctor import network
+
+        self.result["network"] = {"links": [], "declared_gbps": declared, **network.summary([])}
+        if self.nodes[ip].resources.get("GPU", 0) >= 2:
+            self.all_reduce([ip], declared)
 
     def check_routes(self, nodes: Sequence[str]) -> None:
         """Each worker's route to the head leaves from its Ray address."""
