@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from alpa_job import progress
+from alpa_job.engines import every_process
 
 WINDOW_STEPS = 50
 SLOWER = 1.10
@@ -150,6 +151,9 @@ class StragglerWatch:
         self.backend = jax.default_backend()
         self._input_s, self._input_steps = 0.0, 0
         self._own: Any = GpuProbe(jax.local_devices(), dtype) if self.backend == "gpu" else ThreadTime(every)
+        # Its first all-gather sets up a new group of the CPU collectives, whose rendezvous allows 30 s: every
+        # process gets here first (one still compiling its probe on a busy host would miss it).
+        every_process.wait("alpa_job_stragglers")
         hosts = _gather_hostnames()
         labels = self._own.labels
         self.judge = StragglerJudge([(p, label) for p in range(len(hosts)) for label in labels], hosts, every)
