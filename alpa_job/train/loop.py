@@ -123,6 +123,9 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         progress.note(f"[alpa_job] note: {line}")
     notes += engine.notes()
 
+    # Every process compiled before anything spans them: orbax's checkpoint manager syncs the processes
+    # through a collective as it opens, and a new group of CPU collectives allows its peers 30 s to arrive.
+    engine.wait_for_every_process()
     checkpointer = None
     if config.checkpoint_every:
         from alpa_job.train.checkpoint import Checkpointer
@@ -227,7 +230,6 @@ def checkpoint_notes(config, total_steps: int) -> List[str]:
 def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Optional[Dict[str, Any]]]:
     """(state, its step, the input stream's saved state): from the last complete checkpoint with
     --resume, else fresh."""
-    engine.wait_for_every_process()  # the first program spanning processes runs below
     if config.resume:
         state, data_state = checkpointer.restore(engine.abstract_state)
         start_step = int(engine.to_floats([state.step])[0])
