@@ -230,7 +230,8 @@ def test_progress_lines_without_a_tty(two_runs):
     lines = [l for l in procs[0].stderr.splitlines() if l.startswith("[train] step")]
     # 12 steps, a line every 2: loss, rate and ETA on each (the first has no loss read back yet)
     assert len(lines) == 6, procs[0].stderr
-    assert re.match(r"\[train\] step 12/12  loss \d.*  [\d,]+ samples/s  ETA 0 s", lines[-1]), lines[-1]
+    assert re.match(r"\[train\] step 12/12  loss \d.*  [\d,]+ samples/s  [\d,]+ tokens/s a device  ETA 0 s",
+                    lines[-1]), lines[-1]
     assert "compiling train step (gpt, data" in procs[0].stderr
     assert "\x1b[" not in procs[0].stderr  # no colour codes in a log
     log = (runs[0] / "train.log").read_text()
