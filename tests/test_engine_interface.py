@@ -58,7 +58,7 @@ def signature_gaps(cls: type) -> List[str]:
 def test_the_interface_is_the_members_the_loop_uses_in_two_parts():
     running = {"name", "strategy", "checkpoints", "abstract_state", "compile", "init_state", "put_batch", "step",
                "to_floats", "wait", "wait_for_every_process", "eval_loss", "eval_sums"}
-    reporting = {"stats", "watch_compiles", "plan", "topology", "extra_report", "peak_memory_bytes", "finish"}
+    reporting = {"stats", "watch_compiles", "plan", "topology", "extra_report", "notes", "peak_memory_bytes", "finish"}
     assert _members(EngineRunner) == running and _members(EngineReport) == reporting
     assert Engine.__abstractmethods__ == {"name", "abstract_state", "compile", "init_state", "put_batch", "step",
                                           "to_floats", "wait", "watch_compiles", "plan", "topology"}
