@@ -665,6 +665,10 @@ class CpuQuota:
         self.group = self.root / f"{bed.prefix}-{host}-quota"
 
     def __enter__(self) -> "CpuQuota":
+        if self.root == Path("/sys/fs/cgroup"):  # cgroup v2: the cpu controller handed down to child groups
+            control = self.root / "cgroup.subtree_control"
+            if "cpu" not in control.read_text().split():
+                control.write_text("+cpu")
         self.group.mkdir(exist_ok=True)
         quota = max(1000, int(self.cores * self.period_us))
         if (self.group / "cpu.cfs_quota_us").exists():
