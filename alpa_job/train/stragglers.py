@@ -163,6 +163,11 @@ class StragglerWatch:
         every = getattr(config, "straggler_every", 0)
         if process_count <= 1 or not every or engine.name != "jax":
             return None
+        from jax.experimental import multihost_utils
+
+        if not hasattr(multihost_utils, "process_allgather"):  # an older jax: the run goes on without the watch
+            progress.note("[alpa_job] stragglers: this jax has no process_allgather; the watch is off")
+            return None
         return cls(every, config.dtype)
 
     def input_time(self, seconds: float, steps: int) -> None:
