@@ -210,7 +210,7 @@ SMALL_MLP = ("--hidden-dim", "64", "--devices", "1")  # steps of a few ms of wor
 
 
 def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ray_cluster):
-    """Stragglers: 300 steps on three clean hosts name nobody; with w1's processes held to a quarter of a CPU
+    """Stragglers: 300 steps on three clean hosts name nobody; with w1's processes held to 0.3 of a CPU
     (a real cgroup quota), the run names process w1 - in the log, the progress line and the report - once the
     first 50-step window is full."""
 
@@ -220,8 +220,9 @@ def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ra
     assert sorted(u["host"] for u in stragglers["units"]) == sorted(ray_cluster.testbed.ips)
     print("clean run's own work a step, ms (each process's 50-step window at the end):",
           stragglers["latest"]["work_ms"])
+    # Nobody named (a window's total alone may pass 1.10 on this shared machine; the rule also asks for
+    # three quarters of its rounds, which noise does not give).
     assert stragglers["events"] == [] and stragglers["slow_now"] == [], stragglers
-    assert max(stragglers["latest"]["work_ratio"]) < 1.10, stragglers["latest"]
 
     with testbed_lib.CpuQuota(ray_cluster.testbed, "w1", 0.3):
         out, p = _job(ray_cluster, "head", *SMALL_MLP, "--steps", "70")
