@@ -27,7 +27,7 @@ for p in (HERE, REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")
 
 from common import print_table, record  # noqa: E402
 from fixtures_ssh import SshBed  # noqa: E402
-from test_ansible import Ansible  # noqa: E402
+from helpers_ansible import Ansible  # noqa: E402
 from testbed_lib import Testbed  # noqa: E402
 
 PREFIX = "aktbas"
@@ -36,7 +36,7 @@ PREFIX = "aktbas"
 def _docker_setup():
     import testbed_site
     from fixtures_testbed import SiteBed
-    from test_ansible_docker import CONTAINER, SiteAnsible
+    from helpers_ansible import CONTAINER, SiteAnsible
 
     bed = Testbed.up(3, prefix=PREFIX, reuse=False, site=True, cgroups=True)
     ssh = SshBed(bed)

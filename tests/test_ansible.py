@@ -14,104 +14,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
+from helpers_ansible import VENV_PYTHON, Ansible, failure_lines, played
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_PYTHON = REPO / ".venv" / "bin" / "python"
-ACTIONS = {"site.yml": "up", "teardown.yml": "down"}
-
-
-def played(summary: dict) -> str:
-    """Ansible's own (uncoloured) output of the run, from ansible-runner's artifacts."""
-    return Path(summary["artifact_dir"], "stdout").read_text(errors="replace")
-
-
-def failure_lines(summary: dict) -> str:
-    return "\n".join("%s: %s%s" % (f["host"], "UNREACHABLE: " if f.get("unreachable") else "", f["message"])
-                     for f in summary["failures"])
-
-
-class Ansible:
-    """Writes inventories for the ssh bed and runs `alpa_job cluster up|down` inside the head host."""
-
-    def __init__(self, sb):
-        self.sb = sb
-        self.bed = sb.testbed
-        self.work = self.bed.state_dir / "ansible"
-        self.work.mkdir(exist_ok=True)
-        self.token_file = self.work / "ray_auth_token"
-        self.runs = 0
-
-    def host_vars(self, name: str, ip: str) -> dict:
-        etc = self.bed.host_dir(name) if name in self.bed.ips else self.work / name
-        return {
-            "ansible_host": ip,
-            # The hosts share the machine's filesystem: every node gets its own /etc-like paths.
-            "alpa_kit_config_dir": str(etc / "etc" / "alpa-kit"),
-            "ray_node_prep_sysctl_file": str(etc / "etc" / "sysctl.d" / "90-alpa-kit.conf"),
-            "ray_node_prep_limits_file": str(etc / "etc" / "limits.d" / "90-alpa-kit.conf"),
-            "ray_firewall_persist_conf": str(etc / "etc" / "nftables.conf"),
-        }
-
-    def inventory(self, name: str, heads, workers, file_vars: dict = None) -> Path:
-        d = self.work / name
-        d.mkdir(exist_ok=True)
-        vars_ = {
-            "ansible_user": "root",
-            "ansible_ssh_private_key_file": str(self.sb.key),
-            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
-                                       "-o ConnectTimeout=3",
-            "ansible_python_interpreter": str(VENV_PYTHON),
-            "ray_runtime": "process",
-            "ray_cluster_python": str(VENV_PYTHON),
-            "ray_cluster_python_manage": False,
-            "ray_cluster_num_cpus": 2,
-            "ray_cluster_object_store_memory": 200_000_000,
-            "ray_cluster_env_extra": {"PYTHONPATH": str(REPO)},
-            "ray_cluster_auth_token_file": str(self.token_file),
-        }
-        vars_.update(file_vars or {})  # the inventory FILE's vars beat the kit's (role) defaults
-
-        def hosts(pairs):
-            return {n: self.host_vars(n, ip) for n, ip in pairs}
-
-        children = {"ray_head": {"hosts": hosts(heads) or None}, "ray_workers": {"hosts": hosts(workers) or None}}
-        inv = {"ray_cluster": {"children": children, "vars": vars_}}
-        path = d / "hosts.yml"
-        path.write_text(yaml.safe_dump(inv, sort_keys=False))
-        return path
-
-    def good_inventory(self) -> Path:
-        ips = self.bed.ips
-        return self.inventory("good", [("head", ips["head"])], [(n, ips[n]) for n in ("w1", "w2")])
-
-    def run(self, playbook: str, inventory: Path, *extra, timeout: float = 500):
-        """(the CLI's CompletedProcess, its summary.json as a dict)."""
-        self.runs += 1
-        run_dir = self.work / ("run-%d-%s" % (self.runs, playbook.split(".")[0]))
-        p = self.bed.exec("head", str(VENV_PYTHON), "-m", "alpa_job", "cluster", ACTIONS[playbook], "-i",
-                          str(inventory), "--run-dir", str(run_dir), "--timeout", str(int(timeout) - 10), *extra,
-                          cwd=str(REPO), timeout=timeout, check=False,
-                          # own ControlPersist sockets: the default ~/.ansible/cp names a socket by
-                          # host+port+user only, so another test bed's 10.77.0.2 would answer ours
-                          env={"ANSIBLE_HOME": str(self.work / "home"), "ANSIBLE_FORCE_COLOR": "0",
-                               "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "home" / "cp"),
-                               "ANSIBLE_NOCOLOR": "1"})
-        summary_file = run_dir / "summary.json"
-        assert summary_file.exists(), (p.stdout + p.stderr)[-4000:]
-        return p, json.loads(summary_file.read_text())
-
-    def ray_processes(self) -> dict:
-        out = {}
-        for h in self.bed.hosts:
-            p = self.bed.exec(h.name, "pgrep", "-a", "-x", "raylet|gcs_server", check=False)
-            out[h.name] = p.stdout.strip()
-        return out
-
-    def nft_tables(self) -> dict:
-        return {h.name: self.bed.exec(h.name, "nft", "list", "tables").stdout for h in self.bed.hosts}
 
 
 @pytest.fixture(scope="module")

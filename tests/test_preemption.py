@@ -192,7 +192,7 @@ def test_the_systemd_unit_runs_resume_auto_and_gives_sigterm_time_for_a_save():
     TimeoutStopSec for one step plus one save, and a restart runs the same `--resume auto` command."""
     import shlex
 
-    from test_ansible_lint import Render
+    from helpers_ansible import Render
 
     unit = Render("process", role="head", kit_role="alpa_train", alpa_train_args=["--model", "gpt"],
                   alpa_train_stop_timeout_s=240).template_file("alpa-kit-train.service.j2")
