@@ -12,18 +12,10 @@ import sys
 import numpy as np
 import pytest
 
+from helpers_cli import REPO, run_cli
 from helpers_report import assert_valid_report
 from helpers_train import signal_at_step
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_cli(*args, timeout=300, env=None):
-    full_env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=REPO)
-    full_env.pop("RAY_ADDRESS", None)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
 
 
 @pytest.mark.parametrize("args, message", [

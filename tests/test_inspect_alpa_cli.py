@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from test_cli import run_cli
+from helpers_cli import run_cli
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alpa_fixtures")
 NAMES = sorted(d for d in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, d, "expected.json")))

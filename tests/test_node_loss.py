@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from alpa_job.launch.placement import check_batch_divides, eligible_nodes
 from alpa_job.launch.failures import Lost, view_settled
 from alpa_job.launch.recovery import samples_in_steps, trajectory_counts
 from alpa_job.data import plan_epoch
+from helpers_node_loss import BATCH, EVERY, FAST_DEATH, MLP, STEPS, _cluster, _out, _train_argv
 from helpers_train import tiny_config
 
 
@@ -197,9 +197,6 @@ def test_cli_takes_max_restarts_and_restart_wait():
 
 # ============================================================================ test bed: real host kills
 KILL_AFTER_CHECKPOINT = 20
-EVERY = 10
-STEPS = 40  # the kill comes after checkpoint 20: the restart has steps left to run on the survivors
-BATCH = 96  # divides 3 x 2 and 2 x 2 devices
 
 
 def kill_host(bed, name: str) -> float:
@@ -213,38 +210,12 @@ def kill_host(bed, name: str) -> float:
     return t
 
 
-def _cluster(testbed_factory):
-    """A 3-host Ray cluster on its own bed (tag nodeloss); rebuilt after a test killed one of its hosts."""
-    from fixtures_testbed import _start_ray
-
-    bed = testbed_factory(3, tag="nodeloss")
-    cached = _CLUSTERS.get(bed.prefix)
-    if cached is not None and cached.testbed is bed:
-        return cached
-    cluster = _start_ray(bed, ray_env=FAST_DEATH)
-    _CLUSTERS[bed.prefix] = cluster
-    return cluster
-
-
-_CLUSTERS: dict = {}
-# The GCS asks each raylet every second (Ray's default: every 3 s) and marks it dead after 5 missed answers:
-# a killed host is listed dead in ~5 s instead of ~15 s. The kit's own waits for that view are unchanged.
-FAST_DEATH = {"RAY_health_check_period_ms": "1000"}
-
-
-MLP = ("--model", "mlp", "--hidden-dim", "512")
 # A user's model (the LLaMA example package, imported from its folder on PYTHONPATH on every host).
 LLAMA = ("--model", "llama_example.model:build", "--model-arg", "num_layers=6", "--model-arg", "d_model=32",
          "--model-arg", "num_heads=4", "--model-arg", "num_kv_heads=2", "--model-arg", "seq_len=16",
          "--model-arg", "vocab_size=64")
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_PATH = os.pathsep.join([str(REPO), str(REPO / "examples" / "llama")])
-
-
-def _train_argv(cluster, out: str, *extra: str, steps: int = STEPS, model=MLP):
-    return ["python", "-m", "alpa_job", "train", *model, "--steps", str(steps),
-            "--devices", "2", "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
-            "--address", cluster.address, "--cluster-spec", str(cluster.spec_path), "--out", out, *extra]
 
 
 def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float = 420, kill=None, model=MLP,
@@ -275,11 +246,7 @@ def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float =
     return p.returncode, text, killed_at, ended - killed_at
 
 
-def _out(name: str) -> Path:
-    # /tmp outside /tmp/ray is the machine's /tmp, the same folder on every test-bed host: a shared --out.
-    path = Path("/tmp") / ("aktg-nodeloss-%s-%s" % (name, uuid.uuid4().hex[:8]))
-    path.mkdir()
-    return path
+
 
 
 @pytest.mark.slow

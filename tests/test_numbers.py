@@ -22,7 +22,7 @@ from alpa_job.settings import validate
 from alpa_job.settings.config import JobConfig
 from helpers_report import assert_valid_report
 from helpers_train import tiny_config
-from test_cli import REPO, run_cli
+from helpers_cli import REPO, run_cli
 
 
 def strict_load(text: str):

@@ -28,7 +28,7 @@ import pytest
 from alpa_job.errors import EXIT_PREEMPTED
 from alpa_job.train.checkpoint import latest_complete_step
 from helpers_report import assert_valid_report
-from test_node_loss import _cluster
+from helpers_node_loss import _cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]
 

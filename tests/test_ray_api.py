@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from alpa_job.cluster import ray_api
 from alpa_job.cluster.spec import load_spec
 from alpa_job.errors import EXIT_TIMEOUT, KitError
+from helpers_cli import silent_listener
 
 REPO = str(Path(__file__).resolve().parent.parent)
 
@@ -79,26 +79,8 @@ JOIN = textwrap.dedent("""
 """)
 
 
-def _silent_listener():
-    """A TCP port that accepts and never speaks: what a wrong port (not Ray's GCS) looks like."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    held = []
-
-    def accept():
-        while True:
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    return server, held
-
-
 def test_join_to_a_non_ray_port_fails_within_the_deadline_naming_it():
-    server, held = _silent_listener()
+    server, held = silent_listener()
     address = "127.0.0.1:%d" % server.getsockname()[1]
     try:
         start = time.monotonic()

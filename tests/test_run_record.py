@@ -17,7 +17,7 @@ from alpa_job.record import run_record as rec
 from alpa_job.record.run_record import GIB, SCHEMA_VERSION, MemoryRecord, ProcessResult, RunRecord
 from helpers_report import assert_valid_report, schema_errors, without_input
 from helpers_train import tiny_config
-from test_cli import run_cli
+from helpers_cli import run_cli
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alpa_fixtures")
 DUMPS = sorted(d for d in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, d, "expected.json")))

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from test_ray_api import REPO, _silent_listener
+from helpers_cli import REPO, silent_listener
 
 
 def test_times_out_with_exit_4_and_reports_what_is_alive():
@@ -23,7 +23,7 @@ def test_times_out_with_exit_4_and_reports_what_is_alive():
 
 def test_the_join_itself_is_bounded_by_the_timeout():
     """An address where something answers TCP but no Ray GCS: exit 4 naming it, not Ray's minutes of retries."""
-    server, held = _silent_listener()
+    server, held = silent_listener()
     address = "127.0.0.1:%d" % server.getsockname()[1]
     try:
         start = time.monotonic()

@@ -221,7 +221,7 @@ def test_a_stopped_process_on_the_test_bed_is_named_the_job_restarts_then_fails_
     --hang-timeout plus a few seconds, naming w1's process as hung."""
     import shutil
 
-    from test_node_loss import EVERY, _cluster, _out, _train_argv
+    from helpers_node_loss import EVERY, _cluster, _out, _train_argv
 
     hang = 20  # under JAX's 30 s heartbeat, so the watchdog, not the heartbeat, ends the job (both name w1)
     cluster = _cluster(testbed_factory)
