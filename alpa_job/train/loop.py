@@ -119,9 +119,10 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         raise TypeError(f"{type(engine).__name__} is not an alpa_job.engines.base.Engine: subclass it "
                         "and implement its abstract members")
     check_supported(config, engine)
-    for line in engine.notes():
+    engine_notes = engine.notes()
+    for line in engine_notes:
         progress.note(f"[alpa_job] note: {line}")
-    notes += engine.notes()
+    notes += engine_notes
 
     # Every process compiled before anything spans them: orbax's checkpoint manager syncs the processes
     # through a collective as it opens, and a new group of CPU collectives allows its peers 30 s to arrive.
@@ -138,13 +139,15 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
               "init_compile": getattr(engine.stats, "init_compile_seconds", None),
               "init_or_restore": time.perf_counter() - built}
 
-    process = engine.topology()["process"]
+    topology = engine.topology()  # read once: the loop's hooks, the data shard and the timing all use it
+    process, devices = topology["process"], topology["devices"]
+    seq_len = _seq_len(config)
     network = own_network.measure(config, process["count"]) if engine.name == "jax" else (None, None)
     shard = Shard(process["id"], process["count"])
     stream = data.stream(total_steps, shard)
     stream.check_state(data_state, start_step)
     evaluator = Evaluator(engine, data, config, shard)
-    metrics = _loop_metrics(config, engine, data)
+    metrics = LoopMetrics.for_run(config, engine, data, seq_len)
     metrics.setup(start_step, phases)
     watch = StragglerWatch.for_run(config, engine, process["count"])
     read_before = (data.source.rows_read, data.source.bytes_read)
@@ -152,7 +155,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     profile = StepProfile.from_config(config)
     run_hooks = loop_hooks(stream, start_step, total_steps, checkpointer, on_step=on_step,
                            evaluator=evaluator, stop=stop, watch=watch, profile=profile,
-                           tokens_per_sample=_seq_len(config), devices=engine.topology()["devices"].get("count") or 1)
+                           tokens_per_sample=seq_len, devices=devices.get("count") or 1)
     try:
         state, looped = run_loop(engine, state, stream, start_step, total_steps, run_hooks, metrics, checkpointer)
     except BaseException:
@@ -172,12 +175,11 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     # The same from the process's start: Python, imports and (in a Ray actor) the worker's start too.
     phases["process_to_first_step"] = looped.process_age_at_first_step
     read = input_record(data, stream, read_before, start_step, total_steps, looped.loop_seconds)
-    devices = engine.topology()["devices"]
     run_timing = timing.summary(
         phases, looped.window_step_s, engine.stats.flops_per_step, devices.get("kind"), config.dtype,
         devices.get("count") or 1, engine.peak_memory_bytes(), (engine.stats.memory or {}).get("peak_estimate_bytes"),
         samples_per_step=looped.samples_seen / looped.steps if looped.steps else None,
-        tokens_per_sample=_seq_len(config))
+        tokens_per_sample=seq_len)
     run_timing["compile_cache"] = engine.stats.cache_report()
     profiled = profile.summary() if profile is not None else None
     if profiled is not None:
@@ -193,10 +195,6 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     if return_state:
         result.final_state = state
     return result
-
-
-def _loop_metrics(config, engine: Engine, data: TrainData) -> LoopMetrics:
-    return LoopMetrics.for_run(config, engine, data, _seq_len(config))
 
 
 def _seq_len(config) -> Optional[int]:
@@ -316,7 +314,7 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     for hook in run_hooks:
         hook.finish(loop)
     engine.wait(loop.state)
-    timer = next(h for h in run_hooks if isinstance(h, hooks.StepTimer))
+    timer = loop.timer  # the StepTimer hook registered itself when it started
     return loop.state, LoopResult(
         steps=loop.steps, samples_seen=loop.samples_seen, samples_dropped=loop.samples_dropped,
         loop_seconds=time.perf_counter() - started, losses=loop.losses, window_step_s=timer.window_step_s,
