@@ -54,7 +54,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     import argparse
@@ -676,10 +676,14 @@ class CpuQuota:
             (self.group / "cpu.cfs_quota_us").write_text(str(quota))
         else:
             (self.group / "cpu.max").write_text(f"{quota} {self.period_us}")
-        self._move(self.group)
+        moved, error = self._move(self.group)
+        if not moved:  # a slowdown that never happened must not pass for one that was not seen
+            raise TestbedError(f"could not put any process of host {self.host} into {self.group}: {error}")
+        self.throttled: Dict[str, float] = {}
         return self
 
     def __exit__(self, *exc) -> None:
+        self.throttled = self.throttling()
         self._move(self.root)
         for _ in range(50):  # a process still leaving keeps the group busy for a moment
             try:
@@ -688,12 +692,21 @@ class CpuQuota:
             except OSError:
                 time.sleep(0.1)
 
-    def _move(self, group: Path) -> None:
+    def throttling(self) -> Dict[str, float]:
+        """How often and how long the quota held the host back so far: {"periods", "throttled", "seconds"}."""
+        stat = dict(line.split() for line in (self.group / "cpu.stat").read_text().splitlines() if line.strip())
+        seconds = int(stat["throttled_time"]) / 1e9 if "throttled_time" in stat else int(stat["throttled_usec"]) / 1e6
+        return {"periods": int(stat["nr_periods"]), "throttled": int(stat["nr_throttled"]), "seconds": seconds}
+
+    def _move(self, group: Path) -> Tuple[int, str]:
+        moved, error = 0, "the host has no processes"
         for pid in host_pids(self.bed.host(self.host).pid):
             try:
                 (group / "cgroup.procs").write_text(str(pid))
-            except OSError:
-                continue  # it ended, or is a kernel thread
+                moved += 1
+            except OSError as e:
+                error = f"pid {pid}: {e}"  # it ended, or is a kernel thread
+        return moved, error
 
 
 def cgroup_mount_lines(mountinfo: str = "/proc/self/mountinfo") -> List[str]:

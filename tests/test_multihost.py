@@ -210,7 +210,7 @@ SMALL_MLP = ("--hidden-dim", "64", "--devices", "1")  # steps of a few ms of wor
 
 
 def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ray_cluster):
-    """Stragglers: 300 steps on three clean hosts name nobody; with w1's processes held to 0.3 of a CPU
+    """Stragglers: 300 steps on three clean hosts name nobody; with w1's processes held to 0.15 of a CPU
     (a real cgroup quota), the run names process w1 - in the log, the progress line and the report - once the
     first 50-step window is full."""
 
@@ -224,13 +224,16 @@ def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ra
     # three quarters of its rounds, which noise does not give).
     assert stragglers["events"] == [] and stragglers["slow_now"] == [], stragglers
 
-    with testbed_lib.CpuQuota(ray_cluster.testbed, "w1", 0.3):
+    # 0.15 of a CPU: held back by more than a busy 2-core machine's run-queue waits slow the others.
+    with testbed_lib.CpuQuota(ray_cluster.testbed, "w1", 0.15) as quota:
         out, p = _job(ray_cluster, "head", *SMALL_MLP, "--steps", "70")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert_valid_report(report)
+    print("slowed run: w1's quota", quota.throttled, "- the last window:", report["stragglers"]["latest"])
+    assert quota.throttled["throttled"] > 0, quota.throttled  # the quota really held w1 back
     slow = [e for e in report["stragglers"]["events"] if e["event"] == "slow"]
-    assert [(e["host"], e["what"]) for e in slow] == [("w1", "devices")], report["stragglers"]
+    assert [(e["host"], e["what"]) for e in slow] == [("w1", "devices")], report["stragglers"]["latest"]
     assert slow[0]["step"] == 50 and slow[0]["slower_by"] >= 0.3, slow  # named once the window is full
     assert any(s.startswith("process %d on w1 +" % slow[0]["process"]) for s in report["stragglers"]["slow_now"])
     log = p.stdout + p.stderr
