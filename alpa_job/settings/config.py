@@ -156,9 +156,9 @@ def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...]) 
     values: Dict[str, Any] = {}
     if base is not None:
         base_path, base_label = _resolve_base(str(base), path, label, presets_dir)
-        values.update(_load_chain(base_path, base_label, presets_dir, seen + (real,)))
-    values.update(_settings(data, label))
-    return values
+        values = _load_chain(base_path, base_label, presets_dir, seen + (real,))
+    # Merged like the other layers: a file's model_args change its base's one by one, not all of them.
+    return _merged(values, _settings(data, label))
 
 
 def _resolve_base(base: str, from_path: str, label: str, presets_dir: str) -> Tuple[str, str]:

@@ -9,11 +9,14 @@ the attention heads and the vocabulary over the model axis. This module needs on
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 EMBED, MLP, HEADS, KV, VOCAB = "embed", "mlp", "heads", "kv", "vocab"
 
@@ -41,12 +44,42 @@ class RMSNorm(nn.Module):
         return (normed * scale).astype(self.dtype)
 
 
-def rotary(x, theta: float = 10000.0):
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling: stretches the long wavelengths by `factor` so a model
+    trained on `original_max_len` tokens reads longer contexts, and leaves the short ones alone."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None) -> np.ndarray:
+    """The head_dim/2 angular frequencies theta^(-2i/head_dim), Llama-3-scaled when `scaling` is given.
+
+    Computed in float64 numpy, once at trace time: they depend only on static sizes, so the one
+    rounding to float32 is the only error rotary sees. Scaling: a wavelength shorter than original_max_len/high_freq_factor
+    keeps its frequency, one longer than original_max_len/low_freq_factor is divided by factor, and
+    between the two the frequency interpolates smoothly (clipping `smooth` to [0, 1] gives all three).
+    """
+    inv_freq = 1.0 / float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq
+    wavelength = 2 * np.pi / inv_freq
+    smooth = ((scaling.original_max_len / wavelength - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smooth = np.clip(smooth, 0.0, 1.0)
+    return (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+
+
+def rotary(x, theta: float = 10000.0, scaling: Optional[RopeScaling] = None):
     """Rotary position embedding over [batch, seq, heads, head_dim]: each pair (i, i + head_dim/2)
     of a position's vector turns by an angle proportional to the position, so q.k depends on the
-    positions only through their difference. A rotation: every vector keeps its norm."""
+    positions only through their difference. A rotation: every vector keeps its norm. The pairing by
+    halves is Hugging Face's rotate_half, so its Llama checkpoints load without permuting q and k."""
     seq, dim = x.shape[1], x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    inv_freq = jnp.asarray(rope_inverse_frequencies(dim, theta, scaling), jnp.float32)
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -85,6 +118,7 @@ class Attention(nn.Module):
     dtype: Any = jnp.float32
     rope_theta: float = 10000.0
     attention: str = "auto"  # "auto" | "cudnn" | "einsum" (see grouped_causal_attention)
+    rope_scaling: Optional[RopeScaling] = None
 
     @nn.compact
     def __call__(self, x):
@@ -95,8 +129,8 @@ class Attention(nn.Module):
             return nn.DenseGeneral((heads, head_dim), use_bias=False, dtype=self.dtype, name=name,
                                    kernel_init=logical(_normal, (EMBED, HEADS, KV)))(x)
 
-        q = rotary(project(self.num_heads, "query"), self.rope_theta)
-        k = rotary(project(self.num_kv_heads, "key"), self.rope_theta)
+        q = rotary(project(self.num_heads, "query"), self.rope_theta, self.rope_scaling)
+        k = rotary(project(self.num_kv_heads, "key"), self.rope_theta, self.rope_scaling)
         v = project(self.num_kv_heads, "value")
         out = grouped_causal_attention(q, k, v, self.attention)
         return nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out",
@@ -128,19 +162,32 @@ class DecoderBlock(nn.Module):
     dtype: Any = jnp.float32
     rope_theta: float = 10000.0
     attention: str = "auto"
+    rope_scaling: Optional[RopeScaling] = None
+    rms_norm_eps: float = 1e-6
 
     @nn.compact
     def __call__(self, x):
-        x = x + Attention(self.num_heads, self.num_kv_heads, self.dtype, self.rope_theta, self.attention,
-                          name="attention")(RMSNorm(dtype=self.dtype, name="attention_norm")(x))
-        return x + SwiGLU(self.mlp_dim, self.dtype, name="mlp")(RMSNorm(dtype=self.dtype, name="mlp_norm")(x))
+        norm = functools.partial(RMSNorm, epsilon=self.rms_norm_eps, dtype=self.dtype)
+        attention = Attention(self.num_heads, self.num_kv_heads, self.dtype, self.rope_theta, self.attention,
+                              self.rope_scaling, name="attention")
+        x = x + attention(norm(name="attention_norm")(x))
+        return x + SwiGLU(self.mlp_dim, self.dtype, name="mlp")(norm(name="mlp_norm")(x))
+
+
+def decoder_block(model: "Llama", name: Optional[str] = None) -> DecoderBlock:
+    """The block `model` stacks, with every setting it shares: the one place that lists them, so the
+    block the kit's fast initialiser and pipeline build outside the model (model.repeated_blocks) is
+    the block inside it."""
+    return DecoderBlock(model.num_heads, model.num_kv_heads, model.mlp_dim, model.dtype, model.rope_theta,
+                        model.attention, model.rope_scaling, model.rms_norm_eps, name=name)
 
 
 class Llama(nn.Module):
     """tokens [batch, seq] -> logits [batch, seq, vocab] (causal: position t sees tokens 0..t).
 
-    The output projection is its own weight (untied, as in LLaMA 1 and 2); its matmul runs in the
-    compute dtype and the loss upcasts the logits inside its log-softmax.
+    The output projection is its own weight (untied, as in LLaMA 1 and 2, and Llama 3's 8B and up)
+    unless tie_embeddings, where the logits are x @ embedding.T (Llama 3.2's 1B and 3B); either
+    matmul runs in the compute dtype and the loss upcasts the logits inside its log-softmax.
     """
 
     num_layers: int = 2
@@ -152,14 +199,20 @@ class Llama(nn.Module):
     dtype: Any = jnp.float32
     rope_theta: float = 10000.0
     attention: str = "auto"
+    rope_scaling: Optional[RopeScaling] = None
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.vocab_size, self.d_model, embedding_init=logical(_normal, (VOCAB, EMBED)),
-                     name="embed")(tokens).astype(self.dtype)
+        # dtype: the lookup returns the compute dtype, and a tied head's attend multiplies in it.
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype,
+                         embedding_init=logical(_normal, (VOCAB, EMBED)), name="embed")
+        x = embed(tokens)
         for i in range(self.num_layers):
-            x = DecoderBlock(self.num_heads, self.num_kv_heads, self.mlp_dim, self.dtype, self.rope_theta,
-                             self.attention, name=f"layer_{i}")(x)
-        x = RMSNorm(dtype=self.dtype, name="final_norm")(x)
+            x = decoder_block(self, name=f"layer_{i}")(x)
+        x = RMSNorm(epsilon=self.rms_norm_eps, dtype=self.dtype, name="final_norm")(x)
+        if self.tie_embeddings:
+            return embed.attend(x)
         return nn.Dense(self.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head",
                         kernel_init=logical(_normal, (EMBED, VOCAB)))(x)

@@ -7,11 +7,15 @@ per-example loss and learnable synthetic data.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
 from alpa_job import api
-from llama_example.layers import DecoderBlock, Llama
+from llama_example.hf import hf_weights
+from llama_example.layers import DecoderBlock, Llama, RopeScaling, decoder_block
+
+ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclasses.dataclass
@@ -25,6 +29,13 @@ class LlamaArgs:
     vocab_size: int = 256
     rope_theta: float = 10000.0
     attention: str = "auto"  # auto | cudnn | einsum
+    rms_norm_eps: float = 1e-6  # every RMSNorm's epsilon; Hugging Face's Llama 2 and 3 checkpoints use 1e-5
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's frequency scaling, with the four rope_* below)
+    rope_factor: float = 8.0  # llama3: long wavelengths' frequencies are divided by it
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths over rope_original_max_len / this are scaled fully
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under rope_original_max_len / this are kept
+    rope_original_max_len: int = 8192  # llama3: the context length the model was first trained on
+    tie_embeddings: bool = False  # true: no lm_head, the logits are x @ embedding.T (Llama 3.2 1B/3B)
 
 
 def mlp_dim_of(args: LlamaArgs) -> int:
@@ -42,6 +53,28 @@ def check(args: LlamaArgs) -> None:
                          "(rotary embeddings turn pairs); e.g. d_model=" + str(args.num_heads * 16))
     if args.attention not in ("auto", "cudnn", "einsum"):
         raise ValueError(f"attention={args.attention!r} is not known; use auto, cudnn or einsum")
+    check_rope(args)
+
+
+def check_rope(args: LlamaArgs) -> None:
+    """The rope scaling settings, checked whether or not rope_scaling uses them (a wrong one is a
+    mistake either way, and caught before it is switched on)."""
+    if args.rope_scaling not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling={args.rope_scaling!r} is not known; use none or llama3")
+    if args.rope_low_freq_factor >= args.rope_high_freq_factor:
+        raise ValueError(f"rope_low_freq_factor={args.rope_low_freq_factor} must be below rope_high_freq_factor="
+                         f"{args.rope_high_freq_factor}; e.g. rope_low_freq_factor=1 rope_high_freq_factor=4")
+    if args.rope_factor <= 0 or args.rope_original_max_len <= 0:
+        raise ValueError(f"rope_factor={args.rope_factor} and rope_original_max_len={args.rope_original_max_len} "
+                         "must be > 0; e.g. rope_factor=8 rope_original_max_len=8192")
+
+
+def rope_scaling_of(args: LlamaArgs) -> Optional[RopeScaling]:
+    """The layers' RopeScaling for args.rope_scaling (None: plain theta^(-2i/d) frequencies)."""
+    if args.rope_scaling == "none":
+        return None
+    return RopeScaling(factor=args.rope_factor, low_freq_factor=args.rope_low_freq_factor,
+                       high_freq_factor=args.rope_high_freq_factor, original_max_len=args.rope_original_max_len)
 
 
 def next_token_loss(logits, batch):
@@ -65,9 +98,8 @@ def repeated_blocks(module: Llama, tokens) -> api.RepeatedBlocks:
     import jax
 
     return api.RepeatedBlocks(
-        shell=module.clone(num_layers=0),
-        block=DecoderBlock(module.num_heads, module.num_kv_heads, module.mlp_dim, module.dtype, module.rope_theta,
-                           module.attention),
+        shell=module.clone(num_layers=0),  # clone keeps every other field: eps, tying, rope scaling
+        block=decoder_block(module),
         block_input=jax.ShapeDtypeStruct(tuple(tokens.shape) + (module.d_model,), module.dtype),
         names=tuple(f"layer_{i}" for i in range(module.num_layers)))
 
@@ -76,7 +108,10 @@ def build(args: LlamaArgs, dtype) -> api.Model:
     check(args)
     module = Llama(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads,
                    num_kv_heads=args.num_kv_heads, mlp_dim=mlp_dim_of(args), vocab_size=args.vocab_size,
-                   dtype=dtype, rope_theta=args.rope_theta, attention=args.attention)
+                   dtype=dtype, rope_theta=args.rope_theta, attention=args.attention,
+                   rope_scaling=rope_scaling_of(args), rms_norm_eps=args.rms_norm_eps,
+                   tie_embeddings=args.tie_embeddings)
     return api.Model(module=module, input_field="tokens", loss=next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
-                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers")
+                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
+                     hf=hf_weights(args, mlp_dim_of(args)))
