@@ -43,7 +43,9 @@ What a builder returns, `Model`:
   the JAX engine's (it takes over at the model's first call of `layer_class`);
 - `depth_setting`: the name of the builder setting that counts those layers (e.g. "num_layers"), so
   `--strategy auto` can time its candidates on copies of the model with 1 and 3 layers and predict the
-  whole model's step time and memory from them, compiling only the winner whole.
+  whole model's step time and memory from them, compiling only the winner whole;
+- `hf`: `HfWeights`, how the parameters are a Hugging Face checkpoint's tensors, for `--init-from hf:DIR`,
+  `python -m alpa_job hf export` and `hf logits`.
 
 Token data (`--dataset tokens`): the kit cuts windows of `seq_len + 1` tokens into the field
 `tokens` and checks the ids against `vocab_size`, both read from the builder's settings of those
@@ -70,9 +72,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
 
-API_VERSION = "1.3"
+API_VERSION = "1.4"
 
-__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "logical", "constrain", "mse", "cross_entropy", "Setting",
+__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "HfTensor", "HfWeights", "logical", "constrain", "mse", "cross_entropy", "Setting",
            "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
            "BATCH", "EMBED", "MLP", "HEADS", "KV", "VOCAB", "CHANNELS", "CONV_IN", "SEQ"]
 
@@ -128,6 +130,37 @@ class RepeatedBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
+class HfTensor:
+    """One parameter as one tensor of a Hugging Face checkpoint.
+
+    `path`: the parameter's keys in the model's params (("layer_0", "attention", "query", "kernel"));
+    `name`: the checkpoint's tensor ("model.layers.0.self_attn.q_proj.weight"); `shape`: its shape there;
+    `transposed`: the parameter is the tensor transposed (PyTorch's Linear keeps [out, in], a flax kernel
+    [in, out]) and then reshaped to the parameter's shape (heads split out of a projection's width)."""
+
+    path: Tuple[str, ...]
+    name: str
+    shape: Tuple[int, ...]
+    transposed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class HfWeights:
+    """How a model's parameters are a Hugging Face checkpoint (config.json + *.safetensors), as the model's
+    settings shape it.
+
+    `architectures`: the config.json `architectures` this layout reads (the first is written on export);
+    `config`: the config.json the settings imply (written on export); `settings`: its entries a checkpoint's
+    config must agree with before it is read, each by its dotted path ("rope_scaling.factor") -> the builder
+    setting that sets it (a mismatch's fix names it); `tensors`: one HfTensor per parameter."""
+
+    architectures: Tuple[str, ...]
+    config: Dict[str, Any]
+    settings: Dict[str, str]
+    tensors: Tuple[HfTensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Model:
     """What a builder returns: the module and how the kit trains it (this module's docstring says
     what each field is for)."""
@@ -143,6 +176,7 @@ class Model:
     layer_count: Optional[int] = None
     layer_class: Optional[type] = None
     depth_setting: Optional[str] = None
+    hf: Optional[HfWeights] = None
 
 
 def mse(outputs, batch):

@@ -16,7 +16,7 @@ from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, EXIT_PREEMPTED, KitError
 from alpa_job.settings.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
 
-SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data", "plan")
+SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data", "plan", "hf")
 
 
 EXIT_CODES = ("exit codes: 0 done; 1 training failed or diverged (the report in the run directory says how far it "
@@ -190,6 +190,28 @@ def _data_parser(sub) -> None:
     q.add_argument("--no-eot", action="store_true", help="no end-of-text id after each document")
 
 
+def _hf_parser(sub) -> None:
+    p = sub.add_parser("hf", help="Hugging Face checkpoints: write a run's weights as one, or the logits of one")
+    verbs = p.add_subparsers(dest="hf_command", metavar="ACTION")
+    verbs.required = True
+    e = verbs.add_parser("export", help="a run's checkpoint -> a Hugging Face checkpoint folder (config.json + "
+                                        "*.safetensors) of its model's architecture")
+    e.add_argument("run", metavar="RUN", help="the run folder (train's --out)")
+    e.add_argument("dir", metavar="DIR", help="the folder to write (new or empty)")
+    e.add_argument("--step", type=int, help="the checkpoint step to export (default: the newest complete one)")
+    e.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                   help="the tensors' dtype (default: bfloat16, as published checkpoints)")
+    lg = verbs.add_parser("logits", help="the kit's float32 logits for given token ids from a checkpoint folder, "
+                                         "to compare its reading of the weights with your own reference")
+    lg.add_argument("dir", metavar="DIR", help="a Hugging Face checkpoint folder")
+    lg.add_argument("--tokens", required=True, metavar="FILE.npy", help="integer token ids, [seq] or [batch, seq]")
+    lg.add_argument("--out", required=True, metavar="FILE.npy", help="where to save the logits [.., seq, vocab]")
+    lg.add_argument("--model", default="llama", help="the model that reads the checkpoint (default: llama, the "
+                                                     "installed LLaMA example); its settings come from config.json")
+    lg.add_argument("--model-arg", action="append", metavar="NAME=VALUE",
+                    help="a model setting config.json does not give (e.g. attention=einsum); repeatable")
+
+
 def _plan_parser(sub) -> None:
     from alpa_job.planner.cli import add_parser  # flags and output: alpa_job/planner/cli.py
 
@@ -206,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_parser(sub)
     _data_parser(sub)
     _plan_parser(sub)
+    _hf_parser(sub)
     return parser
 
 
@@ -269,6 +292,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from alpa_job.planner import cli as plan_cli
 
             return plan_cli.run(args)
+        if args.command == "hf":
+            from alpa_job.hf import commands as hf_commands
+
+            return hf_commands.run(args)
         return _train(args)
     except KitError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -183,6 +183,19 @@ class JaxEngine(Engine):
         self._count_cache_hits()
         return self._initializer(seed)
 
+    def state_from_params(self, read_params) -> TrainState:
+        """The state from given weights: `read_params(layout)` makes the model's parameters in `layout` (their
+        ShapeDtypeStructs with the shardings the initialiser makes them in), then the state is made from them as
+        from random ones (optimizer state fresh, step 0)."""
+        if self._init_compiled is None:
+            self._start_init_compile()
+        self._init_compiled.result()
+        if self.pipeline is not None:
+            layout = self._model_layout_to_make()
+        else:
+            layout = self._initialised_layout().params
+        return self._initializer.from_params(read_params(layout), self._initialised_layout())
+
     def wait_for_every_process(self) -> None:
         """Across processes: wait until every one has compiled its step and initialiser (every_process)."""
         if jax.process_count() == 1:

@@ -122,6 +122,16 @@ class StateInitializer:
         make = jax.jit(lambda p: self.make_state(p, None), out_shardings=state_sharding, donate_argnums=donate)
         self._lowered["state"] = make.lower(made)
 
+    def from_params(self, params, abstract_state):
+        """The state made from given parameters (the model's own layout; e.g. a Hugging Face checkpoint's
+        weights) instead of random ones: the pieces' last step, or for a model initialised whole its own
+        make_state, compiled now for `abstract_state`'s shardings."""
+        made = self._compiled.get("state")
+        if made is None:
+            sharding = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+            made = jax.jit(lambda p: self.make_state(p, None), out_shardings=sharding).lower(params).compile()
+        return made(params)
+
     def compile(self) -> None:
         for name, lowered in self._lowered.items():
             self._compiled[name] = lowered.compile()

@@ -116,7 +116,7 @@ def _resolve_model(config, engine: str, address: str):
     from alpa_job.models import is_built_in, resolve
 
     if is_built_in(config.model):
-        return config
+        return resolve(config)  # no builder to import; its checks without jax
     if address == NO_RAY and engine == "jax":
         from alpa_job.train.loop import ensure_cpu_devices
 

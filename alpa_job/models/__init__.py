@@ -55,6 +55,7 @@ class ModelSpec:
     layer_count: Optional[int] = None  # the repeated layers (Alpa's pipeline boundaries count them)
     layer_class: Optional[type] = None  # the flax class whose calls are those layers
     depth_setting: Optional[str] = None  # the builder setting that counts those layers (api.Model)
+    hf: Optional[Any] = None  # api.HfWeights: the parameters as a Hugging Face checkpoint's tensors
 
     def apply_train(self, variables: Dict[str, Any], batch: Dict[str, Any]):
         """Forward pass in training mode; returns (outputs, new batch_stats or None)."""
@@ -169,12 +170,21 @@ def resolve(config):
     declared setting's value) and call it once, so every mistake is a one-line error now. Built-ins need
     none of it (their sizes were checked with the config, without jax)."""
     if is_built_in(config.model):
+        if getattr(config, "init_from", None):  # the kit's own models have no Hugging Face layout
+            from alpa_job.hf.layout import weights_of
+
+            weights_of(None, config.model)
         return config
     builder = builder_of(config.model)
     values = builders.typed_args(builder, config.model_args)
     config = config.replace(model_args=values)
     model = builders.call(builder, builders.args_object(builder, values), values, _dtype(config))
     check_data_fits(config, model)
+    if getattr(config, "init_from", None):
+        from alpa_job.hf.checkpoint import HfCheckpoint, parse_source
+        from alpa_job.hf.layout import check_fits, weights_of
+
+        check_fits(HfCheckpoint(parse_source(config.init_from)), weights_of(model, config.model), config.model)
     return config
 
 
@@ -224,7 +234,7 @@ def get_model(config) -> ModelSpec:
                      decode=model.decode,
                      dataset=(lambda path, split: dataset(args, path, split)) if dataset is not None else None,
                      layer_count=model.layer_count, layer_class=model.layer_class,
-                     depth_setting=model.depth_setting)
+                     depth_setting=model.depth_setting, hf=model.hf)
 
 
 def stronger_remat(config) -> Tuple[str, ...]:

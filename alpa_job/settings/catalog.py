@@ -137,6 +137,10 @@ OUTPUT_AND_RESTARTS = (
     Setting("resume", bool, False, "continue from the latest checkpoint in --out (same model settings); "
             "--resume auto: continue when --out holds a complete checkpoint, else start fresh", OUTPUT,
             words=("auto",), metavar="auto", decides_step=False),
+    Setting("init_from", Optional[str], None, "jax: start from a Hugging Face checkpoint's weights instead of random "
+            "ones (hf:DIR, a folder of config.json and *.safetensors; the model's settings must give its shapes); "
+            "with --resume a run's own checkpoint comes first", OUTPUT, metavar="hf:DIR", default_help="random weights",
+            decides_step=False),
     Setting("max_restarts", int, 0, "jax engine on Ray: after a lost process or node, restart up to N times on the "
             "nodes alive then, from the last checkpoint", OUTPUT, check=NON_NEGATIVE, default_help="0, fail fast",
             decides_step=False),

@@ -89,6 +89,8 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
                 f"{engine}, --address {address}); drop it or run the JAX engine on Ray")
     if name == "restart_wait" and not getattr(config, "max_restarts", 0):
         return "it is how long a restart waits, and --max-restarts is 0; drop it or add --max-restarts N"
+    if name == "init_from" and engine != "jax":
+        return "the JAX engine reads Hugging Face weights; Alpa initialises its own state; drop it or use --engine jax"
     if name == "devices" and engine == "alpa":
         return "Alpa runs on the nodes' GPUs, it never emulates CPU devices; drop it"
     return None
@@ -246,6 +248,10 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
             raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches "
                            f"{config.micro_batches}; use a multiple of {config.micro_batches}")
     parse_profile(config.profile)
+    if config.init_from:
+        from alpa_job.hf.checkpoint import parse_source, read_config
+
+        read_config(parse_source(config.init_from))  # the folder and its config; the tensors once the model is built
     if config.profile and engine == "alpa":
         raise KitError("--profile traces the jax engine's steps; Alpa has its own (ALPA_PROF); drop it or use --engine jax")
     check_data(config, engine)

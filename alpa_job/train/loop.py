@@ -233,7 +233,15 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
         start_step = int(engine.to_floats([state.step])[0])
         progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
         return state, start_step, data_state
-    state = engine.init_state(config.seed)
+    if getattr(config, "init_from", None):
+        from alpa_job.hf.checkpoint import parse_source
+        from alpa_job.hf.load import read_params
+
+        source = parse_source(config.init_from)
+        state = engine.state_from_params(lambda layout: read_params(source, engine.model.hf, layout, config.model))
+        progress.note(f"[alpa_job] weights from the Hugging Face checkpoint in {source}")
+    else:
+        state = engine.init_state(config.seed)
     engine.wait(state)
     return state, 0, None
 
