@@ -17,6 +17,13 @@ TINY_ARGS = ("num_layers=2", "d_model=64", "num_heads=4", "num_kv_heads=2", "mlp
              "rms_norm_eps=1e-5", "seq_len=16")
 
 
+def write_tiny(directory: str, files: int = 2, **overrides) -> Dict[str, np.ndarray]:
+    """A tiny checkpoint of TINY's shapes (with `overrides`) in `directory`; returns its tensors."""
+    tensors = pytorch_state_dict(reference_model(**overrides))
+    write_checkpoint(directory, tensors, {**TINY, **overrides}, files=files)
+    return tensors
+
+
 def reference_model(**overrides):
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
     import jax.numpy as jnp

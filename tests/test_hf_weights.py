@@ -58,6 +58,20 @@ def test_slices_read_from_the_file_equal_slices_of_the_whole_tensor(checkpoint):
     np.testing.assert_array_equal(layout.to_tensor(query, whole), tensors["model.layers.1.self_attn.q_proj.weight"])
 
 
+def test_a_bfloat16_checkpoint_in_one_file_reads_as_its_values(checkpoint, tmp_path):
+    """Published checkpoints are bf16: read as such (the state casts them to its dtype, exactly: bf16 fits f32)."""
+    import ml_dtypes
+
+    _, tensors, _ = checkpoint
+    helpers_hf.write_checkpoint(str(tmp_path / "bf16"), tensors, helpers_hf.TINY, files=1, dtype=ml_dtypes.bfloat16)
+    ckpt = HfCheckpoint(str(tmp_path / "bf16"))
+    assert ckpt.info("lm_head.weight") == ((128, 64), "BF16")
+    head = next(t for t in _weights().tensors if t.name == "lm_head.weight")
+    got = layout.read_slice(ckpt, head, (64, 128), (slice(0, 64), slice(64, 128)))
+    np.testing.assert_array_equal(got.astype(np.float32),
+                                  tensors["lm_head.weight"].astype(ml_dtypes.bfloat16).astype(np.float32).T[:, 64:])
+
+
 def _weights(**args):
     from llama_example.model import LlamaArgs, build
     import jax.numpy as jnp

@@ -11,6 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+import helpers_hf
+from helpers_cli import run_cli
 from helpers_report import assert_valid_report
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -22,14 +24,20 @@ TINY_LLAMA = ["num_layers=2", "d_model=32", "num_heads=4", "num_kv_heads=2", "se
 STEPS = 3
 
 
+# A Hugging Face checkpoint of TINY_LLAMA's shapes, shipped in the working directory beside the package.
+HF_TINY = {"hidden_size": 32, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 64, "rms_norm_eps": 1e-6}
+
+
 def _source_on_the_head_only(ray_cluster) -> Path:
     """A copy of the example's folder that only the head sees (as on a real cluster, where the source is on
-    the submitting machine): the bed's hosts share the machine's files except their own /tmp/ray, so the copy
-    goes there. Returns its path as the head sees it."""
+    the submitting machine), with a tiny Hugging Face checkpoint in it (hf-tiny/): the bed's hosts share the
+    machine's files except their own /tmp/ray, so the copy goes there. Returns its path as the head sees it."""
     bed = ray_cluster.testbed
     private = bed.ray_dir("head") / "akt-user-src" / "llama"
     if not private.exists():
         shutil.copytree(LLAMA_DIR, private, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        helpers_hf.write_tiny(str(private / "hf-tiny"), **HF_TINY)
     inside = Path("/tmp/ray/akt-user-src/llama")
     assert bed.exec("head", "test", "-f", str(inside / "llama_example" / "model.py"), check=False).returncode == 0
     for host in bed.ips:
@@ -93,13 +101,30 @@ def _check_trained_on_three_hosts(ray_cluster, report):
     assert report["versions"].get("alpa_job_api")
 
 
-def test_working_dir_reaches_every_nodes_process(ray_cluster):
+def test_working_dir_reaches_every_nodes_process_and_a_fine_tune_starts_from_its_checkpoint(ray_cluster, tmp_path):
+    """The job also starts from the Hugging Face checkpoint shipped in the working directory (--init-from
+    hf:hf-tiny, read by each host's process from its own unpacked copy): its first loss is the one a run on
+    this machine alone gets from the same checkpoint."""
     _not_importable_on_any_host(ray_cluster)
     source = _source_on_the_head_only(ray_cluster)
-    report, p = _submit(ray_cluster, "workdir", "--working-dir", str(source))
+    out, p = _run_job(ray_cluster, "workdir", ["--working-dir", str(source)],
+                      lambda out: _train_command(ray_cluster, out) + ["--init-from", "hf:hf-tiny"])
+    assert p.returncode == 0, "ray job submit failed:\n%s\n%s" % (p.stdout[-6000:], p.stderr[-3000:])
+    report = json.loads((out / "report.json").read_text())
+    assert_valid_report(report)
     _check_trained_on_three_hosts(ray_cluster, report)
     assert "succeeded" in p.stdout + p.stderr
     _unpacked_on_every_host(ray_cluster, "working_dir_files")
+
+    alone = tmp_path / "alone"
+    local = _train_command(ray_cluster, alone)[3:]  # after `python -m alpa_job`
+    local = [a for a in local if a != "--cluster-spec" and a != str(ray_cluster.spec_path)]
+    q = run_cli(*local, "--address", "none", "--init-from", "hf:%s" % (ray_cluster.testbed.ray_dir("head") /
+                "akt-user-src" / "llama" / "hf-tiny"), env={"PYTHONPATH": "%s:%s" % (REPO, LLAMA_DIR),
+                                                              "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert q.returncode == 0, q.stderr[-3000:]
+    first = json.loads((alone / "report.json").read_text())["summary"]["loss_first"]
+    assert report["summary"]["loss_first"] == pytest.approx(first, rel=1e-5), (report["summary"], first)
 
 
 def test_py_modules_runtime_env_reaches_every_nodes_process(ray_cluster):
