@@ -47,6 +47,9 @@ What a builder returns, `Model`:
 - `hf`: `HfWeights`, how the parameters are a Hugging Face checkpoint's tensors, for `--init-from hf:DIR`,
   `python -m alpa_job hf export` and `hf logits`.
 
+fp8 (`--precision fp8`): dense layers given `dot_general=api.dot_general` run their products in float8 while
+the engine traces such a step (plain `lax.dot_general` otherwise); a model with none is refused in one line.
+
 Token data (`--dataset tokens`): the kit cuts windows of `seq_len + 1` tokens into the field
 `tokens` and checks the ids against `vocab_size`, both read from the builder's settings of those
 names (GPT's convention: the model reads tokens[:, :-1] and predicts tokens[:, 1:]).
@@ -74,8 +77,8 @@ from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Settin
 
 API_VERSION = "1.4"
 
-__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "HfTensor", "HfWeights", "logical", "constrain", "mse", "cross_entropy", "Setting",
-           "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
+__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "HfTensor", "HfWeights", "logical", "constrain", "dot_general",
+           "mse", "cross_entropy", "Setting", "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
            "BATCH", "EMBED", "MLP", "HEADS", "KV", "VOCAB", "CHANNELS", "CONV_IN", "SEQ"]
 
 # Logical axis names: the only sharding vocabulary model code uses.
@@ -104,6 +107,22 @@ def logical(init: Callable, axes: Tuple[Optional[str], ...]) -> Callable:
 # strategy's layout. A context variable, so tracing on another thread (a concurrent compile) sees its own.
 _ACTIVATION_LAYOUT: "contextvars.ContextVar[Optional[Callable[[Any, Tuple[Optional[str], ...]], Any]]]" = \
     contextvars.ContextVar("alpa_job_activation_layout", default=None)
+
+
+# Set by an engine while it traces a `--precision fp8` step: the matmul dot_general runs.
+_MATMUL: "contextvars.ContextVar[Optional[Callable[..., Any]]]" = contextvars.ContextVar("alpa_job_matmul", default=None)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """jax.lax.dot_general, or the engine's fp8 product while it traces a `--precision fp8` step. Give it to
+    your dense layers (`nn.Dense(..., dot_general=api.dot_general)`) so `--precision fp8` reaches them."""
+    matmul = _MATMUL.get()
+    if matmul is None:
+        from jax import lax
+
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type)
+    return matmul(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type)
 
 
 def constrain(x, axes: Tuple[Optional[str], ...]):

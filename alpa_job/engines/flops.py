@@ -36,11 +36,16 @@ def precision_of(dtype: str) -> str:
     return {"bfloat16": "bf16", "float8": "fp8"}.get(dtype, "tf32")
 
 
+def matmul_dtype(config) -> str:
+    """The dtype a run's dense products run in, for its peak: float8 under --precision fp8, else --dtype."""
+    return "float8" if getattr(config, "precision", "dtype") == "fp8" else config.dtype
+
+
 def peak(device_kind: str, dtype: str) -> dict:
     """{"precision", "measured", "datasheet"} (FLOP/s, None where unknown) for a run on `device_kind` (a
     device not in PEAKS, a CPU: float32 stays fp32)."""
     known = PEAKS.get(device_kind or "")
-    precision = precision_of(dtype) if known else {"bfloat16": "bf16"}.get(dtype, "fp32")
+    precision = precision_of(dtype) if known else {"bfloat16": "bf16", "float8": "fp8"}.get(dtype, "fp32")
     measured, datasheet = (known or {}).get(precision, (None, None))
     return {"precision": precision, "measured": measured, "datasheet": datasheet}
 

@@ -62,6 +62,8 @@ class JaxEngine(Engine):
         self.config, self.model = config, model
         self.strategy_record = strategies.get(strategy)  # the strategy's one record: rules, update split, XLA options
         self.mesh = make_mesh(mesh_shape, self.strategy_record.mesh_axes)
+        self.config_precision = getattr(config, "precision", "dtype")
+        self._precision_notes = self._check_precision(self.mesh.devices.flat)
         self.rules = self.strategy_record.param_rules
         self.activation_rules = self.strategy_record.activation_rules
         self.compiler_options = xla_options.compiler_options(strategy)  # the step's, in the report too
@@ -107,6 +109,21 @@ class JaxEngine(Engine):
         self._lowered_ahead = None  # (jitted, lowered) from lower_step(), for auto's candidates
         self.initialise_replicated = False  # auto's copies: their one state is created whole (auto_search)
         self.search_table: Optional[List[Dict[str, Any]]] = None  # set when --strategy auto chose this one
+
+    def _check_precision(self, devices) -> List[str]:
+        """--precision fp8 on GPUs without fp8 tensor cores: one line; on CPU devices: emulated, said."""
+        if self.config_precision != "fp8":
+            return []
+        from alpa_job.engines import fp8
+
+        unsupported = fp8.unsupported_gpu(devices)
+        if unsupported:
+            raise KitError(f"--precision fp8 needs fp8 tensor cores (compute capability 8.9 or later: Ada, Hopper), "
+                           f"and this run has {unsupported}; drop --precision fp8")
+        if all(d.platform == "cpu" for d in devices):
+            return ["--precision fp8 on CPU devices: the products are rounded to fp8 as on a GPU (the numbers of fp8 "
+                    "training), but run emulated, no faster than bf16"]
+        return []
 
     # ----- pipeline stages (engines/pipeline.py) ------------------------------------------------
     def _pipeline(self, config, model):
@@ -430,17 +447,32 @@ class JaxEngine(Engine):
     @contextlib.contextmanager
     def activation_layout(self):
         """While tracing: activations a model names with api.constrain are pinned to this strategy's
-        layout (its record's activation_rules), resolved like the parameters' (resolve_spec)."""
+        layout (its record's activation_rules), resolved like the parameters' (resolve_spec); under
+        --precision fp8 the products of api.dot_general run in fp8 (engines/fp8.py)."""
         def pin(x, axes):
             spec = resolve_spec(PartitionSpec(*axes), x.shape, self.activation_rules, self.mesh)
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
         # A pipeline's step runs under shard_map, where each device's layout is explicit: nothing to pin.
         token = api._ACTIVATION_LAYOUT.set(pin if self.pipeline is None else None)
+        products = []  # the products traced in fp8, counted
+        if self.config_precision == "fp8":
+            from alpa_job.engines import fp8
+
+            def matmul(*args, **kwargs):
+                products.append(1)
+                return fp8.dot_general(*args, **kwargs)
+        else:
+            matmul = None
+        matmul_token = api._MATMUL.set(matmul)
         try:
             yield
         finally:
             api._ACTIVATION_LAYOUT.reset(token)
+            api._MATMUL.reset(matmul_token)
+        if matmul is not None and not products:
+            raise KitError(f"--precision fp8: --model {self.model.name} has no dense layer whose product the kit can "
+                           "run in fp8; give its layers dot_general=alpa_job.api.dot_general, or drop --precision fp8")
 
     def step(self, state: TrainState, batch: Dict[str, jax.Array]):
         if self._compiled is None:
@@ -487,7 +519,7 @@ class JaxEngine(Engine):
         }
 
     def notes(self) -> List[str]:
-        return list(self._notes)
+        return list(self._notes) + self._precision_notes
 
     def extra_report(self) -> Dict[str, Any]:
         out = {"search": self.search_table, "compiler_options": self.compiler_options or None,

@@ -30,6 +30,8 @@ from alpa_job.settings.setting import Setting
 
 # The kit's own models, in the order `--model` lists them; each is the module named like it.
 BUILT_IN = ("mlp", "wide_resnet", "gpt")
+# The built-ins whose dense layers take api.dot_general: what --precision fp8 runs in fp8.
+FP8_READY = ("gpt",)
 
 # The public API's pieces under their old names here, for the kit's own modules.
 RepeatedBlocks = api.RepeatedBlocks

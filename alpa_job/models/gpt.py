@@ -114,7 +114,8 @@ def dense_options(remat: str, mlp: bool = False) -> dict:
     fsdp: gathers) the weight again instead of holding its compute-dtype copy from the forward (under
     fsdp every block's gathered weights at once); every activation is kept, nothing else is recomputed."""
     if not (remat == "weights" or (remat == "mlp-weights" and mlp)):
-        return {}
+        # api.dot_general: the product --precision fp8 runs in fp8 (a flax without the hook: plain products).
+        return {"dot_general": api.dot_general} if "dot_general" in getattr(nn.Dense, "__dataclass_fields__", {}) else {}
     if "promote_dtype" not in getattr(nn.Dense, "__dataclass_fields__", {}):
         raise KitError(f"--remat {remat} needs flax 0.8 or later (dense layers without a promote_dtype hook); "
                        "use --remat dots or full")
@@ -128,7 +129,7 @@ def _promote_all_but_the_kernel(inputs, kernel, bias, dtype=None, inexact=True):
 
 def _dot_casting_the_kernel_again(inputs, kernel, dimension_numbers, precision=None, **kwargs):
     def dot(x, k):
-        return jax.lax.dot_general(x, k.astype(x.dtype), dimension_numbers, precision=precision, **kwargs)
+        return api.dot_general(x, k.astype(x.dtype), dimension_numbers, precision=precision, **kwargs)
 
     # The backward needs only x and the cast kernel: the rerun matmul is dead and dropped.
     return jax.checkpoint(dot, policy=jax.checkpoint_policies.nothing_saveable)(inputs, kernel)

@@ -60,6 +60,9 @@ WHAT_TO_TRAIN = (
                       Switch("--pad-remainder", "pad", "pad a ragged last batch and mask it out of the loss"))),
     Setting("learning_rate", float, 1e-3, "Adam learning rate", check=ABOVE_ZERO, metavar="LR"),
     Setting("dtype", str, "float32", "compute dtype", choices=DTYPES),
+    Setting("precision", str, "dtype", "jax: the dense layers' products: in --dtype, or fp8 (e4m3 forward, e5m2 "
+            "gradients, per-tensor scales of this step; the rest stays bf16; needs --dtype bfloat16 and fp8 tensor "
+            "cores: Ada or Hopper; emulated on CPU)", choices=("dtype", "fp8")),
     Setting("seed", int, 0, "parameters and data order", metavar="SEED", decides_step=False),
 )
 

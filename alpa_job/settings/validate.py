@@ -89,6 +89,8 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
                 f"{engine}, --address {address}); drop it or run the JAX engine on Ray")
     if name == "restart_wait" and not getattr(config, "max_restarts", 0):
         return "it is how long a restart waits, and --max-restarts is 0; drop it or add --max-restarts N"
+    if name == "precision" and engine != "jax":
+        return "it sets the JAX engine's matmul precision; Alpa compiles its own; drop it or use --engine jax"
     if name == "init_from" and engine != "jax":
         return "the JAX engine reads Hugging Face weights; Alpa initialises its own state; drop it or use --engine jax"
     if name == "devices" and engine == "alpa":
@@ -248,6 +250,8 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
             raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches "
                            f"{config.micro_batches}; use a multiple of {config.micro_batches}")
     parse_profile(config.profile)
+    if getattr(config, "precision", "dtype") == "fp8":
+        _check_fp8(config)
     if config.init_from:
         from alpa_job.hf.checkpoint import parse_source, read_config
 
@@ -262,6 +266,18 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
         rows = config.num_samples if config.dataset == "synthetic" and config.remainder == "drop" else None
         check_divisibility(config, devices, where, rows=rows)
     return devices
+
+
+def _check_fp8(config: JobConfig) -> None:
+    from alpa_job.models import FP8_READY, is_built_in
+
+    if config.dtype != "bfloat16":
+        raise KitError(f"--precision fp8 runs the dense products in fp8 and the rest of the step in bf16; --dtype is "
+                       f"{config.dtype}: add --dtype bfloat16")
+    if is_built_in(config.model) and config.model not in FP8_READY:
+        raise KitError(f"--precision fp8: --model {config.model} has no dense layer the kit runs in fp8 (those of "
+                       f"{', '.join(FP8_READY)} and of models whose layers take dot_general=alpa_job.api.dot_general "
+                       "do); drop --precision fp8")
 
 
 def check_cluster_size(config: JobConfig, nodes: List[Any]) -> None:

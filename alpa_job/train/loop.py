@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from alpa_job import progress, strategies, versions
+from alpa_job.engines.flops import matmul_dtype
 from alpa_job.train import hooks, own_network, timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine, check_supported
@@ -176,7 +177,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     phases["process_to_first_step"] = looped.process_age_at_first_step
     read = input_record(data, stream, read_before, start_step, total_steps, looped.loop_seconds)
     run_timing = timing.summary(
-        phases, looped.window_step_s, engine.stats.flops_per_step, devices.get("kind"), config.dtype,
+        phases, looped.window_step_s, engine.stats.flops_per_step, devices.get("kind"), matmul_dtype(config),
         devices.get("count") or 1, engine.peak_memory_bytes(), (engine.stats.memory or {}).get("peak_estimate_bytes"),
         samples_per_step=looped.samples_seen / looped.steps if looped.steps else None,
         tokens_per_sample=seq_len)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 from alpa_job import progress
+from alpa_job.engines.flops import matmul_dtype
 from alpa_job.engines.optimizer import learning_rate_at, schedule_steps
 from alpa_job.train import timing
 
@@ -39,8 +40,8 @@ class LoopMetrics:
         and devices, `model_seq_len` tokens a sample when the model declares a seq_len (tokens/s)."""
         devices = engine.topology()["devices"]
         return cls(config.learning_rate, schedule_steps(config, data.epoch.steps), model_seq_len,
-                   engine.stats.flops_per_step, devices.get("kind"), devices.get("count") or 1, config.dtype,
-                   engine.peak_memory_bytes)
+                   engine.stats.flops_per_step, devices.get("kind"), devices.get("count") or 1,
+                   matmul_dtype(config), engine.peak_memory_bytes)
 
     def learning_rate(self, step: int) -> Optional[float]:
         """The rate of the update that made global step `step` (optax counts updates from 0)."""

@@ -30,6 +30,17 @@ def logical(init: Callable, axes: Tuple[Any, ...]) -> Callable:
     return init if with_partitioning is None else with_partitioning(init, axes)
 
 
+def products() -> dict:
+    """The block's dense layers' product: the kit's api.dot_general where the kit is installed (so its
+    `--precision fp8` reaches them; the output head stays in the compute dtype, as fp8 recipes keep it), jax's
+    own otherwise: this module needs only jax and flax."""
+    try:
+        from alpa_job.api import dot_general
+    except ImportError:
+        return {}
+    return {"dot_general": dot_general}
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * scale, computed in float32 whatever the compute dtype."""
 
@@ -127,14 +138,14 @@ class Attention(nn.Module):
 
         def project(heads, name):
             return nn.DenseGeneral((heads, head_dim), use_bias=False, dtype=self.dtype, name=name,
-                                   kernel_init=logical(_normal, (EMBED, HEADS, KV)))(x)
+                                   kernel_init=logical(_normal, (EMBED, HEADS, KV)), **products())(x)
 
         q = rotary(project(self.num_heads, "query"), self.rope_theta, self.rope_scaling)
         k = rotary(project(self.num_kv_heads, "key"), self.rope_theta, self.rope_scaling)
         v = project(self.num_kv_heads, "value")
         out = grouped_causal_attention(q, k, v, self.attention)
         return nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out",
-                               kernel_init=logical(_normal, (HEADS, KV, EMBED)))(out)
+                               kernel_init=logical(_normal, (HEADS, KV, EMBED)), **products())(out)
 
 
 class SwiGLU(nn.Module):
@@ -147,7 +158,7 @@ class SwiGLU(nn.Module):
     def __call__(self, x):
         def dense(features, axes, name):
             return nn.Dense(features, use_bias=False, dtype=self.dtype, name=name,
-                            kernel_init=logical(_normal, axes))
+                            kernel_init=logical(_normal, axes), **products())
 
         hidden = nn.silu(dense(self.mlp_dim, (EMBED, MLP), "gate")(x)) * dense(self.mlp_dim, (EMBED, MLP), "up")(x)
         return dense(x.shape[-1], (MLP, EMBED), "down")(hidden)
