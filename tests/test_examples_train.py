@@ -78,7 +78,7 @@ def test_llama_settings_and_their_checks():
 def test_the_synthetic_data_are_learnable_patterns():
     tokens = llama.synthetic(llama.LlamaArgs(), np.random.default_rng(0), 8)["tokens"]
     stride = (tokens[:, 1:2] - tokens[:, :1]) % 256
-    assert tokens.shape == (8, 32) and np.all((tokens[:, 1:] - tokens[:, :-1]) % 256 == stride)
+    assert tokens.shape == (8, 33) and np.all((tokens[:, 1:] - tokens[:, :-1]) % 256 == stride)
     first = resnet.synthetic(resnet.ResNetArgs(), np.random.default_rng(1), 500)
     second = resnet.synthetic(resnet.ResNetArgs(), np.random.default_rng(2), 500)
     # The class colours agree between calls (processes): a class's mean image is the same in both.

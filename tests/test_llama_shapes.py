@@ -60,9 +60,10 @@ def test_repeated_blocks_carry_the_models_settings():
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     repeated = model.repeated_blocks(tokens)
     scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192)
-    for part in (repeated.shell, repeated.block):
+    shell_module = repeated.shell.module  # the decoder behind the kit's token convention (NextTokenInputs)
+    for part in (shell_module, repeated.block):
         assert (part.rms_norm_eps, part.rope_scaling, part.rope_theta) == (1e-5, scaling, 500000.0)
-    assert repeated.shell.tie_embeddings and repeated.shell.num_layers == 0
+    assert shell_module.tie_embeddings and shell_module.num_layers == 0
     key = jax.random.PRNGKey(0)
     shell = jax.eval_shape(repeated.shell.init, key, jnp.zeros(tokens.shape, tokens.dtype))["params"]
     block = jax.eval_shape(repeated.block.init, key, repeated.block_input)["params"]
@@ -142,7 +143,7 @@ def test_tied_model_has_no_head_and_its_logits_are_x_times_the_embedding_transpo
 def test_tied_head_computes_in_the_compute_dtype():
     model = build(LlamaArgs(**{k: v for k, v in TINY.items() if k != "mlp_dim"}, tie_embeddings=True),
                   jnp.bfloat16)
-    tokens = jnp.zeros((1, 4), jnp.int32)
+    tokens = jnp.zeros((1, 5), jnp.int32)  # seq_len + 1: the decoder reads the first 4 and predicts the last 4
     logits = jax.eval_shape(lambda: model.module.apply(model.module.init(jax.random.PRNGKey(0), tokens), tokens))
     assert logits.dtype == jnp.bfloat16 and logits.shape == (1, 4, 64)
 

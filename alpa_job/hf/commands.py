@@ -159,6 +159,9 @@ def logits(directory: str, tokens_file: str, out_file: str, model_name: str,
         raise KitError(f"hf logits --tokens {tokens_file}: ids from {tokens.min()} to {tokens.max()}, and the "
                        f"checkpoint's vocabulary has {vocab}; give ids in 0..{vocab - 1}")
     batch = tokens[None] if tokens.ndim == 1 else tokens
+    # The kit's token convention: a model reads a row's tokens but the last (which only the loss reads), so a
+    # row of seq + 1 gives the logits of all seq given tokens; the appended id is never read.
+    batch = np.concatenate([batch, np.zeros_like(batch[:, :1])], axis=1)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.eval_shape(lambda: model.module.init(jax.random.PRNGKey(0), batch))["params"]
     from flax import linen as nn

@@ -79,28 +79,43 @@ def rope_scaling_of(args: LlamaArgs) -> Optional[RopeScaling]:
 
 def next_token_loss(logits, batch):
     """Per-sequence mean cross-entropy of predicting token t+1 from tokens 0..t."""
-    return api.cross_entropy(logits[:, :-1], batch["tokens"][:, 1:]).mean(axis=-1)
+    return api.cross_entropy(logits, batch["tokens"][:, 1:]).mean(axis=-1)
+
+
+class NextTokenInputs:
+    """The kit's token convention (`--dataset tokens` cuts seq_len + 1 tokens a row): the decoder reads
+    tokens[:, :-1] (seq_len positions, what cuDNN's attention and the rotary table are sized for) and the
+    loss predicts tokens[:, 1:]."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def init(self, rngs, tokens, **kwargs):
+        return self.module.init(rngs, tokens[:, :-1], **kwargs)
+
+    def apply(self, variables, tokens, **kwargs):
+        return self.module.apply(variables, tokens[:, :-1], **kwargs)
 
 
 def synthetic(args: LlamaArgs, rng: np.random.Generator, n: int):
-    """Each sequence is an arithmetic progression modulo the vocabulary: the next token follows from
-    the two before it, so the loss falls within a few steps."""
+    """Each sequence is an arithmetic progression modulo the vocabulary (seq_len + 1 tokens): the next token
+    follows from the two before it, so the loss falls within a few steps."""
     start = rng.integers(0, args.vocab_size, size=(n, 1))
     stride = rng.integers(1, 4, size=(n, 1))
-    tokens = (start + stride * np.arange(args.seq_len)[None, :]) % args.vocab_size
+    tokens = (start + stride * np.arange(args.seq_len + 1)[None, :]) % args.vocab_size
     return {"tokens": tokens.astype(np.int32)}
 
 
 def repeated_blocks(module: Llama, tokens) -> api.RepeatedBlocks:
     """The shell (embedding, final norm, head: a Llama of 0 layers names them alike) plus num_layers
-    DecoderBlocks, each called on [batch, seq, d_model] activations: the fast initialiser makes one
+    DecoderBlocks, each called on [batch, seq_len, d_model] activations: the fast initialiser makes one
     block once, and --strategy pipeline cuts the model between blocks."""
     import jax
 
     return api.RepeatedBlocks(
-        shell=module.clone(num_layers=0),  # clone keeps every other field: eps, tying, rope scaling
+        shell=NextTokenInputs(module.clone(num_layers=0)),  # clone keeps every other field: eps, tying, rope
         block=decoder_block(module),
-        block_input=jax.ShapeDtypeStruct(tuple(tokens.shape) + (module.d_model,), module.dtype),
+        block_input=jax.ShapeDtypeStruct((tokens.shape[0], tokens.shape[1] - 1, module.d_model), module.dtype),
         names=tuple(f"layer_{i}" for i in range(module.num_layers)))
 
 
@@ -111,7 +126,7 @@ def build(args: LlamaArgs, dtype) -> api.Model:
                    dtype=dtype, rope_theta=args.rope_theta, attention=args.attention,
                    rope_scaling=rope_scaling_of(args), rms_norm_eps=args.rms_norm_eps,
                    tie_embeddings=args.tie_embeddings)
-    return api.Model(module=module, input_field="tokens", loss=next_token_loss, synthetic=synthetic,
+    return api.Model(module=NextTokenInputs(module), input_field="tokens", loss=next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
                      hf=hf_weights(args, mlp_dim_of(args)))
