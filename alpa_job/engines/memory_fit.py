@@ -14,6 +14,7 @@ own buffers need the rest, and a run that passes by a hair is killed later, when
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
@@ -57,7 +58,7 @@ def budget(devices: List[Any]) -> Optional[Tuple[int, int, str]]:
     except Exception:  # noqa: BLE001 - CPU devices and some runtimes keep no allocator statistics
         stats = {}
     if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), 1, f"one {devices[0].device_kind} holds {_gb(int(stats['bytes_limit']))}"
+        return int(stats["bytes_limit"]), 1, f"JAX may take {_gb(int(stats['bytes_limit']))} of one {devices[0].device_kind}"
     if devices[0].platform != "cpu":
         return None
     available = host_available_bytes()
@@ -95,14 +96,17 @@ def _check(need: int, what: str, strategy: str, mesh_shape: Tuple[int, ...], dev
         return
     total = f" ({_gb(need * sharing)} for {sharing} devices)" if sharing > 1 else ""
     raise KitError(f"{what} needs {_gb(need)} per device{total} with --strategy {strategy} on mesh "
-                   f"{tuple(mesh_shape)}, and {words} ({int(FRACTION * 100)}% usable); "
-                   f"{_ways_out(strategy, batch, stronger_remat)}")
+                   f"{tuple(mesh_shape)}, and {words}, of which {int(FRACTION * 100)}% ({_gb(FRACTION * available)}) "
+                   f"counts as usable; {_ways_out(strategy, batch, stronger_remat, getattr(devices[0], 'platform', '') == 'gpu')}")
 
 
-def _ways_out(strategy: str, batch: bool, stronger_remat: Sequence[str] = ()) -> str:
+def _ways_out(strategy: str, batch: bool, stronger_remat: Sequence[str] = (), gpu: bool = False) -> str:
     ways = [f"--remat {' / '.join(stronger_remat)} (keeps fewer activations)"] if stronger_remat else []
     ways += [f"--strategy {s.name} ({s.memory_relief})" for s in strategies.STRATEGIES.values()
              if s.memory_relief and s.name != strategy]
+    if gpu and float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")) < 0.9:
+        # JAX takes 75 % of a card by default: a run that misses by a little fits at 95 %.
+        ways.append("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 in the environment (JAX then takes 95% of the card)")
     ways.append("fewer layers or a smaller model (--num-layers, --d-model / --hidden-dim)")
     if batch:
         ways.append("a smaller --batch-size")
