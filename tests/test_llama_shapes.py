@@ -170,3 +170,44 @@ def test_a_files_model_args_change_its_bases_one_by_one(tmp_path):
                                         "num_layers: 32}\n")
     (tmp_path / "child.yaml").write_text("base_config: base\nmodel_args: {num_layers: 40}\n")
     assert load_preset("child", presets_dir=str(tmp_path))["model_args"] == {"vocab_size": 32000, "num_layers": 40}
+
+
+# ----------------------------------------------------------------------------- remat
+def test_remat_keeps_the_parameters_and_numbers_and_fewer_residuals():
+    """remat=dots / full: the same parameters, loss and gradients as none (what a checkpoint or an import
+    holds does not change), and the backward keeps fewer of the forward's values."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    def kept(f, *args) -> int:  # the values the backward keeps (jax's public listing prints one a line)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(f, *args)
+        return len(out.getvalue().splitlines())
+
+    base = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, vocab_size=64, seq_len=16, attention="einsum")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 17)), jnp.int32)
+    batch = {"tokens": tokens}
+    reference = build(LlamaArgs(**base), jnp.float32)
+    params = reference.module.init(jax.random.PRNGKey(0), tokens)["params"]
+    results = {}
+    for remat in ("none", "dots", "full"):
+        model = build(LlamaArgs(**base, remat=remat), jnp.float32)
+        assert jax.tree_util.tree_structure(model.module.init(jax.random.PRNGKey(0), tokens)["params"]) == \
+            jax.tree_util.tree_structure(params)
+
+        def loss(p, model=model):
+            return model.loss(model.module.apply({"params": p}, tokens), batch).mean()
+
+        results[remat] = (jax.value_and_grad(loss)(params), kept(loss, params))
+    (loss_none, grads_none), kept_none = results["none"]
+    for remat in ("dots", "full"):
+        (value, grads), kept = results[remat]
+        np.testing.assert_allclose(value, loss_none, rtol=1e-6)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, grads_none)
+        assert kept < kept_none, (remat, kept, kept_none)
+    assert results["full"][1] < results["dots"][1]
+    with pytest.raises(ValueError, match="remat='some' is not known; use one of: none, dots, full"):
+        build(LlamaArgs(**base, remat="some"), jnp.float32)

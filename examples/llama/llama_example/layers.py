@@ -185,12 +185,28 @@ class DecoderBlock(nn.Module):
         return x + SwiGLU(self.mlp_dim, self.dtype, name="mlp")(norm(name="mlp_norm")(x))
 
 
+# What a block keeps for the backward pass: everything (none); only the products with a weight, the rest
+# (attention scores, norms, SwiGLU's elementwise) recomputed (dots); nothing but its input (full).
+REMAT_POLICIES = {"none": None, "dots": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
+
+
+@functools.lru_cache(maxsize=None)
+def block_class(remat: str) -> type:
+    """DecoderBlock, or it under jax.checkpoint with `remat`'s policy: a subclass with the same parameters,
+    made once per policy (so the kit's layer_class, DecoderBlock, still matches it)."""
+    if remat == "none":
+        return DecoderBlock
+    policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[remat])
+    return nn.remat(DecoderBlock, policy=policy)
+
+
 def decoder_block(model: "Llama", name: Optional[str] = None) -> DecoderBlock:
     """The block `model` stacks, with every setting it shares: the one place that lists them, so the
     block the kit's fast initialiser and pipeline build outside the model (model.repeated_blocks) is
     the block inside it."""
-    return DecoderBlock(model.num_heads, model.num_kv_heads, model.mlp_dim, model.dtype, model.rope_theta,
-                        model.attention, model.rope_scaling, model.rms_norm_eps, name=name)
+    return block_class(model.remat)(model.num_heads, model.num_kv_heads, model.mlp_dim, model.dtype,
+                                    model.rope_theta, model.attention, model.rope_scaling, model.rms_norm_eps,
+                                    name=name)
 
 
 class Llama(nn.Module):
@@ -213,6 +229,7 @@ class Llama(nn.Module):
     rope_scaling: Optional[RopeScaling] = None
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    remat: str = "none"  # REMAT_POLICIES: what each block keeps for the backward pass
 
     @nn.compact
     def __call__(self, tokens):

@@ -13,7 +13,7 @@ import numpy as np
 
 from alpa_job import api
 from llama_example.hf import hf_weights
-from llama_example.layers import DecoderBlock, Llama, RopeScaling, decoder_block
+from llama_example.layers import REMAT_POLICIES, DecoderBlock, Llama, RopeScaling, decoder_block
 
 ROPE_SCALINGS = ("none", "llama3")
 
@@ -36,6 +36,7 @@ class LlamaArgs:
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths under rope_original_max_len / this are kept
     rope_original_max_len: int = 8192  # llama3: the context length the model was first trained on
     tie_embeddings: bool = False  # true: no lm_head, the logits are x @ embedding.T (Llama 3.2 1B/3B)
+    remat: str = "none"  # none | dots (keep only the weight products) | full (keep each block's input)
 
 
 def mlp_dim_of(args: LlamaArgs) -> int:
@@ -45,6 +46,8 @@ def mlp_dim_of(args: LlamaArgs) -> int:
 
 def check(args: LlamaArgs) -> None:
     """Sizes the decoder cannot be built with, as one line naming the fix."""
+    if args.remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={args.remat!r} is not known; use one of: {', '.join(REMAT_POLICIES)}")
     if args.num_heads % args.num_kv_heads:
         raise ValueError(f"num_kv_heads={args.num_kv_heads} does not divide num_heads={args.num_heads}; "
                          f"use a divisor of {args.num_heads}")
@@ -125,7 +128,7 @@ def build(args: LlamaArgs, dtype) -> api.Model:
                    num_kv_heads=args.num_kv_heads, mlp_dim=mlp_dim_of(args), vocab_size=args.vocab_size,
                    dtype=dtype, rope_theta=args.rope_theta, attention=args.attention,
                    rope_scaling=rope_scaling_of(args), rms_norm_eps=args.rms_norm_eps,
-                   tie_embeddings=args.tie_embeddings)
+                   tie_embeddings=args.tie_embeddings, remat=args.remat)
     return api.Model(module=NextTokenInputs(module), input_field="tokens", loss=next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
