@@ -52,7 +52,8 @@ the engine traces such a step (plain `lax.dot_general` otherwise); a model with 
 
 Token data (`--dataset tokens`): the kit cuts windows of `seq_len + 1` tokens into the field
 `tokens` and checks the ids against `vocab_size`, both read from the builder's settings of those
-names (GPT's convention: the model reads tokens[:, :-1] and predicts tokens[:, 1:]).
+names (GPT's convention: the model reads tokens[:, :-1] and predicts tokens[:, 1:]; `NextTokenInputs`
+wraps a decoder so).
 
 Sharding: parameters name *logical* axes with `logical(initializer, axes)`, using the names below;
 the strategies' rules map them to the device mesh (`data` needs none; `fsdp` and `tensor` need every
@@ -77,8 +78,8 @@ from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Settin
 
 API_VERSION = "1.4"
 
-__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "HfTensor", "HfWeights", "logical", "constrain", "dot_general",
-           "mse", "cross_entropy", "Setting", "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
+__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "NextTokenInputs", "HfTensor", "HfWeights", "logical",
+           "constrain", "dot_general", "mse", "cross_entropy", "Setting", "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
            "BATCH", "EMBED", "MLP", "HEADS", "KV", "VOCAB", "CHANNELS", "CONV_IN", "SEQ"]
 
 # Logical axis names: the only sharding vocabulary model code uses.
@@ -146,6 +147,21 @@ class RepeatedBlocks:
     block: Any  # the repeated flax module
     block_input: Any  # jax.ShapeDtypeStruct: what one block is called on
     names: Tuple[str, ...]  # the blocks' names in the whole model's params, in order
+
+
+class NextTokenInputs:
+    """The token convention's module wrapper: a row holds seq_len + 1 tokens (as `--dataset tokens` cuts them);
+    the wrapped module reads tokens[:, :-1] and the loss predicts tokens[:, 1:] (`Model.module =
+    NextTokenInputs(decoder)`; `.module` is the decoder)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def init(self, rngs, tokens, **kwargs):
+        return self.module.init(rngs, tokens[:, :-1], **kwargs)
+
+    def apply(self, variables, tokens, **kwargs):
+        return self.module.apply(variables, tokens[:, :-1], **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

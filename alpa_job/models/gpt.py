@@ -193,25 +193,12 @@ def _next_token_loss(logits, batch):
     return cross_entropy(logits, batch["tokens"][:, 1:]).mean(axis=-1)
 
 
-class _InputsOnly:
-    """GPT reads tokens[:, :-1] and predicts tokens[:, 1:]; the batch holds seq_len + 1 tokens."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def init(self, rngs, tokens, **kwargs):
-        return self.module.init(rngs, tokens[:, :-1], **kwargs)
-
-    def apply(self, variables, tokens, **kwargs):
-        return self.module.apply(variables, tokens[:, :-1], **kwargs)
-
-
-def repeated_blocks(model: _InputsOnly, tokens) -> RepeatedBlocks:
+def repeated_blocks(model: api.NextTokenInputs, tokens) -> RepeatedBlocks:
     """The shell (embeddings, final LayerNorm: a GPT of 0 layers names them alike) plus num_layers
     DecoderBlocks, each called on the [batch, seq_len, d_model] activations."""
     gpt = model.module
     return RepeatedBlocks(
-        shell=_InputsOnly(gpt.clone(num_layers=0)),
+        shell=api.NextTokenInputs(gpt.clone(num_layers=0)),
         block=DecoderBlock(gpt.num_heads, gpt.dtype, gpt.attention, gpt.remat),
         block_input=jax.ShapeDtypeStruct((tokens.shape[0], tokens.shape[1] - 1, gpt.d_model), gpt.dtype),
         names=tuple(f"DecoderBlock_{i}" for i in range(gpt.num_layers)))
@@ -229,7 +216,7 @@ def synthetic(config, rng, n):
 def build(config, dtype) -> api.Model:
     """The built-in GPT through the public API (alpa_job/api.py), its identical blocks declared for the
     fast initialiser."""
-    module = _InputsOnly(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
+    module = api.NextTokenInputs(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
                              config.vocab_size, dtype, remat=getattr(config, "remat", "none")))
     return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),

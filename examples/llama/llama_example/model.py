@@ -85,21 +85,6 @@ def next_token_loss(logits, batch):
     return api.cross_entropy(logits, batch["tokens"][:, 1:]).mean(axis=-1)
 
 
-class NextTokenInputs:
-    """The kit's token convention (`--dataset tokens` cuts seq_len + 1 tokens a row): the decoder reads
-    tokens[:, :-1] (seq_len positions, what cuDNN's attention and the rotary table are sized for) and the
-    loss predicts tokens[:, 1:]."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def init(self, rngs, tokens, **kwargs):
-        return self.module.init(rngs, tokens[:, :-1], **kwargs)
-
-    def apply(self, variables, tokens, **kwargs):
-        return self.module.apply(variables, tokens[:, :-1], **kwargs)
-
-
 def synthetic(args: LlamaArgs, rng: np.random.Generator, n: int):
     """Each sequence is an arithmetic progression modulo the vocabulary (seq_len + 1 tokens): the next token
     follows from the two before it, so the loss falls within a few steps."""
@@ -116,7 +101,7 @@ def repeated_blocks(module: Llama, tokens) -> api.RepeatedBlocks:
     import jax
 
     return api.RepeatedBlocks(
-        shell=NextTokenInputs(module.clone(num_layers=0)),  # clone keeps every other field: eps, tying, rope
+        shell=api.NextTokenInputs(module.clone(num_layers=0)),  # clone keeps every other field: eps, tying, rope
         block=decoder_block(module),
         block_input=jax.ShapeDtypeStruct((tokens.shape[0], tokens.shape[1] - 1, module.d_model), module.dtype),
         names=tuple(f"layer_{i}" for i in range(module.num_layers)))
@@ -129,7 +114,8 @@ def build(args: LlamaArgs, dtype) -> api.Model:
                    dtype=dtype, rope_theta=args.rope_theta, attention=args.attention,
                    rope_scaling=rope_scaling_of(args), rms_norm_eps=args.rms_norm_eps,
                    tie_embeddings=args.tie_embeddings, remat=args.remat)
-    return api.Model(module=NextTokenInputs(module), input_field="tokens", loss=next_token_loss, synthetic=synthetic,
+    return api.Model(module=api.NextTokenInputs(module), input_field="tokens", loss=next_token_loss,
+                     synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
                      hf=hf_weights(args, mlp_dim_of(args)))
