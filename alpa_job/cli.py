@@ -293,7 +293,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             return plan_cli.run(args)
         if args.command == "hf":
-            from alpa_job.hf import commands as hf_commands
+            from alpa_job import hf_commands
 
             return hf_commands.run(args)
         return _train(args)

@@ -146,7 +146,7 @@ def test_fine_tune_from_a_checkpoint_sharded_or_pipelined_then_export_round_trip
                                    atol=1e-6, err_msg=name)
 
     # Exact: reading the export gives back the run's own saved parameters.
-    from alpa_job.hf import commands
+    from alpa_job import hf_commands as commands
 
     state_dir = str(runs["fsdp"] / "checkpoints" / "2" / "state")
     layer = commands._restore(state_dir, "layer_0")

@@ -24,6 +24,19 @@ def weights_of(model: Any, name: str, flag: str = "--init-from") -> Any:
     return weights
 
 
+def check_init_from(config) -> None:
+    """--init-from hf:DIR, in the driver before Ray: the checkpoint is the model's (built once more for its
+    layout; the kit's own models have none)."""
+    from alpa_job.hf.checkpoint import parse_source
+    from alpa_job.models import build_model, is_built_in
+
+    source = parse_source(config.init_from)
+    if is_built_in(config.model):
+        weights_of(None, config.model)
+    model, _ = build_model(config)
+    check_fits(HfCheckpoint(source), weights_of(model, config.model), config.model)
+
+
 def check_fits(checkpoint: HfCheckpoint, weights: Any, model_name: str) -> None:
     """The checkpoint is this model's: its architecture, its config's entries the settings imply, and every
     tensor with the shape the settings give and a dtype the kit reads."""

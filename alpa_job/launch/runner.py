@@ -116,15 +116,24 @@ def _resolve_model(config, engine: str, address: str):
     from alpa_job.models import is_built_in, resolve
 
     if is_built_in(config.model):
-        return resolve(config)  # no builder to import; its checks without jax
+        _check_init_from(config)
+        return config
     if address == NO_RAY and engine == "jax":
         from alpa_job.train.loop import ensure_cpu_devices
 
         ensure_cpu_devices(config.devices)
     config = resolve(config)
+    _check_init_from(config)
     if address != NO_RAY and engine == "jax":
         _check_model_on_abstract_shapes(config)
     return config
+
+
+def _check_init_from(config) -> None:
+    if getattr(config, "init_from", None):
+        from alpa_job.hf.layout import check_init_from
+
+        check_init_from(config)
 
 
 def _check_model_on_abstract_shapes(config) -> None:

@@ -252,10 +252,6 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
     parse_profile(config.profile)
     if getattr(config, "precision", "dtype") == "fp8":
         _check_fp8(config)
-    if config.init_from:
-        from alpa_job.hf.checkpoint import parse_source, read_config
-
-        read_config(parse_source(config.init_from))  # the folder and its config; the tensors once the model is built
     if config.profile and engine == "alpa":
         raise KitError("--profile traces the jax engine's steps; Alpa has its own (ALPA_PROF); drop it or use --engine jax")
     check_data(config, engine)
