@@ -50,6 +50,7 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     address = resolve_address(config.address)
     config = _resolve_model(config, engine, address)
     validate.preflight(config, engine, address, explicit)
+    _check_fp8_ready(config)
     trackers.check_installed(config.track)
     auto = config.resume == "auto"
     config = rundir.prepare(config, explicit_out=bool(config.out))
@@ -127,6 +128,17 @@ def _resolve_model(config, engine: str, address: str):
     if address != NO_RAY and engine == "jax":
         _check_model_on_abstract_shapes(config)
     return config
+
+
+def _check_fp8_ready(config) -> None:
+    """A built-in model without dense layers for --precision fp8, before Ray (a model you bring is checked when
+    its step is traced: the engine counts the products it ran in fp8)."""
+    from alpa_job.models import FP8_READY, is_built_in
+
+    if getattr(config, "precision", "dtype") == "fp8" and is_built_in(config.model) and config.model not in FP8_READY:
+        raise KitError(f"--precision fp8: --model {config.model} has no dense layer the kit runs in fp8 (those of "
+                       f"{', '.join(FP8_READY)} and of models whose layers take dot_general=alpa_job.api.dot_general "
+                       "do); drop --precision fp8")
 
 
 def _check_init_from(config) -> None:

@@ -250,8 +250,9 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
             raise KitError(f"--batch-size {config.batch_size} is not divisible by --micro-batches "
                            f"{config.micro_batches}; use a multiple of {config.micro_batches}")
     parse_profile(config.profile)
-    if getattr(config, "precision", "dtype") == "fp8":
-        _check_fp8(config)
+    if getattr(config, "precision", "dtype") == "fp8" and config.dtype != "bfloat16":
+        raise KitError(f"--precision fp8 runs the dense products in fp8 and the rest of the step in bf16; --dtype is "
+                       f"{config.dtype}: add --dtype bfloat16")
     if config.profile and engine == "alpa":
         raise KitError("--profile traces the jax engine's steps; Alpa has its own (ALPA_PROF); drop it or use --engine jax")
     check_data(config, engine)
@@ -262,18 +263,6 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
         rows = config.num_samples if config.dataset == "synthetic" and config.remainder == "drop" else None
         check_divisibility(config, devices, where, rows=rows)
     return devices
-
-
-def _check_fp8(config: JobConfig) -> None:
-    from alpa_job.models import FP8_READY, is_built_in
-
-    if config.dtype != "bfloat16":
-        raise KitError(f"--precision fp8 runs the dense products in fp8 and the rest of the step in bf16; --dtype is "
-                       f"{config.dtype}: add --dtype bfloat16")
-    if is_built_in(config.model) and config.model not in FP8_READY:
-        raise KitError(f"--precision fp8: --model {config.model} has no dense layer the kit runs in fp8 (those of "
-                       f"{', '.join(FP8_READY)} and of models whose layers take dot_general=alpa_job.api.dot_general "
-                       "do); drop --precision fp8")
 
 
 def check_cluster_size(config: JobConfig, nodes: List[Any]) -> None:
