@@ -123,7 +123,7 @@ def model_args_from(checkpoint: HfCheckpoint, settings: Dict[str, str], given: D
     """The model's settings a checkpoint's config.json gives (each entry the layout names), under `given`."""
     values = {}
     for dotted, name in settings.items():
-        value = layout._at(checkpoint.config, dotted)
+        value = layout.config_entry(checkpoint.config, dotted)
         if value is not None:
             values[name] = value
     values.update(given)
@@ -152,8 +152,7 @@ def logits(directory: str, tokens_file: str, out_file: str, model_name: str,
     settings = layout.weights_of(first, model_name, flag="hf logits").settings
     args = model_args_from(checkpoint, settings, given)
     model, _ = build_model(_job_config({"model": model_name, "model_args": args, "dtype": "float32"}))
-    weights = layout.weights_of(model, model_name, flag="hf logits")
-    layout.check_fits(checkpoint, weights, model_name)
+    weights = layout.weights_of(model, model_name, flag="hf logits")  # read_params checks the checkpoint fits it
     vocab = weights.config.get("vocab_size")
     if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
         raise KitError(f"hf logits --tokens {tokens_file}: ids from {tokens.min()} to {tokens.max()}, and the "
@@ -168,7 +167,7 @@ def logits(directory: str, tokens_file: str, out_file: str, model_name: str,
 
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                       nn.meta.unbox(abstract))
-    params = read_params(directory, weights, abstract, model_name, flag="hf logits")
+    params = read_params(checkpoint, weights, abstract, model_name)
     out = np.asarray(jax.jit(model.module.apply)({"params": params}, batch), np.float32)
     out = out[0] if tokens.ndim == 1 else out
     np.save(out_file, out)
@@ -181,18 +180,10 @@ def run(args) -> int:
         step, files = export(args.run, args.dir, dtype=args.dtype, step=args.step)
         print(f"exported step {step} of {args.run} -> {args.dir}: {', '.join(files)}", flush=True)
         return EXIT_OK
-    given = dict(_pairs(args.model_arg or []))
+    from alpa_job.settings.setting import model_args
+
+    given = dict(model_args(args.model_arg or [], "--model-arg"))
     shape, settings = logits(args.dir, args.tokens, args.out, args.model, given)
     print(f"logits {list(shape)} float32 -> {args.out} (model settings from {args.dir}: "
           + ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) + ")", flush=True)
     return EXIT_OK
-
-
-def _pairs(pairs: List[str]) -> List[Tuple[str, str]]:
-    out = []
-    for pair in pairs:
-        if "=" not in pair:
-            raise KitError(f"--model-arg {pair!r}: write it as NAME=VALUE")
-        name, value = pair.split("=", 1)
-        out.append((name.strip(), value))
-    return out

@@ -45,7 +45,9 @@ def peak(device_kind: str, dtype: str) -> dict:
     """{"precision", "measured", "datasheet"} (FLOP/s, None where unknown) for a run on `device_kind` (a
     device not in PEAKS, a CPU: float32 stays fp32)."""
     known = PEAKS.get(device_kind or "")
-    precision = precision_of(dtype) if known else {"bfloat16": "bf16", "float8": "fp8"}.get(dtype, "fp32")
+    precision = precision_of(dtype)
+    if not known and precision == "tf32":  # TF32 is what the known (Hopper) cards run float32 on; elsewhere fp32
+        precision = "fp32"
     measured, datasheet = (known or {}).get(precision, (None, None))
     return {"precision": precision, "measured": measured, "datasheet": datasheet}
 

@@ -194,9 +194,7 @@ class JaxEngine(Engine):
 
     def init_state(self, seed: int) -> TrainState:
         """The state, created on the devices already sharded (the initialiser compiled by compile())."""
-        if self._init_compiled is None:
-            self._start_init_compile()
-        self._init_compiled.result()
+        self._initializer_compiled()
         self._count_cache_hits()
         return self._initializer(seed)
 
@@ -204,9 +202,7 @@ class JaxEngine(Engine):
         """The state from given weights: `read_params(layout)` makes the model's parameters in `layout` (their
         ShapeDtypeStructs with the shardings the initialiser makes them in), then the state is made from them as
         from random ones (optimizer state fresh, step 0)."""
-        if self._init_compiled is None:
-            self._start_init_compile()
-        self._init_compiled.result()
+        self._initializer_compiled()
         if self.pipeline is not None:
             layout = self._model_layout_to_make()
         else:
@@ -217,10 +213,14 @@ class JaxEngine(Engine):
         """Across processes: wait until every one has compiled its step and initialiser (every_process)."""
         if jax.process_count() == 1:
             return
+        self._initializer_compiled()
+        every_process.wait("alpa_job_compiled")
+
+    def _initializer_compiled(self) -> None:
+        """Wait for the initialiser's compile (started now if compile() has not)."""
         if self._init_compiled is None:
             self._start_init_compile()
         self._init_compiled.result()
-        every_process.wait("alpa_job_compiled")
 
     def _count_cache_hits(self) -> None:
         if self.stats.compile_cache_dir:

@@ -124,11 +124,14 @@ def write_checkpoint(directory: str, config: Dict[str, Any], tensors: Iterable[T
         parts.append((part, list(shard), sum(a.nbytes for a in shard.values())))
         shard.clear()
 
+    held = 0  # bytes in `shard`
     for name, array in tensors:
         array = np.ascontiguousarray(np.asarray(array).astype(dtype))
-        if shard and sum(a.nbytes for a in shard.values()) + array.nbytes > shard_bytes:
+        if shard and held + array.nbytes > shard_bytes:
             flush()
+            held = 0
         shard[name] = array
+        held += array.nbytes
     flush()
     files = [SINGLE] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
                                               for i in range(len(parts))]

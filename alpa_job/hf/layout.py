@@ -45,7 +45,7 @@ def check_fits(checkpoint: HfCheckpoint, weights: Any, model_name: str) -> None:
     if not set(named) & set(weights.architectures):
         raise KitError(f"{where}: its config.json names {', '.join(map(str, named))}, and --model {model_name} reads "
                        f"{', '.join(weights.architectures)}; use a checkpoint of that architecture")
-    wrong = [(key, _at(checkpoint.config, key), _at(weights.config, key)) for key in weights.settings]
+    wrong = [(key, config_entry(checkpoint.config, key), config_entry(weights.config, key)) for key in weights.settings]
     wrong = [(key, theirs, ours) for key, theirs, ours in wrong if not _same(theirs, ours)]
     if wrong:
         said = ", ".join(f"{key} {theirs!r} (the model: {ours!r})" for key, theirs, ours in wrong)
@@ -67,7 +67,7 @@ def check_fits(checkpoint: HfCheckpoint, weights: Any, model_name: str) -> None:
                            "checkpoints (convert it, e.g. to bfloat16)")
 
 
-def _at(config: Dict[str, Any], dotted: str) -> Any:
+def config_entry(config: Dict[str, Any], dotted: str) -> Any:
     """A config entry by its dotted path ("rope_scaling.factor"); None where any part is absent."""
     value: Any = config
     for part in dotted.split("."):

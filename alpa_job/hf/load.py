@@ -15,10 +15,8 @@ def _path(keys) -> Tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in keys)
 
 
-def read_params(source_dir: str, weights: Any, abstract_params: Any, model_name: str,
-                flag: str = "--init-from") -> Any:
+def read_params(checkpoint: HfCheckpoint, weights: Any, abstract_params: Any, model_name: str) -> Any:
     """The parameters (the tree of `abstract_params`: ShapeDtypeStructs with shardings) from the checkpoint."""
-    checkpoint = HfCheckpoint(source_dir, flag)
     layout.check_fits(checkpoint, weights, model_name)  # the driver checked it too; a node may see another copy
     leaves, tree = jax.tree_util.tree_flatten_with_path(abstract_params)
     layout.check_covers(weights, [_path(keys) for keys, _ in leaves], model_name)

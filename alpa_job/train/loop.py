@@ -17,10 +17,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from alpa_job import progress, strategies, versions
-from alpa_job.engines.flops import matmul_dtype
 from alpa_job.train import hooks, own_network, timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine, check_supported
+from alpa_job.engines.flops import matmul_dtype
 from alpa_job.record.run_record import ProcessResult
 from alpa_job.train.evaluate import Evaluator
 from alpa_job.train.loop_metrics import LoopMetrics
@@ -235,11 +235,12 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
         progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
         return state, start_step, data_state
     if getattr(config, "init_from", None):
-        from alpa_job.hf.checkpoint import parse_source
+        from alpa_job.hf.checkpoint import HfCheckpoint, parse_source
         from alpa_job.hf.load import read_params
 
         source = parse_source(config.init_from)
-        state = engine.state_from_params(lambda layout: read_params(source, engine.model.hf, layout, config.model))
+        state = engine.state_from_params(
+            lambda layout: read_params(HfCheckpoint(source), engine.model.hf, layout, config.model))
         progress.note(f"[alpa_job] weights from the Hugging Face checkpoint in {source}")
     else:
         state = engine.init_state(config.seed)

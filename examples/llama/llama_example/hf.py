@@ -22,7 +22,7 @@ SETTINGS = {"hidden_size": "d_model", "intermediate_size": "mlp_dim", "num_hidde
 
 def config_of(args: Any, mlp_dim: int) -> Dict[str, Any]:
     """The config.json these settings are."""
-    scaling = getattr(args, "rope_scaling", "none")
+    scaling = args.rope_scaling
     rope_scaling = None if scaling == "none" else {
         "rope_type": scaling, "factor": args.rope_factor, "low_freq_factor": args.rope_low_freq_factor,
         "high_freq_factor": args.rope_high_freq_factor,
@@ -31,9 +31,9 @@ def config_of(args: Any, mlp_dim: int) -> Dict[str, Any]:
             "hidden_size": args.d_model, "intermediate_size": mlp_dim, "num_hidden_layers": args.num_layers,
             "num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads,
             "head_dim": args.d_model // args.num_heads, "vocab_size": args.vocab_size,
-            "max_position_embeddings": args.seq_len, "rms_norm_eps": getattr(args, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": args.seq_len, "rms_norm_eps": args.rms_norm_eps,
             "rope_theta": args.rope_theta, "rope_scaling": rope_scaling,
-            "tie_word_embeddings": bool(getattr(args, "tie_embeddings", False)),
+            "tie_word_embeddings": args.tie_embeddings,
             "attention_bias": False, "mlp_bias": False}
 
 
@@ -42,7 +42,7 @@ def tensors_of(args: Any, mlp_dim: int) -> List[api.HfTensor]:
     head_dim = d // heads
     out = [api.HfTensor(("embed", "embedding"), "model.embed_tokens.weight", (vocab, d)),
            api.HfTensor(("final_norm", "scale"), "model.norm.weight", (d,))]
-    if not getattr(args, "tie_embeddings", False):
+    if not args.tie_embeddings:
         out.append(api.HfTensor(("lm_head", "kernel"), "lm_head.weight", (vocab, d), transposed=True))
     for i in range(args.num_layers):
         ours, theirs = f"layer_{i}", f"model.layers.{i}"
