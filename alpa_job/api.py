@@ -74,7 +74,7 @@ import contextvars
 import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from alpa_job.settings.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
+from alpa_job.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
 
 API_VERSION = "1.4"
 
@@ -222,6 +222,6 @@ def mse(outputs, batch):
 def cross_entropy(logits, labels):
     """Per-position cross entropy against integer labels, computed in float32 whatever the logits'
     dtype (a fused log-sum-exp: no float32 copy of the logits is kept for the backward pass)."""
-    from alpa_job.models.losses import cross_entropy as fused
+    from alpa_job.losses import cross_entropy as fused
 
     return fused(logits, labels)

@@ -14,7 +14,8 @@ from typing import List, Optional
 
 from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, EXIT_PREEMPTED, KitError
-from alpa_job.settings.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
+from alpa_job.models import BUILT_IN, size_settings
+from alpa_job.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
 
 SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data", "plan", "hf")
 
@@ -51,6 +52,9 @@ def _train_parser(sub) -> None:
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for setting in catalog.SETTINGS:
         _add_setting(groups[setting.group], setting)
+        if setting is catalog.MODEL_ARGS:  # the built-ins' sizes, each a flag of its own: a --model-arg spelled out
+            for size in size_settings():
+                _add_setting(groups[size.group], size)
     # How the run talks to the terminal: not job settings (the report's config does not keep them).
     g = groups[OUTPUT]
     g.add_argument("--progress-every", type=int, metavar="N", default=0,
@@ -71,7 +75,7 @@ def _add_setting(group, setting: Setting) -> None:
     kind = plain_type(setting.type)
     text = (f"{setting.model}: " if setting.model else "") + setting.help
     if setting.name == "model":
-        text += _installed_models_text()
+        text = text.replace("a built-in", ", ".join(BUILT_IN)) + _installed_models_text()
     if kind is ModelArgs:  # repeatable KEY=VALUE; the model's declaration types the values
         group.add_argument(setting.flag, dest=setting.name, action="append", metavar=setting.metavar,
                            help=text + _default_text(setting))
@@ -318,9 +322,11 @@ def _train(args) -> int:
     progress.configure(verbosity, every=args.progress_every)
     if args.progress_every < 0:
         raise KitError(f"--progress-every must be >= 0, got {args.progress_every}")
-    layers = config_lib.load_layers(args.preset, args.config)
+    sizes = {s.name for s in size_settings()}
+    layers = config_lib.load_layers(args.preset, args.config, model_keys=sizes)
     cli_values = {k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}
-    config = config_lib.build_config(config_lib.merge_layers(layers), cli_values)
+    model_flags = {k: v for k, v in vars(args).items() if k in sizes and k not in config_lib.FIELD_NAMES}
+    config = config_lib.build_config(config_lib.merge_layers(layers), cli_values, model_flags)
     explicit = [k for k, v in cli_values.items() if v is not None]
     explicit += list(layers[1])  # what the user's --config chain sets (a --preset's defaults are not)
     record, paths = run_job(config, explicit=explicit, capture_native=True)

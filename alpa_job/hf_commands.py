@@ -23,8 +23,11 @@ EXPORT_DTYPES = ("bfloat16", "float32", "float16")
 def _job_config(values: Dict[str, Any]):
     from alpa_job.settings import config as config_lib
 
+    from alpa_job.models import size_settings
+
+    sizes = {s.name for s in size_settings()}  # a run written before they moved into model_args
     known = {k: v for k, v in values.items() if k in config_lib.FIELD_NAMES}
-    return config_lib.build_config(known, {})
+    return config_lib.build_config(known, {}, {k: v for k, v in values.items() if k in sizes})
 
 
 def run_config(run: str):
@@ -180,7 +183,7 @@ def run(args) -> int:
         step, files = export(args.run, args.dir, dtype=args.dtype, step=args.step)
         print(f"exported step {step} of {args.run} -> {args.dir}: {', '.join(files)}", flush=True)
         return EXIT_OK
-    from alpa_job.settings.setting import model_args
+    from alpa_job.setting import model_args
 
     given = dict(model_args(args.model_arg or [], "--model-arg"))
     shape, settings = logits(args.dir, args.tokens, args.out, args.model, given)

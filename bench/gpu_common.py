@@ -25,14 +25,20 @@ GPT_CASES = {
     "tiny": dict(num_layers=2, d_model=64, num_heads=4, batch_size=2, seq_len=64, vocab_size=256),  # CPU smoke
 }
 
+MODEL_SIZES = ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "remat")  # the rest is the job's
+
+
 def gpt_case(name: str, **overrides):
     """(config, model, example batch) for GPT_CASES[name], as the CLI builds them (bf16, lr 1e-4)."""
     from alpa_job.settings.config import JobConfig
     from alpa_job.data import epoch_batches, synthetic
     from alpa_job.models import get_model
 
+    from alpa_job.models import resolve
+
     fields = {"num_samples": GPT_CASES[name]["batch_size"], "learning_rate": 1e-4, **GPT_CASES[name], **overrides}
-    config = JobConfig(model="gpt", dtype="bfloat16", address="none", **fields).validated()
+    sizes = {k: fields.pop(k) for k in list(fields) if k in MODEL_SIZES}
+    config = resolve(JobConfig(model="gpt", dtype="bfloat16", address="none", model_args=sizes, **fields))
     batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     return config, get_model(config), batch
 

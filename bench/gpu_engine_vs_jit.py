@@ -15,6 +15,7 @@ user would pick.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 import argparse
 import dataclasses
 import json
@@ -85,9 +86,10 @@ def main() -> None:
     rows = []
     for name in args.cases.split(","):
         config, model, batch = gpt_case(name)
+        m = SimpleNamespace(**config.model_args)
         t0 = time.perf_counter()
         peer_run, peer_holder, n_params, peer_compiled = gpu_peer.make_loop(
-            config.num_layers, config.d_model, config.num_heads, config.vocab_size, config.seq_len,
+            m.num_layers, m.d_model, m.num_heads, m.vocab_size, m.seq_len,
             config.learning_rate, batch["tokens"])
         peer = Loop("peer", peer_run, peer_holder)
         t1 = time.perf_counter()
@@ -102,7 +104,7 @@ def main() -> None:
         medians = alternate(loops, args.steps, args.repeats, parked=not args.no_park)
         if args.trace:
             trace_loops(loops, os.path.join(args.trace, name), parked=not args.no_park)
-        flops = gpt_flops(n_params, config.batch_size, config.seq_len, config.num_layers, config.d_model)
+        flops = gpt_flops(n_params, config.batch_size, m.seq_len, m.num_layers, m.d_model)
         peer_mem = peer_compiled.memory_analysis()
         row = {"case": name, "label": LABELS[name], "params": n_params, "flops_per_step": flops,
                "peer_ms": round(medians["peer"] * 1e3, 2), "kit_ms": round(medians["kit"] * 1e3, 2),

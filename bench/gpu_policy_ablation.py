@@ -11,7 +11,7 @@ analysis (temp = scratch) is reported beside each.
 Variants (cumulative unless said):
   legacy      the GPT before issue 16: fp32 tied logits, one qkv matmul sliced, log_softmax loss
   bf16logits  tied logits in bf16 (logits upcast inside the loss)
-  fusedce     + alpa_job.models.losses.cross_entropy (custom VJP, no fp32 vocab-size residual)
+  fusedce     + alpa_job.losses.cross_entropy (custom VJP, no fp32 vocab-size residual)
   splitqkv    + q, k, v from three matmuls (no strided slices of one qkv output)
   opt:NAME    fusedce + one XLA compiler option (see OPTIONS)
   product     the kit's GPT as it is
@@ -19,6 +19,7 @@ Variants (cumulative unless said):
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 import argparse
 import dataclasses
 import gc
@@ -42,7 +43,7 @@ from alpa_job.engines.jax_engine import JaxEngine  # noqa: E402
 from alpa_job.models import ModelSpec  # noqa: E402
 from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical  # noqa: E402
 from alpa_job.models.gpt import _layer_norm, _normal, causal_attention  # noqa: E402
-from alpa_job.models.losses import cross_entropy  # noqa: E402
+from alpa_job.losses import cross_entropy  # noqa: E402
 
 MODELS = GPT_CASES
 OPTIONS = {
@@ -165,8 +166,9 @@ def build_engine(name: str, config, spec: ModelSpec, batch):
 
 def variant_spec(name: str, config, base: ModelSpec):
     """(ModelSpec, compiler options) for a variant name."""
-    kw = dict(num_layers=config.num_layers, d_model=config.d_model, num_heads=config.num_heads,
-              seq_len=config.seq_len, vocab_size=config.vocab_size)
+    m = SimpleNamespace(**config.model_args)
+    kw = dict(num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads,
+              seq_len=m.seq_len, vocab_size=m.vocab_size)
     options = {}
     if name in ("product", "mubf16"):  # whatever alpa_job/models/gpt.py and the shared loss do now
         return base, options
@@ -199,13 +201,14 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args()
     config, base, batch = gpt_case(args.model)
+    m = SimpleNamespace(**config.model_args)
     t0 = time.perf_counter()
     peer_run, peer_holder, n_params, peer_compiled = gpu_peer.make_loop(
-        config.num_layers, config.d_model, config.num_heads, config.vocab_size, config.seq_len, 1e-4, batch["tokens"])
+        m.num_layers, m.d_model, m.num_heads, m.vocab_size, m.seq_len, 1e-4, batch["tokens"])
     peer_mem = peer_compiled.memory_analysis()
     print(f"# peer compiled in {time.perf_counter() - t0:.1f}s, temp {peer_mem.temp_size_in_bytes / 1e9:.2f} GB",
           flush=True)
-    flops = gpt_flops(n_params, config.batch_size, config.seq_len, config.num_layers, config.d_model)
+    flops = gpt_flops(n_params, config.batch_size, m.seq_len, m.num_layers, m.d_model)
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, f"gpu_ablation_{args.model}.jsonl")
     park(peer_holder)

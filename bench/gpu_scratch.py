@@ -5,6 +5,7 @@ each compiled with and without donating its state (compile only: no state is all
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 import argparse
 import json
 import os
@@ -36,11 +37,12 @@ def kit(config, model, batch, donate: bool):
 
 
 def peer(config, model, batch, donate: bool):
-    params = jax.eval_shape(lambda: gpu_peer.init_params(jax.random.PRNGKey(0), config.num_layers, config.d_model,
-                                                         config.vocab_size, config.seq_len, config.num_heads))
+    m = SimpleNamespace(**config.model_args)
+    params = jax.eval_shape(lambda: gpu_peer.init_params(jax.random.PRNGKey(0), m.num_layers, m.d_model,
+                                                         m.vocab_size, m.seq_len, m.num_heads))
     tx = optax.adam(1e-4)
     opt_state = jax.eval_shape(tx.init, params)
-    jitted = jax.jit(gpu_peer.train_step(tx, config.num_heads), donate_argnums=(0, 1) if donate else ())
+    jitted = jax.jit(gpu_peer.train_step(tx, m.num_heads), donate_argnums=(0, 1) if donate else ())
     tokens = jax.ShapeDtypeStruct(batch["tokens"].shape, jnp.int32)
     return memory_analysis(jitted.lower(params, opt_state, tokens).compile())
 

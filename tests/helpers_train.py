@@ -1,6 +1,7 @@
 """Small helpers for the core training tests (tiny, fast configs on emulated CPU devices)."""
 from __future__ import annotations
 
+from alpa_job.models import model_values, size_settings
 from alpa_job.settings.config import JobConfig
 
 TINY = {
@@ -11,10 +12,20 @@ TINY = {
 
 
 def tiny_config(model: str = "mlp", **overrides) -> JobConfig:
+    """A tiny job of built-in `model`; its sizes (`num_layers=2`) may be overridden like any setting."""
     base = dict(model=model, num_samples=64, batch_size=16, epochs=1, address="none", devices=8,
                 learning_rate=3e-3, out="/tmp/alpa-job-test", **TINY[model])
     base.update(overrides)
-    return JobConfig(**base).validated()
+    return job_config(**base)
+
+
+def job_config(**fields) -> JobConfig:
+    """JobConfig(**fields) with a built-in's sizes among the fields (`num_layers=2`, as its flags give them)
+    moved into model_args, validated and typed by the model's declaration, as a run resolves it."""
+    sizes = {s.name for s in size_settings()}
+    given = {k: fields.pop(k) for k in list(fields) if k in sizes}
+    config = JobConfig(**fields, model_args={**fields.pop("model_args", {}), **given}).validated()
+    return config.replace(model_args=model_values(config))
 
 
 def signal_at_step(proc, step: int, sig: int, timeout: float = 120) -> str:

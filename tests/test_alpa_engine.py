@@ -21,6 +21,7 @@ import pytest
 from alpa_job.settings.config import JobConfig, build_config
 from alpa_job.engines import alpa_engine
 from alpa_job.errors import KitError
+from helpers_train import job_config
 
 REPO = Path(__file__).resolve().parent.parent
 VENV39_PY = REPO / ".venv39" / "bin" / "python"
@@ -92,7 +93,7 @@ def test_method_settings():
     cfg = JobConfig(strategy="pipeshard-manual", engine="alpa", micro_batches=4).validated()
     s = alpa_engine.method_settings(cfg, num_nodes=2, devices_per_node=2)
     assert s == {"strategy": "pipeshard-manual", "micro_batches": 4, "stages": 2, "boundaries": [1]}
-    cfg = JobConfig(strategy="pipeshard-auto", engine="alpa", model="gpt", num_layers=6).validated()
+    cfg = job_config(strategy="pipeshard-auto", engine="alpa", model="gpt", num_layers=6).validated()
     assert alpa_engine.method_settings(cfg, 2, 4)["layer_num"] == 6
     cfg = cfg.replace(pipeline_layers=3)
     assert alpa_engine.method_settings(cfg, 2, 4)["layer_num"] == 3
@@ -102,7 +103,7 @@ def test_method_settings():
     odd = JobConfig(strategy="data", engine="alpa", micro_batches=3).validated()
     with pytest.raises(KitError, match="not divisible by --micro-batches 3"):
         alpa_engine.method_settings(odd, 1, 4)
-    wrn = JobConfig(model="wide_resnet", depth=16).validated()
+    wrn = job_config(model="wide_resnet", depth=16).validated()
     assert alpa_engine.model_layer_count(wrn) == 6
 
 

@@ -113,7 +113,7 @@ def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_co
         assert ("ranking the candidates whole, not on copies" in said) == asked, said  # asked for, so told why
         return
     assert copies.full_depth == expected
-    assert [c.num_layers for c, _ in copies.configs_and_models] == list(shallow_ranking.DEPTHS)
+    assert [c.model_args["num_layers"] for c, _ in copies.configs_and_models] == list(shallow_ranking.DEPTHS)
     assert [m.layer_count for _, m in copies.configs_and_models] == list(shallow_ranking.DEPTHS)
 
 

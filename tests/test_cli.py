@@ -48,7 +48,7 @@ def test_config_file_is_read_and_flags_override_it(tmp_path):
     proc = run_cli("--config", str(cfg), "--steps", "3", "--address", "none", "--out", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["config"]["hidden_dim"] == 16 and report["config"]["batch_size"] == 8
+    assert report["config"]["model_args"]["hidden_dim"] == 16 and report["config"]["batch_size"] == 8
     assert report["steps"] == 3  # the flag beat the file
     bad = tmp_path / "bad.yaml"
     bad.write_text("modle: mlp\n")

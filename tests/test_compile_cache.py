@@ -22,7 +22,7 @@ RUN = textwrap.dedent("""
     from alpa_job.data import epoch_batches, synthetic
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.models import get_model
-    config = JobConfig(model="gpt", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
+    config = JobConfig(model="gpt", model_args=dict(num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128),
                        num_samples=8, batch_size=8, steps=1, address="none", **json.loads(sys.argv[1])).validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     engine = JaxEngine(config, get_model(config), batch, "data", (len(jax.devices()), 1))
@@ -163,7 +163,7 @@ from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.engines.optimizer import schedule_steps
 from alpa_job.strategies import auto_candidates
 from alpa_job.train.loop import prepare_data
-config = JobConfig(model="mlp", hidden_dim=32, num_samples=64, batch_size=16, steps=2, strategy="auto",
+config = JobConfig(model="mlp", model_args={"hidden_dim": 32}, num_samples=64, batch_size=16, steps=2, strategy="auto",
                    auto_trial_steps=1, compile_cache=%r, address="none").validated()
 model = get_model(config)
 data = prepare_data(config, model)

@@ -235,7 +235,7 @@ ALPA_ON_PY39 = """
     from alpa_job.train.loop import prepare_data
     import jax
 
-    config = JobConfig(model="mlp", hidden_dim=16, num_samples=40, batch_size=8, engine="alpa",
+    config = JobConfig(model="mlp", model_args={"hidden_dim": 16}, num_samples=40, batch_size=8, engine="alpa",
                        strategy="pipeshard-manual", micro_batches=2).validated()
     data = prepare_data(config)
     engine = AlpaEngine(config, get_model(config), data.example, AlpaCluster(2, 2, "10.0.0.2", "A100"))

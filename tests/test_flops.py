@@ -6,15 +6,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from alpa_job.settings.config import JobConfig
 from alpa_job.data import epoch_batches, synthetic
 from alpa_job.engines.flops import step_flops
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.models import get_model
+from helpers_train import job_config
 
 
 def _engine(model: str, **fields):
-    config = JobConfig(model=model, steps=1, address="none", compile_cache="none", **fields).validated()
+    config = job_config(model=model, steps=1, address="none", compile_cache="none", **fields).validated()
     batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     engine = JaxEngine(config, get_model(config), batch, "data", (8, 1))
     engine.compile()
@@ -25,8 +25,9 @@ def test_gpt_step_flops_match_6_params_tokens_plus_attention():
     config, engine = _engine("gpt", num_layers=3, d_model=128, num_heads=4, seq_len=64, vocab_size=512,
                              num_samples=16, batch_size=16)
     params = sum(x.size for x in jax.tree_util.tree_leaves(engine.abstract_state.params))
-    tokens = config.batch_size * config.seq_len
-    formula = 6 * params * tokens + 12 * config.num_layers * config.batch_size * config.seq_len ** 2 * config.d_model
+    sizes = config.model_args  # typed, every GPT setting (job_config resolves them)
+    tokens = config.batch_size * sizes["seq_len"]
+    formula = 6 * params * tokens + 12 * sizes["num_layers"] * config.batch_size * sizes["seq_len"] ** 2 * sizes["d_model"]
     counted = engine.stats.flops_per_step
     # The formula also counts the parameters no matmul uses (positions, LayerNorms, biases): < 2% here.
     assert counted == pytest.approx(formula, rel=0.02), (counted, formula)
@@ -78,7 +79,7 @@ def test_a_shard_map_counts_its_body_once_per_device_of_its_manual_axes():
 def test_report_has_flops_and_tflops_on_cpu(tmp_path):
     from alpa_job.train.loop import train_process
 
-    config = JobConfig(model="gpt", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
+    config = job_config(model="gpt", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
                        num_samples=32, batch_size=8, steps=4, address="none", compile_cache="none",
                        out=str(tmp_path)).validated()
     timing = train_process(config).timing

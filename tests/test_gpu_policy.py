@@ -16,7 +16,7 @@ from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.engines.optimizer import learning_rate_schedule, warmup_steps
 from alpa_job.models import get_model
 from alpa_job.models.gpt import GPT
-from alpa_job.models.losses import cross_entropy
+from alpa_job.losses import cross_entropy
 
 
 def _textbook(logits, labels):

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from alpa_job.errors import KitError
 from alpa_job.inspect import plan_of, write_report
+from helpers_train import job_config
 from helpers_report import assert_valid_report
 
 MESH = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
@@ -178,9 +179,8 @@ def test_the_jax_engine_and_plan_of_agree_on_its_own_step():
     from alpa_job.data import epoch_batches, synthetic
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.models import get_model
-    from alpa_job.settings.config import JobConfig
 
-    config = JobConfig(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none",
+    config = job_config(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none",
                        compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     engine = JaxEngine(config, get_model(config), batch, "fsdp", (4, 2))

@@ -3,7 +3,9 @@
 - no import circle anywhere in alpa_job/ or scripts/;
 - training (train/, engines/) never imports the readers (inspect/): it writes the record, never formats it;
 - the record and its readers (record/, inspect/) never import an engine, training or the launcher;
-- what runs on or about nodes (cluster/) never imports how a job is launched (launch/) or trained.
+- what runs on or about nodes (cluster/) never imports how a job is launched (launch/) or trained;
+- the packages (and top-level modules) stand in ranks, PACKAGE_RANKS: each imports only from ranks below
+  its own, so no two packages import each other, even through modules that do not form a circle.
 """
 from __future__ import annotations
 
@@ -156,3 +158,68 @@ def test_the_layer_rules_name_real_packages():
     for who, forbidden, _why in LAYER_RULES:
         for package in who + forbidden:
             assert package in MODULES, f"{package} is not a module of the package any more"
+
+
+# ----------------------------------------------------------------------------- packages in ranks
+# alpa_job's packages and top-level modules, lowest first. A unit imports only from ranks below its own:
+# the job's settings know no model and no data (a model's settings are its declaration's), models know
+# no settings catalogue, and the readers of a run (record/, inspect/) know no engine.
+PACKAGE_RANKS = (
+    ("errors", "choices", "units", "strict_json", "jax_compat", "shutdown", "progress", "losses", ""),
+    ("setting",),
+    ("api",),
+    ("strategies", "versions"),
+    ("settings", "models", "record", "cluster"),
+    ("data", "hf", "inspect"),
+    ("engines",),
+    ("planner",),
+    ("train",),
+    ("launch", "hf_commands"),
+    ("cli",),
+    ("__main__",),
+)
+RANK = {unit: rank for rank, units in enumerate(PACKAGE_RANKS) for unit in units}
+
+
+def _unit(module: str) -> str:
+    """The package (or top-level module) a module of alpa_job belongs to; "" is alpa_job's own __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _package_edges(graph: Dict[str, Set[str]]) -> Dict[tuple, List[str]]:
+    """(importing unit, imported unit) -> the module imports behind it."""
+    edges: Dict[tuple, List[str]] = {}
+    for module, targets in graph.items():
+        if not module.startswith("alpa_job"):
+            continue
+        for target in targets:
+            if target.startswith("alpa_job") and _unit(target) != _unit(module):
+                edges.setdefault((_unit(module), _unit(target)), []).append(f"{module} -> {target}")
+    return edges
+
+
+def _upward(edges: Dict[tuple, List[str]]) -> List[str]:
+    return sorted(f"{who} (rank {RANK[who]}) imports {what} (rank {RANK[what]}): {', '.join(sorted(why)[:3])}"
+                  for (who, what), why in edges.items() if RANK[what] >= RANK[who])
+
+
+def test_every_package_has_a_rank():
+    units = {_unit(m) for m in MODULES if m.startswith("alpa_job")}
+    assert units == set(RANK), f"rank these in PACKAGE_RANKS: {sorted(units - set(RANK))}; gone: {sorted(set(RANK) - units)}"
+
+
+def test_packages_import_only_from_lower_ranks():
+    problems = _upward(_package_edges(GRAPH))
+    assert not problems, "upward or sideways imports between packages: " + "; ".join(problems)
+    assert not _cycles({a: {b for (x, b) in _package_edges(GRAPH) if x == a} for a in RANK})
+
+
+def test_the_rank_check_sees_a_package_circle_and_an_upward_import():
+    # Two packages importing each other through modules that form no module circle, and one upward import.
+    graph = {"alpa_job.settings.validate": {"alpa_job.models.builders"}, "alpa_job.models.gpt": {"alpa_job.settings.catalog"},
+             "alpa_job.api": {"alpa_job.models.losses"}}
+    assert not _cycles(graph)
+    found = _upward(_package_edges(graph))
+    assert [line.split(" imports ")[0] for line in found] == ["api (rank 2)", "models (rank 4)", "settings (rank 4)"]
+    assert _cycles({a: {b for (x, b) in _package_edges(graph) if x == a} for a in RANK}) == [["models", "settings"]]

@@ -8,22 +8,25 @@ import re
 import subprocess
 import sys
 import tomllib
+from types import SimpleNamespace
 
 import pytest
 
 from alpa_job.settings import config as config_lib
 from alpa_job.settings.config import JobConfig, build_config, load_preset, load_settings, preset_names
 from alpa_job.errors import KitError
-from alpa_job.models import BUILT_IN, builder_of, get_model, model_names, model_settings
+from alpa_job.models import BUILT_IN, builder_of, get_model, model_names, model_settings, model_values, size_settings
 from helpers_train import tiny_config
+
+SIZES = {s.name for s in size_settings()}  # the built-ins' sizes, which a file may give at its top level
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- the built-ins
 def test_each_built_in_is_a_builder_of_the_public_api():
-    """Built-ins are examples of alpa_job.api: `build(config, dtype)` in the module named like the model
-    returns an api.Model; its sizes are the catalogue's fields."""
+    """Built-ins are examples of alpa_job.api: `build(args, dtype)` in the module named like the model
+    returns an api.Model; its sizes are its own settings (model_args), never job settings."""
     import jax.numpy as jnp
 
     from alpa_job import api
@@ -32,8 +35,9 @@ def test_each_built_in_is_a_builder_of_the_public_api():
     for name in BUILT_IN:
         builder = builder_of(name)
         assert builder.function.__module__ == f"alpa_job.models.{name}" and builder.target.endswith(":build")
-        assert set(builder.declaration.names) <= set(config_lib.FIELD_NAMES)
-        assert isinstance(builder.function(tiny_config(name), jnp.float32), api.Model)
+        assert not set(builder.declaration.names) & set(config_lib.FIELD_NAMES)
+        args = SimpleNamespace(**tiny_config(name).model_args)
+        assert isinstance(builder.function(args, jnp.float32), api.Model)
 
 
 def test_default_sizes_are_the_configs_defaults():
@@ -42,8 +46,8 @@ def test_default_sizes_are_the_configs_defaults():
     assert declared == {"mlp": {"hidden_dim": 256}, "wide_resnet": {"depth": 10, "width": 2},
                         "gpt": {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256,
                                 "remat": "none"}}
-    for sizes in declared.values():
-        assert all(getattr(defaults, k) == v for k, v in sizes.items())
+    for name, sizes in declared.items():
+        assert dict(model_values(defaults.replace(model=name))) == sizes
 
 
 @pytest.mark.parametrize("model, out_shape, input_key, batch_stats", [
@@ -116,7 +120,7 @@ def test_the_alpa_engine_counts_pipeline_layers_from_the_model():
 
 def test_unknown_model_is_one_line_listing_the_names():
     with pytest.raises(KitError) as err:
-        build_config({}, {"model": "resnet"})
+        model_values(build_config({}, {"model": "resnet"}))
     assert str(err.value) == ("--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt, or your own builder "
                               "as PACKAGE.MODULE:FUNCTION (did you mean wide_resnet?)")
     with pytest.raises(KitError) as err:
@@ -158,13 +162,15 @@ def test_each_preset_loads_into_a_valid_config(name):
 def test_gpt_24l_is_the_gpu_peer_model_through_its_base():
     values = load_preset("gpt-24l")
     config = build_config(values, {})
+    sizes = model_values(config)
     # issue 16 / notes/gpu.md: GPT 24L d2048 h16 B8 S1024 V32768 bf16
-    assert (config.model, config.num_layers, config.d_model, config.num_heads, config.seq_len,
-            config.vocab_size, config.batch_size, config.dtype) == ("gpt", 24, 2048, 16, 1024, 32768, 8, "bfloat16")
+    assert (config.model, sizes["num_layers"], sizes["d_model"], sizes["num_heads"], sizes["seq_len"],
+            sizes["vocab_size"], config.batch_size, config.dtype) == ("gpt", 24, 2048, 16, 1024, 32768, 8, "bfloat16")
     # num_heads, seq_len, vocab_size and dtype come from gpt-12l, the base it names.
     base = load_preset("gpt-12l")
-    assert all(values[k] == base[k] for k in ("num_heads", "seq_len", "vocab_size", "dtype"))
-    assert "num_heads" not in _raw("gpt-24l") and _raw("gpt-24l")["base_config"] == "gpt-12l"
+    assert all(values["model_args"][k] == base["model_args"][k] for k in ("num_heads", "seq_len", "vocab_size"))
+    assert values["dtype"] == base["dtype"]
+    assert "num_heads" not in _raw("gpt-24l")["model_args"] and _raw("gpt-24l")["base_config"] == "gpt-12l"
 
 
 def _raw(name):
@@ -177,10 +183,11 @@ def _raw(name):
 def test_order_defaults_preset_config_file_flags(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("num_layers: 2\nbatch-size: 16\n")
-    config = build_config(load_settings("gpt-24l", str(job)), {"batch_size": 4, "steps": None})
-    assert config.d_model == 2048  # the preset
-    assert config.seq_len == 1024  # the preset's base
-    assert config.num_layers == 2  # the --config file beats the preset
+    config = build_config(load_settings("gpt-24l", str(job), model_keys=SIZES), {"batch_size": 4, "steps": None})
+    sizes = model_values(config)
+    assert sizes["d_model"] == 2048  # the preset
+    assert sizes["seq_len"] == 1024  # the preset's base
+    assert sizes["num_layers"] == 2  # the --config file beats the preset
     assert config.batch_size == 4  # a flag beats the file
     assert config.learning_rate == JobConfig().learning_rate  # nobody set it: the default
     assert config.steps is None  # a flag not given does not override
@@ -190,14 +197,15 @@ def test_base_config_chain_is_resolved_base_first(tmp_path):
     (tmp_path / "a.yaml").write_text("base_config: b\nnum_layers: 1\n")
     (tmp_path / "b.yaml").write_text("base-config: c\nnum_layers: 2\nd_model: 64\n")
     (tmp_path / "c.yaml").write_text("model: gpt\nnum_layers: 3\nd_model: 32\nseq_len: 8\n")
-    assert load_preset("a", presets_dir=str(tmp_path)) == {"model": "gpt", "num_layers": 1, "d_model": 64,
-                                                          "seq_len": 8}
+    assert load_preset("a", presets_dir=str(tmp_path), model_keys=SIZES) == {
+        "model": "gpt", "model_args": {"num_layers": 1, "d_model": 64, "seq_len": 8}}
     # A --config file may start from a shipped preset or from another file (relative to itself).
     (tmp_path / "job.yaml").write_text("base_config: gpt-small\nsteps: 5\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "job2.yaml").write_text("base_config: ../job.yaml\nnum_heads: 8\n")
-    values = config_lib.load_yaml_overrides(str(tmp_path / "sub" / "job2.yaml"))
-    assert values == {**load_preset("gpt-small"), "steps": 5, "num_heads": 8}
+    values = config_lib.load_yaml_overrides(str(tmp_path / "sub" / "job2.yaml"), model_keys=SIZES)
+    small = load_preset("gpt-small")
+    assert values == {**small, "steps": 5, "model_args": {**small["model_args"], "num_heads": 8}}
 
 
 def test_a_base_config_loop_is_one_line(tmp_path):
@@ -221,7 +229,7 @@ def test_preset_with_an_unknown_key_names_the_key(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: gpt\nnum_layer: 3\n")
     (tmp_path / "child.yaml").write_text("base_config: bad\n")
     with pytest.raises(KitError) as err:
-        load_preset("child", presets_dir=str(tmp_path))
+        load_preset("child", presets_dir=str(tmp_path), model_keys=SIZES)
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("preset bad: unknown setting 'num_layer' (did you mean num_layers?); known: model,")
@@ -253,9 +261,10 @@ def test_cli_preset_is_overridden_by_config_file_and_flags(tmp_path):
                 "--num-samples", "16", "--steps", "1", "--address", "none", "--out", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = json.loads((tmp_path / "run" / "report.json").read_text())["config"]
-    assert cfg["model"] == "gpt" and cfg["num_heads"] == 4  # from the preset
-    assert cfg["d_model"] == 32 and cfg["seq_len"] == 16  # the file beat the preset
-    assert cfg["num_layers"] == 1 and cfg["batch_size"] == 8  # the flags beat both
+    sizes = cfg["model_args"]
+    assert cfg["model"] == "gpt" and sizes["num_heads"] == 4  # from the preset
+    assert sizes["d_model"] == 32 and sizes["seq_len"] == 16  # the file beat the preset
+    assert sizes["num_layers"] == 1 and cfg["batch_size"] == 8  # the flags beat both
 
 
 def test_cli_unknown_preset_is_one_line_and_exit_2():

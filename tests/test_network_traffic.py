@@ -8,13 +8,13 @@ from alpa_job.data import epoch_batches, synthetic
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.models import get_model
 from alpa_job.record import traffic
-from alpa_job.settings.config import JobConfig
+from helpers_train import job_config
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """{strategy: (engine, its train step's HLO)} for the MLP on 8 emulated devices."""
-    config = JobConfig(model="mlp", hidden_dim=64, num_samples=32, batch_size=16, steps=1, address="none",
+    config = job_config(model="mlp", hidden_dim=64, num_samples=32, batch_size=16, steps=1, address="none",
                        compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), 16, "drop", 0, 0))
     out = {}

@@ -60,7 +60,7 @@ def test_non_finite_settings_are_refused(tmp_path, args, yaml_text, flag):
 def test_finite_check_covers_a_models_own_float_setting():
     import dataclasses
 
-    from alpa_job.settings.setting import Setting
+    from alpa_job.setting import Setting
 
     rate = Setting("dropout", float, 0.1, "a model's own float")
     assert rate.problem(float("nan")) == "--dropout must be a finite number, got nan"

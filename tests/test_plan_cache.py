@@ -29,7 +29,7 @@ SEED_DP = (None, [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], [(1
 
 
 def _key_inputs(**over):
-    base = dict(config={"model": "wide_resnet", "depth": 16, "width": 2, "dtype": "float32"},
+    base = dict(config={"model": "wide_resnet", "model_args": {"depth": 16, "width": 2}, "dtype": "float32"},
                 batch_signature=(("image", (64, 32, 32, 3), "float32"), ("label", (64,), "int32")),
                 num_nodes=2, devices_per_node=2, device_kind="GTX_1080_Ti",
                 versions={"alpa": "0.2.3", "jax": "0.3.22", "jaxlib": "0.3.22+cuda113.cudnn820"},
@@ -42,7 +42,7 @@ def test_key_is_stable_and_covers_model_batch_cluster_versions():
     k = pc.plan_key(_key_inputs())
     assert k == pc.plan_key(_key_inputs()) and len(k) == 20
     changed = [
-        _key_inputs(config={"model": "wide_resnet", "depth": 22, "width": 2, "dtype": "float32"}),
+        _key_inputs(config={"model": "wide_resnet", "model_args": {"depth": 22, "width": 2}, "dtype": "float32"}),
         _key_inputs(batch_signature=(("image", (16, 32, 32, 3), "float32"), ("label", (16,), "int32"))),
         _key_inputs(num_nodes=1),
         _key_inputs(devices_per_node=4),

@@ -210,11 +210,11 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
 
 def test_prefilter_drops_what_cannot_fit_or_is_slow():
     from alpa_job.strategies import auto_candidates
+    from alpa_job.planner.plan import job_config
     from alpa_job.planner.prefilter import drop_candidates
-    from alpa_job.settings import config as config_lib
 
     values = {k: v for k, v in TINY_GPT.items() if k not in ("num_samples", "dataset", "compile_cache")}
-    config = config_lib.build_config({}, values)
+    config = job_config(({}, {}), values)
     import numpy as np
 
     example = {"tokens": np.zeros((16, 33), np.int32), "mask": np.ones((16,), np.float32)}

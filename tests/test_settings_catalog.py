@@ -15,9 +15,10 @@ from typing import Optional
 import pytest
 
 from alpa_job.errors import KitError
+from alpa_job.models import size_settings
 from alpa_job.settings import catalog
 from alpa_job.settings.config import JobConfig, build_config, coerce, load_yaml_overrides
-from alpa_job.settings.setting import GROUPS, ModelArgs, Setting, plain_type
+from alpa_job.setting import GROUPS, ModelArgs, Setting, plain_type
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,14 +79,15 @@ def test_every_jobconfig_field_is_one_catalogue_entry_and_one_flag():
     by_dest = {}
     for action in actions:
         by_dest.setdefault(action.dest, []).extend(action.option_strings)
-    assert set(by_dest) == set(fields) | CLI_ONLY
+    sizes = {s.name for s in size_settings()}  # the built-ins' sizes: --model-arg spelled as flags of their own
+    assert set(by_dest) == set(fields) | CLI_ONLY | sizes and not sizes & set(fields)
     for s in catalog.SETTINGS:
         expected = [w.flag for w in s.switches] if s.switches else [s.flag]
         assert by_dest[s.name] == expected, s.name
 
 
 def test_jobconfig_is_a_frozen_picklable_dataclass():
-    config = JobConfig(model="gpt", num_layers=3)
+    config = JobConfig(model="gpt", model_args={"num_layers": 3})
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.model = "mlp"
     assert pickle.loads(pickle.dumps(config)) == config  # it crosses to Ray actors
@@ -96,18 +98,20 @@ def test_jobconfig_is_a_frozen_picklable_dataclass():
 
 
 def test_each_model_declares_its_own_settings():
-    from alpa_job.models import BUILT_IN, builder_of, model_settings
+    from alpa_job.models import BUILT_IN, builder_of, model_settings, model_values
 
-    assert catalog.MODEL_FIELDS == {"mlp": ("hidden_dim",), "wide_resnet": ("depth", "width"),
-                                    "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "remat")}
+    fields = {name: tuple(s.name for s in model_settings(name)) for name in BUILT_IN}
+    assert fields == {"mlp": ("hidden_dim",), "wide_resnet": ("depth", "width"),
+                      "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "remat")}
+    assert [(s.model, s.name) for s in size_settings()] == [(n, f) for n in BUILT_IN for f in fields[n]]
     for name in BUILT_IN:
         declared = model_settings(name)
-        assert all(catalog.setting(s.name).model == name for s in declared)
-        assert all(s.__module__ == "alpa_job.settings.setting" for s in map(type, declared))
+        assert all(s.__module__ == "alpa_job.setting" for s in map(type, declared))
     for name in BUILT_IN:  # the builder reads the same declaration
         declared = builder_of(name).declaration
-        assert declared.names == catalog.MODEL_FIELDS[name]
-        assert all(s.default == getattr(JobConfig(), s.name) for s in declared.settings)
+        assert declared.names == fields[name]
+        defaults = model_values(JobConfig(model=name))
+        assert all(s.default == defaults[s.name] for s in declared.settings)
 
 
 def _help_groups() -> dict:
@@ -144,7 +148,8 @@ def test_help_and_the_checks_before_ray_import_no_engine():
             "    except SystemExit:\n"
             "        pass\n"
             "from alpa_job.settings.config import build_config\n"
-            "build_config({'model': 'gpt', 'num_heads': 2}, {})\n"
+            "from alpa_job.models import model_values\n"
+            "model_values(build_config({'model': 'gpt', 'model_args': {'num_heads': 2}}, {}))\n"
             "print(sorted(m for m in ('jax', 'flax', 'ray') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -168,7 +173,6 @@ def test_the_step_stores_key_and_the_alpa_plan_key_read_the_catalogue():
 
     assert set(executable_store.NOT_IN_STEP) == {s.name for s in catalog.SETTINGS if not s.decides_step}
     assert {"out", "resume", "max_restarts", "seed", "steps"} <= set(executable_store.NOT_IN_STEP)
-    assert not set(catalog.ALL_MODEL_SIZES) & set(executable_store.NOT_IN_STEP)
-    assert {"strategy", "dtype", "batch_size", "learning_rate"}.isdisjoint(executable_store.NOT_IN_STEP)
-    assert set(plan_cache.MODEL_FIELDS) == {"model", "model_args", "dtype",
-                                            *(f for fs in catalog.MODEL_FIELDS.values() for f in fs)}
+    assert {"model", "model_args", "strategy", "dtype", "batch_size", "learning_rate"}.isdisjoint(
+        executable_store.NOT_IN_STEP)
+    assert set(plan_cache.MODEL_FIELDS) == {"model", "model_args", "dtype"}

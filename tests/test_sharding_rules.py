@@ -13,10 +13,11 @@ from alpa_job.errors import KitError
 from alpa_job.models import get_model
 from alpa_job.models.axes import BATCH, EMBED, MLP
 from alpa_job.settings.config import JobConfig
+from helpers_train import job_config
 
 
 def _mlp_engine(strategy: str, mesh_shape):
-    config = JobConfig(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none",
+    config = job_config(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none",
                        compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     return JaxEngine(config, get_model(config), batch, strategy, mesh_shape)

@@ -15,10 +15,11 @@ from alpa_job.data import epoch_batches, synthetic
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.models import get_model
+from helpers_train import job_config
 
 
 def _gpt(num_layers: int = 3):
-    config = JobConfig(model="gpt", num_layers=num_layers, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
+    config = job_config(model="gpt", num_layers=num_layers, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
                        num_samples=8, batch_size=8, steps=1, address="none", compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     return config, get_model(config), batch

@@ -111,7 +111,7 @@ from alpa_job.models import get_model
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.record.hlo import collective_instances
 # GPT 24L's widths (2 of its layers): at these sizes XLA, left alone, resharded activations (gigabytes a step).
-config = JobConfig(model="gpt", num_layers=2, d_model=2048, num_heads=16, seq_len=1024, vocab_size=32768,
+config = JobConfig(model="gpt", model_args=dict(num_layers=2, d_model=2048, num_heads=16, seq_len=1024, vocab_size=32768),
                    batch_size=16, num_samples=16, dtype="bfloat16", address="none", compile_cache="none").validated()
 model = get_model(config)
 batch = {"tokens": np.zeros((16, 1025), np.int32), "mask": np.ones((16,), np.float32)}
@@ -206,8 +206,9 @@ from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.record.hlo import collective_instances
 counts = {}
 for remat in ("none", "mlp-weights", "weights"):
-    config = JobConfig(model="gpt", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128, batch_size=8,
-                       num_samples=8, dtype="bfloat16", address="none", compile_cache="none", remat=remat).validated()
+    config = JobConfig(model="gpt", model_args=dict(num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
+                       remat=remat), batch_size=8, num_samples=8, dtype="bfloat16", address="none",
+                       compile_cache="none").validated()
     batch = {"tokens": np.zeros((8, 33), np.int32), "mask": np.ones((8,), np.float32)}
     stats = JaxEngine(config, get_model(config), batch, "fsdp", (2, 1)).compile_step()
     hlo = stats.hlo_texts[0]

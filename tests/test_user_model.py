@@ -17,8 +17,9 @@ import pytest
 
 from alpa_job.api import API_VERSION
 from alpa_job.errors import KitError
+from alpa_job.models import model_values
 from alpa_job.settings.config import build_config
-from alpa_job.settings.setting import ModelArgs
+from alpa_job.setting import ModelArgs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "usermodels"
@@ -328,10 +329,10 @@ def test_model_args_are_frozen_picklable_and_json():
 
 
 def test_a_built_in_takes_its_sizes_as_model_args_too():
-    assert build_config({}, {"model": "gpt", "model_args": ["num_layers=3"]}).num_layers == 3
-    assert build_config({"model": "gpt", "model_args": {"d_model": 64}}, {}).d_model == 64
+    assert model_values(build_config({}, {"model": "gpt", "model_args": ["num_layers=3"]}))["num_layers"] == 3
+    assert model_values(build_config({"model": "gpt", "model_args": {"d_model": 64}}, {}))["d_model"] == 64
     with pytest.raises(KitError, match=r"--num-layers 2 and --model-arg num_layers=3 disagree; give one of them"):
-        build_config({}, {"model": "gpt", "num_layers": 2, "model_args": ["num_layers=3"]})
+        build_config({}, {"model": "gpt", "model_args": ["num_layers=3"]}, {"num_layers": 2})
 
 
 def test_naming_a_builder_imports_nothing_before_the_run():

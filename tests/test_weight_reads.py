@@ -12,13 +12,13 @@ from alpa_job.data import epoch_batches, synthetic
 from alpa_job.engines import weight_reads
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.models import get_model
-from alpa_job.settings.config import JobConfig
+from helpers_train import job_config
 
 BF16, F32 = np.dtype("bfloat16"), np.dtype("float32")
 
 
 def _gpt(dtype):
-    config = JobConfig(model="gpt", dtype=dtype, address="none", num_layers=2, d_model=64, num_heads=4, seq_len=32,
+    config = job_config(model="gpt", dtype=dtype, address="none", num_layers=2, d_model=64, num_heads=4, seq_len=32,
                        vocab_size=128, batch_size=8, num_samples=8, steps=2, compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     return config, get_model(config), batch

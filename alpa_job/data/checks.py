@@ -5,10 +5,43 @@ in seconds, before a cluster is joined, and never a full scan of a large corpus.
 """
 from __future__ import annotations
 
-from alpa_job.data.open import EVAL, FILE_DATASETS, TRAIN, model_setting, path_flag, split_path, token_window
+import os
+
+from alpa_job.data.open import EVAL, TRAIN, model_setting, path_flag, split_path, token_window
 from alpa_job.errors import KitError
+from alpa_job.settings.catalog import FILE_DATASETS
 
 GRAIN_ONLY = ("array_record", "model")  # need Grain / ArrayRecord, which the Alpa image's Python 3.9 lacks
+
+
+def check_data(config, engine: str = "jax") -> None:
+    """The dataset exists, gives what the model reads, and the batch fits it (sizes, a sample of token ids:
+    nothing is loaded whole). A brought model was matched against the dataset when it was built."""
+    from alpa_job.data.memory import cifar10_batch_files
+    from alpa_job.models import check_data_fits, is_built_in
+
+    if is_built_in(config.model):
+        check_data_fits(config, config.model)
+    check_input(config, engine)
+    if config.dataset == "cifar10":
+        for name in cifar10_batch_files(config.data_dir):
+            _check_pickle_header(os.path.join(config.data_dir, name))
+    elif config.dataset == "synthetic":
+        from alpa_job.data.batching import plan_epoch
+
+        plan_epoch(config.num_samples, config.batch_size, config.remainder)
+
+
+def _check_pickle_header(path: str) -> None:
+    """A CIFAR-10 python batch is a pickle (protocol >= 2 starts with 0x80, then the protocol number):
+    two bytes tell a wrong file now, not after Ray started and a worker tried to load it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError as err:
+        raise KitError(f"--data-dir: cannot read {path} ({err.strerror}); fix its permissions") from None
+    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        raise KitError(f"{path} is not a CIFAR-10 python batch (not a pickle); re-extract cifar-10-python.tar.gz")
 
 
 def check_input(config, engine: str = "jax") -> None:

@@ -6,7 +6,6 @@ from typing import Any, Optional
 from alpa_job.data.sources import ArraysSource, MapDatasetSource, RowSource
 from alpa_job.errors import KitError
 
-FILE_DATASETS = ("tokens", "array_record", "npz", "model")  # read --data-path / --eval-data-path
 TRAIN, EVAL = "train", "eval"
 
 
@@ -19,14 +18,10 @@ def path_flag(split: str) -> str:
 
 
 def model_setting(config, name: str) -> Optional[Any]:
-    """A model's own setting (`seq_len`, `vocab_size`): a built-in's field, or a brought model's model_arg."""
-    from alpa_job.models import is_built_in
+    """A setting of the model (`seq_len`, `vocab_size`), typed by its declaration; None if it has none."""
+    from alpa_job.models import model_values
 
-    if is_built_in(config.model):
-        from alpa_job.settings.catalog import MODEL_FIELDS
-
-        return getattr(config, name) if name in MODEL_FIELDS.get(config.model, ()) else None
-    return (config.model_args or {}).get(name)
+    return model_values(config).get(name)
 
 
 def token_window(config) -> int:

@@ -33,14 +33,13 @@ import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from alpa_job.errors import KitError
-from alpa_job.settings import catalog
 from alpa_job import strict_json
 
 PLAN_FILE = "plan.json"
 PROFILE_FILE = "profile.pkl"
 PROFILE_LINE = re.compile(r"Profile result saved to:\s*(\S+)")
 KEY_VERSIONS = ("alpa", "jax", "jaxlib", "flax", "optax", "ray", "cuda", "python")
-MODEL_FIELDS = ("model", "model_args", "dtype") + catalog.ALL_MODEL_SIZES
+MODEL_FIELDS = ("model", "model_args", "dtype")
 
 
 def plan_key_inputs(config: Mapping[str, Any], batch_signature: Sequence, num_nodes: int,

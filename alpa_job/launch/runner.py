@@ -20,6 +20,7 @@ from alpa_job.train import metrics_log, rundir, trackers
 from alpa_job.launch import preemption
 from alpa_job.launch.connect import NO_RAY, connect, resolve_address
 from alpa_job.cluster.spec import load_spec
+from alpa_job.data.checks import check_data
 from alpa_job.settings.config import check_engine_strategy
 from alpa_job.engines import resolve_engine
 from alpa_job.errors import Diverged, KitError, LostProcessError
@@ -50,6 +51,7 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     address = resolve_address(config.address)
     config = _resolve_model(config, engine, address)
     validate.preflight(config, engine, address, explicit)
+    check_data(config, engine)
     _check_fp8_ready(config)
     trackers.check_installed(config.track)
     auto = config.resume == "auto"
@@ -111,21 +113,19 @@ def _finish_metrics(metrics: Optional[metrics_log.RunMetrics], record, shown) ->
 
 
 def _resolve_model(config, engine: str, address: str):
-    """A model the user brings is imported and built here, before Ray, so a wrong one is a one-line error.
-    Its module may import jax: a run in this process gets its CPU devices set first (they can be set only
-    before jax starts)."""
+    """The model's settings typed and checked here, before Ray; a model the user brings is imported and built
+    too, so a wrong one is a one-line error. Its module may import jax: a run in this process gets its CPU
+    devices set first (they can be set only before jax starts)."""
     from alpa_job.models import is_built_in, resolve
 
-    if is_built_in(config.model):
-        _check_init_from(config)
-        return config
-    if address == NO_RAY and engine == "jax":
+    brought = not is_built_in(config.model)
+    if brought and address == NO_RAY and engine == "jax":
         from alpa_job.train.loop import ensure_cpu_devices
 
         ensure_cpu_devices(config.devices)
     config = resolve(config)
     _check_init_from(config)
-    if address != NO_RAY and engine == "jax":
+    if brought and address != NO_RAY and engine == "jax":
         _check_model_on_abstract_shapes(config)
     return config
 

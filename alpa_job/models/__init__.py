@@ -2,31 +2,35 @@
 builds it as the engines' `ModelSpec`.
 
 Every model is a builder returning `alpa_job.api.Model` (the public API, api.py), found by:
-- a built-in name (BUILT_IN): `<name>.py` defines `build(config, dtype)`, and `<name>_settings.py`
-  declares the sizes it reads (`SETTINGS`, `Setting`s, and where sizes must agree `check(config)`)
-  without flax, so the settings catalogue, `--help` and every check before Ray read them without jax;
-  they are the kit's flags (`--num-layers`), also accepted as `--model-arg num_layers=...`;
+- a built-in name (BUILT_IN): `<name>.py` defines `build(args, dtype)`, and `<name>_settings.py`
+  lists the settings it reads (`SETTINGS`, `Setting`s, and where they must agree `check(args)`)
+  without flax, so `--help` and every check before Ray read them without jax; `--num-layers 4` (and a
+  YAML `num_layers: 4`) is another spelling of `--model-arg num_layers=4`;
 - an entry point of an installed package (group `alpa_job.models`, models/installed.py);
 - `PACKAGE.MODULE:FUNCTION`: the user's builder, whose settings come from its own declaration
   (models/builders.py) and reach it from `--model-arg KEY=VALUE` / YAML `model_args:`.
-A built-in's module is imported when it is first built: the runner emulates CPU devices only while
-jax is not yet imported. A user's builder is imported and called once in the driver before Ray starts
-(`resolve`), so a wrong one is a one-line error there.
+Every model's settings travel in the job config's `model_args`; `model_values(config)` types them by the
+model's declaration (the settings package knows no model). A built-in's module is imported when it is
+first built: the runner emulates CPU devices only while jax is not yet imported. A user's builder is
+imported and called once in the driver before Ray starts (`resolve`), so a wrong one is a one-line
+error there.
 
 A model only names logical axes (api.py); which mesh axis splits them is the engine's business.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+import types
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job import api
 from alpa_job.choices import did_you_mean
 from alpa_job.errors import KitError
 from alpa_job.models import builders
 from alpa_job.models.installed import installed_models
-from alpa_job.settings.setting import Setting
+from alpa_job.setting import ModelArgs, Setting, flag_of
 
 # The kit's own models, in the order `--model` lists them; each is the module named like it.
 BUILT_IN = ("mlp", "wide_resnet", "gpt")
@@ -98,7 +102,7 @@ class ModelSpec:
         return (per_example * batch["mask"]).sum(), batch["mask"].sum()
 
 
-# ----------------------------------------------------------------------------- names (no jax)
+# ----------------------------------------------------------------------------- names and declarations (no jax)
 def is_built_in(name: str) -> bool:
     return name in BUILT_IN
 
@@ -120,24 +124,15 @@ def check_model_name(name: str) -> None:
 
 
 def model_settings(name: str) -> Tuple[Setting, ...]:
-    """The settings built-in model `name` reads (`Setting`s), from its declaration module `<name>_settings`,
-    which imports no flax: the catalogue, `--help` and the checks before Ray read them without jax."""
+    """The settings built-in model `name` lists (`Setting`s), from its declaration module `<name>_settings`,
+    which imports no flax: `--help` and every check before Ray read them without jax."""
     return _declaration(name).SETTINGS
 
 
-def check_model_sizes(config) -> None:
-    """Every built-in's own rule on its sizes (`check(config)` in its declaration, where it has one), whichever
-    model runs: a size flag that no rule of its model allows is wrong even before it is found inert."""
-    for name in BUILT_IN:
-        check = getattr(_declaration(name), "check", None)
-        if check is not None:
-            check(config)
-
-
-def built_in_args(name: str, given: Mapping[str, Any]) -> Dict[str, Any]:
-    """`--model-arg`s of built-in `name` as its config fields (typed): the same sizes as its flags."""
-    known = {s.name: s for s in model_settings(name)}
-    return {key: builders.model_arg(name, known, key, value) for key, value in given.items()}
+def size_settings() -> Tuple[Setting, ...]:
+    """Every built-in's settings, each marked with its model, in `--model` order: the size flags
+    (`--num-layers 4` is `--model-arg num_layers=4`) and the top-level YAML keys that mean the same."""
+    return tuple(dataclasses.replace(setting, model=name) for name in BUILT_IN for setting in model_settings(name))
 
 
 def model_input_field(name: str) -> str:
@@ -151,14 +146,53 @@ def _declaration(name: str):
     return importlib.import_module(f"{__name__}.{name}_settings")
 
 
+def declaration_of(name: str) -> builders.Declaration:
+    """The settings `--model name` declares: a built-in's from its declaration module (no jax), a
+    brought model's from its builder (imported)."""
+    if is_built_in(name):
+        return builders.Declaration(builders.LISTED, model_settings(name))
+    return builder_of(name).declaration
+
+
+def model_values(config) -> ModelArgs:
+    """Every setting of `config`'s model, typed: its `model_args` coerced by the model's declaration, the
+    declaration's defaults for the rest, and the model's own rule on them (a built-in's `check`). One
+    line naming the fix for a key the model does not declare."""
+    return _model_values(config.model, config.model_args)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_values(name: str, given: ModelArgs) -> ModelArgs:
+    check_model_name(name)
+    declaration = declaration_of(name)
+    for key in given:
+        owner = _built_in_owning(key)
+        if key not in declaration.names and owner is not None and owner != name:
+            # A size no rule of its own model allows is wrong even before it is found to do nothing here.
+            _model_values(owner, ModelArgs({key: given[key]}))
+            reads = (f"reads {', '.join(flag_of(n) for n in declaration.names)}" if is_built_in(name)
+                     else "takes its settings as --model-arg KEY=VALUE")
+            raise KitError(f"{flag_of(key)} does nothing here: it sizes --model {owner}, and --model {name} {reads}; "
+                           f"drop it or use --model {owner}")
+    values = builders.typed_args(builders.Builder(name, name, None, declaration), given)
+    check = getattr(_declaration(name), "check", None) if is_built_in(name) else None
+    if check is not None:
+        check(types.SimpleNamespace(**values))
+    return values
+
+
+def _built_in_owning(key: str) -> Optional[str]:
+    return next((name for name in BUILT_IN if any(s.name == key for s in model_settings(name))), None)
+
+
 # ----------------------------------------------------------------------------- builders (may import jax)
+@functools.lru_cache(maxsize=None)
 def builder_of(name: str) -> builders.Builder:
-    """The builder `--model name` means, imported, with its declaration read."""
+    """The builder `--model name` means, imported, with its declaration read (once per process)."""
     check_model_name(name)
     if is_built_in(name):
         target = f"{__name__}.{name}:build"
-        declaration = builders.Declaration(builders.CONFIG, tuple(model_settings(name)))
-        return builders.Builder(name, target, builders.import_builder(name, target), declaration)
+        return builders.Builder(name, target, builders.import_builder(name, target), declaration_of(name))
     target = name if builders.is_import_path(name) else installed_models()[name]
     if not builders.is_import_path(target):
         raise KitError(f"--model {name}: the installed entry point names {target!r}, not MODULE:FUNCTION; fix the "
@@ -168,15 +202,16 @@ def builder_of(name: str) -> builders.Builder:
 
 
 def resolve(config):
-    """In the driver, before Ray: import the user's builder, type its settings (`model_args` becomes every
-    declared setting's value) and call it once, so every mistake is a one-line error now. Built-ins need
-    none of it (their sizes were checked with the config, without jax)."""
-    if is_built_in(config.model):
+    """In the driver, before Ray (and once in each process that reads a config from elsewhere): type the
+    model's settings (`model_args` becomes every declared setting's value) and check them against the
+    dataset; a brought model's builder is imported and called once, so every mistake is a one-line
+    error now. A built-in is checked from its declaration, without jax."""
+    config = config.replace(model_args=model_values(config))
+    if is_built_in(config.model):  # matched against the dataset with the data checks (data/checks.py)
         return config
     builder = builder_of(config.model)
-    values = builders.typed_args(builder, config.model_args)
-    config = config.replace(model_args=values)
-    model = builders.call(builder, builders.args_object(builder, values), values, _dtype(config))
+    model = builders.call(builder, builders.args_object(builder, config.model_args), config.model_args,
+                          _dtype(config))
     check_data_fits(config, model)
     return config
 
@@ -191,6 +226,8 @@ def check_synthetic(config, model) -> None:
 def check_data_fits(config, model) -> None:
     """The dataset gives the batch field the model (an api.Model, or a built-in's name) reads."""
     field = model.input_field if not isinstance(model, str) else model_input_field(model)
+    if config.dataset == "cifar10" and isinstance(model, str) and field != "image":
+        raise KitError(f"--dataset cifar10 feeds images; use --model wide_resnet (got --model {config.model})")
     if config.dataset == "synthetic" and not isinstance(model, str):
         check_synthetic(config, model)
     gives = {"cifar10": ("image", "label"), "tokens": ("tokens",)}.get(config.dataset)
@@ -209,11 +246,8 @@ def check_data_fits(config, model) -> None:
 def build_model(config) -> Tuple[api.Model, Any]:
     """(the builder's api.Model, the args it was built with) for `config`."""
     builder = builder_of(config.model)
-    if builder.declaration.style == builders.CONFIG:
-        args, values = config, {}
-    else:
-        values = builders.typed_args(builder, config.model_args)
-        args = builders.args_object(builder, values)
+    values = model_values(config)
+    args = builders.args_object(builder, values)
     return builders.call(builder, args, values, _dtype(config)), args
 
 
@@ -231,12 +265,11 @@ def get_model(config) -> ModelSpec:
 
 
 def stronger_remat(config) -> Tuple[str, ...]:
-    """The built-in model's `--remat` policies that keep less than the one `config` runs with (its choices go
-    from keeping the most to the least): ways out of a step that does not fit. () for a model without one."""
-    if not is_built_in(config.model):
-        return ()
-    setting = next((s for s in model_settings(config.model) if s.name == "remat" and s.choices), None)
-    current = getattr(config, "remat", None)
+    """The model's `--remat` policies that keep less than the one `config` runs with (a `remat` setting with
+    choices, listed from keeping the most to the least): ways out of a step that does not fit. () for a
+    model without one."""
+    setting = next((s for s in declaration_of(config.model).settings if s.name == "remat" and s.choices), None)
+    current = model_values(config).get("remat")
     if setting is None or current not in setting.choices:
         return ()
     return setting.choices[setting.choices.index(current) + 1:]
@@ -246,19 +279,13 @@ def depth_of(config, model: ModelSpec) -> Optional[int]:
     """How many repeated layers `config` gives the model (None: its builder declares no depth_setting)."""
     if model.depth_setting is None:
         return None
-    if is_built_in(config.model):
-        value = getattr(config, model.depth_setting, None)
-    else:
-        value = builders.typed_args(builder_of(config.model), config.model_args).get(model.depth_setting)
+    value = model_values(config).get(model.depth_setting)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def at_depth(config, model: ModelSpec, depth: int) -> Tuple[Any, ModelSpec]:
     """(config, model) for a copy of `model` with `depth` repeated layers, everything else the same."""
-    if is_built_in(config.model):
-        shallow = config.replace(**{model.depth_setting: depth})
-    else:
-        shallow = config.replace(model_args={**dict(config.model_args), model.depth_setting: depth})
+    shallow = config.replace(model_args={**model_values(config), model.depth_setting: depth})
     return shallow, get_model(shallow)
 
 
@@ -277,6 +304,6 @@ def _dtype(config):
 
 
 __all__ = ["BUILT_IN", "ModelSpec", "RepeatedBlocks", "mse", "cross_entropy",
-           "is_built_in", "model_names", "check_model_name", "model_settings", "check_model_sizes",
-           "built_in_args", "builder_of", "resolve", "build_model", "get_model", "depth_of", "at_depth",
-           "source_digest"]
+           "is_built_in", "model_names", "check_model_name", "model_settings", "size_settings",
+           "declaration_of", "model_values", "builder_of", "resolve", "build_model", "get_model", "depth_of",
+           "at_depth", "source_digest"]

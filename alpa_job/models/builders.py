@@ -2,8 +2,9 @@
 PACKAGE.MODULE:FUNCTION), imported, its settings read from its own declaration, and called.
 
 A builder declares its settings as a dataclass annotating its first parameter, or as typed keyword
-parameters (alpa_job/api.py shows both); the kit's built-ins read the job config itself, their sizes
-declared in `<name>_settings.py`. Every mistake here is a one-line `KitError` naming the fix: the
+parameters (alpa_job/api.py shows both); a built-in lists its `Setting`s in `<name>_settings.py` (with
+their help and choices, readable without jax) and receives them as a namespace. Every model's settings
+travel in the job config's `model_args`, typed by its declaration. Every mistake here is a one-line `KitError` naming the fix: the
 driver resolves the model before Ray starts, so a typo never reaches a cluster.
 
 Importing this module imports no jax; importing a user's builder module may.
@@ -24,12 +25,14 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 from alpa_job import api
 from alpa_job.choices import did_you_mean
 from alpa_job.errors import KitError
-from alpa_job.settings.setting import SCALARS, ModelArgs, Setting, coerce, plain_type
+from alpa_job.setting import SCALARS, ModelArgs, Setting, coerce, plain_type
 
 # PACKAGE.MODULE:FUNCTION (the module path may be a single name; the function may be an attribute path).
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
-CONFIG, DATACLASS, KEYWORDS = "config", "dataclass", "keywords"  # how a builder takes its settings
+# How a builder takes its settings: a namespace of the `Setting`s it lists (the built-ins), its dataclass,
+# or keyword arguments.
+LISTED, DATACLASS, KEYWORDS = "listed", "dataclass", "keywords"
 FIX_DECLARATION = ("declare its settings as a dataclass on its first parameter (def build(args: Args, dtype)) "
                    "or as typed keywords (def build(*, dtype, num_layers: int = 2))")
 
@@ -42,7 +45,7 @@ def is_import_path(name: str) -> bool:
 class Declaration:
     """A builder's settings: those a flag or YAML scalar can set, and the rest (kept at their default)."""
 
-    style: str  # CONFIG | DATACLASS | KEYWORDS
+    style: str  # LISTED | DATACLASS | KEYWORDS
     settings: Tuple[Setting, ...]
     required: Tuple[str, ...] = ()  # declared without a default: --model-arg must give them
     fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> a type hint no flag carries

@@ -204,20 +204,20 @@ def repeated_blocks(model: api.NextTokenInputs, tokens) -> RepeatedBlocks:
         names=tuple(f"DecoderBlock_{i}" for i in range(gpt.num_layers)))
 
 
-def synthetic(config, rng, n):
+def synthetic(args, rng, n):
     """Each sequence is an arithmetic progression modulo the vocabulary (learnable); seq_len + 1 tokens."""
-    vocab, seq = config.vocab_size, config.seq_len + 1
+    vocab, seq = args.vocab_size, args.seq_len + 1
     start = rng.integers(0, vocab, size=(n, 1))
     stride = rng.integers(1, 4, size=(n, 1))
     tokens = (start + stride * np.arange(seq)[None, :]) % vocab
     return {"tokens": tokens.astype(np.int32)}
 
 
-def build(config, dtype) -> api.Model:
+def build(args, dtype) -> api.Model:
     """The built-in GPT through the public API (alpa_job/api.py), its identical blocks declared for the
     fast initialiser."""
-    module = api.NextTokenInputs(GPT(config.num_layers, config.d_model, config.num_heads, config.seq_len,
-                             config.vocab_size, dtype, remat=getattr(config, "remat", "none")))
+    module = api.NextTokenInputs(GPT(args.num_layers, args.d_model, args.num_heads, args.seq_len,
+                             args.vocab_size, dtype, remat=getattr(args, "remat", "none")))
     return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
-                     layer_count=config.num_layers, layer_class=DecoderBlock, depth_setting="num_layers")
+                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers")

@@ -3,7 +3,7 @@ Ray never import jax (the model itself is gpt.py)."""
 from __future__ import annotations
 
 from alpa_job.errors import KitError
-from alpa_job.settings.setting import POSITIVE, Setting
+from alpa_job.setting import POSITIVE, Setting
 
 # The batch field the model reads: the checks before Ray match a dataset against it without building it.
 INPUT_FIELD = "tokens"
@@ -24,8 +24,8 @@ SETTINGS = (
 )
 
 
-def check(config) -> None:
+def check(args) -> None:
     """Heads split the embedding evenly."""
-    if config.d_model % config.num_heads != 0:
-        raise KitError(f"--d-model {config.d_model} is not divisible by --num-heads {config.num_heads}; "
-                       f"use a multiple of {config.num_heads}")
+    if args.d_model % args.num_heads != 0:
+        raise KitError(f"--d-model {args.d_model} is not divisible by --num-heads {args.num_heads}; "
+                       f"use a multiple of {args.num_heads}")

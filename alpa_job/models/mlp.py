@@ -31,9 +31,9 @@ class MLPModel(nn.Module):
         return x
 
 
-def synthetic(config, rng, n):
+def synthetic(args, rng, n):
     """The pipeshard tutorial's data: y = x W + b + 0.1 noise."""
-    dim = config.hidden_dim
+    dim = args.hidden_dim
     w = rng.normal(size=(dim, dim)).astype(np.float32) / np.sqrt(dim)
     b = rng.normal(size=(dim,)).astype(np.float32)
     x = rng.normal(size=(n, dim)).astype(np.float32)
@@ -41,8 +41,8 @@ def synthetic(config, rng, n):
     return {"x": x, "y": y.astype(np.float32)}
 
 
-def build(config, dtype) -> api.Model:
+def build(args, dtype) -> api.Model:
     """The built-in MLP through the public API (alpa_job/api.py), like any model a user brings."""
-    return api.Model(MLPModel(config.hidden_dim, dtype), input_field=INPUT_FIELD, loss=api.mse, synthetic=synthetic,
+    return api.Model(MLPModel(args.hidden_dim, dtype), input_field=INPUT_FIELD, loss=api.mse, synthetic=synthetic,
                      layer_count=4,  # Dense 4h -> h -> 4h -> h
                      layer_class=nn.Dense)

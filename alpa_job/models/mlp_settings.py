@@ -2,7 +2,7 @@
 before Ray never import jax (the model itself is mlp.py)."""
 from __future__ import annotations
 
-from alpa_job.settings.setting import POSITIVE, Setting
+from alpa_job.setting import POSITIVE, Setting
 
 # The batch field the model reads: the checks before Ray match a dataset against it without building it.
 INPUT_FIELD = "x"

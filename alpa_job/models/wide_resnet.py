@@ -77,7 +77,7 @@ def _classification_loss(logits, batch):
     return api.cross_entropy(logits, batch["label"])
 
 
-def synthetic(config, rng, n):
+def synthetic(args, rng, n):
     """CIFAR-shaped images whose labels follow a fixed random projection of the image (learnable)."""
     images = rng.normal(size=(n, 32, 32, 3)).astype(np.float32)
     proj = rng.normal(size=(32 * 32 * 3, 10)).astype(np.float32)
@@ -85,10 +85,10 @@ def synthetic(config, rng, n):
     return {"image": images, "label": labels}
 
 
-def build(config, dtype) -> api.Model:
+def build(args, dtype) -> api.Model:
     """The built-in WideResNet through the public API (alpa_job/api.py): BatchNorm statistics ride beside
     the parameters."""
-    return api.Model(WideResNet(config.depth, config.width, 10, dtype), input_field=INPUT_FIELD,
+    return api.Model(WideResNet(args.depth, args.width, 10, dtype), input_field=INPUT_FIELD,
                      loss=_classification_loss, batch_stats=True, synthetic=synthetic,
-                     layer_count=3 * ((config.depth - 4) // 6),  # 3 stages x n blocks
+                     layer_count=3 * ((args.depth - 4) // 6),  # 3 stages x n blocks
                      layer_class=WideBlock)

@@ -3,7 +3,7 @@ checks before Ray never import jax (the model itself is wide_resnet.py)."""
 from __future__ import annotations
 
 from alpa_job.errors import KitError
-from alpa_job.settings.setting import POSITIVE, Setting
+from alpa_job.setting import POSITIVE, Setting
 
 # The batch field the model reads: the checks before Ray match a dataset against it without building it.
 INPUT_FIELD = "image"
@@ -14,7 +14,7 @@ SETTINGS = (
 )
 
 
-def check(config) -> None:
+def check(args) -> None:
     """A depth the network cannot be built with (3 stages of n blocks of 2 convolutions, plus 4)."""
-    if (config.depth - 4) % 6 != 0 or config.depth < 10:
-        raise KitError(f"--depth {config.depth} is not a WideResNet depth; use 6n+4 with n >= 1 (10, 16, 22, 28)")
+    if (args.depth - 4) % 6 != 0 or args.depth < 10:
+        raise KitError(f"--depth {args.depth} is not a WideResNet depth; use 6n+4 with n >= 1 (10, 16, 22, 28)")

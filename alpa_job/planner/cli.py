@@ -23,6 +23,7 @@ CPU devices. Writes OUT/plan.json (schema: alpa_job/record/plan.schema.json) and
 def add_parser(sub, add_setting) -> None:
     """The `plan` parser under `sub`; `add_setting(group, setting)` adds a catalogue setting's flags the way
     `train` has them."""
+    from alpa_job.models import size_settings
     from alpa_job.settings import catalog
 
     p = sub.add_parser("plan", help="plan a cluster you don't have: memory, traffic and step time per strategy",
@@ -33,8 +34,11 @@ def add_parser(sub, add_setting) -> None:
     g.add_argument("--preset", metavar="NAME", help="named settings from alpa_job/settings/presets (gpt-24l, ...)")
     g.add_argument("--config", metavar="FILE", help="YAML file of job settings; flags override it")
     for setting in catalog.SETTINGS:
-        if setting.name in MODEL_SETTINGS or setting.model:
+        if setting.name in MODEL_SETTINGS:
             add_setting(g, setting)
+        if setting is catalog.MODEL_ARGS:  # the built-ins' sizes, as train has them
+            for size in size_settings():
+                add_setting(g, size)
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes")
     c.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
@@ -70,6 +74,7 @@ def _network(args):
 
 def run(args) -> int:
     from alpa_job import progress
+    from alpa_job.models import size_settings
     from alpa_job.planner import gpus, render
     from alpa_job.planner.plan import make_plan
     from alpa_job.planner.plan import model_values
@@ -79,7 +84,9 @@ def run(args) -> int:
     gpu = gpus.resolve(args.gpu, args.gpu_memory_gb, args.gpu_tflops, args.nvlink_gbps)
     if args.model_parallel < 0 or args.timeout <= 0:
         raise KitError("--model-parallel must be >= 0 and --timeout > 0")
-    cli_values = model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES})
+    sizes = {s.name: getattr(args, s.name, None) for s in size_settings()}
+    cli_values = {**model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}),
+                  **{k: v for k, v in sizes.items() if v is not None}}
     strategies = tuple(strategy_records.STRATEGIES) if args.strategy == "all" else (args.strategy,)
     network_gbps, network_source = _network(args)
     record = make_plan(args.preset, args.config, cli_values, args.nodes, args.gpus_per_node, gpu,

@@ -29,11 +29,10 @@ def usable_bytes(gpu: gpus.Gpu) -> int:
 def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], devices: int):
     """(validated JobConfig, the values the worker rebuilds it from, how the batch was chosen)."""
     from alpa_job.models import resolve
-    from alpa_job.settings import config as config_lib
 
-    layers = config_lib.load_layers(preset, config_path)
+    layers = load_layers(preset, config_path)
     given = {k: v for k, v in cli_values.items() if v is not None}
-    base = config_lib.build_config(config_lib.merge_layers(layers), given)
+    base = job_config(layers, given)
     if "batch_size" in given:
         batch, how = base.batch_size, f"--batch-size {base.batch_size} (global)"
     else:
@@ -42,9 +41,8 @@ def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict
     values = {**given, **plan_values(batch)}
     # A model the user brings: its builder imported and its settings typed by its own declaration, as a
     # training run does before Ray (a wrong one is a one-line error here, and the plan records typed values).
-    config = resolve(config_lib.build_config(config_lib.merge_layers(layers), values))
-    if config.model_args:
-        values["model_args"] = dict(config.model_args)
+    config = resolve(job_config(layers, values))
+    values["model_args"] = dict(config.model_args)
     return config, values, how
 
 
@@ -161,21 +159,35 @@ def _leaves(compiled: List[Dict[str, Any]], row: PlanCandidate) -> List[Leaf]:
 MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches", "pipeline_repeats")
 
 
+def load_layers(preset: Optional[str], config_path: Optional[str]):
+    """The preset's and the --config file's settings, as train reads them (a built-in's sizes may stand at
+    a file's top level)."""
+    from alpa_job.models import size_settings
+    from alpa_job.settings import config as config_lib
+
+    return config_lib.load_layers(preset, config_path, model_keys={s.name for s in size_settings()})
+
+
+def job_config(layers, values: Dict[str, Any]):
+    """The job config from the file layers and the plan's values, where a built-in's size may be given by
+    its own name (`num_layers`, as its flag): that is its model_args entry."""
+    from alpa_job.models import size_settings
+    from alpa_job.settings import config as config_lib
+
+    sizes = {s.name for s in size_settings()}
+    flags = {k: v for k, v in values.items() if k in sizes}
+    given = {k: v for k, v in values.items() if k not in sizes}
+    return config_lib.build_config(config_lib.merge_layers(layers), given, flags)
+
+
 def model_values(values: Dict[str, Any]) -> Dict[str, Any]:
-    """The settings that decide the model and its step (what a plan compiles): the model, its own sizes
-    and args, the batch, the dtype, a pipeline's micro-batches; plain values (JSON), None left out."""
-    from alpa_job.settings import catalog
-    from alpa_job.settings.setting import model_args
-
-    model = values.get("model")
-
-    def wanted(key: str) -> bool:
-        owner = catalog.BY_NAME[key].model if key in catalog.BY_NAME else None
-        return key in MODEL_SETTINGS or (owner is not None and model in (None, owner))
+    """The settings that decide the model and its step (what a plan compiles): the model and its own
+    settings, the batch, the dtype, a pipeline's micro-batches; plain values (JSON), None left out."""
+    from alpa_job.setting import model_args
 
     # model_args: a mapping (a config's), or the KEY=VALUE texts of repeated --model-arg flags
     return {k: (dict(model_args(v, "--model-arg")) if k == "model_args" else v)
-            for k, v in values.items() if v is not None and wanted(k)}
+            for k, v in values.items() if v is not None and k in MODEL_SETTINGS}
 
 
 def _model_settings(config) -> Dict[str, Any]:

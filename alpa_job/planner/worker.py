@@ -19,11 +19,10 @@ from alpa_job.errors import KitError
 def build(request: Dict[str, Any]):
     """(config, model, example batch) from the request's settings: the same layers `train` reads."""
     from alpa_job.models import get_model
-    from alpa_job.settings import config as config_lib
+    from alpa_job.planner.plan import job_config, load_layers
     from alpa_job.data.open import open_train
 
-    layers = config_lib.load_layers(request.get("preset"), request.get("config"))
-    config = config_lib.build_config(config_lib.merge_layers(layers), request["cli_values"])
+    config = job_config(load_layers(request.get("preset"), request.get("config")), request["cli_values"])
     model = get_model(config)
     return config, model, open_train(config, model)[2]
 

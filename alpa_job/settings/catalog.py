@@ -2,21 +2,20 @@
 
 `JobConfig`'s fields, the `train` parser's flags and `--help` lines, the coercion of `--config`
 values, and the bounds and allowed names checked by `JobConfig.validated` are all read from here.
-A built-in model's own sizes are declared by the model (`models/<name>_settings.py`) and listed here
-after `seed`, in `--model` order, each marked with its model; a model the user brings keeps its settings
-in `model_args` (its builder declares them: alpa_job/api.py). Importing this module imports no jax.
+A model's own settings are not here: every model, built-in or brought, keeps them in `model_args`,
+which its builder's declaration types (alpa_job/api.py; the built-ins' size flags are spellings of
+`--model-arg`). This package imports no model and no jax.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, Optional, Tuple
 
 from alpa_job import strategies as strategy_records
-from alpa_job.models import BUILT_IN, model_settings
-from alpa_job.settings.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT, PARALLELISM, POSITIVE,
+from alpa_job.setting import (ABOVE_ZERO, CLUSTER, NON_NEGATIVE, OUTPUT, PARALLELISM, POSITIVE,
                                        ModelArgs, Setting, Switch)
 
 DATASETS = ("synthetic", "cifar10", "tokens", "array_record", "npz", "model")
+FILE_DATASETS = ("tokens", "array_record", "npz", "model")  # read --data-path / --eval-data-path
 TOKEN_DTYPES = ("uint16", "uint32")
 ENGINES = ("auto", "jax", "alpa")
 STRATEGIES = (*strategy_records.STRATEGIES, strategy_records.AUTO)  # --engine jax
@@ -27,8 +26,8 @@ TRACKERS = ("none", "mlflow", "wandb")  # --track
 
 WHAT_TO_TRAIN = (
     # Checked by models.check_model_name: a built-in, an installed model, or PACKAGE.MODULE:FUNCTION.
-    Setting("model", str, "mlp", f"what to train: {', '.join(BUILT_IN)}, an installed model, or your own "
-            "builder as PACKAGE.MODULE:FUNCTION", metavar="NAME"),
+    Setting("model", str, "mlp", "what to train: a built-in, an installed model, or your own builder as "
+            "PACKAGE.MODULE:FUNCTION", metavar="NAME"),
     Setting("dataset", str, "synthetic", "synthetic (generated), cifar10 (local), tokens (binary token files), "
             "array_record (serialized examples), npz (arrays by field), model (the model's own Grain dataset)",
             choices=DATASETS),
@@ -170,37 +169,20 @@ MODEL_ARGS = Setting("model_args", ModelArgs, ModelArgs(), "a setting of the mod
                      default_help="the builder's defaults")
 
 
-def _models_settings() -> Tuple[Setting, ...]:
-    return tuple(dataclasses.replace(setting, model=name) for name in BUILT_IN
-                 for setting in model_settings(name))
-
-
-SETTINGS: Tuple[Setting, ...] = WHAT_TO_TRAIN + (MODEL_ARGS,) + _models_settings() + HOW_TO_RUN + OUTPUT_AND_RESTARTS
+SETTINGS: Tuple[Setting, ...] = WHAT_TO_TRAIN + (MODEL_ARGS,) + HOW_TO_RUN + OUTPUT_AND_RESTARTS
 BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
 if len(BY_NAME) != len(SETTINGS):  # a programming error: two declarations of one name
     raise ValueError("settings declared twice: " + ", ".join(
         sorted({s.name for s in SETTINGS if sum(t.name == s.name for t in SETTINGS) > 1})))
 FIELD_NAMES: Tuple[str, ...] = tuple(BY_NAME)
 
-# The size settings each model reads, by model.
-MODEL_FIELDS: Dict[str, Tuple[str, ...]] = {
-    name: tuple(s.name for s in SETTINGS if s.model == name) for name in BUILT_IN}
-
 
 # The settings that cannot change the compiled train step (the step store leaves them out of its key).
 NOT_IN_STEP: Tuple[str, ...] = tuple(s.name for s in SETTINGS if not s.decides_step)
-# Every model size setting, for keys that must change when any model's size does.
-ALL_MODEL_SIZES: Tuple[str, ...] = tuple(s.name for s in SETTINGS if s.model)
 
 
 def setting(name: str) -> Setting:
     return BY_NAME[name]
-
-
-def model_of(name: str) -> Optional[str]:
-    """The model whose size `name` is (None: a setting of every job)."""
-    found = BY_NAME.get(name)
-    return found.model if found else None
 
 
 def in_group(group: str) -> Tuple[Setting, ...]:

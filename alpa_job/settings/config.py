@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 from alpa_job.choices import did_you_mean, not_known
 from alpa_job.errors import KitError
-from alpa_job.models import built_in_args, check_model_name, check_model_sizes, is_built_in
 from alpa_job.settings import catalog
 from alpa_job.settings.catalog import ALPA_STRATEGIES, STRATEGIES
-from alpa_job.settings.setting import ModelArgs, coerce, coerce_setting, flag_of
+from alpa_job.setting import ModelArgs, coerce, coerce_setting, flag_of
 
 
 def _fields_from_the_catalogue(cls):
@@ -44,13 +43,10 @@ class JobConfig:
         return dataclasses.replace(self, **changes).validated()
 
     def validated(self) -> "JobConfig":
-        check_model_name(self.model)
+        """The job's own settings checked; the model's (`model_args`) are its declaration's business
+        (models.model_values, where the model is resolved)."""
         if not isinstance(self.model_args, ModelArgs):
             object.__setattr__(self, "model_args", coerce("model_args", self.model_args, ModelArgs))
-        if is_built_in(self.model) and self.model_args:
-            flags = ", ".join(flag_of(k) for k in self.model_args)
-            raise KitError(f"model_args {dict(self.model_args)} are for a model you bring; --model {self.model} "
-                           f"takes them as its own settings ({flags})")
         for s in catalog.SETTINGS:  # names first, each error with the nearest allowed one
             if s.choices is not None and getattr(self, s.name) not in s.choices:
                 raise KitError(not_known(s.flag, getattr(self, s.name), s.choices))
@@ -62,9 +58,6 @@ class JobConfig:
             problem = s.problem(getattr(self, s.name))
             if problem:
                 raise KitError(problem)
-        check_model_sizes(self)
-        if self.dataset == "cifar10" and is_built_in(self.model) and self.model != "wide_resnet":
-            raise KitError(f"--dataset cifar10 feeds images; use --model wide_resnet (got --model {self.model})")
         if self.dataset == "cifar10" and not self.data_dir:
             raise KitError("--dataset cifar10 needs --data-dir DIR with the CIFAR-10 python batches "
                            "(data_batch_1..5, test_batch); the kit never downloads at run time")
@@ -98,27 +91,28 @@ def preset_names(presets_dir: str = PRESETS_DIR) -> List[str]:
     return sorted(n[: -len(".yaml")] for n in os.listdir(presets_dir) if n.endswith(".yaml"))
 
 
-def load_preset(name: str, presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
-    """The settings of `--preset NAME`, its base_config chain resolved (the base first)."""
+def load_preset(name: str, presets_dir: str = PRESETS_DIR, model_keys: Collection[str] = ()) -> Dict[str, Any]:
+    """The settings of `--preset NAME`, its base_config chain resolved (the base first). `model_keys`: model
+    settings a file may also give at the top level (`num_layers: 4` for `model_args: {num_layers: 4}`)."""
     path = os.path.join(presets_dir, f"{name}.yaml")
     if "/" in name or not os.path.isfile(path):
         raise KitError(not_known("--preset", name, preset_names(presets_dir)))
-    return _load_chain(path, f"preset {name}", presets_dir, ())
+    return _load_chain(path, f"preset {name}", presets_dir, (), model_keys)
 
 
-def load_yaml_overrides(path: str, presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
+def load_yaml_overrides(path: str, presets_dir: str = PRESETS_DIR, model_keys: Collection[str] = ()) -> Dict[str, Any]:
     """Read a `--config FILE`: a YAML mapping of JobConfig field names (dashes or underscores),
     with an optional `base_config:` (a preset name or another file) under it."""
     if not os.path.isfile(path):
         raise KitError(f"--config {path}: no such file; pass a YAML file of job settings")
-    return _load_chain(path, f"--config {path}", presets_dir, ())
+    return _load_chain(path, f"--config {path}", presets_dir, (), model_keys)
 
 
-def load_layers(preset: Optional[str], config_path: Optional[str],
-                presets_dir: str = PRESETS_DIR) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def load_layers(preset: Optional[str], config_path: Optional[str], presets_dir: str = PRESETS_DIR,
+                model_keys: Collection[str] = ()) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """The two file layers, each read once: the preset's (and its bases'), the --config file's (and its bases')."""
-    return (load_preset(preset, presets_dir) if preset else {},
-            load_yaml_overrides(config_path, presets_dir) if config_path else {})
+    return (load_preset(preset, presets_dir, model_keys) if preset else {},
+            load_yaml_overrides(config_path, presets_dir, model_keys) if config_path else {})
 
 
 def merge_layers(layers: Tuple[Dict[str, Any], Dict[str, Any]]) -> Dict[str, Any]:
@@ -141,12 +135,13 @@ def _merged(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
 MAPPINGS = tuple(s.name for s in catalog.SETTINGS if s.type is ModelArgs)
 
 
-def load_settings(preset: Optional[str], config_path: Optional[str],
-                  presets_dir: str = PRESETS_DIR) -> Dict[str, Any]:
-    return merge_layers(load_layers(preset, config_path, presets_dir))
+def load_settings(preset: Optional[str], config_path: Optional[str], presets_dir: str = PRESETS_DIR,
+                  model_keys: Collection[str] = ()) -> Dict[str, Any]:
+    return merge_layers(load_layers(preset, config_path, presets_dir, model_keys))
 
 
-def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...]) -> Dict[str, Any]:
+def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...],
+                model_keys: Collection[str]) -> Dict[str, Any]:
     real = os.path.realpath(path)
     if real in seen:
         chain = " -> ".join(os.path.basename(p) for p in seen + (real,))
@@ -156,9 +151,9 @@ def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...]) 
     values: Dict[str, Any] = {}
     if base is not None:
         base_path, base_label = _resolve_base(str(base), path, label, presets_dir)
-        values = _load_chain(base_path, base_label, presets_dir, seen + (real,))
+        values = _load_chain(base_path, base_label, presets_dir, seen + (real,), model_keys)
     # Merged like the other layers: a file's model_args change its base's one by one, not all of them.
-    return _merged(values, _settings(data, label))
+    return _merged(values, _settings(data, label, model_keys))
 
 
 def _resolve_base(base: str, from_path: str, label: str, presets_dir: str) -> Tuple[str, str]:
@@ -190,37 +185,49 @@ def _read_mapping(path: str, label: str) -> Dict[Any, Any]:
     return data
 
 
-def _settings(data: Dict[Any, Any], label: str) -> Dict[str, Any]:
-    out = {}
+def _settings(data: Dict[Any, Any], label: str, model_keys: Collection[str]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    spelled: Dict[str, Any] = {}  # model settings given at the top level
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in model_keys and name not in FIELD_NAMES:
+            spelled[name] = value
+            continue
         if name not in FIELD_NAMES:
-            raise KitError(f"{label}: unknown setting {key!r}{did_you_mean(name, FIELD_NAMES)}; "
-                           f"known: {', '.join(FIELD_NAMES)}")
+            known = FIELD_NAMES + tuple(model_keys)
+            raise KitError(f"{label}: unknown setting {key!r}{did_you_mean(name, known)}; "
+                           f"known: {', '.join(FIELD_NAMES)}, and the model's own settings under model_args:")
         out[name] = value
+    if spelled:
+        out["model_args"] = _with_spellings(coerce("model_args", out.get("model_args") or {}, ModelArgs), spelled,
+                                            lambda name: f"{label}: {name}:", lambda name: f"model_args: {name}:")
     return out
 
 
-def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any]) -> JobConfig:
-    """Defaults <- files (`merge_layers`) <- CLI (only flags the user actually gave), then validate once."""
+def _with_spellings(model_args: ModelArgs, spelled: Dict[str, Any], label: Callable[[str], str],
+                    args_label: Callable[[str], str]) -> ModelArgs:
+    """`model_args` plus model settings spelled as settings of their own (`--num-layers 4`, YAML
+    `num_layers: 4`); the same setting given both ways with two values is an error, not a silent choice."""
+    out = dict(model_args)
+    for name, value in spelled.items():
+        if name in out and coerce(name, out[name], type(value), label=label(name)) != value:
+            raise KitError(f"{label(name)} {value} and {args_label(name)}{out[name]} disagree; give one of them")
+        out[name] = value
+    return ModelArgs(out)
+
+
+def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any],
+                 model_flags: Optional[Dict[str, Any]] = None) -> JobConfig:
+    """Defaults <- files (`merge_layers`) <- CLI (only flags the user actually gave), then validate once.
+    `model_flags`: model settings given as flags of their own (a built-in's `--num-layers 4`), typed."""
     given = {k: v for k, v in cli_values.items() if v is not None}
     merged = _merged(file_values, given)
     for name, value in list(merged.items()):
         merged[name] = coerce_setting(catalog.BY_NAME[name], value)
-    _built_in_model_args(merged, given)
+    flags = {k: v for k, v in (model_flags or {}).items() if v is not None}
+    if flags:
+        # A flag disagrees only with a --model-arg of the command line; it overrides what the files say.
+        cli_args = coerce("model_args", given.get("model_args") or {}, ModelArgs)
+        _with_spellings(cli_args, flags, flag_of, lambda name: f"--model-arg {name}=")
+        merged["model_args"] = ModelArgs({**(merged.get("model_args") or {}), **flags})
     return JobConfig(**merged).validated()
-
-
-def _built_in_model_args(merged: Dict[str, Any], flags: Dict[str, Any]) -> None:
-    """A built-in's `--model-arg num_layers=4` is its `--num-layers 4`: moved onto the field it means (a
-    flag naming the same field with another value is an error, not a silent choice)."""
-    model = merged.get("model", JobConfig.__dataclass_fields__["model"].default)
-    args = merged.get("model_args")
-    if not args or not is_built_in(model):
-        return
-    for name, value in built_in_args(model, args).items():
-        if name in flags and flags[name] != value:
-            raise KitError(f"{flag_of(name)} {flags[name]} and --model-arg {name}={value} disagree; "
-                           "give one of them")
-        merged[name] = value
-    merged["model_args"] = ModelArgs()

@@ -14,12 +14,10 @@ import os
 from typing import Any, FrozenSet, Iterable, List, Optional, Tuple
 
 from alpa_job import strategies
-from alpa_job.data import cifar10_batch_files
-from alpa_job.data.open import FILE_DATASETS
 from alpa_job.errors import KitError
-from alpa_job.settings import catalog
+from alpa_job.settings.catalog import FILE_DATASETS
 from alpa_job.settings.config import JobConfig
-from alpa_job.settings.setting import flag_of
+from alpa_job.setting import flag_of
 
 ALPA_ONLY = ("pipeline_layers", "plan_cache")
 PIPELINE_SETTINGS = ("micro_batches", "pipeline_stages", "pipeline_repeats")  # Alpa's and the JAX engine's pipelines
@@ -71,14 +69,6 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
         return "only --dataset tokens reads it; drop it or add --dataset tokens"
     if name == "num_samples" and config.dataset != "synthetic":
         return "it sizes the synthetic dataset and --dataset cifar10 has its own size; drop it"
-    owner = catalog.model_of(name)
-    if owner is not None and owner != config.model:
-        fields = catalog.MODEL_FIELDS.get(config.model)
-        if not fields:  # a model the user brings
-            return (f"it sizes --model {owner}, and --model {config.model} takes its settings as --model-arg "
-                    f"KEY=VALUE; drop it or use --model {owner}")
-        reads = ", ".join(flag_of(f) for f in fields)
-        return f"it sizes --model {owner}, and --model {config.model} reads {reads}; drop it or use --model {owner}"
     if name == "processes" and address == "none":
         return "--address none trains in this one process; drop it or run on Ray (--address local/HOST:PORT)"
     if name in ("max_restarts", "restart_wait") and (engine != "jax" or address == "none"):
@@ -96,37 +86,6 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
     if name == "devices" and engine == "alpa":
         return "Alpa runs on the nodes' GPUs, it never emulates CPU devices; drop it"
     return None
-
-
-def check_data(config: JobConfig, engine: str = "jax") -> None:
-    """The dataset exists and the batch fits it (sizes, a sample of token ids: nothing is loaded whole)."""
-    from alpa_job.data.checks import check_input
-    from alpa_job.models import check_data_fits, is_built_in
-
-    if is_built_in(config.model):  # a brought model was matched against the dataset when it was built
-        check_data_fits(config, config.model)
-    check_input(config, engine)
-    if config.dataset not in ("cifar10", "synthetic"):
-        return
-    if config.dataset == "cifar10":
-        for name in cifar10_batch_files(config.data_dir):
-            _check_pickle_header(os.path.join(config.data_dir, name))
-        return
-    from alpa_job.data import plan_epoch
-
-    plan_epoch(config.num_samples, config.batch_size, config.remainder)
-
-
-def _check_pickle_header(path: str) -> None:
-    """A CIFAR-10 python batch is a pickle (protocol >= 2 starts with 0x80, then the protocol number):
-    two bytes tell a wrong file now, not after Ray started and a worker tried to load it."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(2)
-    except OSError as err:
-        raise KitError(f"--data-dir: cannot read {path} ({err.strerror}); fix its permissions") from None
-    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
-        raise KitError(f"{path} is not a CIFAR-10 python batch (not a pickle); re-extract cifar-10-python.tar.gz")
 
 
 def gpu_present() -> bool:
@@ -238,7 +197,8 @@ def parse_profile(text: Optional[str]) -> Optional[Tuple[int, int]]:
 
 
 def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[str] = ()) -> Optional[int]:
-    """Every check the config allows, before Ray; returns the planned device count (None: the cluster's)."""
+    """Every check the job's settings allow, before Ray; returns the planned device count (None: the
+    cluster's). The model's and the data's checks run where the model is resolved (the launcher)."""
     check_inert(config, engine, given_fields(config, explicit), address)
     if engine == "alpa":
         if address == "none":
@@ -255,7 +215,6 @@ def preflight(config: JobConfig, engine: str, address: str, explicit: Iterable[s
                        f"{config.dtype}: add --dtype bfloat16")
     if config.profile and engine == "alpa":
         raise KitError("--profile traces the jax engine's steps; Alpa has its own (ALPA_PROF); drop it or use --engine jax")
-    check_data(config, engine)
     devices = planned_devices(config, engine, address)
     if devices is not None:
         check_emulated_devices(devices, host_cores())

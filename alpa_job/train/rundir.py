@@ -77,9 +77,8 @@ def saved_config(out: str) -> Optional[Dict[str, Any]]:
 
 def check_out(config, explicit_out: bool) -> None:
     """Refuse an --out that would mix two runs, and a --resume with nothing (or another model) to resume."""
+    from alpa_job.models import model_values
     from alpa_job.train.checkpoint_files import step_folders
-    from alpa_job.settings.catalog import MODEL_FIELDS
-    from alpa_job.settings.setting import flag_of
 
     out = config.out
     folders = step_folders(checkpoint_dir(out)) if out else []
@@ -90,13 +89,11 @@ def check_out(config, explicit_out: bool) -> None:
                            "--checkpoint-every N into this --out first, or drop --resume")
         old = saved_config(out)
         if old is not None:
-            fields = ("model",) + MODEL_FIELDS.get(config.model, ())
-            differ = [f"{flag_of(f)} {old[f]} (now {getattr(config, f)})" for f in fields
-                      if f in old and old[f] != getattr(config, f)]
-            if old.get("model") == config.model:  # a model the user brings: its settings, key by key
-                before, now = old.get("model_args") or {}, dict(config.model_args)
-                differ += [f"--model-arg {k}={before.get(k)} (now {now.get(k)})" for k in sorted(set(before) | set(now))
-                           if before.get(k) != now.get(k)]
+            differ = [f"--model {old['model']} (now {config.model})"] if old.get("model", config.model) != config.model else []
+            if not differ:  # the model's settings, key by key, each with its defaults filled in
+                before, now = _saved_model_values(old, config), model_values(config)
+                differ += [f"{_spelling(config.model, k, before.get(k))} (now {now.get(k)})"
+                           for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
             if differ:
                 what = ", ".join(differ)
                 raise KitError(f"--resume: the checkpoint in {out} is of another model: {what}; "
@@ -248,3 +245,24 @@ def point_latest(root: str, run_dir: str) -> str:
     os.symlink(os.path.relpath(run_dir, root), tmp)
     os.replace(tmp, link)
     return link
+
+
+def _saved_model_values(old: dict, config) -> dict:
+    """The model settings a saved run used, typed like the new run's (a run written before the built-ins'
+    sizes moved into model_args has them at the top level)."""
+    from alpa_job.models import model_values, size_settings
+
+    given = {s.name: old[s.name] for s in size_settings() if s.name in old}
+    given.update(old.get("model_args") or {})
+    try:
+        return dict(model_values(config.replace(model_args=given)))
+    except KitError:  # settings the model no longer declares: compare them as written
+        return given
+
+
+def _spelling(model: str, name: str, value: Any) -> str:
+    """A model setting's value as the command line gives it: a built-in's own flag, else --model-arg."""
+    from alpa_job.models import is_built_in
+    from alpa_job.setting import flag_of
+
+    return f"{flag_of(name)} {value}" if is_built_in(model) else f"--model-arg {name}={value}"
