@@ -6,7 +6,7 @@ Every engine trains through the one loop, `train.train_process`; what differs is
   jax, no Ray   in this process (benchmarks, tests, machines without Ray)
   jax, Ray      one JAX process per node, each a Ray actor of the worker group, driven by the job
                 controller (launch/controller.py); process 0's progress reaches the driver's display
-                through progress.ProgressChannel
+                through ProgressChannel (progress/channel.py)
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 The loop hands over numbers it already has on the host: the losses it read back in its one sync per
 timing window, that window's time, the setup phases, each evaluation. Nothing here touches the
 device, and the learning rate is computed from the step in plain Python. The events travel like the
-progress line's (progress.metrics): on the driver they go straight to its display, from process 0's
-Ray actor through the progress channel, from the other processes nowhere; the driver's display hands
-them to the run's metrics log (train/metrics_log.py), the one writer.
+progress line's (progress/events.py's `metrics`): on the driver they go straight to its display, from
+process 0's Ray actor through the progress channel, from the other processes nowhere; the driver's
+display hands them to the run's metrics log (train/metrics_log.py), the one writer.
 
 Tag names (one TensorBoard section each): train/ (loss, learning_rate), eval/ (loss, perplexity),
 perf/ (step time, samples/s, tokens/s, TFLOP/s per device, MFU, peak device memory, one point per
