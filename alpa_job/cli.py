@@ -314,12 +314,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _train(args) -> int:
-    from alpa_job import progress
+    from alpa_job.progress.display import DEFAULT, QUIET, VERBOSE
+    from alpa_job.progress.events import configure
     from alpa_job.settings import config as config_lib
     from alpa_job.launch.runner import run_job
 
-    verbosity = progress.VERBOSE if args.verbose else progress.QUIET if args.quiet else progress.DEFAULT
-    progress.configure(verbosity, every=args.progress_every)
+    verbosity = VERBOSE if args.verbose else QUIET if args.quiet else DEFAULT
+    configure(verbosity, every=args.progress_every)
     if args.progress_every < 0:
         raise KitError(f"--progress-every must be >= 0, got {args.progress_every}")
     sizes = {s.name for s in size_settings()}

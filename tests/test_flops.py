@@ -109,9 +109,9 @@ def test_mfu_on_both_bases_in_each_precision_and_the_report_names_the_peaks():
     cpu = summary("cpu", "float32")
     assert cpu["peak"] == {"precision": "fp32", "measured_tflops": None, "datasheet_tflops": None}
     assert cpu["mfu"] is None and cpu["mfu_datasheet"] is None
-    from alpa_job import progress
+    from alpa_job.progress.display import format_step
 
-    line = progress.format_step({"desc": "train", "step": 3, "total_step": 9, "rate": 8.0, "tokens_per_s_device": 4096})
+    line = format_step({"desc": "train", "step": 3, "total_step": 9, "rate": 8.0, "tokens_per_s_device": 4096})
     assert line == "[train] step 3/9  8 samples/s  4,096 tokens/s a device", line
     text = speed_text(bf16)
     assert text == ("steady step 1000 ms; 4,096 tokens/s a device; 394.0 TFLOP/s a device; MFU 0.50 of 788.0 "

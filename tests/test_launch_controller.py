@@ -93,7 +93,7 @@ def scripted(monkeypatch):
     dead: List[str] = []
     monkeypatch.setattr(controller_module, "WorkerGroup", ScriptedGroup)
     monkeypatch.setattr(controller_module, "training_nodes", lambda nodes: list(nodes))
-    monkeypatch.setattr(controller_module.progress.ProgressChannel, "open", classmethod(lambda cls: QuietChannel()))
+    monkeypatch.setattr(controller_module.ProgressChannel, "open", classmethod(lambda cls: QuietChannel()))
     monkeypatch.setattr(failures, "current_nodes", lambda: [n for n in nodes if n.node_id not in dead])
 
     def settle(lost, timeout_s=0):

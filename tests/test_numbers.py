@@ -14,7 +14,8 @@ import time
 import jax
 import pytest
 
-from alpa_job import models, progress, strict_json
+from alpa_job import models, strict_json
+from alpa_job.progress.events import set_sink
 from alpa_job.engines import memory_fit
 from alpa_job.errors import Diverged, KitError
 from alpa_job.launch.runner import run_in_process
@@ -265,11 +266,11 @@ def test_the_progress_loss_follows_the_run_on_a_short_fast_run():
     """A run far shorter than the display's 1 s loss interval: each step's line shows the loss the loop
     read back (the previous step's), never the first step's all the way to the end."""
     events = []
-    progress.set_sink(events.append)
+    set_sink(events.append)
     try:
         result = run_in_process(tiny_config("mlp", steps=12, epochs=100))
     finally:
-        progress.set_sink(None)
+        set_sink(None)
     shown = [e["loss"] for e in events if e["kind"] == "step"]
     losses = result.losses
     assert len(shown) == 12 and shown[0] == pytest.approx(losses[0], abs=1e-5)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jsonschema
 
-from alpa_job import progress
+from alpa_job.progress.events import set_sink
 from alpa_job.cluster import network_probe
 from alpa_job.record.run_record import RunRecord, load_schema
 from alpa_job.train import own_network
@@ -27,11 +27,11 @@ def test_a_process_reads_its_own_nccl_lines_and_says_when_ib_was_declared(tmp_pa
     spec = tmp_path / "cluster.yaml"
     spec.write_text("network:\n  fabric: ib\n")
     notes = []
-    progress.set_sink(lambda event: notes.append(event.get("text")) if event["kind"] == "note" else None)
+    set_sink(lambda event: notes.append(event.get("text")) if event["kind"] == "note" else None)
     try:
         nccl = own_network._nccl(_Config(spec))
     finally:
-        progress.set_sink(None)
+        set_sink(None)
     assert nccl["channels"] == {"NET/Socket": 16} and "NET/Socket" in nccl["transports"]
     assert any("fell back to sockets" in v for v in nccl["verdicts"]), nccl
     assert [n for n in notes if n and "fell back to sockets" in n]  # said in the progress output, at the start

@@ -3,7 +3,8 @@ named, when, on what evidence, and what the log, progress line, inspect and the 
 import pytest
 from helpers_report import assert_valid_report, record_with_input
 
-from alpa_job import progress
+from alpa_job.progress.display import DEFAULT
+from alpa_job.progress.events import Progress, configure
 from alpa_job.inspect.render import stragglers_text
 from alpa_job.train import stragglers
 from alpa_job.train.stragglers import StragglerJudge, describe
@@ -69,9 +70,9 @@ def test_an_input_that_costs_each_step_a_tenth_more_is_named_and_a_cheap_differe
 
 
 def test_the_progress_line_carries_the_alert_until_cleared(capsys):
-    display = progress.configure(verbosity=progress.DEFAULT, every=1)
+    display = configure(verbosity=DEFAULT, every=1)
     try:
-        bar = progress.Progress("train", 2)
+        bar = Progress("train", 2)
         bar.set_alert("slow: process 1 on w1 +20%")
         bar.update(1, samples=8)
         bar.set_alert(None)

@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from alpa_job import progress as progress_lib
+from alpa_job.progress.events import Progress
 from alpa_job.data.tokenizer import Tokenizer, load_tokenizer
 from alpa_job.errors import KitError
 from alpa_job import strict_json
@@ -242,7 +242,7 @@ class _Shown:
 
     def __init__(self, total: int):
         self.total = total
-        self.bar: Optional[progress_lib.Progress] = None
+        self.bar: Optional[Progress] = None
         self.files_done = 0
         self.last = time.perf_counter()
 
@@ -251,7 +251,7 @@ class _Shown:
         if now - self.last < PROGRESS_EVERY_S and not (last and self.bar is not None):
             return
         if self.bar is None:
-            self.bar = progress_lib.Progress("tokenize", self.total, unit="file")
+            self.bar = Progress("tokenize", self.total, unit="file")
         self.bar.update(files_done - self.files_done, tokens=f"{counts['tokens']:,}",
                         text=f"{counts['text_bytes'] / 1e6:,.1f}MB")
         self.files_done = files_done

@@ -24,7 +24,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from alpa_job import progress, versions
+from alpa_job import versions
+from alpa_job.progress.events import note, timed
 from alpa_job.cluster import ray_api
 from alpa_job.engines import alpa_guards as guards
 from alpa_job.engines import plan_cache as cache_lib
@@ -342,8 +343,8 @@ class AlpaEngine(Engine):
         self._guard.check(self._signature)
         search_started = time.time()
         start = time.perf_counter()
-        with progress.timed(f"compiling train step ({self.config.model}, alpa {self.strategy}, "
-                            f"{self.cluster.num_nodes} node(s) x {self.cluster.per_node} GPU)"):
+        with timed(f"compiling train step ({self.config.model}, alpa {self.strategy}, "
+                   f"{self.cluster.num_nodes} node(s) x {self.cluster.per_node} GPU)"):
             with cache_lib.tee_stdout() as captured, boundaries:
                 executable = self._train_step.get_executable(self._initial_state, self._example)
         self.stats.compile_seconds = time.perf_counter() - start
@@ -364,7 +365,7 @@ class AlpaEngine(Engine):
         if not config.plan_cache:
             return None
         if self.strategy != "pipeshard-auto":
-            progress.note(f"--plan-cache is used only by --strategy pipeshard-auto; ignored for {self.strategy}")
+            note(f"--plan-cache is used only by --strategy pipeshard-auto; ignored for {self.strategy}")
             return None
         self._cache = cache_lib.PlanCache(config.plan_cache)
         self._key_inputs = cache_lib.plan_key_inputs(config.as_dict(), self._signature, self.cluster.num_nodes,
@@ -393,8 +394,8 @@ class AlpaEngine(Engine):
             self.cache_info.update(decision="saved", profile=entry.get("profile_path"), profile_source=profile)
             print(cache_lib.decision_line(self._key, "saved", self.config.plan_cache), flush=True)
             if profile is None:
-                progress.note("Alpa's profile-results-*.npy was not found (no 'Profile result saved to:' line, "
-                              "none in the driver's cwd); the plan is saved without the profile")
+                note("Alpa's profile-results-*.npy was not found (no 'Profile result saved to:' line, "
+                     "none in the driver's cwd); the plan is saved without the profile")
 
     def read_executable(self, executable) -> None:
         """HLO texts and memory (per pipeline stage where it has stages) from a compiled executable,
@@ -410,7 +411,7 @@ class AlpaEngine(Engine):
             self.stats.hlo_texts = list(texts) if isinstance(texts, (list, tuple)) else [texts]
         except Exception as err:  # noqa: BLE001 - the KeyError case: point at the worker log
             kit = guards.explain_dump_failure(err, _mesh_hosts(executable))
-            progress.note(str(kit) if kit else f"could not read HLO/memory from the workers ({type(err).__name__}: {err})")
+            note(str(kit) if kit else f"could not read HLO/memory from the workers ({type(err).__name__}: {err})")
 
     # ----- the step ----------------------------------------------------------------------------
     def put_batch(self, batch: Dict[str, Any]) -> Dict[str, Any]:
@@ -471,8 +472,8 @@ class AlpaEngine(Engine):
                                                    donate_argnums=())
             return self._eval_step(state, batch)
         except Exception as err:  # noqa: BLE001 - eval is a report extra; the training result stands
-            progress.note(f"evaluation with FollowParallel failed ({type(err).__name__}: {err}); "
-                          "report has no eval_loss")
+            note(f"evaluation with FollowParallel failed ({type(err).__name__}: {err}); "
+                 "report has no eval_loss")
             return None
 
     def finish(self, out_dir: str) -> None:
@@ -482,7 +483,7 @@ class AlpaEngine(Engine):
             guards.safe_dump_debug_info(executable.dump_debug_info, os.path.join(out_dir, "alpa_dump"),
                                         _mesh_hosts(executable))
         except KitError as err:
-            progress.note(str(err))
+            note(str(err))
 
     def extra_report(self) -> Dict[str, Any]:
         from alpa_job.record.alpa_live import stage_layout

@@ -27,7 +27,7 @@ from alpa_job.engines import compile_cache, every_process, shallow_ranking
 from alpa_job.engines.executable_store import key_digest, step_key
 from alpa_job.engines.jax_engine import JaxEngine, make_mesh
 from alpa_job.errors import KitError
-from alpa_job.progress import Progress, phase, timed
+from alpa_job.progress.events import Progress, phase, timed
 
 SEARCH_DIR = "auto-search"
 

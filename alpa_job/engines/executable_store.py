@@ -27,7 +27,8 @@ import os
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from alpa_job import progress, versions
+from alpa_job import versions
+from alpa_job.progress.events import note
 from alpa_job.models import source_digest
 from alpa_job.settings import catalog
 from alpa_job import strict_json
@@ -126,8 +127,8 @@ class StepStore:
                 payload = f.read()
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), extra
         except Exception as error:  # noqa: BLE001 - any unusable entry: drop it and compile
-            progress.note(f"stored step {self.path}.xla could not be loaded ({type(error).__name__}: {error}); "
-                          "deleting it and compiling")
+            note(f"stored step {self.path}.xla could not be loaded ({type(error).__name__}: {error}); "
+                 "deleting it and compiling")
             self.remove()
             return None
 
@@ -157,7 +158,7 @@ class StepStore:
                     f.write(data)
                 os.replace(tmp, self.path + suffix)  # atomic: a reader never sees half an entry
         except Exception as error:  # noqa: BLE001 - a run must not fail because its step could not be kept
-            progress.note(f"could not store the compiled step under {self.folder} ({type(error).__name__}: {error})")
+            note(f"could not store the compiled step under {self.folder} ({type(error).__name__}: {error})")
 
     def remove(self) -> None:
         for suffix in (".xla", ".json"):

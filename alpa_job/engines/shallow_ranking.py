@@ -21,7 +21,7 @@ import jax
 
 from alpa_job import models
 from alpa_job.engines.jax_engine import JaxEngine
-from alpa_job.progress import phase
+from alpa_job.progress.events import phase
 
 DEPTHS = (1, 3)
 # Below this depth, compiling two copies per candidate costs about as much as compiling it whole.

@@ -23,7 +23,7 @@ def resolve_address(address: Optional[str]) -> str:
 def connect(address: str, engine: str, num_cpus: Optional[int] = None, spec=None,
             timeout_s: float = ray_api.JOIN_TIMEOUT_S, log_to_driver: bool = True) -> str:
     """ray.init for `address` (bounded); returns a description of what was joined. `log_to_driver`
-    False: the workers' output stays in their Ray logs (the job's progress comes through progress.py)."""
+    False: the workers' output stays in their Ray logs (the job's progress comes through progress/channel.py)."""
     address = ray_api.normalize_address(address, spec, default=LOCAL)
     if engine == "alpa":
         from alpa_job.engines.alpa_guards import refuse_ray_client  # pure checks, no `import alpa`

@@ -30,7 +30,8 @@ import enum
 import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set
 
-from alpa_job import progress
+from alpa_job.progress.channel import ProgressChannel
+from alpa_job.progress.events import display, note
 from alpa_job.cluster import ray_api
 from alpa_job.errors import KitError, LostProcessError
 from alpa_job.launch import failures, preemption
@@ -114,7 +115,7 @@ class JobController:
     def _enter(self, state: JobState, why: str = "") -> None:
         if state not in TRANSITIONS[self.state]:
             raise RuntimeError(f"job controller: no transition from {self.state.value} to {state.value}")
-        progress.display().log(f"[alpa_job] job {self.state.value} -> {state.value}" + (f": {why}" if why else ""))
+        display().log(f"[alpa_job] job {self.state.value} -> {state.value}" + (f": {why}" if why else ""))
         self.state = state
 
     # ----- PLACING ---------------------------------------------------------------------------------
@@ -138,8 +139,8 @@ class JobController:
                 group.start()
             except PlacementFailed as err:
                 group.kill()
-                progress.note(f"[alpa_job] a JAX process could not start on {', '.join(x.ip for x in err.lost)} "
-                              f"({err.lost[0].reason}); waiting for Ray's view of the cluster to settle")
+                note(f"[alpa_job] a JAX process could not start on {', '.join(x.ip for x in err.lost)} "
+                     f"({err.lost[0].reason}); waiting for Ray's view of the cluster to settle")
                 self._settle(err.lost)
                 continue
             if len(group) > 1 and (self.config.checkpoint_every or self.config.resume or self.policy.max_restarts):
@@ -172,10 +173,10 @@ class JobController:
     # ----- RUNNING ---------------------------------------------------------------------------------
     def _train(self) -> None:
         group = self.group
-        channel = progress.ProgressChannel.open()
-        progress.note(f"[alpa_job] {len(group)} JAX process(es) on {', '.join(group.ips())}; "
-                      f"coordinator {group.coordinator() or '-'}"
-                      + (f"; attempt {self.attempt + 1}, from step {self.resumed}" if self.attempt else ""))
+        channel = ProgressChannel.open()
+        note(f"[alpa_job] {len(group)} JAX process(es) on {', '.join(group.ips())}; "
+             f"coordinator {group.coordinator() or '-'}"
+             + (f"; attempt {self.attempt + 1}, from step {self.resumed}" if self.attempt else ""))
         try:
             results = self._watch(channel)
         except GroupLost as failed:
@@ -187,7 +188,7 @@ class JobController:
         self.results = self._final_results([ProcessResult.coerce(r) for r in results])
         self._enter(JobState.FINISHED)
 
-    def _watch(self, channel: progress.ProgressChannel) -> List[Any]:
+    def _watch(self, channel: ProgressChannel) -> List[Any]:
         """Train on every process; the results, or GroupLost naming the lost processes (actors killed)."""
         group = self.group
         group.launch(self.attempt_config, channel)
@@ -201,8 +202,8 @@ class JobController:
                     signalled.stop.check_interrupted()  # a Ctrl-C whose KeyboardInterrupt was swallowed
                 if signalled is not None and signalled.requested and stop_at is None and not group.errors:
                     stop_at = group.stop_at_one_step(self.resumed)
-                    progress.note(f"[alpa_job] SIGTERM: every JAX process stops after step {stop_at} and saves a "
-                                  "checkpoint there")
+                    note(f"[alpa_job] SIGTERM: every JAX process stops after step {stop_at} and saves a "
+                         "checkpoint there")
                 if first_failure is None and not group.errors:
                     group.errors.update(group.hung(self.hang_timeout))
                 if group.errors and first_failure is None:
@@ -213,7 +214,7 @@ class JobController:
         finally:
             if first_failure is not None:
                 group.kill()
-            progress.display().stop_bar()
+            display().stop_bar()
         if first_failure is None:
             return group.results_in_order()
         raise group.failure(first_failure)
@@ -255,8 +256,8 @@ class JobController:
             if decision.action != WAIT:
                 break
             if settled_at is None:
-                progress.note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.policy.max_restarts}: waiting for "
-                              f"Ray to settle (node {failed.lost[0].ip} marked dead, or answering again)")
+                note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.policy.max_restarts}: waiting for "
+                     f"Ray to settle (node {failed.lost[0].ip} marked dead, or answering again)")
                 self._settle(failed.lost)
                 settled_at = time.monotonic()
             else:
@@ -286,9 +287,9 @@ class JobController:
             else:
                 lines = failures.log_tail(slot)
             self._log_shown = failures.print_log_tail(slot, lines)
-        progress.note(f"[alpa_job] lost JAX {x.where()} at step {x.step if x.step is not None else '-'}: {x.reason}")
+        note(f"[alpa_job] lost JAX {x.where()} at step {x.step if x.step is not None else '-'}: {x.reason}")
         for y in failed.lost[1:]:
-            progress.note(f"[alpa_job] ended with it: JAX {y.where()} ({y.reason})")
+            note(f"[alpa_job] ended with it: JAX {y.where()} ({y.reason})")
 
     def _settle(self, lost: List[Lost]) -> None:
         """Wait for Ray's settled view of `lost`; remember them (never used again unless found healthy)."""

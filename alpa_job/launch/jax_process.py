@@ -80,13 +80,13 @@ def actor_class():
 
         def train(self, cfg, process_id: int, num_processes: int, coordinator: Optional[str],
                   channel=None) -> Any:
-            from alpa_job import progress
+            from alpa_job.progress.channel import send_to
             from alpa_job.train.loop import train_process
 
             def on_step(step: int) -> None:
                 self.step = step
 
-            progress.send_to(channel)  # process 0 feeds the driver's display; the others keep quiet
+            send_to(channel)  # process 0 feeds the driver's display; the others keep quiet
             if process_id == 0 and coordinator:
                 wait_port_free(int(coordinator.rpartition(":")[2]))
             if num_processes > 1:  # NCCL's transports, for the report (train/own_network.py)

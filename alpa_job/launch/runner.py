@@ -6,7 +6,7 @@ Every engine trains through the one loop, `train.train_process`; what differs is
   jax, no Ray   in this process (benchmarks, tests, machines without Ray)
   jax, Ray      one JAX process per node, each a Ray actor of the worker group, driven by the job
                 controller (launch/controller.py); process 0's progress reaches the driver's display
-                through progress.ProgressChannel
+                through ProgressChannel (progress/channel.py)
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import os
 import traceback
 from typing import Any, Iterable, List, Optional, Tuple
 
-from alpa_job import progress
+from alpa_job.progress.display import VERBOSE
+from alpa_job.progress.events import display
+from alpa_job.progress.ray_logs import NativeStderr, quiet_ray_loggers, ray_noise_env
 from alpa_job.settings import validate
 from alpa_job.train import metrics_log, rundir, trackers
 from alpa_job.launch import preemption
@@ -56,14 +58,14 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     trackers.check_installed(config.track)
     auto = config.resume == "auto"
     config = rundir.prepare(config, explicit_out=bool(config.out))
-    shown = progress.display()
+    shown = display()
     shown.open_log(os.path.join(config.out, "train.log"))
     shown.line(f"[alpa_job] run directory {config.out}")
     if auto:
         shown.line("[alpa_job] --resume auto: " + ("resuming from the latest complete checkpoint" if config.resume else
                    f"no complete checkpoint in {rundir.checkpoint_dir(config.out)}, starting fresh"))
-    if capture_native and shown.verbosity < progress.VERBOSE:
-        progress.NativeStderr(os.path.join(config.out, "ray.log")).start()  # for the rest of this process
+    if capture_native and shown.verbosity < VERBOSE:
+        NativeStderr(os.path.join(config.out, "ray.log")).start()  # for the rest of this process
     metrics = _open_metrics(config, shown)
     try:
         with preemption.watch(can_stop=engine != "alpa"):  # the Alpa engine cannot checkpoint: SIGTERM stops at once
@@ -245,10 +247,10 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
                            "job once the node is back (or without it)") from None
     if address == NO_RAY:
         return [run_in_process(config, stop=preemption.current().stop)]
-    os.environ.update(progress.ray_noise_env(shown.verbosity, shown.tty))
-    progress.quiet_ray_loggers(shown.verbosity)
+    os.environ.update(ray_noise_env(shown.verbosity, shown.tty))
+    quiet_ray_loggers(shown.verbosity)
     where = connect(address, engine, spec=spec, timeout_s=JOIN_TIMEOUT_S,
-                    log_to_driver=shown.verbosity >= progress.VERBOSE)
+                    log_to_driver=shown.verbosity >= VERBOSE)
     preemption.take_back_sigterm()
     shown.line(f"[alpa_job] joined {where}")
     from alpa_job.cluster import ray_api

@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from alpa_job import progress
+from alpa_job.progress.channel import ProgressChannel
 from alpa_job.cluster import ray_api
 from alpa_job.cluster.worker_path import worker_pythonpath
 from alpa_job.errors import EXIT_TIMEOUT, Diverged, KitError
@@ -159,7 +159,7 @@ class WorkerGroup:
         shared_out.check_shared(out, dict(enumerate(seen)), [self.slots[i].host for i in range(n)])
 
     # ----- training ------------------------------------------------------------------------------
-    def launch(self, cfg, channel: Optional[progress.ProgressChannel]) -> None:
+    def launch(self, cfg, channel: Optional[ProgressChannel]) -> None:
         """Start training on every process; process 0's progress goes through `channel`."""
         n, coordinator = len(self), self.coordinator()
         futures = [a.train.remote(cfg, i, n, coordinator, channel if i == 0 else None)

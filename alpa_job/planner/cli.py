@@ -73,14 +73,15 @@ def _network(args):
 
 
 def run(args) -> int:
-    from alpa_job import progress
     from alpa_job.models import size_settings
+    from alpa_job.progress.display import DEFAULT
+    from alpa_job.progress.events import configure
     from alpa_job.planner import gpus, render
     from alpa_job.planner.plan import make_plan
     from alpa_job.planner.plan import model_values
     from alpa_job.settings import config as config_lib
 
-    progress.configure(progress.DEFAULT)
+    configure(DEFAULT)
     gpu = gpus.resolve(args.gpu, args.gpu_memory_gb, args.gpu_tflops, args.nvlink_gbps)
     if args.model_parallel < 0 or args.timeout <= 0:
         raise KitError("--model-parallel must be >= 0 and --timeout > 0")

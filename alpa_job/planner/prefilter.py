@@ -64,7 +64,7 @@ def for_auto(config, model, example_batch: Dict[str, Any]):
     def drop(candidates: Sequence[Candidate], budget: int) -> List[Dict[str, Any]]:
         import jax
 
-        from alpa_job.progress import phase
+        from alpa_job.progress.events import phase
 
         gpu = gpus.DEVICE_KINDS.get(jax.devices()[0].device_kind)
         if gpu is None:

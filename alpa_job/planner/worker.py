@@ -12,7 +12,7 @@ import sys
 import traceback
 from typing import Any, Dict
 
-from alpa_job import progress
+from alpa_job.progress.events import Progress, phase
 from alpa_job.errors import KitError
 
 
@@ -38,11 +38,11 @@ def run(request: Dict[str, Any]) -> Dict[str, Any]:
         raise KitError(f"the plan's worker sees {found} devices, not {request['devices']}; unset XLA_FLAGS and "
                        "JAX_PLATFORMS in the environment and run the plan again")
     candidates = request["candidates"]
-    bar = progress.Progress("plan", len(candidates), unit="candidate")
+    bar = Progress("plan", len(candidates), unit="candidate")
     out = []
     for number, (strategy, mesh_shape) in enumerate(candidates, 1):
-        progress.phase(f"[plan] candidate {number}/{len(candidates)}: {strategy} on mesh {tuple(mesh_shape)}: "
-                       f"compiling for {found} emulated devices ...")
+        phase(f"[plan] candidate {number}/{len(candidates)}: {strategy} on mesh {tuple(mesh_shape)}: "
+              f"compiling for {found} emulated devices ...")
         try:
             row = compile_candidate(config, model, example, strategy, tuple(mesh_shape), request["gpus_per_node"])
             bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", compile_s=row["compile_s"])

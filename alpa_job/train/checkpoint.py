@@ -37,7 +37,8 @@ import shutil
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from alpa_job import progress, shutdown
+from alpa_job import shutdown
+from alpa_job.progress.events import note
 from alpa_job.errors import EXIT_PROCESS_LOST, KitError
 from alpa_job.train.checkpoint_files import (FILES, TMP_MARK, Skipped, folder_bytes, latest_complete_step, scan,
                                              seal, set_aside, step_folders)
@@ -240,8 +241,6 @@ class Checkpointer:
         if not good and not self.skipped:
             raise KitError(f"--resume: no checkpoint in {self.directory}; run once with --checkpoint-every N "
                            "first or drop --resume")
-        from alpa_job import progress
-
         failed: List[Skipped] = []
         for candidate in good:
             try:
@@ -251,14 +250,14 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: named, and the next one is tried
                 skip = Skipped(candidate, _file_in(str(err), os.path.join(self.directory, str(candidate))),
                                f"does not restore ({_short(err)})")
-                progress.note(skip.line())
+                note(skip.line())
                 _REPORTED["failure"] = True
                 failed.append(skip)
                 continue
             # The driver named and set aside the newer ones before a --resume; a restart's come up here.
             newer = [x for x in self.skipped if x.step > candidate]
             for skip in newer:
-                progress.note(skip.line())
+                note(skip.line())
             self.skipped += failed
             self._set_aside(failed + newer)
             return restored
@@ -270,12 +269,10 @@ class Checkpointer:
         """Damaged steps newer than the restored one would block the run's own saves at their steps."""
         if not failed:
             return
-        from alpa_job import progress
-
         if _process_index() == 0:
             for skip in failed:
                 where = set_aside(self.directory, skip.step)
-                progress.note(f"[alpa_job] checkpoint step {skip.step} moved to {where}")
+                note(f"[alpa_job] checkpoint step {skip.step} moved to {where}")
         _barrier("alpa_job_checkpoints_set_aside")
         self.manager.reload()
 
@@ -306,8 +303,8 @@ class Checkpointer:
         if finished and error is None:
             return
         shutdown.expect_stuck(f"the checkpoint save of step {self.saving}")
-        progress.note(f"[alpa_job] {self._unfinished(finished, error, timeout_s)}; the last complete checkpoint "
-                      f"is {self._latest_text()}")
+        note(f"[alpa_job] {self._unfinished(finished, error, timeout_s)}; the last complete checkpoint "
+             f"is {self._latest_text()}")
 
     def _finish(self, timeout_s: float) -> Tuple[bool, Optional[BaseException]]:
         """(finished, its error): orbax's wait for the saves in flight and its close, in a daemon thread

@@ -13,7 +13,7 @@ import bisect
 import time
 from typing import Any, Callable, List, Optional
 
-from alpa_job import progress
+from alpa_job.progress.events import Progress
 from alpa_job.train import timing
 from alpa_job.train.divergence import check_finite
 
@@ -241,11 +241,11 @@ class ProgressHook(Hook):
 
     def __init__(self, steps_per_epoch: int, tokens_per_sample: Optional[int] = None, devices: int = 1):
         self.steps_per_epoch, self.tokens_per_sample, self.devices = steps_per_epoch, tokens_per_sample, devices
-        self.bar: Optional[progress.Progress] = None
+        self.bar: Optional[Progress] = None
         self._eval = None
 
     def start(self, loop: Loop) -> None:
-        self.bar = progress.Progress("train", loop.total_steps - loop.start_step, first=loop.start_step)
+        self.bar = Progress("train", loop.total_steps - loop.start_step, first=loop.start_step)
         self.bar.set_tokens(self.tokens_per_sample, self.devices)
 
     def after_step(self, loop: Loop) -> None:

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from alpa_job import progress, strategies, versions
+from alpa_job import strategies, versions
+from alpa_job.progress.events import note, timed
 from alpa_job.train import hooks, own_network, timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine, check_supported
@@ -84,8 +85,8 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
                                                                       jax.local_device_count(),
                                                                       config.pipeline_stages),
                            schedule_steps=horizon)
-        with progress.timed(f"compiling train step ({config.model}, {config.strategy}, "
-                            f"mesh {engine.mesh.devices.shape})"):
+        with timed(f"compiling train step ({config.model}, {config.strategy}, "
+                   f"mesh {engine.mesh.devices.shape})"):
             engine.compile()
     engine.stats.setup_phases["open_devices"] = opened
     return engine
@@ -122,7 +123,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     check_supported(config, engine)
     engine_notes = engine.notes()
     for line in engine_notes:
-        progress.note(f"[alpa_job] note: {line}")
+        note(f"[alpa_job] note: {line}")
     notes += engine_notes
 
     # Every process compiled before anything spans them: orbax's checkpoint manager syncs the processes
@@ -222,7 +223,7 @@ def checkpoint_notes(config, total_steps: int) -> List[str]:
     text = (f"warning: --checkpoint-every {every} never saves: this run ends at step {total_steps}"
             + (f" (it resumes from step {start})" if start else "")
             + f"; pass --checkpoint-every {total_steps - start} or less (or more --steps) to keep a checkpoint")
-    progress.note(text)
+    note(text)
     return [text]
 
 
@@ -232,7 +233,7 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
     if config.resume:
         state, data_state = checkpointer.restore(engine.abstract_state)
         start_step = int(engine.to_floats([state.step])[0])
-        progress.note(f"resumed from step {start_step} in {checkpointer.directory}")
+        note(f"resumed from step {start_step} in {checkpointer.directory}")
         return state, start_step, data_state
     if getattr(config, "init_from", None):
         from alpa_job.hf.checkpoint import HfCheckpoint, parse_source
@@ -241,7 +242,7 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
         source = parse_source(config.init_from)
         state = engine.state_from_params(
             lambda layout: read_params(HfCheckpoint(source), engine.model.hf, layout, config.model))
-        progress.note(f"[alpa_job] weights from the Hugging Face checkpoint in {source}")
+        note(f"[alpa_job] weights from the Hugging Face checkpoint in {source}")
     else:
         state = engine.init_state(config.seed)
     engine.wait(state)
@@ -339,7 +340,7 @@ def save_at_stop(config, checkpointer, step: int, state: Any, stream: InputStrea
         from alpa_job.train.checkpoint import Checkpointer
 
         checkpointer = Checkpointer(checkpoint_dir(config.out), 0)
-    with progress.timed(f"saving checkpoint {step} before stopping"):
+    with timed(f"saving checkpoint {step} before stopping"):
         checkpointer.save_now(step, state, stream.state(step))
         checkpointer.manager.wait_until_finished()  # the save is asynchronous: the message means it is on disk
     return checkpointer

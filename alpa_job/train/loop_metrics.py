@@ -3,9 +3,9 @@
 The loop hands over numbers it already has on the host: the losses it read back in its one sync per
 timing window, that window's time, the setup phases, each evaluation. Nothing here touches the
 device, and the learning rate is computed from the step in plain Python. The events travel like the
-progress line's (progress.metrics): on the driver they go straight to its display, from process 0's
-Ray actor through the progress channel, from the other processes nowhere; the driver's display hands
-them to the run's metrics log (train/metrics_log.py), the one writer.
+progress line's (progress/events.py's `metrics`): on the driver they go straight to its display, from
+process 0's Ray actor through the progress channel, from the other processes nowhere; the driver's
+display hands them to the run's metrics log (train/metrics_log.py), the one writer.
 
 Tag names (one TensorBoard section each): train/ (loss, learning_rate), eval/ (loss, perplexity),
 perf/ (step time, samples/s, tokens/s, TFLOP/s per device, MFU, peak device memory, one point per
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from alpa_job import progress
+from alpa_job.progress.events import metrics
 from alpa_job.engines.flops import matmul_dtype
 from alpa_job.engines.optimizer import learning_rate_at, schedule_steps
 from alpa_job.train import timing
@@ -51,10 +51,10 @@ class LoopMetrics:
 
     def setup(self, step: int, phases: Dict[str, Optional[float]]) -> None:
         """The phases before the loop (startup, opening the devices, compile, init or restore), in seconds."""
-        progress.metrics(step, {f"setup/{name}_s": value for name, value in phases.items() if value is not None})
+        metrics(step, {f"setup/{name}_s": value for name, value in phases.items() if value is not None})
 
     def first_step(self, step: int, seconds: float) -> None:
-        progress.metrics(step, {"setup/first_step_s": seconds})
+        metrics(step, {"setup/first_step_s": seconds})
 
     def losses(self, first_step: int, values: List[float]) -> None:
         """The losses of steps first_step.. (as read back), with each step's learning rate."""
@@ -63,7 +63,7 @@ class LoopMetrics:
         series: Dict[str, List[float]] = {"train/loss": list(values)}
         if self.peak_lr is not None:
             series["train/learning_rate"] = [self.learning_rate(first_step + i) for i in range(len(values))]
-        progress.metrics(first_step, series=series)
+        metrics(first_step, series=series)
 
     def window(self, step: int, steps: int, seconds: float, samples: int) -> None:
         """A timing window of `steps` steps that ended at global step `step`, in `seconds`, over `samples`
@@ -86,11 +86,11 @@ class LoopMetrics:
                 scalars["perf/peak_memory_bytes"] = self.peak_memory()
             except Exception:  # noqa: BLE001 - a runtime without allocator statistics: no memory point
                 pass
-        progress.metrics(step, {k: v for k, v in scalars.items() if v is not None})
+        metrics(step, {k: v for k, v in scalars.items() if v is not None})
 
     def evaluation(self, point: Any) -> None:
         """An eval split's result (record.run_record.EvalPoint)."""
         scalars = {"eval/loss": point.loss}
         if point.perplexity is not None:
             scalars["eval/perplexity"] = point.perplexity
-        progress.metrics(point.step, scalars)
+        metrics(point.step, scalars)

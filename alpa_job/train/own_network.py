@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from alpa_job import progress
+from alpa_job.progress.events import metrics, note
 
 # Each device's buffer: on GPUs large enough for the bus bandwidth (a few ms); on CPU hosts, whose
 # collectives run on the same cores as everything else, small enough to cost a fraction of a second.
@@ -25,9 +25,9 @@ def measure(config, process_count: int) -> Tuple[Optional[Dict[str, Any]], Optio
 
     backend = jax.default_backend()
     measured = network_probe.time_all_reduce(PROBE_BYTES.get(backend, PROBE_BYTES["gpu"]), PROBE_REPEATS)
-    progress.note(f"[alpa_job] network: all-reduce of {measured['bytes'] >> 20} MiB a device over "
-                  f"{measured['devices']} {backend} device(s): {measured['bus_gbps']} Gb/s bus bandwidth")
-    progress.metrics(0, {"network/all_reduce_bus_gbps": measured["bus_gbps"]})
+    note(f"[alpa_job] network: all-reduce of {measured['bytes'] >> 20} MiB a device over "
+         f"{measured['devices']} {backend} device(s): {measured['bus_gbps']} Gb/s bus bandwidth")
+    metrics(0, {"network/all_reduce_bus_gbps": measured["bus_gbps"]})
     nccl = _nccl(config) if backend == "gpu" else None
     return measured, nccl
 
@@ -44,7 +44,7 @@ def _nccl(config) -> Optional[Dict[str, Any]]:
     summary = nccl_log.parse_lines(network_probe.nccl_lines([path]))
     problems = nccl_log.verdicts(summary, _fabric(config))
     for line in problems:
-        progress.note(f"[alpa_job] network: {line}")
+        note(f"[alpa_job] network: {line}")
     return {"transports": nccl_log.transports_line(summary), "channels": summary.channels(),
             "verdicts": problems, "log": path}
 

@@ -105,10 +105,10 @@ class RunLock:
                                    f"pass another --out (a lock whose run is gone is taken over: {path})")
                 if _read_lock(path) == raw:  # still the stale one (another run may have taken it over just now)
                     os.remove(path)
-                    from alpa_job import progress
+                    from alpa_job.progress.events import display
 
-                    progress.display().line(f"[alpa_job] took over the lock of a run that is gone ({why}): {path}",
-                                            important=True)
+                    display().line(f"[alpa_job] took over the lock of a run that is gone ({why}): {path}",
+                                   important=True)
                 continue
             except OSError as err:
                 raise KitError(f"--out {out}: cannot write there ({err.strerror}); pass a writable folder") from None
@@ -179,10 +179,10 @@ def _stale(path: str, raw: str) -> Optional[str]:
     age = time.time() - float(info.get("heartbeat") or 0)
     if age > STALE_S:
         return f"{_holder(info)}: no heartbeat for {age:.0f} s"
-    from alpa_job import progress
+    from alpa_job.progress.events import display
 
-    progress.display().line(f"[alpa_job] --out is locked by {_holder(info)}; watching its heartbeat for up to "
-                            f"{WATCH_S:.0f} s to see whether that run is alive", important=True)
+    display().line(f"[alpa_job] --out is locked by {_holder(info)}; watching its heartbeat for up to "
+                   f"{WATCH_S:.0f} s to see whether that run is alive", important=True)
     deadline = time.monotonic() + WATCH_S
     while time.monotonic() < deadline:
         time.sleep(1.0)

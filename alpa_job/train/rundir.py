@@ -122,17 +122,17 @@ def _failed_before_first_step(out: str) -> bool:
         return False
     if not isinstance(report, dict) or report.get("status") in (None, "ok") or report.get("steps"):
         return False
-    from alpa_job import progress
+    from alpa_job.progress.events import display
 
-    progress.display().line(f"[alpa_job] replacing the report in {out}: its run {report.get('status')} before its "
-                            "first step", important=True)
+    display().line(f"[alpa_job] replacing the report in {out}: its run {report.get('status')} before its "
+                   "first step", important=True)
     return True
 
 
 def _usable_checkpoint(out: str) -> int:
     """The newest checkpoint that verifies; each newer one that does not is named and set aside (the
     loop then restores the same step, and this run's own saves never meet a damaged folder)."""
-    from alpa_job import progress
+    from alpa_job.progress.events import display
     from alpa_job.train.checkpoint_files import scan, set_aside
 
     directory = checkpoint_dir(out)
@@ -141,7 +141,7 @@ def _usable_checkpoint(out: str) -> int:
         why = "; ".join(f"step {s.step}: {s.path}: {s.reason}" for s in skipped)
         raise KitError(f"--resume: no complete checkpoint in {directory} ({why}); start again with --overwrite, "
                        "or put back a good checkpoint")
-    shown = progress.display()
+    shown = display()
     for skip in skipped:
         shown.line(skip.line(), important=True)
         if skip.step > good[0]:  # older damaged ones are orbax's to delete as it keeps its last few

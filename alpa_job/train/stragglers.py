@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from alpa_job import progress
+from alpa_job.progress.events import metrics, note
 from alpa_job.engines import every_process
 
 WINDOW_STEPS = 50
@@ -166,7 +166,7 @@ class StragglerWatch:
         from jax.experimental import multihost_utils
 
         if not hasattr(multihost_utils, "process_allgather"):  # an older jax: the run goes on without the watch
-            progress.note("[alpa_job] stragglers: this jax has no process_allgather; the watch is off")
+            note("[alpa_job] stragglers: this jax has no process_allgather; the watch is off")
             return None
         return cls(every, config.dtype)
 
@@ -186,7 +186,7 @@ class StragglerWatch:
         width = len(work)
         events = self.judge.add(step, rows[:, :width].reshape(-1).tolist(), rows[:, width].tolist(), step_s)
         for event in events:
-            progress.note(f"[alpa_job] {describe(event)}")
+            note(f"[alpa_job] {describe(event)}")
         self._metrics(step)
         return time.perf_counter() - started
 
@@ -199,7 +199,7 @@ class StragglerWatch:
             scalars[f"stragglers/work_ms/process{process}{device.replace('GPU ', '_gpu')}"] = ms
         for process, ms in enumerate(latest["input_ms"]):
             scalars[f"stragglers/input_ms/process{process}"] = ms
-        progress.metrics(step, scalars)
+        metrics(step, scalars)
 
     def alert(self) -> Optional[str]:
         named = self.judge.named_now()
