@@ -28,19 +28,19 @@ for p in (HERE, REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")
 from common import print_table, record  # noqa: E402
 from fixtures_ssh import SshBed  # noqa: E402
 from helpers_ansible import Ansible  # noqa: E402
-from testbed_lib import Testbed  # noqa: E402
+from kit_testbed.hosts import Testbed  # noqa: E402
 
 PREFIX = "aktbas"
 
 
 def _docker_setup():
-    import testbed_site
+    from kit_testbed import site_layer
     from fixtures_testbed import SiteBed
     from helpers_ansible import CONTAINER, SiteAnsible
 
     bed = Testbed.up(3, prefix=PREFIX, reuse=False, site=True, cgroups=True)
     ssh = SshBed(bed)
-    site = testbed_site.start_site(bed, registry_data=testbed_site.IMAGE_CACHE / "registry")
+    site = site_layer.start_site(bed, registry_data=site_layer.IMAGE_CACHE / "registry")
     ssh.start()
     sb = SiteBed(bed, site, ssh)
     ans = SiteAnsible(sb)

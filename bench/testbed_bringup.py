@@ -1,7 +1,7 @@
 """Seconds from nothing to N test-bed hosts with a firewalled Ray cluster joined and `doctor` green.
 
 For each size (default 3 and 8): bring the test bed up (namespaces, bridge, tini), then the ONE Ray
-bring-up `scripts/testbed_ray.start_ray` (the same code as `scripts/testbed up --ray` and the tests'
+bring-up `kit_testbed.ray_layer.start_ray` (the same code as `scripts/testbed up --ray` and the tests'
 `ray_cluster` fixture): the spec's nftables rules + sysctls in every host, `ray start` on the head
 (dashboard on: `ray job submit` needs it) and on every worker in parallel as soon as the head's GCS
 listens, `alpa_job.cluster.wait_nodes` until N nodes are alive; then `python -m alpa_job doctor
@@ -30,20 +30,19 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import testbed_lib  # noqa: E402
-import testbed_ray  # noqa: E402
+from kit_testbed import hosts, ray_layer  # noqa: E402
 
 
 def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max_parallel=None) -> dict:
     t = {}
     load_before = os.getloadavg()[0]
-    testbed_lib.down(prefix=prefix)
+    hosts.down(prefix=prefix)
     t0 = time.monotonic()
-    bed = testbed_lib.Testbed.up(n, prefix=prefix)
+    bed = hosts.Testbed.up(n, prefix=prefix)
     result = {"hosts": n}
     try:
         t["bed_up"] = time.monotonic() - t0
-        info = testbed_ray.start_ray(bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True,
+        info = ray_layer.start_ray(bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True,
                                      timeout=timeout, max_parallel=max_parallel)
         steps = info["seconds"]
         t["firewall"] = steps["firewall"]
@@ -56,7 +55,7 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max
         attempts = 0
         while time.monotonic() - mark < timeout:
             attempts += 1
-            doctor = testbed_ray.doctor(bed, deadline=120, timeout=180, node_timeout=60)
+            doctor = ray_layer.doctor(bed, deadline=120, timeout=180, node_timeout=60)
             if doctor.get("ok"):
                 break
         t["doctor"] = time.monotonic() - mark
@@ -83,10 +82,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", default="akb")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--max-parallel", type=int, default=None,
-                    help="workers starting at once (default: testbed_ray's, cores + 1)")
+                    help="workers starting at once (default: ray_layer's, cores + 1)")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/results or bench/RESULTS.md")
     opts = ap.parse_args(argv)
-    why = testbed_lib.missing_requirements()
+    why = hosts.missing_requirements()
     if why:
         print("cannot run: " + "; ".join(why), file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""pytest fixtures for the multi-host test bed (scripts/testbed_lib.py) and a Ray cluster on it.
+"""pytest fixtures for the multi-host test bed (scripts/kit_testbed/) and a Ray cluster on it.
 
 Fixtures (all session-scoped):
 
@@ -11,7 +11,7 @@ Fixtures (all session-scoped):
   (192.168.77.3) holding its default route. Nothing else is loaded in it (no firewall, no Ray):
   tests that start things in it must stop them.
 * ``ray_cluster`` -> ``RayCluster``: its OWN 3-host bed (so ``testbed`` stays bare), brought up by
-  the one bring-up ``scripts/testbed_ray.start_ray`` (the same as ``scripts/testbed up --ray`` and
+  the one bring-up ``kit_testbed.ray_layer.start_ray`` (the same as ``scripts/testbed up --ray`` and
   bench/testbed_bringup.py): the spec's nftables firewall in each host, Ray head + 2 workers started
   with ``alpa_job.cluster.ray_start.ray_start_args``, waited for with ``alpa_job.cluster.wait_nodes``;
   then formation checked (3 nodes alive at the bed's IPs, a task pinned to each node returns that
@@ -45,18 +45,16 @@ import fcntl
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import testbed_lib  # noqa: E402
-import testbed_ray  # noqa: E402
-import testbed_site  # noqa: E402
-from testbed_lib import Testbed, TestbedError  # noqa: E402,F401
+from kit_testbed import hosts as testbed_lib
+from kit_testbed import ray_layer as testbed_ray
+from kit_testbed import site_layer as testbed_site
+from kit_testbed.hosts import Testbed, TestbedError  # noqa: F401
 
 PREFIX = os.environ.get("AKT_TESTBED_PREFIX", "aktp")
 LOCK_TIMEOUT = float(os.environ.get("AKT_TESTBED_LOCK_TIMEOUT", "900"))
@@ -264,7 +262,7 @@ class RayCluster:
 
 
 def _start_ray(bed: Testbed, ray_env: Optional[Dict[str, str]] = None) -> RayCluster:
-    """The one bring-up (scripts/testbed_ray.start_ray: firewall, ray start everywhere, wait_nodes),
+    """The one bring-up (kit_testbed.ray_layer.start_ray: firewall, ray start everywhere, wait_nodes),
     then the formation check (a task pinned to every node). `ray_env`: Ray settings for its daemons."""
     from alpa_job.cluster.spec import load_spec
 
@@ -294,7 +292,7 @@ def ray_cluster(testbed_factory) -> RayCluster:
     bed.down(graceful=False)
 
 
-# ---- a user's site: controller + dockerd per node + registry + image (scripts/testbed_site.py) --------
+# ---- a user's site: controller + dockerd per node + registry + image (kit_testbed.site_layer) ---------
 class SiteBed:
     """What ``site_bed`` gives (everything a site.yml run from an outside controller needs).
 
@@ -354,5 +352,5 @@ def site_bed(testbed_factory) -> SiteBed:
         raise
     yield SiteBed(bed, site, ssh)
     ssh.stop()
-    bed.down()  # containers removed, dockerds + registry SIGTERMed by PID (testbed_site.stop_site), hosts gone
+    bed.down()  # containers removed, dockerds + registry SIGTERMed by PID (site_layer.stop_site), hosts gone
 

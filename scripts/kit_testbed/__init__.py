@@ -1,0 +1,11 @@
+"""The multi-host test bed: several real "hosts" on one machine (needs root), and what runs on them.
+
+- ``hosts``: the hosts themselves (namespaces, bridges, exec, state, teardown) and the layer registry;
+- ``ray_layer``: the spec's firewall and Ray on every host, the one bring-up;
+- ``site_layer``: a user's site: dockerd in every node, a registry on the controller, the CPU image.
+
+The two layers register themselves with ``hosts`` when imported, so ``hosts`` never imports them.
+``scripts/testbed`` is the command line over these modules; the pytest fixtures (tests/fixtures_*.py) and
+the bench scripts import them. Whoever imports them puts the checkout's root on ``sys.path`` first (the
+layers import ``alpa_job``): pytest's ``pythonpath``, the CLI, or bench/lib/checkout.py.
+"""
