@@ -21,22 +21,22 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-for p in (HERE, REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")):
+for p in (HERE, REPO, os.path.join(REPO, "scripts")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
 from common import print_table, record  # noqa: E402
-from fixtures_ssh import SshBed  # noqa: E402
-from helpers_ansible import Ansible  # noqa: E402
+from kit_testbed.ansible_runs import Ansible  # noqa: E402
 from kit_testbed.hosts import Testbed  # noqa: E402
+from kit_testbed.sshd import SshBed  # noqa: E402
 
 PREFIX = "aktbas"
 
 
 def _docker_setup():
     from kit_testbed import site_layer
-    from fixtures_testbed import SiteBed
-    from helpers_ansible import CONTAINER, SiteAnsible
+    from kit_testbed.ansible_runs import CONTAINER, SiteAnsible
+    from kit_testbed.site_bed import SiteBed
 
     bed = Testbed.up(3, prefix=PREFIX, reuse=False, site=True, cgroups=True)
     ssh = SshBed(bed)

@@ -21,7 +21,7 @@ import uuid
 import pytest
 import yaml
 
-from helpers_ansible import CONTAINER, SiteAnsible, failure_lines, played
+from kit_testbed.ansible_runs import CONTAINER, SiteAnsible, failure_lines, played
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 

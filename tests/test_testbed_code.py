@@ -15,7 +15,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "scripts")
 PACKAGE = "kit_testbed"
 MAX_LINES = 60
-TESTBED_MODULES = ("kit_testbed.hosts", "kit_testbed.ray_layer", "kit_testbed.site_layer")
 
 
 def _module_file(module: str) -> str:
@@ -25,6 +24,11 @@ def _module_file(module: str) -> str:
 def _package_files() -> List[str]:
     folder = os.path.join(SCRIPTS, PACKAGE)
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".py"))
+
+
+# Every module of the package (a new one is checked without being listed here).
+TESTBED_MODULES = tuple(f"{PACKAGE}.{os.path.basename(p)[: -len('.py')]}" for p in _package_files()
+                        if not p.endswith("__init__.py"))
 
 
 def _testbed_files() -> List[str]:
