@@ -19,16 +19,12 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for p in (HERE, REPO, os.path.join(REPO, "scripts")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from common import print_table, record  # noqa: E402
-from kit_testbed.ansible_runs import Ansible  # noqa: E402
-from kit_testbed.hosts import Testbed  # noqa: E402
-from kit_testbed.sshd import SshBed  # noqa: E402
+from lib.checkout import REPO  # first: the test bed's package and alpa_job from this checkout
+from kit_testbed.ansible_runs import Ansible
+from kit_testbed.hosts import Testbed
+from kit_testbed.sshd import SshBed
+from lib.results import record
+from lib.table import print_table
 
 PREFIX = "aktbas"
 

@@ -35,10 +35,8 @@ Prints a table and writes bench/results/data_stream-<mode>-<UTC time>.json (`--o
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -49,11 +47,9 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from common import print_table  # noqa: E402
+from lib.checkout import REPO  # first: alpa_job and the test bed's package from this checkout
+from lib.results import save_run
+from lib.table import print_table
 
 DEFAULT_FILE = "/tmp/work/data_stream/tokens-2g.u16"
 CHUNK_TOKENS = 32 << 20  # 64 MiB of uint16 per write
@@ -342,7 +338,6 @@ class RssSampler(threading.Thread):
 
 
 def testbed(args) -> Dict[str, object]:
-    sys.path.insert(0, str(REPO / "scripts"))
     from kit_testbed import hosts, ray_layer
 
     why = hosts.missing_requirements()
@@ -463,18 +458,9 @@ def gpu(args) -> Dict[str, object]:
 
 # ----------------------------------------------------------------------------- main
 def save(mode: str, result: Dict[str, object], out_dir: Optional[str] = None) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    command = " ".join(shlex.quote(a) for a in ["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)]
-                       + sys.argv[1:])
-    payload = {"name": f"data_stream-{mode}", "created": stamp, "command": command,
-               "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                           "loadavg_1m": round(os.getloadavg()[0], 2)}, "results": result}
-    folder = Path(out_dir) if out_dir else REPO / "bench" / "results"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"data_stream-{mode}-{stamp}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path = save_run(f"data_stream-{mode}", result, out_dir)
     print("saved", path)
-    return str(path)
+    return path
 
 
 def main(argv=None) -> int:

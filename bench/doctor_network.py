@@ -13,19 +13,14 @@ Needs root, iproute2 (tc), util-linux, tini, nftables (like the test bed).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from kit_testbed import hosts, ray_layer  # noqa: E402
+import lib.checkout  # noqa: F401 - first: the test bed's package and alpa_job from this checkout
+from kit_testbed import hosts, ray_layer
+from lib import results
 
 
 def one_size(n: int, rate_mbit: int, prefix: str) -> dict:
@@ -84,11 +79,8 @@ def main(argv=None) -> int:
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     lines += [" | ".join(row(r, which)) for r in rows for which in ("clean", "limited")]
     print("\n".join(lines))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = REPO / "bench" / "results" / ("doctor_network-%s.json" % stamp)
-    os.makedirs(path.parent, exist_ok=True)
-    path.write_text(json.dumps({"command": " ".join(["python", "bench/doctor_network.py", *(argv or sys.argv[1:])]),
-                                "rows": rows, "table": lines, "loadavg_1m": os.getloadavg()[0]}, indent=1))
+    path = results.write_json("doctor_network", {"command": results.command("python", argv, script=__file__),
+                                                  "rows": rows, "table": lines, "loadavg_1m": os.getloadavg()[0]})
     print("saved", path)
     return 0
 

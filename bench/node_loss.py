@@ -29,20 +29,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "bench"))
+import lib.checkout  # noqa: F401 - first: the test bed's package and alpa_job from this checkout
+from kit_testbed import hosts, ray_layer
+from lib.results import record
+from lib.table import print_table
 
-from kit_testbed import hosts, ray_layer  # noqa: E402
-from common import print_table, record  # noqa: E402
-
-from alpa_job.train.checkpoint_files import latest_complete_step  # noqa: E402
+from alpa_job.train.checkpoint_files import latest_complete_step
 
 EVERY = 10
 KILL_AT = 20

@@ -18,19 +18,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import shlex
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from kit_testbed import hosts, ray_layer  # noqa: E402
+import lib.checkout  # noqa: F401 - first: the test bed's package and alpa_job from this checkout
+from kit_testbed import hosts, ray_layer
+from lib import results
 
 
 def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max_parallel=None) -> dict:
@@ -101,26 +96,23 @@ def main(argv=None) -> int:
                                 + ["%.2f / %.2f" % (r["loadavg_1m"]["before"], r["loadavg_1m"]["after"])]))
     table = "\n".join("| %s |" % line for line in lines)
     print(table)
-    command = "python bench/testbed_bringup.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    result = {"command": command.strip(), "when": stamp, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-              "kernel": platform.release()}, "num_cpus": opts.num_cpus, "object_store_memory": opts.object_store_memory,
-              "runs": rows}
+    command = results.command("python", argv, script=__file__)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")  # local time: this script's files always were
+    result = {"command": command, "when": stamp, "machine": results.machine("cpus", "python", "kernel"),
+              "num_cpus": opts.num_cpus, "object_store_memory": opts.object_store_memory, "runs": rows}
     if not opts.no_record:
-        out = REPO / "bench" / "results" / ("testbed_bringup-%s.json" % stamp)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        with open(REPO / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n## Test bed bring-up: nothing -> N hosts joined -> doctor green (%s)\n\n" % stamp)
-            f.write("`%s` (as root; %d CPUs, Python %s; each node `--num-cpus %d --object-store-memory %d`, "
-                    "dashboard on the head only; spec firewall loaded in every host). Seconds; "
-                    "`joined_total` = bed up + firewall + `ray start` everywhere (workers once the head's GCS "
-                    "listens) + wait_nodes, `green_total` = that + doctor until green; load = 1-minute load "
-                    "average before/after (shared machine). Raw: `bench/results/%s`.\n\n"
-                    % (command.strip(), os.cpu_count() or 0, platform.python_version(), opts.num_cpus,
-                       opts.object_store_memory, out.name))
-            f.write(table + "\n")
-        print("saved %s; appended to bench/RESULTS.md" % out.relative_to(REPO))
+        out = results.write_json("testbed_bringup", result, stamp=stamp)
+        results.append_to_results_md(
+            "\n## Test bed bring-up: nothing -> N hosts joined -> doctor green (%s)\n\n" % stamp
+            + "`%s` (as root; %d CPUs, Python %s; each node `--num-cpus %d --object-store-memory %d`, "
+              "dashboard on the head only; spec firewall loaded in every host). Seconds; "
+              "`joined_total` = bed up + firewall + `ray start` everywhere (workers once the head's GCS "
+              "listens) + wait_nodes, `green_total` = that + doctor until green; load = 1-minute load "
+              "average before/after (shared machine). Raw: `bench/results/%s`.\n\n"
+            % (command, os.cpu_count() or 0, platform.python_version(), opts.num_cpus,
+               opts.object_store_memory, os.path.basename(out))
+            + table + "\n")
+        print("saved bench/results/%s; appended to bench/RESULTS.md" % os.path.basename(out))
     return 0 if all(r["doctor_ok"] for r in rows) else 3
 
 

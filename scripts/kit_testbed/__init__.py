@@ -11,5 +11,5 @@
 The two layers register themselves with ``hosts`` when imported, so ``hosts`` never imports them.
 ``scripts/testbed`` is the command line over these modules; the pytest fixtures (tests/fixtures_*.py) and
 the bench scripts import them. Whoever imports them puts the checkout's root on ``sys.path`` first (the
-layers import ``alpa_job``): pytest's ``pythonpath``, the CLI, the bench scripts.
+layers import ``alpa_job``): pytest's ``pythonpath``, the CLI, bench/lib/checkout.py.
 """
