@@ -19,28 +19,24 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for p in (HERE, REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from common import print_table, record  # noqa: E402
-from fixtures_ssh import SshBed  # noqa: E402
-from helpers_ansible import Ansible  # noqa: E402
-from testbed_lib import Testbed  # noqa: E402
+from lib.checkout import REPO  # first: the test bed's package and alpa_job from this checkout
+from kit_testbed.ansible_runs import Ansible
+from kit_testbed.hosts import Testbed
+from kit_testbed.sshd import SshBed
+from lib.results import record
+from lib.table import print_table
 
 PREFIX = "aktbas"
 
 
 def _docker_setup():
-    import testbed_site
-    from fixtures_testbed import SiteBed
-    from helpers_ansible import CONTAINER, SiteAnsible
+    from kit_testbed import site_layer
+    from kit_testbed.ansible_runs import CONTAINER, SiteAnsible
+    from kit_testbed.site_bed import SiteBed
 
     bed = Testbed.up(3, prefix=PREFIX, reuse=False, site=True, cgroups=True)
     ssh = SshBed(bed)
-    site = testbed_site.start_site(bed, registry_data=testbed_site.IMAGE_CACHE / "registry")
+    site = site_layer.start_site(bed, registry_data=site_layer.IMAGE_CACHE / "registry")
     ssh.start()
     sb = SiteBed(bed, site, ssh)
     ans = SiteAnsible(sb)

@@ -10,7 +10,7 @@ Modes:
   stream       one fresh process reads its share (process 0 of 3) of --steps global batches (no training),
                RSS every steps/20; then the same with the page dropping (MADV_DONTNEED) switched off, as
                the control: what the kit's flat RSS is worth over a read far larger than a training run's.
-  testbed      the 3-host test bed (scripts/testbed_lib + the one Ray bring-up scripts/testbed_ray.start_ray;
+  testbed      the 3-host test bed (kit_testbed.hosts + the one Ray bring-up kit_testbed.ray_layer.start_ray;
                head + 2 workers, each one JAX process of --devices CPU devices): `python -m alpa_job train
                --address HEAD:6379 --preset gpt-small --dataset tokens --data-path FILE` from the head. A
                sampler reads VmRSS of every host's JAX process (`ray::JaxProcess*` in that host's PID
@@ -35,10 +35,8 @@ Prints a table and writes bench/results/data_stream-<mode>-<UTC time>.json (`--o
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -49,11 +47,9 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from common import print_table  # noqa: E402
+from lib.checkout import REPO  # first: alpa_job and the test bed's package from this checkout
+from lib.results import save_run
+from lib.table import print_table
 
 DEFAULT_FILE = "/tmp/work/data_stream/tokens-2g.u16"
 CHUNK_TOKENS = 32 << 20  # 64 MiB of uint16 per write
@@ -343,20 +339,18 @@ class RssSampler(threading.Thread):
 
 
 def testbed(args) -> Dict[str, object]:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import testbed_lib
-    import testbed_ray
+    from kit_testbed import hosts, ray_layer
 
-    why = testbed_lib.missing_requirements()
+    why = hosts.missing_requirements()
     if why:
         raise SystemExit("cannot run: " + "; ".join(why))
     made = make_token_file(args.file, args.gib)
-    testbed_lib.down(prefix=args.prefix)
-    bed = testbed_lib.Testbed.up(3, prefix=args.prefix)
+    hosts.down(prefix=args.prefix)
+    bed = hosts.Testbed.up(3, prefix=args.prefix)
     out = Path("/tmp/work/data_stream") / ("run-%s" % uuid.uuid4().hex[:8])
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        info = testbed_ray.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, timeout=240)
+        info = ray_layer.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, timeout=240)
         address = info.get("address") or bed.head_address
         data = (["--dataset", "tokens", "--data-path", args.file, "--token-dtype", "uint16"]
                 if args.dataset == "tokens" else ["--dataset", args.dataset])
@@ -393,7 +387,7 @@ def testbed(args) -> Dict[str, object]:
     total_bytes = sum(pr.get("bytes_read") or 0 for pr in procs)
     total_rows = sum(pr.get("rows_read") or 0 for pr in procs)
     by_ip = {pr.get("ip"): pr for pr in procs}
-    hosts = []
+    host_rows = []
     for h in bed.hosts:
         after = [x for x in sampler.samples if x[1] == h.name and first_step_at is not None and x[0] >= first_step_at]
         pr = by_ip.get(h.ip, {})
@@ -405,25 +399,25 @@ def testbed(args) -> Dict[str, object]:
             row[f"{kind}_growth"] = part.get("growth")
             row[f"{kind}_end"] = part.get("rss_end")
         row["share"] = round(pr["bytes_read"] / total_bytes, 4) if total_bytes and pr.get("bytes_read") else None
-        hosts.append(row)
+        host_rows.append(row)
     header = ["host", "proc", "rss 1st step MB", "rss end MB", "peak 1st quarter MB", "peak last quarter MB",
               "growth MB", "anon growth MB", "file growth MB", "bytes read", "rows read", "share of total"]
     table = print_table(header, [[r["host"], r["process"], mb(r.get("rss_start")), mb(r.get("rss_end")),
                                   mb(r.get("peak_first_quarter")), mb(r.get("peak_last_quarter")),
                                   mb(r.get("growth")), mb(r.get("anon_growth")), mb(r.get("file_growth")),
                                   r["bytes_read"],
-                                  r["rows_read"], r["share"]] for r in hosts])
+                                  r["rows_read"], r["share"]] for r in host_rows])
     inp = report.get("input") or {}
     print("input: " + json.dumps(inp))
-    growths = [r.get("growth") for r in hosts]
-    shares = [r["share"] for r in hosts]
+    growths = [r.get("growth") for r in host_rows]
+    shares = [r["share"] for r in host_rows]
     return {
         "file": made, "command_on_head": " ".join(shlex.quote(a) for a in argv), "steps": args.steps,
         "batch_size": args.batch_size, "devices_per_process": args.devices, "rc": rc,
         "wall_s": round(ended - started, 2), "first_step_after_s": round(first_step_at - started, 2)
         if first_step_at else None, "loop_s": round(ended - first_step_at, 2) if first_step_at else None,
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
-        "hosts": hosts, "input": inp, "total_bytes_read": total_bytes, "total_rows_read": total_rows,
+        "hosts": host_rows, "input": inp, "total_bytes_read": total_bytes, "total_rows_read": total_rows,
         "report_summary": {k: report.get(k) for k in ("steps", "step_time_s", "samples_per_s", "summary")
                            if k in report},
         "dataset": args.dataset,
@@ -465,18 +459,9 @@ def gpu(args) -> Dict[str, object]:
 
 # ----------------------------------------------------------------------------- main
 def save(mode: str, result: Dict[str, object], out_dir: Optional[str] = None) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    command = " ".join(shlex.quote(a) for a in ["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)]
-                       + sys.argv[1:])
-    payload = {"name": f"data_stream-{mode}", "created": stamp, "command": command,
-               "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                           "loadavg_1m": round(os.getloadavg()[0], 2)}, "results": result}
-    folder = Path(out_dir) if out_dir else REPO / "bench" / "results"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"data_stream-{mode}-{stamp}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path = save_run(f"data_stream-{mode}", result, out_dir)
     print("saved", path)
-    return str(path)
+    return path
 
 
 def main(argv=None) -> int:

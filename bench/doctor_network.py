@@ -1,7 +1,7 @@
 """`doctor --network` on N test-bed hosts: the links both ways and the all-reduce, clean and with a token bucket
 on one host's link; how long it takes, and whether it names that host and measures its links near the limit.
 
-For each size (default 3 and 8): the bed and its firewalled Ray (`scripts/testbed_ray.start_ray`, as the tests'
+For each size (default 3 and 8): the bed and its firewalled Ray (`kit_testbed.ray_layer.start_ray`, as the tests'
 `ray_cluster`), `python -m alpa_job doctor --network --format json` inside the head, then again with `tc qdisc
 add dev eth0 root tbf rate RATE` on the last worker, then teardown. Prints a table and writes
 bench/results/doctor_network-<time>.json.
@@ -13,27 +13,21 @@ Needs root, iproute2 (tc), util-linux, tini, nftables (like the test bed).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import testbed_lib  # noqa: E402
-import testbed_ray  # noqa: E402
+import lib.checkout  # noqa: F401 - first: the test bed's package and alpa_job from this checkout
+from kit_testbed import hosts, ray_layer
+from lib import results
 
 
 def one_size(n: int, rate_mbit: int, prefix: str) -> dict:
-    testbed_lib.down(prefix=prefix)
-    bed = testbed_lib.Testbed.up(n, prefix=prefix)
+    hosts.down(prefix=prefix)
+    bed = hosts.Testbed.up(n, prefix=prefix)
     try:
-        testbed_ray.start_ray(bed, num_cpus=1, object_store_memory=80_000_000, include_dashboard=False, timeout=300)
+        ray_layer.start_ray(bed, num_cpus=1, object_store_memory=80_000_000, include_dashboard=False, timeout=300)
         clean = _doctor(bed)
         slow_host = bed.hosts[-1]
         bed.exec(slow_host.name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "%dmbit" % rate_mbit,
@@ -49,7 +43,7 @@ def one_size(n: int, rate_mbit: int, prefix: str) -> dict:
 
 def _doctor(bed) -> dict:
     t0 = time.monotonic()
-    report = testbed_ray.doctor(bed, deadline=120, timeout=180, node_timeout=60, extra=["--network"])
+    report = ray_layer.doctor(bed, deadline=120, timeout=180, node_timeout=60, extra=["--network"])
     network = report.get("network") or {}
     links = network.get("links") or []
     failed = [c for c in report.get("checks", []) if not c["ok"]]
@@ -75,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-mbit", type=int, default=100)
     ap.add_argument("--prefix", default="akn")
     opts = ap.parse_args(argv)
-    why = testbed_lib.missing_requirements()
+    why = hosts.missing_requirements()
     if why:
         print("cannot run: " + "; ".join(why), file=sys.stderr)
         return 2
@@ -85,11 +79,8 @@ def main(argv=None) -> int:
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     lines += [" | ".join(row(r, which)) for r in rows for which in ("clean", "limited")]
     print("\n".join(lines))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = REPO / "bench" / "results" / ("doctor_network-%s.json" % stamp)
-    os.makedirs(path.parent, exist_ok=True)
-    path.write_text(json.dumps({"command": " ".join(["python", "bench/doctor_network.py", *(argv or sys.argv[1:])]),
-                                "rows": rows, "table": lines, "loadavg_1m": os.getloadavg()[0]}, indent=1))
+    path = results.write_json("doctor_network", {"command": results.command("python", argv, script=__file__),
+                                                  "rows": rows, "table": lines, "loadavg_1m": os.getloadavg()[0]})
     print("saved", path)
     return 0
 

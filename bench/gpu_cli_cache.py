@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from lib.results import save_result
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOOR = "import time; t = time.perf_counter(); import jax, flax, optax; jax.devices(); print(time.perf_counter() - t)"
 
@@ -64,8 +66,6 @@ def main() -> None:
     for name in ["cold"] + [f"warm{i + 1}" for i in range(args.warm)]:
         rows.append(train(args, cache, name, env))
         print(json.dumps(rows[-1]), flush=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_common import save_result
 
     save_result("gpu_cli_cache", args.out, {"rows": rows})
     print("| run | wall s | to first step (train start / process start) | step compile | init compile | "

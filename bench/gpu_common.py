@@ -7,15 +7,13 @@ before its own turn, and one untimed step runs after the move, so no timed step 
 """
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import statistics
-import sys
 import time
 from typing import Callable, Dict, List, Optional
 
 import jax
+
+import lib.checkout  # noqa: F401 - the functions below import alpa_job from this checkout
 
 # The GPU bench's models (the sizes of issue 16 / shared notes gpu.md; the presets gpt-12l and gpt-24l
 # are the same models for the CLI), one table for every GPU bench script.
@@ -41,19 +39,6 @@ def gpt_case(name: str, **overrides):
     config = resolve(JobConfig(model="gpt", dtype="bfloat16", address="none", model_args=sizes, **fields))
     batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     return config, get_model(config), batch
-
-
-def save_result(name: str, out: str, result: dict) -> str:
-    """result + device, jax version and the command line, to OUT/NAME-<UTC time>.json; returns the path."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    script = os.path.relpath(os.path.abspath(sys.argv[0]))
-    payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **result,
-               "command": " ".join(["python3", script] + sys.argv[1:])}
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{name}-{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
-    return path
 
 
 PEAK_TFLOPS_H100 = 798.0  # bf16 dense, measured with an 8192^3 matmul on the lent H100 (KINDS.md)

@@ -13,11 +13,9 @@ import argparse
 import concurrent.futures
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lib.checkout  # noqa: F401 - first: alpa_job from this checkout
 
 STEPS_PER_TURN = 5
 
@@ -35,7 +33,8 @@ def main() -> None:
 
     from alpa_job import models
     from alpa_job.engines.jax_engine import JaxEngine
-    from gpu_common import engine_loop, gpt_case, save_result
+    from gpu_common import engine_loop, gpt_case
+    from lib.results import save_result
 
     n = jax.device_count()
     batch_size = args.per_gpu_batch * n

@@ -15,24 +15,22 @@ user would pick.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lib.checkout  # noqa: F401 - first: alpa_job from this checkout
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-import gpu_peer  # noqa: E402
-from gpu_common import (GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_case, gpt_flops, kit_loop, park,  # noqa: E402
-                        save_result, unpark)
+import gpu_peer
+from types import SimpleNamespace
+from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_case, gpt_flops, kit_loop, park, unpark
+from lib.results import save_result
 
 CASES = GPT_CASES
 LABELS = {"gpt12": "GPT 12L d1024 h16 B16 S1024 V32768 bf16", "gpt24": "GPT 24L d2048 h16 B8 S1024 V32768 bf16",

@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib.results import save_result
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(REPO, "examples", "llama")
 
@@ -128,8 +129,6 @@ def main() -> None:
     args = parser.parse_args()
     args.steps = args.steps or (30 if args.mode == "speed" else 500)
     os.makedirs(args.work, exist_ok=True)
-    from gpu_common import save_result
-
     result = speed(args) if args.mode == "speed" else loss(args)
     print("saved", save_result(f"gpu_fp8-{args.mode}", args.out, result), flush=True)
 

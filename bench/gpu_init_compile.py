@@ -21,8 +21,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lib.checkout  # noqa: F401 - first: alpa_job from this checkout
+from lib.results import save_result
 
 
 def _engine(case: str, compile_cache: str = "none", whole: bool = False):
@@ -160,7 +160,6 @@ def main() -> None:
         row["process_wall_s"] = wall
         rows.append(row)
         print(json.dumps(row), flush=True)
-    from gpu_common import save_result
 
     save_result("gpu_init_compile", args.out, {"case": args.case, "rows": rows})
 

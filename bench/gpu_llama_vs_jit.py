@@ -29,19 +29,20 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for path in (os.path.join(ROOT, "examples", "llama"), ROOT, HERE):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from lib.checkout import REPO  # first: alpa_job from this checkout
+
+LLAMA = str(REPO / "examples" / "llama")  # the example's own package (llama_example), as a run gets it
+if LLAMA not in sys.path:
+    sys.path.insert(0, LLAMA)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, engine_loop, gpt_flops, save_result  # noqa: E402
+from gpu_common import PEAK_TFLOPS_H100, Loop, alternate, engine_loop, gpt_flops  # noqa: E402
 from gpu_peer import jit_run  # noqa: E402
+from lib.results import save_result  # noqa: E402
 
 CASES = {
     # ~1B: 18 layers, d 2048, 16 heads (8 kv heads), SwiGLU 5632, vocab 32000; 8 x 1024 tokens a step.

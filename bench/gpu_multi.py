@@ -24,8 +24,9 @@ import sys
 import tempfile
 import time
 
+from lib.results import save_result
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
 
 PEER = r"""
 import json, sys, time, statistics
@@ -240,8 +241,6 @@ def main() -> None:
               f"{f(r.get('estimate_gb'), '7.2f')} {f(r.get('mfu'), '6.3f')} {f(r.get('comm_share'), '6.3f')} "
               f"{f(r.get('exposed_comm_share'), '8.3f')} {f(r.get('to_first_step_s'), '8.1f')} "
               f"{f(r.get('to_end_s'), '7.1f')}")
-    from gpu_common import save_result
-
     print("saved", save_result("gpu_multi", args.out, {"preset": args.preset, "devices": n, "rows": rows,
                                                          "per_gpu_batch": args.per_gpu_batch}))
 

@@ -15,7 +15,6 @@ Prints what each phase found and saves OUT/gpu_network-<UTC time>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -24,9 +23,8 @@ import tempfile
 import time
 from typing import Dict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import gpu_two_nodes as two  # noqa: E402 - the two-node machinery is that bench's
+import gpu_two_nodes as two  # the two-node machinery is that bench's
+from lib import results
 
 HOG = """
 import jax, jax.numpy as jnp, time
@@ -155,11 +153,7 @@ def main() -> int:
         result["one_node_doctor"] = one_node(args, env, scratch, deadline)
     except (two.Failed, subprocess.TimeoutExpired) as err:
         result["one_node_error"] = str(err)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gpu_network-{stamp}.json")
-    with open(path, "w") as f:
-        json.dump({"command": "python3 bench/gpu_network.py " + " ".join(sys.argv[1:]), **result}, f, indent=1)
+    path = results.write_json("gpu_network", {"command": results.command("python3"), **result}, args.out)
     two.log(f"saved {path}")
     return 0 if "error" not in result else 1
 

@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 import jax
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib.results import save_result
 
 try:
     from jax import shard_map
@@ -164,7 +163,6 @@ def main() -> None:
         r["cost_ms"] = round(r["ms"] - alone, 2) if r["run"].startswith("matmuls +") else None
         print(f"{r['run']:22s} {r['ms']:8.2f} {r['cost_ms'] if r['cost_ms'] is not None else '-':>8} "
               f"{r.get('sm_mhz', '-'):>7} {r.get('power_w', '-'):>5} {r.get('power_limit_w', '-'):>8}")
-    from gpu_common import save_result
     print("saved", save_result("gpu_overlap", args.out, {"rows": rows, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                                         "args": vars(args)}))
 

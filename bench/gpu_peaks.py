@@ -10,12 +10,10 @@ HIGHEST (true fp32 FMAs). fp8 multiplies e4m3 operands into a bfloat16 result, a
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib.results import save_result
 
 
 def rate(size: int, kind: str, repeats: int) -> float:
@@ -53,7 +51,6 @@ def main() -> None:
     parser.add_argument("--kinds", default="bf16,fp32-default,fp32-highest,fp8")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
-    from gpu_common import save_result
 
     rows = {}
     for kind in args.kinds.split(","):

@@ -19,31 +19,30 @@ Variants (cumulative unless said):
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 import argparse
 import dataclasses
 import gc
 import json
 import os
-import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lib.checkout  # noqa: F401 - first: alpa_job from this checkout
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
-import gpu_peer  # noqa: E402
-from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, gpt_case, gpt_flops, park  # noqa: E402
-from alpa_job.engines.jax_engine import JaxEngine  # noqa: E402
-from alpa_job.models import ModelSpec  # noqa: E402
-from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical  # noqa: E402
-from alpa_job.models.gpt import _layer_norm, _normal, causal_attention  # noqa: E402
-from alpa_job.losses import cross_entropy  # noqa: E402
+import gpu_peer
+from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, gpt_case, gpt_flops, park
+from lib import results
+from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.models import ModelSpec
+from alpa_job.models.axes import EMBED, HEADS, KV, MLP, SEQ, VOCAB, logical
+from alpa_job.models.gpt import _layer_norm, _normal, causal_attention
+from alpa_job.losses import cross_entropy
 
 MODELS = GPT_CASES
 OPTIONS = {
@@ -261,8 +260,7 @@ def main() -> None:
         gc.collect()
         rows.append(row)
         print(json.dumps(row), flush=True)
-        with open(out_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        results.append_row(out_path, row)
     print(f"\n{args.model} ({jax.devices()[0].device_kind}, jax {jax.__version__}), params {n_params}, "
           f"{args.repeats}x{args.steps} steps alternating")
     print(f"{'variant':28s} {'peer ms':>8s} {'kit ms':>8s} {'kit/peer':>8s} {'MFU':>6s} {'temp GB':>8s} {'peer tmp':>8s}")

@@ -18,15 +18,11 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "bench"))
-
-from alpa_job.record import hlo  # noqa: E402
-from alpa_job.record.hlo import shape_bytes  # noqa: E402
+from lib.checkout import REPO  # first: alpa_job from this checkout
+from alpa_job.record import hlo
+from alpa_job.record.hlo import shape_bytes
 
 # What XLA needs to know of an H100 SXM to compile for it (the values nvidia-smi and the CUDA
 # device query report for the lent H100s).
@@ -108,7 +104,8 @@ def main() -> None:
     from alpa_job.engines import jax_engine, memory_fit
     from alpa_job.strategies import MESH_AXES
     from alpa_job.record import jax_program
-    from gpu_common import GPT_CASES, gpt_case, save_result
+    from gpu_common import GPT_CASES, gpt_case
+    from lib.results import save_result
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET,
                                             topology=f"1x1x{args.devices}")

@@ -5,24 +5,23 @@ each compiled with and without donating its state (compile only: no state is all
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 import argparse
 import json
 import os
-import sys
+from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lib.checkout  # noqa: F401 - first: alpa_job from this checkout
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
-import gpu_peer  # noqa: E402
-from gpu_common import gpt_case, save_result  # noqa: E402
-from alpa_job.engines.jax_engine import JaxEngine  # noqa: E402
-from alpa_job.record.jax_program import memory_analysis  # noqa: E402
+import gpu_peer
+from gpu_common import gpt_case
+from lib.results import save_result
+from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.record.jax_program import memory_analysis
 
 
 def kit(config, model, batch, donate: bool):

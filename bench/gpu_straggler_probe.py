@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lib.checkout  # noqa: F401 - first: alpa_job from this checkout
 
 
 def main() -> None:
@@ -32,7 +29,8 @@ def main() -> None:
 
     import jax
 
-    from gpu_common import gpt_case, save_result
+    from gpu_common import gpt_case
+    from lib.results import save_result
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.train.stragglers import GPU_PROBE, WINDOW_STEPS, GpuProbe
 

@@ -28,7 +28,6 @@ with the commands, the nodes, each run's report numbers and the tail of its driv
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import importlib.util
 import json
@@ -43,6 +42,8 @@ import threading
 import time
 import uuid
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from lib import results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG_VAR = "GPU_TWO_NODES_TAG"  # every process a node starts inherits it: how they are found and stopped
@@ -581,17 +582,13 @@ def table(rows: List[dict]) -> str:
 
 
 def save(out_dir: str, payload: dict) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"gpu_two_nodes-{stamp}.json")
+    stamp = results.utc_stamp()
     nccl_lines = (payload.get("nccl") or {}).pop("lines", None)
     if nccl_lines:  # beside the JSON, as the workers wrote them
-        payload["nccl"]["log"] = os.path.basename(path)[:-len(".json")] + "-nccl.log"
-        with open(os.path.join(out_dir, payload["nccl"]["log"]), "w") as f:
-            f.write("\n".join(nccl_lines) + "\n")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
-    return path
+        log = results.result_path("gpu_two_nodes", out_dir, stamp, suffix="-nccl.log")
+        payload["nccl"]["log"] = log.name
+        log.write_text("\n".join(nccl_lines) + "\n")
+    return results.write_json("gpu_two_nodes", payload, out_dir, stamp)
 
 
 def main() -> int:
@@ -636,8 +633,7 @@ def main() -> int:
     scratch = args.scratch or tempfile.mkdtemp(prefix="tw2n-", dir="/tmp")
     rows: List[dict] = []
     payload: dict = {"mode": "cpu" if args.cpu else "gpu", "args": vars(args), "scratch": scratch,
-                     "command": " ".join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), REPO),
-                                          *map(shlex.quote, sys.argv[1:])])}
+                     "command": results.command("python3")}
     cluster = None
     failure = None
     try:

@@ -18,11 +18,10 @@ import tempfile
 import time
 from typing import List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, record  # noqa: E402
+from lib.checkout import REPO  # first: alpa_job from this checkout (the report is built in-process)
+from lib.results import record
+from lib.table import print_table
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 FORMAT_TARGET_S = 2.0
 COMPARE_TARGET_S = 3.0
 
@@ -144,7 +143,7 @@ def _validate(path: str) -> str:
 
 
 def _time(argv: List[str], cwd: str) -> tuple:
-    env = dict(os.environ, PYTHONPATH=REPO, COLUMNS="160")
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="160")
     start = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "alpa_job"] + argv, cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=300)

@@ -1,6 +1,6 @@
 """Seconds from a worker host's death to the first training step after recovery (issue 12).
 
-A 3-host test bed with the one Ray bring-up (scripts/testbed_ray.start_ray), then for each run:
+A 3-host test bed with the one Ray bring-up (kit_testbed.ray_layer.start_ray), then for each run:
 `python -m alpa_job train --max-restarts 1` from the head (3 JAX processes x 2 CPU devices, MLP,
 --checkpoint-every EVERY, --out on the machine's /tmp: one folder every test-bed host sees); once the
 checkpoint of step KILL_AT is complete, the host w2 is killed (SIGKILL to its PID 1: raylet, object
@@ -29,21 +29,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "bench"))
+import lib.checkout  # noqa: F401 - first: the test bed's package and alpa_job from this checkout
+from kit_testbed import hosts, ray_layer
+from lib.results import record
+from lib.table import print_table
 
-import testbed_lib  # noqa: E402
-import testbed_ray  # noqa: E402
-from common import print_table, record  # noqa: E402
-
-from alpa_job.train.checkpoint_files import latest_complete_step  # noqa: E402
+from alpa_job.train.checkpoint_files import latest_complete_step
 
 EVERY = 10
 KILL_AT = 20
@@ -56,12 +51,12 @@ def _iso(text: str) -> float:
 
 
 def one_run(prefix: str, max_restarts: int, timeout: float) -> dict:
-    testbed_lib.down(prefix=prefix)
-    bed = testbed_lib.Testbed.up(3, prefix=prefix)
+    hosts.down(prefix=prefix)
+    bed = hosts.Testbed.up(3, prefix=prefix)
     out = Path("/tmp") / ("%s-node-loss-%s" % (prefix, uuid.uuid4().hex[:8]))
     out.mkdir()
     try:
-        info = testbed_ray.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, include_dashboard=True,
+        info = ray_layer.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, include_dashboard=True,
                                      timeout=120)
         spec_path = info["spec_path"]
         address = info.get("address") or "%s:6379" % bed.head.ip

@@ -1,7 +1,7 @@
 """Seconds from nothing to N test-bed hosts with a firewalled Ray cluster joined and `doctor` green.
 
 For each size (default 3 and 8): bring the test bed up (namespaces, bridge, tini), then the ONE Ray
-bring-up `scripts/testbed_ray.start_ray` (the same code as `scripts/testbed up --ray` and the tests'
+bring-up `kit_testbed.ray_layer.start_ray` (the same code as `scripts/testbed up --ray` and the tests'
 `ray_cluster` fixture): the spec's nftables rules + sysctls in every host, `ray start` on the head
 (dashboard on: `ray job submit` needs it) and on every worker in parallel as soon as the head's GCS
 listens, `alpa_job.cluster.wait_nodes` until N nodes are alive; then `python -m alpa_job doctor
@@ -18,32 +18,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import shlex
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import testbed_lib  # noqa: E402
-import testbed_ray  # noqa: E402
+import lib.checkout  # noqa: F401 - first: the test bed's package and alpa_job from this checkout
+from kit_testbed import hosts, ray_layer
+from lib import results
 
 
 def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max_parallel=None) -> dict:
     t = {}
     load_before = os.getloadavg()[0]
-    testbed_lib.down(prefix=prefix)
+    hosts.down(prefix=prefix)
     t0 = time.monotonic()
-    bed = testbed_lib.Testbed.up(n, prefix=prefix)
+    bed = hosts.Testbed.up(n, prefix=prefix)
     result = {"hosts": n}
     try:
         t["bed_up"] = time.monotonic() - t0
-        info = testbed_ray.start_ray(bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True,
+        info = ray_layer.start_ray(bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True,
                                      timeout=timeout, max_parallel=max_parallel)
         steps = info["seconds"]
         t["firewall"] = steps["firewall"]
@@ -56,7 +50,7 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max
         attempts = 0
         while time.monotonic() - mark < timeout:
             attempts += 1
-            doctor = testbed_ray.doctor(bed, deadline=120, timeout=180, node_timeout=60)
+            doctor = ray_layer.doctor(bed, deadline=120, timeout=180, node_timeout=60)
             if doctor.get("ok"):
                 break
         t["doctor"] = time.monotonic() - mark
@@ -83,10 +77,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", default="akb")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--max-parallel", type=int, default=None,
-                    help="workers starting at once (default: testbed_ray's, cores + 1)")
+                    help="workers starting at once (default: ray_layer's, cores + 1)")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/results or bench/RESULTS.md")
     opts = ap.parse_args(argv)
-    why = testbed_lib.missing_requirements()
+    why = hosts.missing_requirements()
     if why:
         print("cannot run: " + "; ".join(why), file=sys.stderr)
         return 2
@@ -102,26 +96,23 @@ def main(argv=None) -> int:
                                 + ["%.2f / %.2f" % (r["loadavg_1m"]["before"], r["loadavg_1m"]["after"])]))
     table = "\n".join("| %s |" % line for line in lines)
     print(table)
-    command = "python bench/testbed_bringup.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    result = {"command": command.strip(), "when": stamp, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-              "kernel": platform.release()}, "num_cpus": opts.num_cpus, "object_store_memory": opts.object_store_memory,
-              "runs": rows}
+    command = results.command("python", argv, script=__file__)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")  # local time: this script's files always were
+    result = {"command": command, "when": stamp, "machine": results.machine("cpus", "python", "kernel"),
+              "num_cpus": opts.num_cpus, "object_store_memory": opts.object_store_memory, "runs": rows}
     if not opts.no_record:
-        out = REPO / "bench" / "results" / ("testbed_bringup-%s.json" % stamp)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        with open(REPO / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n## Test bed bring-up: nothing -> N hosts joined -> doctor green (%s)\n\n" % stamp)
-            f.write("`%s` (as root; %d CPUs, Python %s; each node `--num-cpus %d --object-store-memory %d`, "
-                    "dashboard on the head only; spec firewall loaded in every host). Seconds; "
-                    "`joined_total` = bed up + firewall + `ray start` everywhere (workers once the head's GCS "
-                    "listens) + wait_nodes, `green_total` = that + doctor until green; load = 1-minute load "
-                    "average before/after (shared machine). Raw: `bench/results/%s`.\n\n"
-                    % (command.strip(), os.cpu_count() or 0, platform.python_version(), opts.num_cpus,
-                       opts.object_store_memory, out.name))
-            f.write(table + "\n")
-        print("saved %s; appended to bench/RESULTS.md" % out.relative_to(REPO))
+        out = results.write_json("testbed_bringup", result, stamp=stamp)
+        results.append_to_results_md(
+            "\n## Test bed bring-up: nothing -> N hosts joined -> doctor green (%s)\n\n" % stamp
+            + "`%s` (as root; %d CPUs, Python %s; each node `--num-cpus %d --object-store-memory %d`, "
+              "dashboard on the head only; spec firewall loaded in every host). Seconds; "
+              "`joined_total` = bed up + firewall + `ray start` everywhere (workers once the head's GCS "
+              "listens) + wait_nodes, `green_total` = that + doctor until green; load = 1-minute load "
+              "average before/after (shared machine). Raw: `bench/results/%s`.\n\n"
+            % (command, os.cpu_count() or 0, platform.python_version(), opts.num_cpus,
+               opts.object_store_memory, os.path.basename(out))
+            + table + "\n")
+        print("saved bench/results/%s; appended to bench/RESULTS.md" % os.path.basename(out))
     return 0 if all(r["doctor_ok"] for r in rows) else 3
 
 

@@ -13,8 +13,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, record  # noqa: E402
+from lib.results import record
+from lib.table import print_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_S = 180.0

@@ -2,7 +2,6 @@
 import functools
 import os
 import re
-import sys
 from pathlib import Path, PurePath
 
 import pytest
@@ -16,11 +15,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --x
                                    "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-# `import alpa_job` from this checkout (also when the package is not pip-installed).
+# `import alpa_job`, the fixture modules and the test bed's package by name: pyproject.toml's `pythonpath`.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-for _p in (REPO_ROOT, REPO_ROOT / "tests"):  # tests/: the fixture modules import by bare name
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 pytest_plugins = [
     "fixtures_spec",  # spec (package defaults); no test sees a user's ALPA_KIT_CLUSTER_SPEC

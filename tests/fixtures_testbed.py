@@ -1,4 +1,4 @@
-"""pytest fixtures for the multi-host test bed (scripts/testbed_lib.py) and a Ray cluster on it.
+"""pytest fixtures for the multi-host test bed (scripts/kit_testbed/) and a Ray cluster on it.
 
 Fixtures (all session-scoped):
 
@@ -11,7 +11,7 @@ Fixtures (all session-scoped):
   (192.168.77.3) holding its default route. Nothing else is loaded in it (no firewall, no Ray):
   tests that start things in it must stop them.
 * ``ray_cluster`` -> ``RayCluster``: its OWN 3-host bed (so ``testbed`` stays bare), brought up by
-  the one bring-up ``scripts/testbed_ray.start_ray`` (the same as ``scripts/testbed up --ray`` and
+  the one bring-up ``kit_testbed.ray_layer.start_ray`` (the same as ``scripts/testbed up --ray`` and
   bench/testbed_bringup.py): the spec's nftables firewall in each host, Ray head + 2 workers started
   with ``alpa_job.cluster.ray_start.ray_start_args``, waited for with ``alpa_job.cluster.wait_nodes``;
   then formation checked (3 nodes alive at the bed's IPs, a task pinned to each node returns that
@@ -45,18 +45,17 @@ import fcntl
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import testbed_lib  # noqa: E402
-import testbed_ray  # noqa: E402
-import testbed_site  # noqa: E402
-from testbed_lib import Testbed, TestbedError  # noqa: E402,F401
+from kit_testbed import hosts as testbed_lib
+from kit_testbed import ray_layer as testbed_ray
+from kit_testbed import site_layer as testbed_site
+from kit_testbed.hosts import Testbed, TestbedError  # noqa: F401
+from kit_testbed.site_bed import SiteBed
 
 PREFIX = os.environ.get("AKT_TESTBED_PREFIX", "aktp")
 LOCK_TIMEOUT = float(os.environ.get("AKT_TESTBED_LOCK_TIMEOUT", "900"))
@@ -264,7 +263,7 @@ class RayCluster:
 
 
 def _start_ray(bed: Testbed, ray_env: Optional[Dict[str, str]] = None) -> RayCluster:
-    """The one bring-up (scripts/testbed_ray.start_ray: firewall, ray start everywhere, wait_nodes),
+    """The one bring-up (kit_testbed.ray_layer.start_ray: firewall, ray start everywhere, wait_nodes),
     then the formation check (a task pinned to every node). `ray_env`: Ray settings for its daemons."""
     from alpa_job.cluster.spec import load_spec
 
@@ -294,47 +293,10 @@ def ray_cluster(testbed_factory) -> RayCluster:
     bed.down(graceful=False)
 
 
-# ---- a user's site: controller + dockerd per node + registry + image (scripts/testbed_site.py) --------
-class SiteBed:
-    """What ``site_bed`` gives (everything a site.yml run from an outside controller needs).
-
-    ``.testbed`` (Testbed; ``.exec(host, ...)`` runs on a node or, with ``"ctl"``, on the controller),
-    ``.controller`` ("ctl"), ``.controller_ip`` ("10.78.0.2"), ``.admin_subnet`` ("10.78.0.0/24"),
-    ``.router_ip`` (the nodes' next hop to the admin subnet, "10.77.0.254"), ``.cluster_cidr``
-    ("10.77.0.0/24"), ``.nodes`` {name: ip} (head first), ``.docker_sockets`` {node: "unix:///run/<p>-docker/
-    <node>.sock"}, ``.dockerd_pids`` {node: pid seen from outside}, ``.registry`` ("10.78.0.2:5000"),
-    ``.registry_pid``, ``.image`` (pushed ref "10.78.0.2:5000/alpa-cluster-kit/jax:..."), ``.image_tag``
-    (spec ``images.jax_cpu``), ``.ssh`` (SshBed: ``.key``, ``.ssh_config``, ``.ssh(node, *cmd)`` from the
-    controller), ``.docker(node, *args, timeout=120, check=True)`` -> CompletedProcess (docker CLI
-    against that node's dockerd, run inside the node), ``.on_controller(*cmd, **kw)`` = exec on ctl.
-    """
-
-    def __init__(self, bed: Testbed, site: dict, ssh):
-        self.testbed = bed
-        self.controller = bed.controller.name
-        self.controller_ip = bed.controller.ip
-        self.admin_subnet = testbed_lib.ADMIN_SUBNET
-        self.router_ip = bed.router_ip
-        self.cluster_cidr = bed.subnet
-        self.nodes = bed.ips
-        self.docker_sockets = {n: d["socket"] for n, d in site["docker"].items()}
-        self.dockerd_pids = {n: d["pid"] for n, d in site["docker"].items()}
-        self.registry = site["registry"]["address"]
-        self.registry_pid = site["registry"]["pid"]
-        self.image = site["image"]["ref"]
-        self.image_tag = testbed_site.cpu_image_tag()
-        self.ssh = ssh
-
-    def docker(self, node: str, *args, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-        return testbed_site.docker(self.testbed, node, *args, timeout=timeout, check=check)
-
-    def on_controller(self, *cmd, **kw) -> subprocess.CompletedProcess:
-        return self.testbed.exec(self.controller, *cmd, **kw)
-
-
+# ---- a user's site: controller + dockerd per node + registry + image (kit_testbed.site_layer) ---------
 @pytest.fixture(scope="session")
 def site_bed(testbed_factory) -> SiteBed:
-    from fixtures_ssh import SSHD, SshBed
+    from kit_testbed.sshd import SSHD, SshBed
 
     why = testbed_site.missing_site_requirements()
     if not os.path.exists(SSHD):
@@ -354,5 +316,5 @@ def site_bed(testbed_factory) -> SiteBed:
         raise
     yield SiteBed(bed, site, ssh)
     ssh.stop()
-    bed.down()  # containers removed, dockerds + registry SIGTERMed by PID (testbed_site.stop_site), hosts gone
+    bed.down()  # containers removed, dockerds + registry SIGTERMed by PID (site_layer.stop_site), hosts gone
 

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers_ansible import VENV_PYTHON, Ansible, failure_lines, played
+from kit_testbed.ansible_runs import VENV_PYTHON, Ansible, failure_lines, played
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 

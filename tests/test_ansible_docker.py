@@ -21,7 +21,7 @@ import uuid
 import pytest
 import yaml
 
-from helpers_ansible import CONTAINER, SiteAnsible, failure_lines, played
+from kit_testbed.ansible_runs import CONTAINER, SiteAnsible, failure_lines, played
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -248,7 +248,7 @@ def test_air_gapped_nodes_load_the_image_from_a_tar(site, tmp_path):
     """alpa_kit_image_source: load: the preflight finds the image missing and the archive on the
     controller, the node gets the tar copied and `docker_image_load`ed, the copy is removed; a second
     run finds the image and does nothing. A small image (the Debian base) stands in for the kit's."""
-    from testbed_site import IMAGE_CACHE
+    from kit_testbed.site_layer import IMAGE_CACHE
 
     base = IMAGE_CACHE / "debian-bookworm-minbase.tar"
     if not base.exists():

@@ -1,14 +1,7 @@
 """bench/gpu_schedule.py's reader finds collectives, their bytes and the matmuls beside them in a scheduled HLO."""
 from __future__ import annotations
 
-import os
-import sys
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-
-import gpu_schedule  # noqa: E402
+import gpu_schedule  # bench/, on pytest's pythonpath
 
 _SCHEDULED = """HloModule step, is_scheduled=true
 

@@ -17,9 +17,9 @@ from alpa_job.inspect import render
 from alpa_job.record.report_file import report_json
 from alpa_job.record.run_record import RunRecord
 
+import inspect_scale  # bench/, on pytest's pythonpath
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-import inspect_scale  # noqa: E402
 
 LEAVES = 10_000
 

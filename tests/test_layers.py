@@ -19,14 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "scripts")
 
 
-def _package_modules() -> Dict[str, str]:
-    """alpa_job's module names -> file paths (a package is its __init__.py)."""
+def _package_modules(top: str = REPO, package: str = "alpa_job") -> Dict[str, str]:
+    """A package's module names (as imported from `top`) -> file paths (a package is its __init__.py)."""
     found = {}
-    for root, _dirs, files in os.walk(os.path.join(REPO, "alpa_job")):
+    for root, _dirs, files in os.walk(os.path.join(top, package)):
         for name in files:
             if not name.endswith(".py"):
                 continue
-            rel = os.path.relpath(os.path.join(root, name), REPO)[: -len(".py")]
+            rel = os.path.relpath(os.path.join(root, name), top)[: -len(".py")]
             parts = rel.split(os.sep)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -35,12 +35,15 @@ def _package_modules() -> Dict[str, str]:
 
 
 def _script_modules() -> Dict[str, str]:
-    """scripts/: its Python files (modules by their stem; `testbed` has no suffix but is Python)."""
+    """scripts/: its Python files (modules by their stem; `testbed` has no suffix but is Python) and its
+    packages (the test bed's kit_testbed), imported from scripts/ as their callers do."""
     found = {}
     for name in os.listdir(SCRIPTS):
         path = os.path.join(SCRIPTS, name)
         if name.endswith(".py"):
             found[name[: -len(".py")]] = path
+        elif os.path.isfile(os.path.join(path, "__init__.py")):
+            found.update(_package_modules(SCRIPTS, name))
         elif os.path.isfile(path) and open(path, errors="replace").readline().startswith("#!/usr/bin/env python"):
             found[name] = path
     return found
@@ -122,7 +125,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_graph_sees_function_local_and_package_imports():
     assert "alpa_job.errors" in GRAPH["alpa_job.cli"]
     assert any(name.startswith("alpa_job.engines") for name in GRAPH["alpa_job.train.loop"])
-    assert "testbed_lib" in GRAPH["testbed"]
+    assert "kit_testbed.hosts" in GRAPH["testbed"]
 
 
 def test_no_import_circle_in_the_package_or_scripts():

@@ -6,7 +6,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-import testbed_lib
+from kit_testbed import hosts as testbed_lib
 from helpers_report import assert_valid_report, read_events
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]

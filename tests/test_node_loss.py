@@ -449,7 +449,7 @@ def test_resume_after_the_heads_ray_restarts(testbed_factory):
     every host (what `python -m alpa_job cluster up` / `ray start` does at a site), and the same command with
     --resume continues from the last complete checkpoint on all 3 hosts."""
     from fixtures_testbed import RAY_NUM_CPUS, RAY_OBJECT_STORE, RAY_FORM_TIMEOUT
-    import testbed_ray
+    from kit_testbed import ray_layer as testbed_ray
 
     cluster = _cluster(testbed_factory)
     bed = cluster.testbed

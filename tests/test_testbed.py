@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import testbed_lib
+from kit_testbed import hosts as testbed_lib
 from fixtures_testbed import PREFIX
 
 pytestmark = pytest.mark.testbed
@@ -203,7 +203,7 @@ except Exception as e:
 
 @pytest.mark.slow
 def test_cli_up_ray_with_auth_and_doctor_then_down_stops_ray(testbed, tmp_path):
-    """`scripts/testbed up --ray --auth --doctor`: the one bring-up (scripts/testbed_ray.py) prints the
+    """`scripts/testbed up --ray --auth --doctor`: the one bring-up (scripts/kit_testbed/ray_layer.py) prints the
     address and the token, every node joined, doctor green; a client with the bed's token (exec passes
     it) connects, one with another token is refused; `down` stops Ray with `ray stop` in every host."""
     pytest.importorskip("ray")

@@ -1,8 +1,8 @@
 """The test bed's code stays readable (no test bed needed: read from the source).
 
-- no function in scripts/testbed* is over MAX_LINES lines without a ``# long:`` comment saying why
-  (on its ``def`` line or just above it);
-- no module reaches into the test bed's private names (``testbed_lib._x``, ``from testbed_ray import
+- no function in scripts/testbed or scripts/kit_testbed/ is over MAX_LINES lines without a ``# long:``
+  comment saying why (on its ``def`` line or just above it);
+- no module reaches into the test bed's private names (``hosts._x``, ``from kit_testbed.ray_layer import
   _x``, ``bed._x`` for a private member of its classes): what others need is public and documented.
 """
 from __future__ import annotations
@@ -13,18 +13,38 @@ from typing import Dict, List, Set
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "scripts")
+PACKAGE = "kit_testbed"
 MAX_LINES = 60
-TESTBED_MODULES = ("testbed_lib", "testbed_ray", "testbed_site")
+
+
+def _module_file(module: str) -> str:
+    return os.path.join(SCRIPTS, *module.split(".")) + ".py"
+
+
+def _package_files() -> List[str]:
+    folder = os.path.join(SCRIPTS, PACKAGE)
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".py"))
+
+
+# Every module of the package (a new one is checked without being listed here).
+TESTBED_MODULES = tuple(f"{PACKAGE}.{os.path.basename(p)[: -len('.py')]}" for p in _package_files()
+                        if not p.endswith("__init__.py"))
 
 
 def _testbed_files() -> List[str]:
-    return sorted(os.path.join(SCRIPTS, n) for n in os.listdir(SCRIPTS)
-                  if n == "testbed" or (n.startswith("testbed_") and n.endswith(".py")))
+    return [os.path.join(SCRIPTS, "testbed")] + _package_files()
+
+
+def _module_of(path: str) -> str:
+    """The name a file is imported by (the package's modules by their dotted name)."""
+    stem = os.path.basename(path)[: -len(".py")] if path.endswith(".py") else os.path.basename(path)
+    return f"{PACKAGE}.{stem}" if os.path.dirname(path) == os.path.join(SCRIPTS, PACKAGE) else stem
 
 
 def _python_files() -> List[str]:
-    """Every Python file that may use the test bed: scripts/ (`testbed` has no suffix), tests/, bench/."""
-    found = []
+    """Every Python file that may use the test bed: scripts/ (`testbed` has no suffix) and its package,
+    tests/, bench/."""
+    found = list(_package_files())
     for folder in ("scripts", "tests", "bench"):
         root = os.path.join(REPO, folder)
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
@@ -85,6 +105,9 @@ def private_uses(tree: ast.Module, module: str, members: Dict[str, Set[str]]) ->
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             aliases.update({a.asname or a.name: a.name for a in node.names if a.name in TESTBED_MODULES})
+        elif isinstance(node, ast.ImportFrom) and node.module == PACKAGE:  # from kit_testbed import hosts as tb
+            aliases.update({a.asname or a.name: f"{PACKAGE}.{a.name}" for a in node.names
+                            if f"{PACKAGE}.{a.name}" in TESTBED_MODULES})
     others = {m: names for m, names in members.items() if m != module}
     foreign = set().union(*others.values()) - _own_names(tree) if others else set()
     out = []
@@ -102,18 +125,18 @@ def private_uses(tree: ast.Module, module: str, members: Dict[str, Set[str]]) ->
 
 
 def _members_of_the_testbed() -> Dict[str, Set[str]]:
-    return {m: _private_members(_parse(os.path.join(SCRIPTS, m + ".py"))) for m in TESTBED_MODULES}
+    return {m: _private_members(_parse(_module_file(m))) for m in TESTBED_MODULES}
 
 
 def test_the_checks_can_fail():
     body = "\n".join(f"    x = {i}" for i in range(MAX_LINES))
     assert long_functions(f"def f():\n{body}\n") == [f"f (line 1, {MAX_LINES + 1} lines)"]
     assert long_functions(f"# long: one table, read top to bottom\ndef f():\n{body}\n") == []
-    members = {"testbed_lib": {"_save"}}
-    tree = ast.parse("import testbed_lib as tb\nfrom testbed_ray import _kill\n"
+    members = {"kit_testbed.hosts": {"_save"}}
+    tree = ast.parse("from kit_testbed import hosts as tb\nfrom kit_testbed.ray_layer import _kill\n"
                      "tb._wait(1)\nbed._save()\ntb.wait_for(1)\n")
     assert private_uses(tree, "user", members) == [
-        "line 2: from testbed_ray import _kill", "line 3: testbed_lib._wait",
+        "line 2: from kit_testbed.ray_layer import _kill", "line 3: kit_testbed.hosts._wait",
         "line 4: ._save (a private member of the test bed's classes)"]
     assert private_uses(ast.parse("class A:\n    def _save(self): pass\nA()._save()\n"), "user", members) == []
 
@@ -127,11 +150,10 @@ def test_no_long_function_without_a_reason():
 
 def test_no_module_uses_the_test_beds_private_names():
     members = _members_of_the_testbed()
-    assert "save" not in members["testbed_lib"] and "_launchers" in members["testbed_lib"]  # the check sees them
+    assert "save" not in members["kit_testbed.hosts"] and "_launchers" in members["kit_testbed.hosts"]  # the check sees them
     found = {}
     for path in _python_files():
-        module = os.path.basename(path)[: -len(".py")] if path.endswith(".py") else os.path.basename(path)
-        uses = private_uses(_parse(path), module, members)
+        uses = private_uses(_parse(path), _module_of(path), members)
         if uses:
             found[os.path.relpath(path, REPO)] = uses
     assert not found, f"private names of the test bed used outside their module (make them public): {found}"

@@ -1,4 +1,4 @@
-"""A user's site on the test bed (scripts/testbed_site.py, fixture ``site_bed``):
+"""A user's site on the test bed (scripts/kit_testbed/site_layer.py, fixture ``site_bed``):
 a controller outside the cluster CIDR that reaches every node, a real dockerd in every node that
 pulls the kit's CPU image from the registry on the controller, and a teardown that leaves nothing."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import testbed_lib
-import testbed_site
+from kit_testbed import hosts as testbed_lib
+from kit_testbed import site_layer as testbed_site
 from fixtures_testbed import PREFIX
 
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]

@@ -1,5 +1,5 @@
 """A user's site on the test bed: a Docker engine in every node host, an image registry on
-the controller, the modern CPU image pushed there. Hosts, controller and router: testbed_lib
+the controller, the modern CPU image pushed there. Hosts, controller and router: kit_testbed.hosts
 (``Testbed.up(..., site=True, cgroups=True)``); this module starts and stops the daemons on top.
 
 ``start_site(bed, docker=True, registry=True, image=True)``:
@@ -37,10 +37,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import testbed_lib as tb
-
-if str(tb.REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(tb.REPO_ROOT))
+from kit_testbed import hosts as tb
 
 DOCKERD = "/usr/sbin/dockerd"
 REGISTRY = "/usr/bin/docker-registry"
@@ -373,7 +370,7 @@ def stop_site(bed: "tb.Testbed", timeout: float = 20) -> List[str]:
 
 # ---- the layer: how the core and `scripts/testbed up --site ...` reach this module -------------------
 def add_arguments(up) -> None:
-    site = up.add_argument_group("A user's site (scripts/testbed_site.py)")
+    site = up.add_argument_group("A user's site (scripts/kit_testbed/site_layer.py)")
     site.add_argument("--site", action="store_true",
                       help=f"controller `{tb.CONTROLLER_NAME}` on {tb.ADMIN_SUBNET}, routed to the nodes")
     site.add_argument("--docker", action="store_true", help="dockerd in every node host (stopped by PID on down)")

@@ -26,7 +26,7 @@ controller's own address (no NAT), and still nothing has a route out of the mach
 
 ``cgroups=True`` re-mounts the machine's cgroup hierarchies inside every node host (``ip netns exec``
 mounts a fresh sysfs, which hides them; dockerd refuses to start without them). Daemons on top
-(dockerd per node, a registry on the controller): scripts/testbed_site.py.
+(dockerd per node, a registry on the controller): ``kit_testbed.site_layer``.
 
 Library use::
 
@@ -36,7 +36,7 @@ Library use::
 
 CLI: ``scripts/testbed`` (up / exec / status / down).
 
-What runs on top of the hosts (Ray: testbed_ray; a site's daemons: testbed_site) registers a ``Layer``
+What runs on top of the hosts (Ray: ray_layer; a site's daemons: site_layer) registers a ``Layer``
 with this module when imported: this core brings nothing up by itself, and shows and stops a layer
 only through its hooks, so it never imports the modules built on it.
 """
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 if TYPE_CHECKING:
     import argparse
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # scripts/kit_testbed/ -> the checkout
 DEFAULT_PREFIX = "akt"
 DEFAULT_SUBNET = "10.77.0.0/24"
 MGMT_SUBNET = "192.168.77.0/24"
@@ -308,11 +308,11 @@ class Testbed:
         self.shm_size = shm_size
         self.ephemeral = list(ephemeral) if ephemeral else None
         self._launchers: Dict[str, subprocess.Popen] = {}
-        # What scripts/testbed_ray.start_ray started (address, auth token path, ...); None = no Ray.
+        # What ray_layer.start_ray started (address, auth token path, ...); None = no Ray.
         self.ray: Optional[dict] = ray
         self.controller = controller  # the site's controller host (admin subnet); not a cluster node
         self.cgroups = cgroups        # cgroup hierarchies re-mounted in every node host (dockerd)
-        # What scripts/testbed_site.start_site started (dockerd per node, registry, pushed image).
+        # What site_layer.start_site started (dockerd per node, registry, pushed image).
         self.site: Optional[dict] = site
 
     # ---- description -------------------------------------------------------------------------

@@ -19,7 +19,7 @@
 With ``auth=True`` a token is generated once (``<state>/ray/auth_token``, 0600) and every host runs with
 ``RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<that file>`` (Ray >= 2.59); ``Testbed.exec`` then passes
 the same two variables to every command, so ``doctor``/drivers authenticate without further setup.
-Without it ``RAY_AUTH_MODE=disabled`` is pinned (see ``testbed_lib.python_env``).
+Without it ``RAY_AUTH_MODE=disabled`` is pinned (see ``hosts.python_env``).
 
 What was started is recorded in the bed's state (``bed.ray``), so ``scripts/testbed status`` shows
 it and ``down`` stops Ray cleanly (``stop_ray``: ``ray stop`` in every host at once, bounded) before
@@ -35,15 +35,11 @@ import secrets
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import testbed_lib as tb
-
-if str(tb.REPO_ROOT) not in sys.path:  # the kit's own modules (alpa_job.cluster.*) from this checkout
-    sys.path.insert(0, str(tb.REPO_ROOT))
+from kit_testbed import hosts as tb
 
 DEFAULT_NUM_CPUS = 1
 DEFAULT_OBJECT_STORE = 100_000_000
@@ -183,7 +179,7 @@ class _RayStart:
         from alpa_job.versions import package_version
 
         self.bed, self.spec, self.env, self.timeout = bed, spec, env, timeout
-        # The hosts run the caller's Python environment (testbed_lib.python_env), so its Ray: the
+        # The hosts run the caller's Python environment (hosts.python_env), so its Ray: the
         # project venv's modern Ray, or 2.1.0 from a Python 3.9 one (the Alpa image's Ray), each with the
         # flags it knows (None: no Ray installed; ray_start_args then assumes the spec's modern Ray).
         ray_version = package_version("ray")
@@ -381,7 +377,7 @@ def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_t
 
 # ---- the layer: how the core and `scripts/testbed up --ray` reach this module -------------------------
 def add_arguments(up) -> None:
-    ray = up.add_argument_group("Ray (scripts/testbed_ray.py)")
+    ray = up.add_argument_group("Ray (scripts/kit_testbed/ray_layer.py)")
     ray.add_argument("--ray", action="store_true", help="firewall + Ray on every host, wait until all are alive")
     ray.add_argument("--auth", action="store_true", help="Ray token auth on (token generated, printed)")
     ray.add_argument("--doctor", action="store_true", help="then run `alpa_job doctor` in the head; exit 3 if red")
