@@ -38,6 +38,28 @@ class TrainState(train_state.TrainState):
     batch_stats: Any = None  # BatchNorm running statistics (wide_resnet); None elsewhere
 
 
+class StepStats(CompileStats):
+    """CompileStats whose `hlo_texts` are printed from the compiled step on first read (`hlo_later`):
+    printing a large step's HLO holds the interpreter a while, and nothing before the first step reads it
+    (the report's collectives and traffic, a plan's compile do, afterwards)."""
+
+    _hlo_texts: Optional[List[str]] = None
+    _hlo_source: Optional[Callable[[], List[str]]] = None
+
+    @property  # type: ignore[override] - the dataclass field, read through
+    def hlo_texts(self) -> Optional[List[str]]:
+        if self._hlo_texts is None and self._hlo_source is not None:
+            self._hlo_texts, self._hlo_source = self._hlo_source(), None
+        return self._hlo_texts
+
+    @hlo_texts.setter
+    def hlo_texts(self, texts: Optional[List[str]]) -> None:
+        self._hlo_texts, self._hlo_source = texts, None
+
+    def hlo_later(self, source: Callable[[], List[str]]) -> None:
+        self._hlo_texts, self._hlo_source = None, source
+
+
 def make_mesh(mesh_shape: Tuple[int, int], axis_names: Tuple[str, str] = MESH_AXES) -> Mesh:
     """Devices in JAX's order, process-major: a row of a (hosts, devices per host) mesh is one host."""
     devices = jax.devices()
@@ -59,6 +81,7 @@ class JaxEngine(Engine):
                  mesh_shape: Tuple[int, int], schedule_steps: Optional[int] = None):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         super().__init__(strategy)
+        self.stats = StepStats()
         self.config, self.model = config, model
         self.strategy_record = strategies.get(strategy)  # the strategy's one record: rules, update split, XLA options
         self.mesh = make_mesh(mesh_shape, self.strategy_record.mesh_axes)
@@ -347,7 +370,8 @@ class JaxEngine(Engine):
         self.stats.compile_seconds += time.perf_counter() - start
         self.stats.compiles += 1
         self._count_cache_hits()  # the step's; init_state() adds the initialiser's
-        self.stats.hlo_texts = [self._compiled.as_text() or ""]
+        compiled = self._compiled
+        self.stats.hlo_later(lambda: [compiled.as_text() or ""])
         self.stats.memory = jax_program.memory_analysis(self._compiled)
         return self.stats
 
