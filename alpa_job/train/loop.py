@@ -84,6 +84,8 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
                                                                       jax.local_device_count(),
                                                                       config.pipeline_stages),
                            schedule_steps=horizon)
+        if starts_fresh(config):
+            engine.init_state_ahead(config.seed)  # made beside the step's load (_first_state takes it)
         with progress.timed(f"compiling train step ({config.model}, {config.strategy}, "
                             f"mesh {engine.mesh.devices.shape})"):
             engine.compile()
@@ -224,6 +226,12 @@ def checkpoint_notes(config, total_steps: int) -> List[str]:
             + f"; pass --checkpoint-every {total_steps - start} or less (or more --steps) to keep a checkpoint")
     progress.note(text)
     return [text]
+
+
+def starts_fresh(config) -> bool:
+    """Whether the run's first state is made from random parameters (_first_state: not restored from a
+    checkpoint, not read from a Hugging Face checkpoint's weights)."""
+    return not config.resume and not getattr(config, "init_from", None)
 
 
 def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Optional[Dict[str, Any]]]:
