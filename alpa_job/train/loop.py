@@ -8,6 +8,7 @@ data; it never formats a report.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import socket
@@ -42,17 +43,34 @@ def ensure_cpu_devices(count: int) -> None:
 
 def _open_devices_early() -> None:
     """Start the JAX backend on a worker thread while this one imports flax and builds the model and
-    the data: a GPU backend takes seconds to start (one H100: ~2.5 s). build_jax_engine's own
-    jax.devices() then waits for it; a backend that fails to start fails there, with its error."""
+    the data: a GPU backend takes seconds to start. The thread then puts one small buffer on each local
+    device: a device's allocator reserves its memory pool at its first allocation (most of a GPU, by
+    default), not when the backend starts, and that otherwise falls on the state's initialisation.
+    build_jax_engine's own jax.devices() waits for the backend; a backend that fails to start fails
+    there, with its error."""
     import jax
 
     def open_devices() -> None:
         try:
             jax.devices()
+            from alpa_job.engines import memory_fit
+
+            memory_fit.remember_limits(jax.local_devices())  # before the pools are reserved (it says why)
+            _first_buffers(jax.local_devices())
         except Exception:  # noqa: BLE001 - reported by the main thread's own call
             pass
 
     threading.Thread(target=open_devices, name="open-devices", daemon=True).start()
+
+
+def _first_buffers(devices) -> None:
+    """One scalar on each device, all devices at once (each reservation is its own call into the driver)."""
+    import jax
+    import numpy as np
+
+    one = np.zeros((), np.int32)
+    with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="first-buffer") as pool:
+        list(pool.map(lambda device: jax.device_put(one, device).block_until_ready(), devices))
 
 
 # ----------------------------------------------------------------------------- engines
