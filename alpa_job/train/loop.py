@@ -125,7 +125,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     failure reports read it (alpa_job.launch.worker_group). `stop` (a train.stop.StopPoint) ends the
     run early at a step every process agreed on, with a checkpoint there (preemption).
     """
-    started = time.perf_counter()
+    started, before_train = time.perf_counter(), timing.process_age_s()  # Python, the CLI, checks, imports
     if build_engine is None:
         _open_devices_early()
     from alpa_job.models import get_model
@@ -155,7 +155,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         checkpointer = Checkpointer(checkpoint_dir(config.out), config.checkpoint_every)
     built = time.perf_counter()
     state, start_step, data_state = _first_state(config, engine, checkpointer)
-    phases = {"startup": startup, **engine.stats.setup_phases,
+    phases = {"before_train": before_train, "startup": startup, **engine.stats.setup_phases,
               "setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
               "init_compile": getattr(engine.stats, "init_compile_seconds", None),
               "init_or_restore": time.perf_counter() - built}
