@@ -66,6 +66,16 @@ def test_train_report_validates_and_round_trips(train_runs, name):
         assert record.resumed_from_step == 2 and record.steps == 1
 
 
+def test_train_report_says_where_the_start_up_went(train_runs):
+    """timing.startup_breakdown: the phases to the first step, adding up to it; report.md words it in one row."""
+    data = _report(train_runs["data"])
+    breakdown = data["timing"]["startup_breakdown"]
+    assert sum(breakdown["sequence_s"].values()) == pytest.approx(breakdown["process_to_first_step_s"], abs=0.01)
+    assert breakdown["process_to_first_step_s"] == data["timing"]["phases_s"]["process_to_first_step"]
+    with open(os.path.join(train_runs["data"], "report.md")) as f:
+        assert "| start-up | " in f.read()
+
+
 def test_inspect_run_dir_prints_the_same_valid_record(train_runs):
     out = run_cli("inspect", train_runs["tensor"], "--format", "json", timeout=120)
     assert out.returncode == 0, out.stderr

@@ -114,9 +114,13 @@ class StepStore:
             return False
         return True
 
+    def present(self) -> bool:
+        """Whether an entry is there to load (it may still fail to load: `load` says)."""
+        return os.path.exists(self.path + ".xla") and os.path.exists(self.path + ".json")
+
     def load(self, in_tree, out_tree) -> Optional[Tuple[Any, Dict[str, Any]]]:
         """(the loaded executable, what was saved beside it), or None when there is no usable entry."""
-        if not (os.path.exists(self.path + ".xla") and os.path.exists(self.path + ".json")):
+        if not self.present():
             return None
         from jax.experimental import serialize_executable
 

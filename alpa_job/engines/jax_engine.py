@@ -38,6 +38,28 @@ class TrainState(train_state.TrainState):
     batch_stats: Any = None  # BatchNorm running statistics (wide_resnet); None elsewhere
 
 
+class StepStats(CompileStats):
+    """CompileStats whose `hlo_texts` are printed from the compiled step on first read (`hlo_later`):
+    printing a large step's HLO holds the interpreter a while, and nothing before the first step reads it
+    (the report's collectives and traffic, a plan's compile do, afterwards)."""
+
+    _hlo_texts: Optional[List[str]] = None
+    _hlo_source: Optional[Callable[[], List[str]]] = None
+
+    @property  # type: ignore[override] - the dataclass field, read through
+    def hlo_texts(self) -> Optional[List[str]]:
+        if self._hlo_texts is None and self._hlo_source is not None:
+            self._hlo_texts, self._hlo_source = self._hlo_source(), None
+        return self._hlo_texts
+
+    @hlo_texts.setter
+    def hlo_texts(self, texts: Optional[List[str]]) -> None:
+        self._hlo_texts, self._hlo_source = texts, None
+
+    def hlo_later(self, source: Callable[[], List[str]]) -> None:
+        self._hlo_texts, self._hlo_source = None, source
+
+
 def make_mesh(mesh_shape: Tuple[int, int], axis_names: Tuple[str, str] = MESH_AXES) -> Mesh:
     """Devices in JAX's order, process-major: a row of a (hosts, devices per host) mesh is one host."""
     devices = jax.devices()
@@ -59,6 +81,7 @@ class JaxEngine(Engine):
                  mesh_shape: Tuple[int, int], schedule_steps: Optional[int] = None):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         super().__init__(strategy)
+        self.stats = StepStats()
         self.config, self.model = config, model
         self.strategy_record = strategies.get(strategy)  # the strategy's one record: rules, update split, XLA options
         self.mesh = make_mesh(mesh_shape, self.strategy_record.mesh_axes)
@@ -104,6 +127,8 @@ class JaxEngine(Engine):
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
+        self._seed_ahead: Optional[int] = None  # init_state_ahead(): the state made beside the step's compile
+        self._state_ahead: Optional[TrainState] = None
         self._hits_before = 0
         self._store: Optional[StepStore] = None  # set while a freshly compiled step waits to be stored
         self._lowered_ahead = None  # (jitted, lowered) from lower_step(), for auto's candidates
@@ -193,10 +218,28 @@ class JaxEngine(Engine):
                                       self.abstract_state)
 
     def init_state(self, seed: int) -> TrainState:
-        """The state, created on the devices already sharded (the initialiser compiled by compile())."""
+        """The state, created on the devices already sharded (the initialiser compiled by compile()); the one
+        init_state_ahead(seed) made, where it was asked for."""
         self._initializer_compiled()
         self._count_cache_hits()
+        if self._state_ahead is not None and seed == self._seed_ahead:
+            state, self._state_ahead = self._state_ahead, None  # handed over once: the step donates it
+            return state
         return self._initializer(seed)
+
+    def _drop_state_ahead(self) -> None:
+        if self._seed_ahead is not None:
+            self._initializer_compiled()  # the state is being made: wait for it, then free its memory
+            self._seed_ahead = self._state_ahead = None
+
+    def init_state_ahead(self, seed: int) -> None:
+        """Before compile(): the initialiser's worker thread also creates the state from `seed` once it has
+        compiled, while this thread loads or compiles the step; init_state(seed) then hands it over. For a
+        run that starts from random parameters (not one that restores or reads weights: the state would
+        take its memory for nothing). One process only: a program that spans processes runs in the same
+        order on every one, and this thread's step compile is not ordered with it."""
+        if jax.process_count() == 1:
+            self._seed_ahead = seed
 
     def state_from_params(self, read_params) -> TrainState:
         """The state from given weights: `read_params(layout)` makes the model's parameters in `layout` (their
@@ -236,6 +279,10 @@ class JaxEngine(Engine):
                                     None if self.pipeline is None else self._model_layout_to_make())
             self._initializer.compile()
             self.stats.init_compile_seconds = round(time.perf_counter() - start, 3)
+            if self._seed_ahead is not None:
+                start = time.perf_counter()
+                self._state_ahead = jax.block_until_ready(self._initializer(self._seed_ahead))
+                self.stats.setup_phases["init_run_ahead"] = time.perf_counter() - start
 
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="init-compile")
         self._init_compiled = pool.submit(compile_init)
@@ -281,6 +328,11 @@ class JaxEngine(Engine):
     def compile(self) -> CompileStats:
         """Lower and compile the step once for the pipeline's fixed batch shape, the initialiser beside it."""
         self._hits_before = compile_cache.hits() if self.stats.compile_cache_dir else 0  # the initialiser's too
+        # The store's key first: it reads every source file of the kit, and each read waits its turn for the
+        # interpreter while the initialiser's thread traces (Python) beside it.
+        store = self._step_store()
+        if store is None or not store.present():
+            self._seed_ahead = None  # a step compiled beside it would autotune in less device memory
         if self._init_compiled is None:
             self._start_init_compile()
         stats = self._compile_step()
@@ -328,6 +380,7 @@ class JaxEngine(Engine):
             self.stats.flops_per_step = saved.get("flops_per_step")
             self.stats.step_source = "stored"
         else:
+            self._drop_state_ahead()  # a stored step that did not load: compile with the device's memory free
             if self._lowered_ahead is not None:
                 jitted, lowered = self._lowered_ahead
                 self._lowered_ahead = None
@@ -347,7 +400,8 @@ class JaxEngine(Engine):
         self.stats.compile_seconds += time.perf_counter() - start
         self.stats.compiles += 1
         self._count_cache_hits()  # the step's; init_state() adds the initialiser's
-        self.stats.hlo_texts = [self._compiled.as_text() or ""]
+        compiled = self._compiled
+        self.stats.hlo_later(lambda: [compiled.as_text() or ""])
         self.stats.memory = jax_program.memory_analysis(self._compiled)
         return self.stats
 
@@ -380,6 +434,11 @@ class JaxEngine(Engine):
         return jitted, lowered
 
     def _step_store(self) -> Optional[StepStore]:
+        return self._keyed_store
+
+    @functools.cached_property
+    def _keyed_store(self) -> Optional[StepStore]:
+        """The step store for this engine's step key, built once (the key hashes the kit's source)."""
         if not self.stats.compile_cache_dir or not StepStore.supported():
             return None
         return StepStore(self.stats.compile_cache_dir,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -50,13 +50,35 @@ def host_available_bytes() -> Optional[int]:
     return None
 
 
+_LIMITS: Dict[Tuple[str, int], int] = {}  # (platform, device id) -> its allocator's bytes_limit (remember_limits)
+
+
+def remember_limits(devices: List[Any]) -> None:
+    """Read each device's allocator limit now, before its first buffer: memory_stats() waits, holding the
+    interpreter, while the allocator reserves its pool (loop._open_devices_early starts that on a worker
+    thread), and the limit does not change afterwards."""
+    for device in devices:
+        limit = _stats(device).get("bytes_limit")
+        if limit:
+            _LIMITS[_key(device)] = int(limit)
+
+
+def _key(device) -> Tuple[str, int]:
+    return getattr(device, "platform", ""), getattr(device, "id", -1)
+
+
+def _stats(device) -> dict:
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU devices and some runtimes keep no allocator statistics
+        return {}
+
+
 def budget(devices: List[Any]) -> Optional[Tuple[int, int, str]]:
     """(bytes available, devices sharing them, what they are in words) for this process's devices;
     None when nothing says (the check is then skipped, never guessed)."""
-    try:
-        stats = devices[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - CPU devices and some runtimes keep no allocator statistics
-        stats = {}
+    limit = _LIMITS.get(_key(devices[0]))
+    stats = {"bytes_limit": limit} if limit else _stats(devices[0])
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), 1, f"JAX may take {_gb(int(stats['bytes_limit']))} of one {devices[0].device_kind}"
     if devices[0].platform != "cpu":

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 from alpa_job.inspect.plots import all_plots
 from alpa_job.record.run_record import InputRecord, MemoryRecord, RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title, stage_blocks_text
+from alpa_job.record.startup import startup_text
 from alpa_job import strict_json
 
 PARAM_COLUMNS = ("path", "shape", "dtype", "bytes", "bytes_per_device", "spec", "mesh_ids", "strategy")
@@ -98,6 +99,9 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
         ("compiles (train step)", record.compiles),
         ("compile seconds", record.compile_seconds),
     ]
+    breakdown = (record.timing or {}).get("startup_breakdown")
+    if breakdown:  # where the time to the first step went (record/startup.py)
+        pairs.append(("start-up", startup_text(breakdown)))
     if record.compiler_options:  # beyond XLA_FLAGS: the strategy's own (engines/xla_options.py)
         pairs.append(("XLA options (strategy's)", ", ".join(
             f"{name}={human_bytes(value) if name.endswith('_bytes') else value}"

@@ -119,7 +119,7 @@ class StepTimer(Hook):
             self.first_step_s, self.first_done, self.process_age = now - self.loop_start, now, timing.process_age_s()
             self.mark, self.mark_step, self.mark_samples = now, loop.steps, loop.samples_seen
             if loop.metrics is not None:
-                loop.metrics.first_step(loop.global_step, self.first_step_s)
+                loop.metrics.first_step(loop.global_step, self.first_step_s, self.process_age)
         elif loop.steps - 1 - self.mark_step == self.window:
             loop.read_back(len(loop.pending) - 1)
             self._close(loop, loop.steps - 1, loop.global_step - 1, loop.samples_seen - loop.real)

@@ -8,6 +8,7 @@ data; it never formats a report.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import socket
@@ -43,17 +44,34 @@ def ensure_cpu_devices(count: int) -> None:
 
 def _open_devices_early() -> None:
     """Start the JAX backend on a worker thread while this one imports flax and builds the model and
-    the data: a GPU backend takes seconds to start (one H100: ~2.5 s). build_jax_engine's own
-    jax.devices() then waits for it; a backend that fails to start fails there, with its error."""
+    the data: a GPU backend takes seconds to start. The thread then puts one small buffer on each local
+    device: a device's allocator reserves its memory pool at its first allocation (most of a GPU, by
+    default), not when the backend starts, and that otherwise falls on the state's initialisation.
+    build_jax_engine's own jax.devices() waits for the backend; a backend that fails to start fails
+    there, with its error."""
     import jax
 
     def open_devices() -> None:
         try:
             jax.devices()
+            from alpa_job.engines import memory_fit
+
+            memory_fit.remember_limits(jax.local_devices())  # before the pools are reserved (it says why)
+            _first_buffers(jax.local_devices())
         except Exception:  # noqa: BLE001 - reported by the main thread's own call
             pass
 
     threading.Thread(target=open_devices, name="open-devices", daemon=True).start()
+
+
+def _first_buffers(devices) -> None:
+    """One scalar on each device, all devices at once (each reservation is its own call into the driver)."""
+    import jax
+    import numpy as np
+
+    one = np.zeros((), np.int32)
+    with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="first-buffer") as pool:
+        list(pool.map(lambda device: jax.device_put(one, device).block_until_ready(), devices))
 
 
 # ----------------------------------------------------------------------------- engines
@@ -85,6 +103,8 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
                                                                       jax.local_device_count(),
                                                                       config.pipeline_stages),
                            schedule_steps=horizon)
+        if starts_fresh(config):
+            engine.init_state_ahead(config.seed)  # made beside the step's load (_first_state takes it)
         with timed(f"compiling train step ({config.model}, {config.strategy}, "
                    f"mesh {engine.mesh.devices.shape})"):
             engine.compile()
@@ -106,7 +126,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     failure reports read it (alpa_job.launch.worker_group). `stop` (a train.stop.StopPoint) ends the
     run early at a step every process agreed on, with a checkpoint there (preemption).
     """
-    started = time.perf_counter()
+    started, before_train = time.perf_counter(), timing.process_age_s()  # Python, the CLI, checks, imports
     if build_engine is None:
         _open_devices_early()
     from alpa_job.models import get_model
@@ -136,7 +156,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         checkpointer = Checkpointer(checkpoint_dir(config.out), config.checkpoint_every)
     built = time.perf_counter()
     state, start_step, data_state = _first_state(config, engine, checkpointer)
-    phases = {"startup": startup, **engine.stats.setup_phases,
+    phases = {"before_train": before_train, "startup": startup, **engine.stats.setup_phases,
               "setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
               "init_compile": getattr(engine.stats, "init_compile_seconds", None),
               "init_or_restore": time.perf_counter() - built}
@@ -225,6 +245,12 @@ def checkpoint_notes(config, total_steps: int) -> List[str]:
             + f"; pass --checkpoint-every {total_steps - start} or less (or more --steps) to keep a checkpoint")
     note(text)
     return [text]
+
+
+def starts_fresh(config) -> bool:
+    """Whether the run's first state is made from random parameters (_first_state: not restored from a
+    checkpoint, not read from a Hugging Face checkpoint's weights)."""
+    return not config.resume and not getattr(config, "init_from", None)
 
 
 def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Optional[Dict[str, Any]]]:

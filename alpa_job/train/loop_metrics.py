@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from alpa_job.progress.events import metrics
+from alpa_job.progress.events import metrics, note
 from alpa_job.engines.flops import matmul_dtype
 from alpa_job.engines.optimizer import learning_rate_at, schedule_steps
+from alpa_job.record.startup import startup_breakdown, startup_text
 from alpa_job.train import timing
 
 
@@ -33,6 +34,7 @@ class LoopMetrics:
         self.flops_per_step, self.device_kind, self.device_count, self.dtype = (flops_per_step, device_kind,
                                                                                 device_count, dtype)
         self.peak_memory = peak_memory
+        self.phases: Dict[str, Optional[float]] = {}  # setup()'s, for the first step's start-up line
 
     @classmethod
     def for_run(cls, config, engine, data, model_seq_len: Optional[int]) -> "LoopMetrics":
@@ -51,10 +53,17 @@ class LoopMetrics:
 
     def setup(self, step: int, phases: Dict[str, Optional[float]]) -> None:
         """The phases before the loop (startup, opening the devices, compile, init or restore), in seconds."""
+        self.phases = dict(phases)
         metrics(step, {f"setup/{name}_s": value for name, value in phases.items() if value is not None})
 
-    def first_step(self, step: int, seconds: float) -> None:
+    def first_step(self, step: int, seconds: float, process_age: Optional[float] = None) -> None:
+        """The first step took `seconds` and was done `process_age` seconds after the process started: one
+        progress line says where the start-up went (record/startup.py)."""
         metrics(step, {"setup/first_step_s": seconds})
+        breakdown = startup_breakdown({**self.phases, "first_step": seconds,
+                                              "process_to_first_step": process_age})
+        if breakdown is not None:
+            note(f"[alpa_job] {startup_text(breakdown)}")
 
     def losses(self, first_step: int, values: List[float]) -> None:
         """The losses of steps first_step.. (as read back), with each step's learning rate."""

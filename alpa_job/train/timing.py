@@ -13,6 +13,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.engines.flops import peak  # MFU is reported for the devices and precisions it knows
+from alpa_job.record.startup import startup_breakdown
 
 
 def process_age_s() -> Optional[float]:
@@ -79,6 +80,7 @@ def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flop
     steady = steady_state(window_step_s, samples_per_step)
     rates = peak(device_kind, dtype)
     out: Dict[str, Any] = {"phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
+                           "startup_breakdown": startup_breakdown(phases),
                            "steady_step": steady, "flops_per_step": flops_per_step, "tflops_per_device": None,
                            "mfu": None, "mfu_datasheet": None,
                            "peak": {"precision": rates["precision"],

@@ -1,0 +1,35 @@
+"""Where a run's start-up went (alpa_job/record/startup.py): the phases of the thread that trains, in order,
+add up to the time from the process's start to its first step; the work beside them is listed apart."""
+from __future__ import annotations
+
+import pytest
+
+from alpa_job.record.startup import STARTUP_SEQUENCE, startup_breakdown, startup_text
+
+PHASES = {"before_train": 1.1, "startup": 0.4, "abstract_state": 0.25, "open_devices": 0.02,
+          "setup_and_compile": 2.6, "compile": 1.5, "init_compile": 0.5, "init_run_ahead": 0.3,
+          "init_or_restore": 0.04, "first_step": 0.5, "to_first_step": 3.3, "process_to_first_step": 4.4}
+
+
+def test_the_sequence_adds_up_to_the_time_to_the_first_step():
+    out = startup_breakdown(PHASES)
+    sequence = out["sequence_s"]
+    assert list(sequence) == [name for name, _ in STARTUP_SEQUENCE]
+    assert out["process_to_first_step_s"] == 4.4
+    assert sum(sequence.values()) == pytest.approx(4.4, abs=1e-3)
+    assert sequence["engine"] == pytest.approx(2.6 - 0.4 - 0.02 - 1.5, abs=1e-3)  # left between the measured
+    assert sequence["loop_setup"] == pytest.approx(4.4 - 1.1 - 2.6 - 0.04 - 0.5, abs=1e-3)
+    assert out["beside_s"] == {"init_compile": 0.5, "init_run_ahead": 0.3}
+
+
+def test_no_breakdown_without_a_first_step_or_a_process_age():
+    assert startup_breakdown({**PHASES, "process_to_first_step": None}) is None
+    assert startup_breakdown({k: v for k, v in PHASES.items() if k != "before_train"}) is None
+
+
+def test_the_line_names_each_phase_that_took_time_and_the_work_beside():
+    text = startup_text(startup_breakdown(PHASES))
+    assert text.startswith("4.40 s from the process's start to the first step: python, CLI, checks, imports 1.10;")
+    assert "step compile or load 1.50" in text and "first step 0.50" in text
+    assert "state init or restore" not in text  # under 0.05 s: left out
+    assert text.endswith("(beside: initialiser compile 0.50, state made 0.30)")
