@@ -245,6 +245,19 @@ def check_micro_batches(batch_size: int, mesh_shape: Tuple[int, int], micro: int
                        f"multiple of {step} (--batch-size {' or '.join(map(str, near))}) or other --micro-batches{where}")
 
 
+def check_batch_split(batch_size: int, ways: int, advice: Optional[str] = None, where: str = "",
+                      when: str = "") -> None:
+    """The one rule on a global batch and a mesh: its rows split evenly over the `ways` data-parallel slots
+    (the driver before Ray, the engine, a restart on fewer nodes and the planner all apply it). `advice`:
+    the fix in the caller's words (default: the multiples of `ways` next to the batch); `when`: what the
+    caller was doing, said first."""
+    if batch_size % ways:
+        lower = batch_size // ways * ways
+        near = " or ".join(str(b) for b in (lower, lower + ways) if b > 0)
+        raise KitError(f"{when}batch size {batch_size} is not divisible by the data-parallel size {ways}; "
+                       f"{advice or f'use a multiple of {ways} (--batch-size {near})'}{where}")
+
+
 def get(name: str) -> Strategy:
     try:
         return STRATEGIES[name]

@@ -91,7 +91,7 @@ def test_batch_that_does_not_divide_the_shrunk_data_axis_names_the_sizes():
         check_batch_divides(36, 4, 2, "data", before=3)  # 3 x 2 = 6 divided 36; 4 x 2 = 8 does not
     msg = str(err.value)
     assert "\n" not in msg
-    assert "--batch-size 36 is not divisible by the new data axis 8" in msg and "4 process(es)" in msg
+    assert "batch size 36 is not divisible by the data-parallel size 8" in msg and "4 process(es)" in msg
     assert "was 3 process(es)" in msg and "e.g. 72" in msg
 
 

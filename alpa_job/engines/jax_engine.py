@@ -26,7 +26,7 @@ from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
 from alpa_job.record import traffic
-from alpa_job.strategies import MESH_AXES, axes_of, batch_mesh_axis
+from alpa_job.strategies import MESH_AXES, axes_of, batch_mesh_axis, check_batch_split
 from alpa_job.engines import every_process
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
@@ -619,11 +619,7 @@ class JaxEngine(Engine):
                                f"data-parallel size is a multiple of {processes} (a smaller --model-parallel)")
 
     def _check_batch_divisible(self, batch: Dict[str, np.ndarray]) -> None:
-        data = axis_size(self.mesh, self.batch_axis)
-        size = len(batch["mask"])
-        if size % data:
-            raise KitError(f"batch size {size} is not divisible by the data-parallel size {data}; "
-                           f"use a multiple of {data}")
+        check_batch_split(len(batch["mask"]), axis_size(self.mesh, self.batch_axis))
 
 
 def rows_by_process(sharding: NamedSharding, global_rows: int) -> Dict[int, Tuple[int, int]]:

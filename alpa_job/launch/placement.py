@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Iterable, List, Optional, Sequence, Set
 
 from alpa_job import strategies
-from alpa_job.errors import KitError
 from alpa_job.launch.failures import Lost
 
 
@@ -39,12 +38,11 @@ def check_batch_divides(batch_size: int, processes: int, devices_per_process: in
     """The data axis of `processes` x `devices_per_process` devices; a KitError when the global batch
     does not divide it (the batch never changes on a restart: the data stream must stay the same)."""
     data = strategies.data_axis_size(strategy, processes * devices_per_process, model_parallel, devices_per_process)
-    if batch_size % data:
-        was = " (was %d process(es))" % before if before else ""
-        raise KitError("cannot restart on %d process(es)%s: --batch-size %d is not divisible by the new data axis %d "
-                       "(%d process(es) x %d devices); use a batch size that every surviving process count divides, "
-                       "e.g. %d" % (processes, was, batch_size, data, processes, devices_per_process,
-                                    _lcm_multiple(batch_size, data)))
+    was = " (was %d process(es))" % before if before else ""
+    strategies.check_batch_split(
+        batch_size, data, "the batch stays the same on a restart (the data stream must not change): use a batch "
+        "size that every surviving process count divides, e.g. %d" % _lcm_multiple(batch_size, data),
+        when="cannot restart on %d process(es)%s of %d devices: " % (processes, was, devices_per_process))
     return data
 
 

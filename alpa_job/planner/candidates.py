@@ -37,12 +37,10 @@ def plan_candidates(nodes: int, gpus_per_node: int, batch_size: int,
 def _batch_note(strategy: str, mesh: Tuple[int, int], batch_size: int, micro_batches: int) -> str:
     """Why the global batch cannot be split for this candidate ('' when it can)."""
     record = strategy_records.get(strategy)
-    ways = record.batch_ways(mesh)
-    if batch_size % ways:
-        return f"batch {batch_size} is not divisible by the data axis {ways}"
-    if record.pipelined:
-        try:
+    try:
+        strategy_records.check_batch_split(batch_size, record.batch_ways(mesh))
+        if record.pipelined:
             strategy_records.check_micro_batches(batch_size, mesh, strategy_records.micro_batches(micro_batches, mesh[0]))
-        except KitError as err:
-            return str(err)
+    except KitError as err:
+        return str(err)
     return ""

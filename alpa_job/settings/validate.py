@@ -134,13 +134,13 @@ def check_divisibility(config: JobConfig, devices: int, where: str = "", rows: O
     if config.batch_size % data:
         lower = config.batch_size // data * data
         near = [b for b in (lower, lower + data) if b > 0 and (rows is None or b <= rows)]
-        if near:
-            raise KitError(f"batch size {config.batch_size} is not divisible by the data-parallel size {data}; "
-                           f"use a multiple of {data} (--batch-size {' or '.join(map(str, near))}){where}")
-        fewer = next(d for d in range(devices, 0, -1) if _divides_batch(config, d))
-        raise KitError(f"batch size {config.batch_size} is not divisible by the data-parallel size {data}, and no "
-                       f"multiple of {data} fits the dataset's {rows} samples; use --devices {fewer} (its "
-                       f"data-parallel size divides the batch){where}")
+        if near:  # only batches the dataset can fill are suggested
+            advice = f"use a multiple of {data} (--batch-size {' or '.join(map(str, near))})"
+        else:
+            fewer = next(d for d in range(devices, 0, -1) if _divides_batch(config, d))
+            advice = (f"no multiple of {data} fits the dataset's {rows} samples; use --devices {fewer} (its "
+                      "data-parallel size divides the batch)")
+        strategies.check_batch_split(config.batch_size, data, advice, where)
 
 
 def _check_micro_batches(config: JobConfig, devices: int, devices_per_process: Optional[int], where: str) -> None:
