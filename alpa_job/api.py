@@ -46,6 +46,15 @@ What a builder returns, `Model`:
   whole model's step time and memory from them, compiling only the winner whole;
 - `hf`: `HfWeights`, how the parameters are a Hugging Face checkpoint's tensors, for `--init-from hf:DIR`,
   `python -m alpa_job hf export` and `hf logits`.
+- `causal_attention`: True for a decoder whose every attention is causal self-attention (since API 1.5).
+  The report's MFU then counts FLOPs as MaxText does: causal attention's products at half (the masked upper
+  triangle of the scores is no useful work), the full count beside it (`mfu_full`). The kit finds those
+  products on the step's jaxpr: every product between two activations (a dot_general batched over batch
+  and heads, as `jnp.einsum("bqhd,bkhd->bhqk", q, k)` is) that makes or reads a [.., seq, seq] score
+  tensor, in the forward and the backward; cuDNN's fused attention (`jax.nn.dot_product_attention`)
+  states its causal mask itself. Declare it only when those batched products are all causal attention
+  (not, e.g., a mixture of experts' batched products). Without it the report counts every product whole
+  and says so.
 
 fp8 (`--precision fp8`): dense layers given `dot_general=api.dot_general` run their products in float8 while
 the engine traces such a step (plain `lax.dot_general` otherwise); a model with none is refused in one line.
@@ -76,7 +85,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from alpa_job.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
 
-API_VERSION = "1.4"
+API_VERSION = "1.5"
 
 __all__ = ["API_VERSION", "Model", "RepeatedBlocks", "NextTokenInputs", "HfTensor", "HfWeights", "logical",
            "constrain", "dot_general", "mse", "cross_entropy", "Setting", "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
@@ -212,6 +221,7 @@ class Model:
     layer_class: Optional[type] = None
     depth_setting: Optional[str] = None
     hf: Optional[HfWeights] = None
+    causal_attention: bool = False
 
 
 def mse(outputs, batch):

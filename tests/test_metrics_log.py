@@ -82,6 +82,10 @@ def test_an_eval_run_logs_eval_loss_perplexity_and_tokens_per_second(tmp_path):
     # Tokens a second: samples a second times the model's seq_len.
     for (_, samples), (_, tokens) in zip(scalars["perf/samples_per_s"], scalars["perf/tokens_per_s"]):
         assert tokens == pytest.approx(samples * GPT["seq_len"], rel=1e-5)
+    # TFLOP/s on MaxText's count (the GPT's causal attention at half) and on the full count, each window.
+    assert len(scalars["perf/tflops_per_device"]) == len(scalars["perf/tflops_per_device_full"]) > 0
+    assert all(0 < mfu_count < full for (_, mfu_count), (_, full) in
+               zip(scalars["perf/tflops_per_device"], scalars["perf/tflops_per_device_full"]))
 
 
 def test_a_diverged_run_keeps_its_curve_to_the_non_finite_loss(tmp_path):

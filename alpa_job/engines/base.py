@@ -31,7 +31,9 @@ class CompileStats:
     init_compile_seconds: Optional[float] = None  # the state initialiser's own compile (None: not separate)
     compile_cache_dir: Optional[str] = None  # the persistent compile cache in use (None: off)
     compile_cache_hits: int = 0  # executables (step, init) loaded from that cache instead of compiled
-    flops_per_step: Optional[float] = None  # XLA's cost analysis of the whole (unpartitioned) step
+    flops_per_step: Optional[float] = None  # the whole step's model FLOPs, every product whole (engines/flops.py)
+    # Of those, what causal attention's products make (MaxText's count, the MFU's, takes half of it); 0: none.
+    causal_attention_flops_per_step: Optional[float] = None
     step_source: Optional[str] = None  # JAX: "compiled", or "stored" (engines/executable_store.py)
     # Seconds of the engine's setup phases, for the report's timing.phases_s (JAX: open_devices,
     # abstract_state); empty where the engine does not break its setup down.

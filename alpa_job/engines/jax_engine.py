@@ -378,6 +378,7 @@ class JaxEngine(Engine):
             self._compiled, saved = loaded
             self._jitted = self._compiled
             self.stats.flops_per_step = saved.get("flops_per_step")
+            self.stats.causal_attention_flops_per_step = saved.get("causal_attention_flops_per_step")
             self.stats.step_source = "stored"
         else:
             self._drop_state_ahead()  # a stored step that did not load: compile with the device's memory free
@@ -430,7 +431,10 @@ class JaxEngine(Engine):
                          out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
                          donate_argnums=(0,), **options)
         with self.activation_layout():
-            lowered, self.stats.flops_per_step = _lower_and_count(jitted, self.abstract_state, abstract_batch)
+            lowered, count = _lower_and_count(jitted, self.model.causal_attention, self.abstract_state,
+                                              abstract_batch)
+        self.stats.flops_per_step = count.total if count else None
+        self.stats.causal_attention_flops_per_step = count.causal_attention if count else None
         return jitted, lowered
 
     def _step_store(self) -> Optional[StepStore]:
@@ -454,7 +458,9 @@ class JaxEngine(Engine):
 
     def _store_step(self) -> None:
         if self._store is not None:
-            self._store.save_in_background(self._compiled, {"flops_per_step": self.stats.flops_per_step})
+            self._store.save_in_background(self._compiled, {
+                "flops_per_step": self.stats.flops_per_step,
+                "causal_attention_flops_per_step": self.stats.causal_attention_flops_per_step})
 
     def finish(self, out_dir: str) -> None:
         if self._store is not None:
@@ -669,12 +675,13 @@ def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Me
     return PartitionSpec(*assigned)
 
 
-def _lower_and_count(jitted, *args) -> Tuple[Any, Optional[float]]:
-    """(the lowered step, its model FLOPs): counted on the jaxpr (engines/flops.py says why); jax
-    without `.trace` (0.4.13 on Python 3.9) falls back to the lowered module's cost analysis."""
+def _lower_and_count(jitted, causal_attention: bool, *args) -> Tuple[Any, Optional[flops.FlopCount]]:
+    """(the lowered step, its model FLOPs): counted on the jaxpr (engines/flops.py says why), causal attention's
+    part found where the model declares it (`causal_attention`); jax without `.trace` (0.4.13 on Python 3.9)
+    falls back to the lowered module's cost analysis, which cannot tell attention apart."""
     if hasattr(jitted, "trace"):
         traced = jitted.trace(*args)
-        return traced.lower(), flops.step_flops(traced)
+        return traced.lower(), flops.step_count(traced, causal_attention)
     lowered = jitted.lower(*args)
     try:
         cost = lowered.cost_analysis()
@@ -683,4 +690,4 @@ def _lower_and_count(jitted, *args) -> Tuple[Any, Optional[float]]:
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
     count = (cost or {}).get("flops")
-    return lowered, float(count) if count and count > 0 else None
+    return lowered, flops.FlopCount(float(count)) if count and count > 0 else None

@@ -63,21 +63,39 @@ def stragglers_text(stragglers: dict) -> str:
 
 
 def speed_text(timing: dict) -> str:
-    """The steady step, tokens/s a device, TFLOP/s a device and MFU on both bases, naming the peaks."""
+    """The steady step, tokens/s a device, TFLOP/s a device and MFU on both bases, naming the peaks and the
+    FLOP count they use (MaxText's, causal attention at half, with the full count's beside it)."""
     steady = timing.get("steady_step") or {}
     if not steady.get("median_s"):
         return "-"
     parts = [f"steady step {steady['median_s'] * 1e3:.4g} ms"]
     if timing.get("tokens_per_s_per_device"):
         parts.append(f"{timing['tokens_per_s_per_device']:,.0f} tokens/s a device")
+    parts += _rate_parts(timing, "")
     if timing.get("tflops_per_device") is not None:
-        parts.append(f"{timing['tflops_per_device']} TFLOP/s a device")
+        parts.append(_count_text(timing))
+    return "; ".join(parts)
+
+
+def _rate_parts(timing: dict, suffix: str) -> List[str]:
+    """TFLOP/s a device and MFU on the measured and the datasheet peak, on the count `suffix` names."""
+    parts = []
+    if timing.get(f"tflops_per_device{suffix}") is not None:
+        parts.append(f"{timing[f'tflops_per_device{suffix}']} TFLOP/s a device")
     peak = timing.get("peak") or {}
-    for key, basis in (("mfu", "measured_tflops"), ("mfu_datasheet", "datasheet_tflops")):
+    for key, basis in ((f"mfu{suffix}", "measured_tflops"), (f"mfu_datasheet{suffix}", "datasheet_tflops")):
         if timing.get(key) is not None:
             parts.append(f"MFU {timing[key]:.2f} of {peak.get(basis)} TFLOP/s ({peak.get('precision')}, "
                          f"{basis.split('_')[0]})")
-    return "; ".join(parts)
+    return parts
+
+
+def _count_text(timing: dict) -> str:
+    """Which FLOP count the rates above use: MaxText's (then the full count's rates too), or the full one."""
+    if timing.get("mfu_count") != "maxtext":
+        return "FLOPs counted whole (no causal attention counted: api.Model.causal_attention)"
+    return ("FLOPs counted as MaxText does, causal attention at half; counted whole: "
+            + ", ".join(_rate_parts(timing, "_full")))
 
 
 def pipeline_text(pipeline: dict) -> str:

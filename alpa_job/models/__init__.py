@@ -62,6 +62,7 @@ class ModelSpec:
     layer_class: Optional[type] = None  # the flax class whose calls are those layers
     depth_setting: Optional[str] = None  # the builder setting that counts those layers (api.Model)
     hf: Optional[Any] = None  # api.HfWeights: the parameters as a Hugging Face checkpoint's tensors
+    causal_attention: bool = False  # api.Model: MFU counts causal attention at half (engines/flops.py)
 
     def apply_train(self, variables: Dict[str, Any], batch: Dict[str, Any]):
         """Forward pass in training mode; returns (outputs, new batch_stats or None)."""
@@ -261,7 +262,8 @@ def get_model(config) -> ModelSpec:
                      decode=model.decode,
                      dataset=(lambda path, split: dataset(args, path, split)) if dataset is not None else None,
                      layer_count=model.layer_count, layer_class=model.layer_class,
-                     depth_setting=model.depth_setting, hf=model.hf)
+                     depth_setting=model.depth_setting, hf=model.hf,
+                     causal_attention=bool(model.causal_attention))
 
 
 def stronger_remat(config) -> Tuple[str, ...]:

@@ -220,4 +220,5 @@ def build(args, dtype) -> api.Model:
                              args.vocab_size, dtype, remat=getattr(args, "remat", "none")))
     return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
-                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers")
+                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
+                     causal_attention=True)

@@ -201,7 +201,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         phases, looped.window_step_s, engine.stats.flops_per_step, devices.get("kind"), matmul_dtype(config),
         devices.get("count") or 1, engine.peak_memory_bytes(), (engine.stats.memory or {}).get("peak_estimate_bytes"),
         samples_per_step=looped.samples_seen / looped.steps if looped.steps else None,
-        tokens_per_sample=seq_len)
+        tokens_per_sample=seq_len, causal_attention_flops=engine.stats.causal_attention_flops_per_step)
     run_timing["compile_cache"] = engine.stats.cache_report()
     profiled = profile.summary() if profile is not None else None
     if profiled is not None:

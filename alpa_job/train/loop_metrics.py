@@ -9,7 +9,8 @@ display hands them to the run's metrics log (train/metrics_log.py), the one writ
 
 Tag names (one TensorBoard section each): train/ (loss, learning_rate), eval/ (loss, perplexity),
 perf/ (step time, samples/s, tokens/s, TFLOP/s per device, MFU, peak device memory, one point per
-timing window), setup/ (the phases before the first step, in seconds, at the run's first step).
+timing window; TFLOP/s and MFU on MaxText's count, causal attention at half, `..._full` on the full count),
+setup/ (the phases before the first step, in seconds, at the run's first step).
 
 Python 3.9.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 from alpa_job.progress.events import metrics, note
-from alpa_job.engines.flops import matmul_dtype
+from alpa_job.engines.flops import matmul_dtype, maxtext_flops
 from alpa_job.engines.optimizer import learning_rate_at, schedule_steps
 from alpa_job.record.startup import startup_breakdown, startup_text
 from alpa_job.train import timing
@@ -29,10 +30,12 @@ class LoopMetrics:
 
     def __init__(self, peak_lr: Optional[float], horizon: Optional[int], seq_len: Optional[int],
                  flops_per_step: Optional[float], device_kind: Optional[str], device_count: int, dtype: str,
-                 peak_memory: Optional[Callable[[], Optional[int]]] = None):
+                 peak_memory: Optional[Callable[[], Optional[int]]] = None,
+                 causal_attention_flops: Optional[float] = None):
         self.peak_lr, self.horizon, self.seq_len = peak_lr, horizon, seq_len
         self.flops_per_step, self.device_kind, self.device_count, self.dtype = (flops_per_step, device_kind,
                                                                                 device_count, dtype)
+        self.mfu_flops_per_step = maxtext_flops(flops_per_step, causal_attention_flops)  # the report's MFU count
         self.peak_memory = peak_memory
         self.phases: Dict[str, Optional[float]] = {}  # setup()'s, for the first step's start-up line
 
@@ -43,7 +46,7 @@ class LoopMetrics:
         devices = engine.topology()["devices"]
         return cls(config.learning_rate, schedule_steps(config, data.epoch.steps), model_seq_len,
                    engine.stats.flops_per_step, devices.get("kind"), devices.get("count") or 1,
-                   matmul_dtype(config), engine.peak_memory_bytes)
+                   matmul_dtype(config), engine.peak_memory_bytes, engine.stats.causal_attention_flops_per_step)
 
     def learning_rate(self, step: int) -> Optional[float]:
         """The rate of the update that made global step `step` (optax counts updates from 0)."""
@@ -83,11 +86,12 @@ class LoopMetrics:
         scalars: Dict[str, Optional[float]] = {"perf/step_time_s": step_s, "perf/samples_per_s": samples / seconds}
         if self.seq_len:
             scalars["perf/tokens_per_s"] = samples * self.seq_len / seconds
-        tflops, mfu, mfu_datasheet = timing.device_rate(self.flops_per_step, self.device_count, step_s,
-                                                        self.device_kind, self.dtype)
-        scalars["perf/tflops_per_device"] = tflops
-        scalars["perf/mfu"] = mfu
-        scalars["perf/mfu_datasheet"] = mfu_datasheet
+        for suffix, count in (("", self.mfu_flops_per_step), ("_full", self.flops_per_step)):
+            tflops, mfu, mfu_datasheet = timing.device_rate(count, self.device_count, step_s, self.device_kind,
+                                                            self.dtype)
+            scalars[f"perf/tflops_per_device{suffix}"] = tflops
+            scalars[f"perf/mfu{suffix}"] = mfu
+            scalars[f"perf/mfu_datasheet{suffix}"] = mfu_datasheet
         if self.seq_len:
             scalars["perf/tokens_per_s_per_device"] = samples * self.seq_len / seconds / max(self.device_count, 1)
         if self.peak_memory is not None:

@@ -136,6 +136,8 @@ class RunMetrics:
         final = {"run/steady_step_s": steady.get("median_s"), "run/samples_per_s": record.throughput,
                  "run/tflops_per_device": timing.get("tflops_per_device"), "run/mfu": timing.get("mfu"),
                  "run/mfu_datasheet": timing.get("mfu_datasheet"),
+                 "run/tflops_per_device_full": timing.get("tflops_per_device_full"),
+                 "run/mfu_full": timing.get("mfu_full"), "run/mfu_datasheet_full": timing.get("mfu_datasheet_full"),
                  "run/tokens_per_s_per_device": timing.get("tokens_per_s_per_device"),
                  "run/peak_memory_bytes": timing.get("peak_memory_bytes"),
                  "run/peak_estimate_bytes": timing.get("peak_estimate_bytes")}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from alpa_job.engines.flops import peak  # MFU is reported for the devices and precisions it knows
+from alpa_job.engines.flops import maxtext_flops, peak  # MFU is reported for the devices and precisions it knows
 from alpa_job.record.startup import startup_breakdown
 
 
@@ -70,32 +70,47 @@ def steady_rate(samples_per_step: Optional[float], median_step_s: Optional[float
 def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flops_per_step: Optional[float],
             device_kind: Optional[str], dtype: str, device_count: int, peak_memory_bytes: Optional[int],
             peak_estimate_bytes: Optional[int], samples_per_step: Optional[float] = None,
-            tokens_per_sample: Optional[int] = None) -> Dict[str, Any]:
+            tokens_per_sample: Optional[int] = None,
+            causal_attention_flops: Optional[float] = None) -> Dict[str, Any]:
     """The report's `timing`: phases (seconds), steady state, TFLOP/s and MFU, memory measured vs estimated.
 
-    `flops_per_step` is XLA's count for the whole step over all `device_count` devices (cost analysis
-    of the unpartitioned module); TFLOP/s is per device. MFU on two bases, where the device and the
-    precision are in flops.PEAKS: `mfu` against the measured matmul rate, `mfu_datasheet` against the
-    vendor's; `peak` names both and the precision. Tokens/s per device for a model with a sequence length."""
+    `flops_per_step`: the step's model FLOPs over all `device_count` devices, every product whole
+    (engines/flops.py); `causal_attention_flops`: the part causal attention's products make. The MFU counts
+    as MaxText does (`mfu_flops_per_step`: causal attention at half; `mfu_count` says "maxtext", or "full"
+    where no causal attention was counted) and on two bases, where the device and the precision are in
+    flops.PEAKS: `mfu` against the measured matmul rate, `mfu_datasheet` against the vendor's; `peak` names
+    both and the precision. `tflops_per_device` is on the same count; `..._full` are all three on the full
+    count. Tokens/s per device for a model with a sequence length."""
     steady = steady_state(window_step_s, samples_per_step)
     rates = peak(device_kind, dtype)
+    mfu_flops = maxtext_flops(flops_per_step, causal_attention_flops)
     out: Dict[str, Any] = {"phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
                            "startup_breakdown": startup_breakdown(phases),
-                           "steady_step": steady, "flops_per_step": flops_per_step, "tflops_per_device": None,
-                           "mfu": None, "mfu_datasheet": None,
+                           "steady_step": steady, "flops_per_step": flops_per_step,
+                           "causal_attention_flops_per_step": causal_attention_flops,
+                           "mfu_flops_per_step": mfu_flops, "mfu_count": "maxtext" if causal_attention_flops else "full",
+                           "tflops_per_device": None, "mfu": None, "mfu_datasheet": None,
+                           "tflops_per_device_full": None, "mfu_full": None, "mfu_datasheet_full": None,
                            "peak": {"precision": rates["precision"],
                                     "measured_tflops": _tera(rates["measured"]),
                                     "datasheet_tflops": _tera(rates["datasheet"])},
                            "peak_memory_bytes": peak_memory_bytes,
                            "peak_estimate_bytes": peak_estimate_bytes, "devices": device_count}
     if steady:
-        tflops, mfu, mfu_datasheet = device_rate(flops_per_step, device_count, steady["median_s"], device_kind, dtype)
-        out["tflops_per_device"] = round(tflops, 1) if tflops is not None else None
-        out["mfu"] = round(mfu, 3) if mfu is not None else None
-        out["mfu_datasheet"] = round(mfu_datasheet, 3) if mfu_datasheet is not None else None
+        for suffix, count in (("", mfu_flops), ("_full", flops_per_step)):
+            out.update(_rates(count, device_count, steady["median_s"], device_kind, dtype, suffix))
         if tokens_per_sample and steady.get("samples_per_s"):
             out["tokens_per_s_per_device"] = round(steady["samples_per_s"] * tokens_per_sample / max(device_count, 1), 1)
     return out
+
+
+def _rates(flops_per_step: Optional[float], device_count: int, step_s: float, device_kind: Optional[str],
+           dtype: str, suffix: str) -> Dict[str, Optional[float]]:
+    """{tflops_per_device, mfu, mfu_datasheet}+suffix of `flops_per_step` at `step_s`, rounded for the report."""
+    tflops, mfu, mfu_datasheet = device_rate(flops_per_step, device_count, step_s, device_kind, dtype)
+    return {f"tflops_per_device{suffix}": round(tflops, 1) if tflops is not None else None,
+            f"mfu{suffix}": round(mfu, 3) if mfu is not None else None,
+            f"mfu_datasheet{suffix}": round(mfu_datasheet, 3) if mfu_datasheet is not None else None}
 
 
 def _tera(flops: Optional[float]) -> Optional[float]:

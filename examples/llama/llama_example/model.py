@@ -118,4 +118,5 @@ def build(args: LlamaArgs, dtype) -> api.Model:
                      synthetic=synthetic,
                      repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
                      layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
-                     hf=hf_weights(args, mlp_dim_of(args)))
+                     hf=hf_weights(args, mlp_dim_of(args)),
+                     causal_attention=True)  # API 1.5: the report's MFU counts its attention at half, as MaxText
