@@ -49,7 +49,7 @@ BED_LANE = "test-bed"
 # compile most (three JAX processes on two cores) come last, when they have the cores to themselves.
 # Modules not named here follow, in file order.
 BED_LANE_ORDER = ("test_ansible_docker", "test_testbed_site", "test_ansible", "test_node_loss",
-                  "test_preemption_testbed", "test_watchdog", "test_cluster_ops", "test_testbed", "test_doctor",
+                  "test_preemption_testbed", "test_watchdog_testbed", "test_cluster_ops", "test_testbed", "test_doctor",
                   "test_failed_run_logs", "test_user_model_cluster", "test_doctor_skew", "test_kuberay_testbed",
                   "test_multihost")
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)

@@ -1,5 +1,5 @@
 """The node-loss test bed, shared by the modules that kill hosts, stop jobs and hang processes on it
-(test_node_loss, test_preemption_testbed, test_watchdog): its Ray cluster and the job they train."""
+(test_node_loss, test_preemption_testbed, test_watchdog_testbed): its Ray cluster and the job they train."""
 from __future__ import annotations
 
 import uuid
