@@ -27,15 +27,17 @@ pytest_plugins = [
 
 
 # ---- running in parallel (pytest-xdist, `-n 2` in pyproject.toml) -------------------------------------
-# Every module that builds test beds (or images, or a site from them) runs on ONE worker, one after the
-# other: two beds' Ray clusters side by side overload two cores (tried twice: Gloo's 30 s rendezvous and the
-# doctor's 10 s probes time out), and the beds share a machine-wide lock and image cache. The other worker
+# Every module that builds test beds (or a site from them) runs on ONE worker, one after the other: two
+# beds' Ray clusters side by side overload two cores (tried twice: Gloo's 30 s rendezvous and the doctor's
+# 10 s probes time out), and the beds share a machine-wide lock. The image build (test_image_build: no bed,
+# no Ray cluster) runs on the other worker: its writes to the image cache the site bed also builds into
+# wait for the cache's lock (testbed_site.image_cache_lock). The other worker
 # takes the rest, a module at a time (its module-scoped fixtures built once), heaviest first. Found from
 # the source, so a new test-bed module joins the lane: by the marker, or a bed fixture among a function's
 # arguments (a test's or another fixture's), not the words alone, which also name e.g. the Ansible role
 # `ray_cluster`.
 BED_USE = re.compile(r"mark\.testbed\b|def \w+\((?:[^)]*,)?\s*(testbed|testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|"
-                     r"site_bed|podman_env|cpu_image)\s*[,):=]")
+                     r"site_bed)\s*[,):=]")
 BED_LANE = "test-bed"
 # The lane's modules in an order that puts the users of one bed next to each other (site; ssh; node loss's;
 # ray and the plain bed; mgmt), so that a bed is taken down soon after its last user (fixtures_testbed)
@@ -43,7 +45,7 @@ BED_LANE = "test-bed"
 # compile most (three JAX processes on two cores) come last, when they have the cores to themselves.
 # Modules not named here follow, in file order.
 BED_LANE_ORDER = ("test_ansible_docker", "test_testbed_site", "test_ansible", "test_node_loss",
-                  "test_preemption_testbed", "test_watchdog", "test_cluster_ops", "test_testbed", "test_doctor",
+                  "test_preemption_testbed", "test_watchdog_testbed", "test_cluster_ops", "test_testbed", "test_doctor",
                   "test_failed_run_logs", "test_user_model_cluster", "test_doctor_skew", "test_kuberay_testbed",
                   "test_multihost")
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)

@@ -91,7 +91,7 @@ class _Beds:
             testbed_lib.down(prefix=p)
 
     def get(self, hosts: int, mgmt=(), shm_size: str = testbed_lib.DEFAULT_SHM, tag: str = "",
-            site: bool = False, cgroups: bool = False, held: bool = False) -> Testbed:
+            site: bool = False, cgroups: bool = False, held: bool = False, revive: bool = False) -> Testbed:
         why = testbed_lib.missing_requirements()
         if why:
             pytest.skip("multi-host test bed unavailable: " + "; ".join(why))
@@ -100,7 +100,10 @@ class _Beds:
         if not held and _running_module[0]:  # a fixture's bed ends with the fixture (BED_FIXTURES)
             self.asked_by.setdefault(key, set()).add(_running_module[0])
         bed = self.beds.get(key)
-        if bed is not None and not bed.status()["up"]:  # torn down (ray_cluster's) or broken: rebuild
+        # `revive`: a host a test killed is started anew in place (Testbed.revive; what ran in it is the
+        # caller's to start again) instead of the whole bed being rebuilt.
+        if bed is not None and not bed.status()["up"] and not (revive and bed.revive() and bed.status()["up"]):
+            # torn down (ray_cluster's, or released) or broken: rebuild
             bed.down()
             self.beds[key] = bed = Testbed.up(hosts, prefix=bed.prefix, **shape)
         if bed is None:

@@ -14,6 +14,7 @@ node's dockerd socket, and limits within this sandbox's hard limits.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import uuid
@@ -35,11 +36,15 @@ def site(site_bed):
     for node in site_bed.nodes:  # someone else's table, which nothing of ours may touch
         s.bed.exec(node, "nft", "add", "table", "inet", SENTINEL_TABLE)
     yield s
-    for node in site_bed.nodes:  # leave the session's site as it was
+
+    def restore(node):  # leave the session's site as it was
         site_bed.docker(node, "rm", "-f", CONTAINER, check=False)
         site_bed.docker(node, "rmi", "-f", site_bed.image, check=False)
         s.bed.exec(node, "nft", "delete", "table", "inet", "alpa_kit", check=False)
         s.bed.exec(node, "nft", "delete", "table", "inet", SENTINEL_TABLE, check=False)
+
+    with concurrent.futures.ThreadPoolExecutor(len(site_bed.nodes)) as pool:  # each node its own dockerd
+        list(pool.map(restore, site_bed.nodes))
 
 
 _STATE = {}

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from alpa_job.cluster.spec import load_spec
+from testbed_site import image_cache_lock  # scripts/ (on the path through the test-bed fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,12 @@ def podman_env():
     if not env.get("PIP_CERT") and os.path.exists("/etc/ssl/certs/ca-certificates.crt"):
         env["PIP_CERT"] = "/etc/ssl/certs/ca-certificates.crt"
 
+    with image_cache_lock():  # the site bed's image build may be making the same base now
+        _import_base(env, cache)
+    return env
+
+
+def _import_base(env, cache):
     exists, _ = _run(["podman", "image", "exists", BASE], 60, env=env)
     if exists.returncode != 0:
         tarball = os.path.join(cache, "debian-bookworm-minbase.tar")
@@ -102,14 +109,14 @@ def podman_env():
         result, took = _run(["podman", "import", tarball, BASE], 300, env=env)
         assert result.returncode == 0, result.stderr
         _log("podman import: %.0f s" % took)
-    return env
 
 
 @pytest.fixture(scope="session")
 def cpu_image(podman_env):
     tag = load_spec().images["jax_cpu"]
-    result, took = _run([os.path.join(REPO, "scripts", "build-images"), "--cpu", "--base", BASE], 1500,
-                        env=podman_env)
+    with image_cache_lock():  # the same tag as the site bed's image (scripts/testbed_site.py)
+        result, took = _run([os.path.join(REPO, "scripts", "build-images"), "--cpu", "--base", BASE], 1500,
+                            env=podman_env)
     assert result.returncode == 0, "build failed:\n%s\n%s" % (result.stdout[-6000:], result.stderr[-3000:])
     _log("build: %.0f s" % took)
     return tag

@@ -34,8 +34,8 @@ def test_a_bed_goes_down_once_none_of_the_modules_that_asked_for_it_is_left():
     beds = fixtures_testbed._Beds()
     node_loss, site = _Bed(), _Bed()
     beds.beds = {("nodeloss",): node_loss, ("site",): site}
-    beds.asked_by = {("nodeloss",): {"test_node_loss", "test_watchdog"}}  # site: a fixture's (held) bed
-    beds.release_unless(lambda module: module == "test_watchdog")  # still to come
+    beds.asked_by = {("nodeloss",): {"test_node_loss", "test_watchdog_testbed"}}  # site: a fixture's (held) bed
+    beds.release_unless(lambda module: module == "test_watchdog_testbed")  # still to come
     assert node_loss.downs == 0
     beds.release_unless(lambda module: False)
     assert node_loss.downs == 1 and ("nodeloss",) not in beds.asked_by

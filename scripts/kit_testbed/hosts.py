@@ -631,6 +631,20 @@ class Testbed:
 
         h.pid = wait_for(ready, timeout, f"host {h.name}'s tini (PID 1) to start")
 
+    def revive(self, timeout: float = 20) -> List[str]:
+        """Start PID 1 again in every host whose PID 1 died while its network namespace stayed (a test
+        killed the host): the same name, addresses, mounts and firewall (nftables and sysctls live in the
+        network namespace), nothing running in it. Returns the names of the hosts revived."""
+        netns = set(list_netns())
+        dead = [h for h in self.all_hosts() if not pid_alive(h.pid) and h.netns in netns]
+        for h in dead:
+            self._start_init(h, cgroups=self.cgroups and h is not self.controller)
+        for h in dead:
+            self._wait_init(h, timeout)
+        if dead:
+            self.save()
+        return [h.name for h in dead]
+
     def down(self, timeout: float = 20, graceful: bool = True):
         return down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, graceful=graceful,
                     _launchers=self._launchers)

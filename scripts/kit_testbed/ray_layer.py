@@ -161,6 +161,28 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     return info
 
 
+def rejoin(bed: "tb.Testbed", names: Sequence[str], ray_env: Optional[Dict[str, str]] = None,
+           timeout: float = DEFAULT_TIMEOUT) -> List[str]:
+    """``ray start`` again on the workers ``names`` of a bed whose Ray is up (hosts started anew after a test
+    killed them: ``Testbed.revive``), with the options ``start_ray`` recorded; then until every node is alive.
+    ``ray_env``: as given to ``start_ray``. Returns the alive node IPs."""
+    info = bed.ray
+    if not info:
+        raise tb.TestbedError(f"no Ray on test bed {bed.prefix!r} to rejoin")
+    if bed.head.name in names:
+        raise tb.TestbedError("the head's Ray cannot rejoin: start Ray again on every host (start_ray)")
+    spec, _ = spec_for(bed)
+    run = _RayStart(bed, spec, {**auth_env(info.get("token_path")), **(ray_env or {})}, timeout,
+                    num_cpus=info["num_cpus"], object_store_memory=info["object_store_memory"],
+                    include_dashboard=bool(info.get("dashboard")))
+    started = {name: run.launch(bed.hosts.index(bed.host(name)), bed.host(name)) for name in names}
+    for name, proc in started.items():
+        run.finish(name, proc)  # a late `ray start` (its 30 s limit) leaves its raylet joining: waited for below
+    info["nodes"] = wait_nodes(bed, len(bed.hosts), run.left(5.0))
+    bed.save()
+    return info["nodes"]
+
+
 def _new_token(bed: "tb.Testbed") -> str:
     """A fresh auth token in ``<state>/ray/auth_token`` (0600); returns its path."""
     tdir = bed.state_dir / "ray"

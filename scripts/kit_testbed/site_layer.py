@@ -27,6 +27,8 @@ before it kills the hosts.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -91,6 +93,17 @@ def image_env() -> Dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def image_cache_lock():
+    """One builder of the image cache's shared images at a time, across processes: the site bed's CPU
+    image (ensure_cpu_image) and tests/test_image_build.py, which runs beside the test beds in the suite,
+    build the same base and the same tag into this storage."""
+    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(IMAGE_CACHE / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def cpu_image_tag() -> str:
     from alpa_job.cluster.spec import load_spec
 
@@ -121,6 +134,11 @@ def kit_source_hash() -> str:
 def ensure_cpu_image(log=print) -> str:
     """The modern CPU image in the image cache's storage, built if missing or if the kit it bakes in has
     changed since (a stale image runs old code: a newer cluster plan's keys are then refused); its ref."""
+    with image_cache_lock():
+        return _ensure_cpu_image(log)
+
+
+def _ensure_cpu_image(log) -> str:
     env = image_env()
     tag = cpu_image_tag()
     ref = _local_ref(tag)
