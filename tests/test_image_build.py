@@ -20,7 +20,7 @@ import time
 import pytest
 
 from alpa_job.cluster.spec import load_spec
-from testbed_site import image_cache_lock  # scripts/ (on the path through the test-bed fixtures)
+from kit_testbed.site_layer import image_cache_lock
 
 pytestmark = pytest.mark.slow
 
