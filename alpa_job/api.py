@@ -77,6 +77,7 @@ strategy engine around it (the Alpa engine, plain `apply`) `constrain` returns `
 `API_VERSION` is recorded in every run's report (`versions["alpa_job_api"]`). Importing this module
 imports no jax: the kit reads a builder's declaration before it starts anything.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -87,9 +88,32 @@ from alpa_job.setting import ABOVE_ZERO, NON_NEGATIVE, POSITIVE, Setting
 
 API_VERSION = "1.5"
 
-__all__ = ["API_VERSION", "Model", "RepeatedBlocks", "NextTokenInputs", "HfTensor", "HfWeights", "logical",
-           "constrain", "dot_general", "mse", "cross_entropy", "Setting", "POSITIVE", "NON_NEGATIVE", "ABOVE_ZERO",
-           "BATCH", "EMBED", "MLP", "HEADS", "KV", "VOCAB", "CHANNELS", "CONV_IN", "SEQ"]
+__all__ = [
+    "API_VERSION",
+    "Model",
+    "RepeatedBlocks",
+    "NextTokenInputs",
+    "HfTensor",
+    "HfWeights",
+    "logical",
+    "constrain",
+    "dot_general",
+    "mse",
+    "cross_entropy",
+    "Setting",
+    "POSITIVE",
+    "NON_NEGATIVE",
+    "ABOVE_ZERO",
+    "BATCH",
+    "EMBED",
+    "MLP",
+    "HEADS",
+    "KV",
+    "VOCAB",
+    "CHANNELS",
+    "CONV_IN",
+    "SEQ",
+]
 
 # Logical axis names: the only sharding vocabulary model code uses.
 BATCH = "batch"
@@ -115,8 +139,9 @@ def logical(init: Callable, axes: Tuple[Optional[str], ...]) -> Callable:
 
 # Set by an engine while it traces a step: (activation, axes) -> the activation pinned to the
 # strategy's layout. A context variable, so tracing on another thread (a concurrent compile) sees its own.
-_ACTIVATION_LAYOUT: "contextvars.ContextVar[Optional[Callable[[Any, Tuple[Optional[str], ...]], Any]]]" = \
-    contextvars.ContextVar("alpa_job_activation_layout", default=None)
+_ACTIVATION_LAYOUT: "contextvars.ContextVar[Optional[Callable[[Any, Tuple[Optional[str], ...]], Any]]]" = contextvars.ContextVar(
+    "alpa_job_activation_layout", default=None
+)
 
 
 # Set by an engine while it traces a `--precision fp8` step: the matmul dot_general runs.
@@ -130,8 +155,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     if matmul is None:
         from jax import lax
 
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type)
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type)
     return matmul(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type)
 
 

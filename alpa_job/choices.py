@@ -3,6 +3,7 @@
 Used for --model, presets, enum settings and unknown keys in config files, so every such error reads
 the same and always names the fix.
 """
+
 from __future__ import annotations
 
 import difflib

@@ -3,6 +3,7 @@
 The CLI catches `KitError` once, prints its one-line message to stderr and exits with its
 `exit_code`; anything else is a bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 EXIT_OK = 0
@@ -36,8 +37,14 @@ class Diverged(KitError):
     it (None: none), `losses` the run's losses up to where it stopped (for its report's loss curve). The
     run stops there and its report says `status: diverged`."""
 
-    def __init__(self, message: str, step: "int | None" = None, checkpoint_step: "int | None" = None,
-                 exit_code: int = EXIT_DIVERGED, losses: "list | None" = None):
+    def __init__(
+        self,
+        message: str,
+        step: "int | None" = None,
+        checkpoint_step: "int | None" = None,
+        exit_code: int = EXIT_DIVERGED,
+        losses: "list | None" = None,
+    ):
         super().__init__(message, exit_code)
         self.step, self.checkpoint_step, self.losses = step, checkpoint_step, list(losses or [])
 

@@ -6,6 +6,7 @@ run's stacked blocks are written back as the model's layers.
 logits: the kit's float32 logits for given token ids, from a checkpoint folder, so a user can compare the kit's
 reading of a checkpoint with their own reference implementation's.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,7 @@ def run_config(run: str):
 
     saved = saved_config(run) if os.path.isdir(run) else None
     if saved is None:
-        raise KitError(f"hf export: {run} is not a run folder (no run.json or report.json); pass the --out of a "
-                       "train run")
+        raise KitError(f"hf export: {run} is not a run folder (no run.json or report.json); pass the --out of a train run")
     return _job_config(saved)
 
 
@@ -54,8 +54,11 @@ def export(run: str, directory: str, dtype: str = "bfloat16", step: Optional[int
     step = step if step is not None else latest_complete_step(folder) if os.path.isdir(folder) else None
     state_dir = os.path.join(folder, str(step), "state") if step is not None else ""
     if not os.path.isdir(state_dir):
-        raise KitError(f"hf export: {run} has no complete checkpoint" + (f" at step {step}" if step else "")
-                       + "; train it with --checkpoint-every N (or pick a --step that is in its checkpoints)")
+        raise KitError(
+            f"hf export: {run} has no complete checkpoint"
+            + (f" at step {step}" if step else "")
+            + "; train it with --checkpoint-every N (or pick a --step that is in its checkpoints)"
+        )
     files = write_checkpoint(directory, weights.config, _tensors(state_dir, weights, config), np.dtype(_np(dtype)))
     return step, files
 
@@ -78,8 +81,10 @@ def _tensors(state_dir: str, weights: Any, config) -> Iterator[Tuple[str, np.nda
     blocks = [t.path[0] for t in weights.tensors if t.path[0] not in saved]
     blocks = list(dict.fromkeys(blocks))  # in order, once each
     if blocks and BLOCKS not in saved:
-        raise KitError(f"hf export: the checkpoint in {state_dir} has no parameters {blocks[0]!r}; it was written "
-                       "by another model or with other settings")
+        raise KitError(
+            f"hf export: the checkpoint in {state_dir} has no parameters {blocks[0]!r}; it was written "
+            "by another model or with other settings"
+        )
     group: Dict[str, Any] = {}
     for tensor in weights.tensors:
         key = BLOCKS if tensor.path[0] in blocks else tensor.path[0]
@@ -114,10 +119,15 @@ def _restore(state_dir: str, key: str) -> Any:
     import orbax.checkpoint as ocp
 
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = {"params": {key: jax.tree_util.tree_map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), _saved_params(state_dir)[key])}}
-    restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+    target = {
+        "params": {
+            key: jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), _saved_params(state_dir)[key])
+        }
+    }
+    restored = ocp.PyTreeCheckpointer().restore(
+        state_dir,
+        args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True),
+    )
     return jax.tree_util.tree_map(np.asarray, restored["params"][key])
 
 
@@ -133,8 +143,9 @@ def model_args_from(checkpoint: HfCheckpoint, settings: Dict[str, str], given: D
     return values
 
 
-def logits(directory: str, tokens_file: str, out_file: str, model_name: str,
-           given: Dict[str, Any]) -> Tuple[Tuple[int, ...], Dict[str, Any]]:
+def logits(
+    directory: str, tokens_file: str, out_file: str, model_name: str, given: Dict[str, Any]
+) -> Tuple[Tuple[int, ...], Dict[str, Any]]:
     """Writes the float32 logits for the token ids in `tokens_file` ([seq] or [batch, seq]); returns (their
     shape, the model settings read from the checkpoint)."""
     import jax
@@ -146,11 +157,11 @@ def logits(directory: str, tokens_file: str, out_file: str, model_name: str,
     try:
         tokens = np.load(tokens_file)
     except (OSError, ValueError) as err:
-        raise KitError(f"hf logits --tokens {tokens_file}: cannot read it as a .npy file ({err}); save the ids "
-                       "with numpy.save") from None
+        raise KitError(f"hf logits --tokens {tokens_file}: cannot read it as a .npy file ({err}); save the ids with numpy.save") from None
     if tokens.ndim not in (1, 2) or not np.issubdtype(tokens.dtype, np.integer):
-        raise KitError(f"hf logits --tokens {tokens_file}: {tokens.ndim}-d {tokens.dtype} array; give integer token "
-                       "ids shaped [seq] or [batch, seq]")
+        raise KitError(
+            f"hf logits --tokens {tokens_file}: {tokens.ndim}-d {tokens.dtype} array; give integer token ids shaped [seq] or [batch, seq]"
+        )
     first, _ = build_model(_job_config({"model": model_name, "model_args": dict(given), "dtype": "float32"}))
     settings = layout.weights_of(first, model_name, flag="hf logits").settings
     args = model_args_from(checkpoint, settings, given)
@@ -158,8 +169,10 @@ def logits(directory: str, tokens_file: str, out_file: str, model_name: str,
     weights = layout.weights_of(model, model_name, flag="hf logits")  # read_params checks the checkpoint fits it
     vocab = weights.config.get("vocab_size")
     if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
-        raise KitError(f"hf logits --tokens {tokens_file}: ids from {tokens.min()} to {tokens.max()}, and the "
-                       f"checkpoint's vocabulary has {vocab}; give ids in 0..{vocab - 1}")
+        raise KitError(
+            f"hf logits --tokens {tokens_file}: ids from {tokens.min()} to {tokens.max()}, and the "
+            f"checkpoint's vocabulary has {vocab}; give ids in 0..{vocab - 1}"
+        )
     batch = tokens[None] if tokens.ndim == 1 else tokens
     # The kit's token convention: a model reads a row's tokens but the last (which only the loss reads), so a
     # row of seq + 1 gives the logits of all seq given tokens; the appended id is never read.
@@ -168,8 +181,7 @@ def logits(directory: str, tokens_file: str, out_file: str, model_name: str,
     abstract = jax.eval_shape(lambda: model.module.init(jax.random.PRNGKey(0), batch))["params"]
     from flax import linen as nn
 
-    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                      nn.meta.unbox(abstract))
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), nn.meta.unbox(abstract))
     params = read_params(checkpoint, weights, abstract, model_name)
     out = np.asarray(jax.jit(model.module.apply)({"params": params}, batch), np.float32)
     out = out[0] if tokens.ndim == 1 else out
@@ -187,6 +199,10 @@ def run(args) -> int:
 
     given = dict(model_args(args.model_arg or [], "--model-arg"))
     shape, settings = logits(args.dir, args.tokens, args.out, args.model, given)
-    print(f"logits {list(shape)} float32 -> {args.out} (model settings from {args.dir}: "
-          + ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) + ")", flush=True)
+    print(
+        f"logits {list(shape)} float32 -> {args.out} (model settings from {args.dir}: "
+        + ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+        + ")",
+        flush=True,
+    )
     return EXIT_OK

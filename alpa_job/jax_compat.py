@@ -1,4 +1,5 @@
 """What differs between the jax versions the kit runs on, in one place (imported where jax is installed)."""
+
 from __future__ import annotations
 
 import functools

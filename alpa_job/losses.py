@@ -9,6 +9,7 @@ per fp32 copy. Same values as the textbook form up to rounding, the loss and its
 
 Imported lazily (it imports jax); Python 3.9 and jax 0.3.22 compatible.
 """
+
 from __future__ import annotations
 
 import jax

@@ -5,6 +5,7 @@ default), its flag (`--name-with-dashes`, its metavar, its line and group in `--
 check its value gets (allowed names, or a bound). Nothing here imports a model or an engine, so a
 model module can declare its settings with it and `--help` never starts jax.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,6 @@ POSITIVE = "positive"  # an integer > 0
 NON_NEGATIVE = "non-negative"  # >= 0
 ABOVE_ZERO = "above zero"  # a number > 0
 CHECKS = (POSITIVE, NON_NEGATIVE, ABOVE_ZERO)
-
 
 
 class ModelArgs(dict):
@@ -86,7 +86,6 @@ class Setting:
     cli_flag: Optional[str] = None  # the flag, where it is not --name-with-dashes
     # A bool setting's other values, words (`--resume auto`): the flag alone still means True.
     words: Tuple[str, ...] = ()
-
 
     def __post_init__(self) -> None:  # the errors here are programming errors, not a user's
         if plain_type(self.type) not in TYPES:
@@ -193,5 +192,4 @@ def model_args(value: Any, label: str) -> ModelArgs:
                 raise KitError(f"--model-arg {item!r} is not KEY=VALUE; write e.g. --model-arg num_layers=4")
             pairs.append((key.strip().replace("-", "_"), text))
         return ModelArgs(pairs)
-    raise KitError(f"{label}: expected a mapping of a model's settings (model_args: {{num_layers: 4}}), "
-                   f"got {type(value).__name__}")
+    raise KitError(f"{label}: expected a mapping of a model's settings (model_args: {{num_layers: 4}}), got {type(value).__name__}")

@@ -16,6 +16,7 @@ the line says why.
 
 Standard library only: it runs at the very end of every command.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,12 +59,16 @@ def exit_within(code: Union[int, str, None], deadline_s: Optional[float] = None)
     def last_resort() -> None:
         time.sleep(deadline_s)
         names = _lingering()
-        what = ("; ".join(_stuck) + "; " if _stuck else "")
+        what = "; ".join(_stuck) + "; " if _stuck else ""
         try:
             sys.stdout.flush()
-            print(f"[alpa_job] exiting without waiting longer for {what}{len(names)} background thread(s) still "
-                  f"running after {deadline_s:.0f} s ({', '.join(names[:6]) or 'exit handlers'}); exit code "
-                  f"{_as_int(code)}", file=sys.stderr, flush=True)
+            print(
+                f"[alpa_job] exiting without waiting longer for {what}{len(names)} background thread(s) still "
+                f"running after {deadline_s:.0f} s ({', '.join(names[:6]) or 'exit handlers'}); exit code "
+                f"{_as_int(code)}",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
             os._exit(_as_int(code))
 

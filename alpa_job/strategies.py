@@ -8,6 +8,7 @@ policy) takes these records; a new strategy is a new record, not new branches.
 
 Plain Python (no jax): the settings' checks run before jax is imported.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,9 @@ class Strategy:
     # Offered to a user whose state does not fit another strategy (memory advice): why it helps.
     memory_relief: Optional[str] = None
 
-    def mesh_shape(self, num_devices: int, model_parallel: int = 0,
-                   devices_per_process: Optional[int] = None, stages: int = 0) -> Tuple[int, int]:
+    def mesh_shape(
+        self, num_devices: int, model_parallel: int = 0, devices_per_process: Optional[int] = None, stages: int = 0
+    ) -> Tuple[int, int]:
         """(data, model) sizes on `num_devices` devices, `devices_per_process` each (default: all in one).
         A model axis defaults to the largest size <= 4 that divides one process's devices: it must not span
         processes, and inside one node it runs over the fastest links. A pipeline's `stages` default to
@@ -70,9 +72,11 @@ class Strategy:
         if self.host_level:
             per_host = devices_per_process or num_devices
             if num_devices % per_host:
-                raise KitError(f"--strategy {self.name} needs the same number of devices on every host: "
-                               f"{num_devices} devices do not split into hosts of {per_host}; "
-                               f"use --strategy fsdp or equal hosts")
+                raise KitError(
+                    f"--strategy {self.name} needs the same number of devices on every host: "
+                    f"{num_devices} devices do not split into hosts of {per_host}; "
+                    f"use --strategy fsdp or equal hosts"
+                )
             return (num_devices // per_host, per_host)
         if not self.model_axis:
             return (num_devices, 1)
@@ -80,8 +84,10 @@ class Strategy:
             per_process = devices_per_process or num_devices
             model_parallel = max(m for m in (1, 2, 3, 4) if num_devices % m == 0 and per_process % m == 0)
         if num_devices % model_parallel != 0:
-            raise KitError(f"--model-parallel {model_parallel} does not divide the {num_devices} devices; "
-                           f"use one of: {', '.join(str(d) for d in divisors(num_devices))}")
+            raise KitError(
+                f"--model-parallel {model_parallel} does not divide the {num_devices} devices; "
+                f"use one of: {', '.join(str(d) for d in divisors(num_devices))}"
+            )
         return (num_devices // model_parallel, model_parallel)
 
     def candidate_meshes(self, num_devices: int, devices_per_process: Optional[int] = None) -> List[Tuple[int, int]]:
@@ -118,9 +124,11 @@ class Strategy:
 # it. Combining several layers' collectives (JAX-Toolbox recommends thresholds of at least a layer's
 # weights) keeps the bytes and cuts the calls. All-reduces (data's replicated update) measured no faster
 # with larger thresholds: these options leave them alone.
-_COMBINE_BYTES = 512 * 2 ** 20  # several GPT-24L layers' bf16 weights (about 100 MB each) per collective
-COMBINED_GATHERS = {"xla_gpu_all_gather_combine_threshold_bytes": _COMBINE_BYTES,
-                    "xla_gpu_reduce_scatter_combine_threshold_bytes": _COMBINE_BYTES}
+_COMBINE_BYTES = 512 * 2**20  # several GPT-24L layers' bf16 weights (about 100 MB each) per collective
+COMBINED_GATHERS = {
+    "xla_gpu_all_gather_combine_threshold_bytes": _COMBINE_BYTES,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": _COMBINE_BYTES,
+}
 
 DATA = Strategy(
     name="data",
@@ -135,6 +143,7 @@ DATA = Strategy(
     update_split_like="fsdp",
     compiler_options=COMBINED_GATHERS,  # its sharded update gathers and reduce-scatters as fsdp does
 )
+
 
 def fsdp_rules(axis: str) -> LogicalRules:
     """fsdp's parameter rules on `axis`: every named dimension it may split (the outermost that divides, with
@@ -197,8 +206,7 @@ PIPELINE = Strategy(
 
 PIPELINE_FSDP = Strategy(
     name="pipeline-fsdp",
-    summary="pipeline stages as pipeline, each stage's parameters and optimizer state split over its devices "
-            "(fsdp within a stage)",
+    summary="pipeline stages as pipeline, each stage's parameters and optimizer state split over its devices (fsdp within a stage)",
     # The stacked blocks' `layers` dimension over the stages, then fsdp's rules over the devices of a stage:
     # a stage's devices (one host by default) gather its parameters once a step over the host's fast links.
     param_rules=[(BATCH, ("stage", "data")), (LAYERS, "stage"), *fsdp_rules("data")],
@@ -219,11 +227,15 @@ def pipeline_stages(num_devices: int, devices_per_process: Optional[int] = None,
     hosts = num_devices // (devices_per_process or num_devices)
     chosen = stages or (hosts if hosts > 1 else 2)
     if num_devices % chosen:
-        raise KitError(f"--pipeline-stages {chosen} does not divide the {num_devices} devices (it would leave some "
-                       f"idle); use one of: {', '.join(str(d) for d in divisors(num_devices) if d > 1)}")
+        raise KitError(
+            f"--pipeline-stages {chosen} does not divide the {num_devices} devices (it would leave some "
+            f"idle); use one of: {', '.join(str(d) for d in divisors(num_devices) if d > 1)}"
+        )
     if hosts > 1 and chosen % hosts and hosts % chosen:
-        raise KitError(f"--pipeline-stages {chosen} on {hosts} hosts would put one stage on parts of two hosts; use "
-                       f"a multiple or a divisor of {hosts} (default: one stage per host)")
+        raise KitError(
+            f"--pipeline-stages {chosen} on {hosts} hosts would put one stage on parts of two hosts; use "
+            f"a multiple or a divisor of {hosts} (default: one stage per host)"
+        )
     return chosen
 
 
@@ -240,13 +252,14 @@ def check_micro_batches(batch_size: int, mesh_shape: Tuple[int, int], micro: int
     step = data * micro
     if batch_size % step:
         near = sorted({max(step, batch_size // step * step), (batch_size // step + 1) * step})
-        raise KitError(f"--batch-size {batch_size} does not split into {micro} micro-batches on each of the "
-                       f"pipeline's {data} data-parallel slot(s) ({stages} stages on {stages * data} devices); use a "
-                       f"multiple of {step} (--batch-size {' or '.join(map(str, near))}) or other --micro-batches{where}")
+        raise KitError(
+            f"--batch-size {batch_size} does not split into {micro} micro-batches on each of the "
+            f"pipeline's {data} data-parallel slot(s) ({stages} stages on {stages * data} devices); use a "
+            f"multiple of {step} (--batch-size {' or '.join(map(str, near))}) or other --micro-batches{where}"
+        )
 
 
-def check_batch_split(batch_size: int, ways: int, advice: Optional[str] = None, where: str = "",
-                      when: str = "") -> None:
+def check_batch_split(batch_size: int, ways: int, advice: Optional[str] = None, where: str = "", when: str = "") -> None:
     """The one rule on a global batch and a mesh: its rows split evenly over the `ways` data-parallel slots
     (the driver before Ray, the engine, a restart on fewer nodes and the planner all apply it). `advice`:
     the fix in the caller's words (default: the multiples of `ways` next to the batch); `when`: what the
@@ -254,8 +267,10 @@ def check_batch_split(batch_size: int, ways: int, advice: Optional[str] = None, 
     if batch_size % ways:
         lower = batch_size // ways * ways
         near = " or ".join(str(b) for b in (lower, lower + ways) if b > 0)
-        raise KitError(f"{when}batch size {batch_size} is not divisible by the data-parallel size {ways}; "
-                       f"{advice or f'use a multiple of {ways} (--batch-size {near})'}{where}")
+        raise KitError(
+            f"{when}batch size {batch_size} is not divisible by the data-parallel size {ways}; "
+            f"{advice or f'use a multiple of {ways} (--batch-size {near})'}{where}"
+        )
 
 
 def get(name: str) -> Strategy:
@@ -270,8 +285,7 @@ def auto_candidates(num_devices: int, devices_per_process: Optional[int] = None)
     return [(s.name, mesh) for s in STRATEGIES.values() for mesh in s.candidate_meshes(num_devices, devices_per_process)]
 
 
-def data_axis_size(name: str, num_devices: int, model_parallel: int = 0,
-                   devices_per_process: Optional[int] = None) -> int:
+def data_axis_size(name: str, num_devices: int, model_parallel: int = 0, devices_per_process: Optional[int] = None) -> int:
     """How many ways the batch is split: the mesh's data axis (auto: every candidate's divides the device
     count, so the whole count is the one to check)."""
     if name == AUTO:
@@ -288,6 +302,8 @@ def batch_mesh_axis(rules: LogicalRules) -> MeshAxes:
     """The mesh axis (or axes) a strategy splits the batch's rows over: its rule for the logical `batch` axis."""
     axis = next((mesh_axis for logical_name, mesh_axis in rules if logical_name == BATCH), None)
     if axis is None:
-        raise KitError(f"a sharding rule list without a ({BATCH!r}, mesh axis) rule cannot split the batch; "
-                       f"add one, e.g. ({BATCH!r}, {MESH_AXES[0]!r})")
+        raise KitError(
+            f"a sharding rule list without a ({BATCH!r}, mesh axis) rule cannot split the batch; "
+            f"add one, e.g. ({BATCH!r}, {MESH_AXES[0]!r})"
+        )
     return axis

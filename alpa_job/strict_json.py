@@ -6,6 +6,7 @@ losses are exactly such numbers, so every file the kit writes goes through `dump
 them into null and let json refuse (allow_nan=False) anything that still slips through. Standard
 library only (the Alpa image's Python 3.9 imports it too).
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Human units shared by training messages and the readers (no jax, no other kit module)."""
+
 from __future__ import annotations
 
 from typing import Optional

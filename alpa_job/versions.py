@@ -2,6 +2,7 @@
 
 Used in every report and by `doctor`, which requires them equal on all nodes.
 """
+
 from __future__ import annotations
 
 import glob

@@ -12,6 +12,7 @@ process: the controller inside the head, ray_runtime: process (tests/test_ansibl
 Each run's counts, duration and slowest tasks come from its summary.json (alpa_job/cluster/control/playbook.py).
 Targets (issue 11): docker cold <= 120 s, re-run <= 40 s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,25 +77,44 @@ def main() -> int:
                 if p.returncode != 0:
                     print(p.stdout[-5000:], p.stderr[-2000:], summary["failures"], file=sys.stderr)
                     raise SystemExit("%s failed (rc=%d)" % (playbook, p.returncode))
-                cycle[step] = {"seconds": summary["seconds"], "changed": summary["changed_total"],
-                               "recap": summary["hosts"], "loadavg_1m_before": round(load, 2),
-                               "slowest_tasks": summary["slowest"]}
+                cycle[step] = {
+                    "seconds": summary["seconds"],
+                    "changed": summary["changed_total"],
+                    "recap": summary["hosts"],
+                    "loadavg_1m_before": round(load, 2),
+                    "slowest_tasks": summary["slowest"],
+                }
             runs.append(cycle)
-            rows.append([i, cycle["cold"]["seconds"], cycle["cold"]["changed"], cycle["rerun"]["seconds"],
-                         cycle["rerun"]["changed"], cycle["teardown"]["seconds"], cycle["cold"]["loadavg_1m_before"],
-                         cycle["rerun"]["loadavg_1m_before"]])
+            rows.append(
+                [
+                    i,
+                    cycle["cold"]["seconds"],
+                    cycle["cold"]["changed"],
+                    cycle["rerun"]["seconds"],
+                    cycle["rerun"]["changed"],
+                    cycle["teardown"]["seconds"],
+                    cycle["cold"]["loadavg_1m_before"],
+                    cycle["rerun"]["loadavg_1m_before"],
+                ]
+            )
         reset()
     finally:
         if ssh is not None:
             ssh.stop()
         if bed is not None:
             bed.down()
-    table = print_table(["run", "site.yml cold s", "changed", "re-run s", "changed", "teardown s", "load cold",
-                         "load re-run"], rows)
-    where = ("the example inventory's defaults (docker runtime, image pulled from the registry) from a controller "
-             "outside the cluster" if opts.runtime == "docker" else "process runtime, controller in the head")
-    path = record("ansible_site", {"hosts": 3, "runtime": opts.runtime, "runs": runs}, table,
-                  "alpa_job cluster up (site.yml) on 3 test-bed hosts over SSH: %s" % where)
+    table = print_table(["run", "site.yml cold s", "changed", "re-run s", "changed", "teardown s", "load cold", "load re-run"], rows)
+    where = (
+        "the example inventory's defaults (docker runtime, image pulled from the registry) from a controller outside the cluster"
+        if opts.runtime == "docker"
+        else "process runtime, controller in the head"
+    )
+    path = record(
+        "ansible_site",
+        {"hosts": 3, "runtime": opts.runtime, "runs": runs},
+        table,
+        "alpa_job cluster up (site.yml) on 3 test-bed hosts over SSH: %s" % where,
+    )
     print("saved", os.path.relpath(path, REPO))
     return 0
 

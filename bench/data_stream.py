@@ -32,6 +32,7 @@ machine's /tmp (only /tmp/ray and /dev/shm are per host), so the same path reads
 
 Prints a table and writes bench/results/data_stream-<mode>-<UTC time>.json (`--out` for gpu).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,8 +100,7 @@ def cached_fraction(path: str) -> Optional[float]:
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         size = os.path.getsize(path)
@@ -162,20 +162,32 @@ def _child_first_batch(path: str, preset: str, batch_size: int, spawned: float) 
     mark = time.perf_counter()
     source = open_source(config)
     epoch = plan_epoch(len(source), config.batch_size, config.remainder)
-    stream = InputStream(source, epoch, config.batch_size, config.seed, 100, threads=config.data_threads,
-                         prefetch=config.prefetch)
+    stream = InputStream(source, epoch, config.batch_size, config.seed, 100, threads=config.data_threads, prefetch=config.prefetch)
     t["open_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
     batch, real = next(stream.batches(0))
     t["first_batch_s"] = time.perf_counter() - mark
     t["total_s"] = time.time() - spawned
     rss = rss_of(os.getpid())
-    print("RESULT " + json.dumps({
-        "seconds": {k: round(v, 4) for k, v in t.items()}, "rss_bytes": rss.get("VmRSS"),
-        "hwm_bytes": rss.get("VmHWM"), "rss_after_check_bytes": rss_after_check.get("VmRSS"),
-        "windows": len(source), "tokens": source.tokens, "batch_shape": list(batch["tokens"].shape),
-        "real_rows": real, "pipeline": stream.pipeline, "rows_read": source.rows_read,
-        "bytes_read": source.bytes_read}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "seconds": {k: round(v, 4) for k, v in t.items()},
+                "rss_bytes": rss.get("VmRSS"),
+                "hwm_bytes": rss.get("VmHWM"),
+                "rss_after_check_bytes": rss_after_check.get("VmRSS"),
+                "windows": len(source),
+                "tokens": source.tokens,
+                "batch_shape": list(batch["tokens"].shape),
+                "real_rows": real,
+                "pipeline": stream.pipeline,
+                "rows_read": source.rows_read,
+                "bytes_read": source.bytes_read,
+            }
+        ),
+        flush=True,
+    )
     os._exit(0)  # the prefetch threads need not wind down
 
 
@@ -188,25 +200,52 @@ def first_batch(args) -> Dict[str, object]:
                 drop_file_cache(args.file)
             before = cached_fraction(args.file)
             spawned = time.time()
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "_child-first-batch", args.file,
-                                args.preset, str(args.batch_size), repr(spawned)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
-                               timeout=300)
+            p = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "_child-first-batch",
+                    args.file,
+                    args.preset,
+                    str(args.batch_size),
+                    repr(spawned),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=str(REPO),
+                timeout=300,
+            )
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if p.returncode or not line:
                 raise SystemExit(f"child failed (rc {p.returncode}): {p.stderr[-3000:]}")
-            row = json.loads(line[-1][len("RESULT "):])
+            row = json.loads(line[-1][len("RESULT ") :])
             row.update(cache=cache, run=i, cached_before=before)
             runs.append(row)
-    header = ["cache", "run", "in cache", "python up", "imports", "check_input", "open", "1st batch", "total s",
-              "RSS MB", "HWM MB"]
-    rows = [[r["cache"], r["run"], r["cached_before"], *("%.3f" % r["seconds"][k] for k in
-             ("python_up", "imports_s", "check_input_s", "open_s", "first_batch_s", "total_s")),
-             "%.0f" % (r["rss_bytes"] / MB), "%.0f" % (r["hwm_bytes"] / MB)] for r in runs]
+    header = ["cache", "run", "in cache", "python up", "imports", "check_input", "open", "1st batch", "total s", "RSS MB", "HWM MB"]
+    rows = [
+        [
+            r["cache"],
+            r["run"],
+            r["cached_before"],
+            *("%.3f" % r["seconds"][k] for k in ("python_up", "imports_s", "check_input_s", "open_s", "first_batch_s", "total_s")),
+            "%.0f" % (r["rss_bytes"] / MB),
+            "%.0f" % (r["hwm_bytes"] / MB),
+        ]
+        for r in runs
+    ]
     table = print_table(header, rows)
     worst = max(r["seconds"]["total_s"] for r in runs)
-    return {"file": made, "preset": args.preset, "batch_size": args.batch_size, "runs": runs,
-            "worst_total_s": round(worst, 3), "target_s": 2.0, "met": worst <= 2.0, "table": table}
+    return {
+        "file": made,
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "runs": runs,
+        "worst_total_s": round(worst, 3),
+        "target_s": 2.0,
+        "met": worst <= 2.0,
+        "table": table,
+    }
 
 
 def mb(v) -> str:
@@ -221,14 +260,20 @@ def rss_summary(rss: List[int]) -> Dict[str, int]:
         return {}
     q = max(len(rss) // 4, 1)
     first, last = max(rss[:q]), max(rss[-q:])
-    return {"rss_start": rss[0], "rss_end": rss[-1], "rss_min": min(rss), "rss_max": max(rss),
-            "peak_first_quarter": first, "peak_last_quarter": last, "growth": last - first,
-            "max_over_start": max(rss) - rss[0]}
+    return {
+        "rss_start": rss[0],
+        "rss_end": rss[-1],
+        "rss_min": min(rss),
+        "rss_max": max(rss),
+        "peak_first_quarter": first,
+        "peak_last_quarter": last,
+        "growth": last - first,
+        "max_over_start": max(rss) - rss[0],
+    }
 
 
 # ----------------------------------------------------------------------------- stream
-def _child_stream(path: str, preset: str, batch_size: int, steps: int, every: int, shard: int, count: int,
-                  keep_pages: bool) -> None:
+def _child_stream(path: str, preset: str, batch_size: int, steps: int, every: int, shard: int, count: int, keep_pages: bool) -> None:
     """Runs in a fresh process: this process's share of `steps` global batches, RSS every `every` steps."""
     import alpa_job.data.tokens as tokens
     from alpa_job.data.batching import plan_epoch
@@ -240,16 +285,27 @@ def _child_stream(path: str, preset: str, batch_size: int, steps: int, every: in
     config = job_config(path, preset, batch_size)
     source = open_source(config)
     epoch = plan_epoch(len(source), config.batch_size, config.remainder)
-    stream = InputStream(source, epoch, config.batch_size, config.seed, steps, Shard(shard, count),
-                         threads=config.data_threads, prefetch=config.prefetch)
+    stream = InputStream(
+        source, epoch, config.batch_size, config.seed, steps, Shard(shard, count), threads=config.data_threads, prefetch=config.prefetch
+    )
     samples = []
     started = time.perf_counter()
     for step, _ in enumerate(stream.batches(0)):
         if step % every == 0 or step == steps - 1:
             samples.append([step, round(time.perf_counter() - started, 2), rss_of(os.getpid())])
-    print("RESULT " + json.dumps({"samples": samples, "seconds": round(time.perf_counter() - started, 2),
-                                  "rows_read": source.rows_read, "bytes_read": source.bytes_read,
-                                  "wait_s": round(stream.wait_s, 3)}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "samples": samples,
+                "seconds": round(time.perf_counter() - started, 2),
+                "rows_read": source.rows_read,
+                "bytes_read": source.bytes_read,
+                "wait_s": round(stream.wait_s, 3),
+            }
+        ),
+        flush=True,
+    )
     os._exit(0)
 
 
@@ -259,26 +315,80 @@ def stream(args) -> Dict[str, object]:
     made = make_token_file(args.file, args.gib)
     runs = []
     for keep in (False, True):
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "_child-stream", args.file, args.preset,
-                            str(args.batch_size), str(args.steps), str(max(args.steps // 20, 1)), "0", "3",
-                            "1" if keep else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           cwd=str(REPO), timeout=args.timeout)
+        p = subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "_child-stream",
+                args.file,
+                args.preset,
+                str(args.batch_size),
+                str(args.steps),
+                str(max(args.steps // 20, 1)),
+                "0",
+                "3",
+                "1" if keep else "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(REPO),
+            timeout=args.timeout,
+        )
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
             raise SystemExit(f"child failed (rc {p.returncode}): {p.stderr[-3000:]}")
-        r = json.loads(line[-1][len("RESULT "):])
+        r = json.loads(line[-1][len("RESULT ") :])
         first, last = r["samples"][0][2], r["samples"][-1][2]
-        r.update(pages="kept (control)" if keep else "dropped (the kit)", rss_first=first.get("VmRSS"),
-                 rss_last=last.get("VmRSS"), rss_file_last=last.get("RssFile"),
-                 growth=last.get("VmRSS", 0) - first.get("VmRSS", 0), hwm=last.get("VmHWM"))
+        r.update(
+            pages="kept (control)" if keep else "dropped (the kit)",
+            rss_first=first.get("VmRSS"),
+            rss_last=last.get("VmRSS"),
+            rss_file_last=last.get("RssFile"),
+            growth=last.get("VmRSS", 0) - first.get("VmRSS", 0),
+            hwm=last.get("VmHWM"),
+        )
         runs.append(r)
-    header = ["pages after a batch", "steps", "rows read", "MB of windows", "s", "RSS first MB", "RSS last MB",
-              "growth MB", "RssFile last MB", "HWM MB"]
-    table = print_table(header, [[r["pages"], args.steps, r["rows_read"], mb(r["bytes_read"]), r["seconds"],
-                                  mb(r["rss_first"]), mb(r["rss_last"]), mb(r["growth"]), mb(r["rss_file_last"]),
-                                  mb(r["hwm"])] for r in runs])
-    return {"file": made, "preset": args.preset, "batch_size": args.batch_size, "shard": [0, 3],
-            "steps": args.steps, "runs": runs, "met": runs[0]["growth"] <= 300 * MB, "table": table}
+    header = [
+        "pages after a batch",
+        "steps",
+        "rows read",
+        "MB of windows",
+        "s",
+        "RSS first MB",
+        "RSS last MB",
+        "growth MB",
+        "RssFile last MB",
+        "HWM MB",
+    ]
+    table = print_table(
+        header,
+        [
+            [
+                r["pages"],
+                args.steps,
+                r["rows_read"],
+                mb(r["bytes_read"]),
+                r["seconds"],
+                mb(r["rss_first"]),
+                mb(r["rss_last"]),
+                mb(r["growth"]),
+                mb(r["rss_file_last"]),
+                mb(r["hwm"]),
+            ]
+            for r in runs
+        ],
+    )
+    return {
+        "file": made,
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "shard": [0, 3],
+        "steps": args.steps,
+        "runs": runs,
+        "met": runs[0]["growth"] <= 300 * MB,
+        "table": table,
+    }
 
 
 # ----------------------------------------------------------------------------- testbed
@@ -352,12 +462,34 @@ def testbed(args) -> Dict[str, object]:
     try:
         info = ray_layer.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, timeout=240)
         address = info.get("address") or bed.head_address
-        data = (["--dataset", "tokens", "--data-path", args.file, "--token-dtype", "uint16"]
-                if args.dataset == "tokens" else ["--dataset", args.dataset])
-        argv = ["python", "-m", "alpa_job", "train", "--address", address, "--cluster-spec", str(info["spec_path"]),
-                "--preset", "gpt-small", *data, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                "--devices", str(args.devices),
-                "--progress-every", "1", "--out", str(out)]
+        data = (
+            ["--dataset", "tokens", "--data-path", args.file, "--token-dtype", "uint16"]
+            if args.dataset == "tokens"
+            else ["--dataset", args.dataset]
+        )
+        argv = [
+            "python",
+            "-m",
+            "alpa_job",
+            "train",
+            "--address",
+            address,
+            "--cluster-spec",
+            str(info["spec_path"]),
+            "--preset",
+            "gpt-small",
+            *data,
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--devices",
+            str(args.devices),
+            "--progress-every",
+            "1",
+            "--out",
+            str(out),
+        ]
         sampler = RssSampler({h.name: h.pid for h in bed.hosts})
         sampler.start()
         steps_seen: List[tuple] = []
@@ -365,8 +497,7 @@ def testbed(args) -> Dict[str, object]:
         load_before = os.getloadavg()[0]
         started = time.time()
         with open(log_path, "w") as log:
-            p = bed.popen("head", *argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={"RAY_ADDRESS": address})
+            p = bed.popen("head", *argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={"RAY_ADDRESS": address})
             for line in p.stdout:
                 log.write(line)
                 m = STEP_RE.search(line)
@@ -391,8 +522,14 @@ def testbed(args) -> Dict[str, object]:
     for h in bed.hosts:
         after = [x for x in sampler.samples if x[1] == h.name and first_step_at is not None and x[0] >= first_step_at]
         pr = by_ip.get(h.ip, {})
-        row = {"host": h.name, "ip": h.ip, "process": pr.get("id"), "samples": len(after),
-               "bytes_read": pr.get("bytes_read"), "rows_read": pr.get("rows_read")}
+        row = {
+            "host": h.name,
+            "ip": h.ip,
+            "process": pr.get("id"),
+            "samples": len(after),
+            "bytes_read": pr.get("bytes_read"),
+            "rows_read": pr.get("rows_read"),
+        }
         row.update(rss_summary([x[3] for x in after]))
         for i, kind in ((4, "anon"), (5, "file")):  # which memory grew: the process's own, or mapped file pages
             part = rss_summary([x[i] for x in after if x[i] is not None])
@@ -400,32 +537,68 @@ def testbed(args) -> Dict[str, object]:
             row[f"{kind}_end"] = part.get("rss_end")
         row["share"] = round(pr["bytes_read"] / total_bytes, 4) if total_bytes and pr.get("bytes_read") else None
         host_rows.append(row)
-    header = ["host", "proc", "rss 1st step MB", "rss end MB", "peak 1st quarter MB", "peak last quarter MB",
-              "growth MB", "anon growth MB", "file growth MB", "bytes read", "rows read", "share of total"]
-    table = print_table(header, [[r["host"], r["process"], mb(r.get("rss_start")), mb(r.get("rss_end")),
-                                  mb(r.get("peak_first_quarter")), mb(r.get("peak_last_quarter")),
-                                  mb(r.get("growth")), mb(r.get("anon_growth")), mb(r.get("file_growth")),
-                                  r["bytes_read"],
-                                  r["rows_read"], r["share"]] for r in host_rows])
+    header = [
+        "host",
+        "proc",
+        "rss 1st step MB",
+        "rss end MB",
+        "peak 1st quarter MB",
+        "peak last quarter MB",
+        "growth MB",
+        "anon growth MB",
+        "file growth MB",
+        "bytes read",
+        "rows read",
+        "share of total",
+    ]
+    table = print_table(
+        header,
+        [
+            [
+                r["host"],
+                r["process"],
+                mb(r.get("rss_start")),
+                mb(r.get("rss_end")),
+                mb(r.get("peak_first_quarter")),
+                mb(r.get("peak_last_quarter")),
+                mb(r.get("growth")),
+                mb(r.get("anon_growth")),
+                mb(r.get("file_growth")),
+                r["bytes_read"],
+                r["rows_read"],
+                r["share"],
+            ]
+            for r in host_rows
+        ],
+    )
     inp = report.get("input") or {}
     print("input: " + json.dumps(inp))
     growths = [r.get("growth") for r in host_rows]
     shares = [r["share"] for r in host_rows]
     return {
-        "file": made, "command_on_head": " ".join(shlex.quote(a) for a in argv), "steps": args.steps,
-        "batch_size": args.batch_size, "devices_per_process": args.devices, "rc": rc,
-        "wall_s": round(ended - started, 2), "first_step_after_s": round(first_step_at - started, 2)
-        if first_step_at else None, "loop_s": round(ended - first_step_at, 2) if first_step_at else None,
-        "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
-        "hosts": host_rows, "input": inp, "total_bytes_read": total_bytes, "total_rows_read": total_rows,
-        "report_summary": {k: report.get(k) for k in ("steps", "step_time_s", "samples_per_s", "summary")
-                           if k in report},
+        "file": made,
+        "command_on_head": " ".join(shlex.quote(a) for a in argv),
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "devices_per_process": args.devices,
+        "rc": rc,
+        "wall_s": round(ended - started, 2),
+        "first_step_after_s": round(first_step_at - started, 2) if first_step_at else None,
+        "loop_s": round(ended - first_step_at, 2) if first_step_at else None,
+        "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+        "hosts": host_rows,
+        "input": inp,
+        "total_bytes_read": total_bytes,
+        "total_rows_read": total_rows,
+        "report_summary": {k: report.get(k) for k in ("steps", "step_time_s", "samples_per_s", "summary") if k in report},
         "dataset": args.dataset,
         "rss_samples": [(round(x[0] - started, 2), x[1], x[3], x[4], x[5]) for x in sampler.samples],
-        "met": {"rss_growth_le_300MB": all(g is not None and g <= 300 * MB for g in growths),
-                "share_each_about_third": all(s is not None and abs(s - 1 / 3) < 0.01 for s in shares),
-                "data_wait_le_5pct": (inp.get("data_wait_fraction") is not None
-                                      and inp["data_wait_fraction"] <= 0.05)},
+        "met": {
+            "rss_growth_le_300MB": all(g is not None and g <= 300 * MB for g in growths),
+            "share_each_about_third": all(s is not None and abs(s - 1 / 3) < 0.01 for s in shares),
+            "data_wait_le_5pct": (inp.get("data_wait_fraction") is not None and inp["data_wait_fraction"] <= 0.05),
+        },
         "table": table,
     }
 
@@ -434,27 +607,55 @@ def testbed(args) -> Dict[str, object]:
 def gpu(args) -> Dict[str, object]:
     made = make_token_file(args.file, args.gib)
     out = Path(args.run_dir or "/tmp/data_stream_gpu_run")
-    argv = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--preset", "gpt-24l", "--dataset",
-            "tokens", "--data-path", args.file, "--token-dtype", "uint16", "--steps", str(args.steps), "--out",
-            str(out)] + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
+    argv = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--address",
+        "none",
+        "--preset",
+        "gpt-24l",
+        "--dataset",
+        "tokens",
+        "--data-path",
+        args.file,
+        "--token-dtype",
+        "uint16",
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(out),
+    ] + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
     started = time.time()
-    p = subprocess.run(argv, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=args.timeout)
+    p = subprocess.run(argv, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
     wall = time.time() - started
     print(p.stdout[-3000:])
     if p.returncode:
         raise SystemExit(f"train failed (rc {p.returncode})")
     report = json.loads((out / "report.json").read_text())
     inp = report.get("input") or {}
-    table = print_table(["steps", "data_wait_fraction", "data_wait_per_step ms", "bytes_read", "wall s"],
-                        [[args.steps, inp.get("data_wait_fraction"),
-                          "%.3f" % (1e3 * (inp.get("data_wait_per_step_s") or 0)), inp.get("bytes_read"),
-                          "%.1f" % wall]])
-    return {"file": made, "argv": argv, "wall_s": round(wall, 2), "input": inp,
-            "report": {k: report.get(k) for k in ("steps", "step_time_s", "samples_per_s", "devices", "timing")
-                       if k in report},
-            "met": {"data_wait_le_2pct": inp.get("data_wait_fraction") is not None
-                    and inp["data_wait_fraction"] <= 0.02}, "table": table}
+    table = print_table(
+        ["steps", "data_wait_fraction", "data_wait_per_step ms", "bytes_read", "wall s"],
+        [
+            [
+                args.steps,
+                inp.get("data_wait_fraction"),
+                "%.3f" % (1e3 * (inp.get("data_wait_per_step_s") or 0)),
+                inp.get("bytes_read"),
+                "%.1f" % wall,
+            ]
+        ],
+    )
+    return {
+        "file": made,
+        "argv": argv,
+        "wall_s": round(wall, 2),
+        "input": inp,
+        "report": {k: report.get(k) for k in ("steps", "step_time_s", "samples_per_s", "devices", "timing") if k in report},
+        "met": {"data_wait_le_2pct": inp.get("data_wait_fraction") is not None and inp["data_wait_fraction"] <= 0.02},
+        "table": table,
+    }
 
 
 # ----------------------------------------------------------------------------- main
@@ -470,8 +671,7 @@ def main(argv=None) -> int:
         _child_first_batch(argv[1], argv[2], int(argv[3]), float(argv[4]))
         return 0
     if argv and argv[0] == "_child-stream":
-        _child_stream(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]), int(argv[6]), int(argv[7]),
-                      argv[8] == "1")
+        _child_stream(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]), int(argv[6]), int(argv[7]), argv[8] == "1")
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["first-batch", "stream", "testbed", "gpu"])
@@ -482,8 +682,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--devices", type=int, default=2, help="testbed: CPU devices per JAX process")
-    ap.add_argument("--dataset", default="tokens", choices=["tokens", "synthetic"],
-                    help="testbed: synthetic = the control without a token file (same pipeline, rows in memory)")
+    ap.add_argument(
+        "--dataset",
+        default="tokens",
+        choices=["tokens", "synthetic"],
+        help="testbed: synthetic = the control without a token file (same pipeline, rows in memory)",
+    )
     ap.add_argument("--prefix", default="akds", help="testbed: the bed's prefix")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")

@@ -10,6 +10,7 @@ bench/results/doctor_network-<time>.json.
 
 Needs root, iproute2 (tc), util-linux, tini, nftables (like the test bed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,22 @@ def one_size(n: int, rate_mbit: int, prefix: str) -> dict:
         ray_layer.start_ray(bed, num_cpus=1, object_store_memory=80_000_000, include_dashboard=False, timeout=300)
         clean = _doctor(bed)
         slow_host = bed.hosts[-1]
-        bed.exec(slow_host.name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "%dmbit" % rate_mbit,
-                 "burst", "64kb", "latency", "50ms")
+        bed.exec(
+            slow_host.name,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            "%dmbit" % rate_mbit,
+            "burst",
+            "64kb",
+            "latency",
+            "50ms",
+        )
         try:
             limited = _doctor(bed)
         finally:
@@ -47,9 +62,16 @@ def _doctor(bed) -> dict:
     network = report.get("network") or {}
     links = network.get("links") or []
     failed = [c for c in report.get("checks", []) if not c["ok"]]
-    return {"wall_s": round(time.monotonic() - t0, 1), "doctor_s": report.get("seconds"), "ok": report.get("ok"),
-            "links": links, "median_gbps": network.get("median_gbps"), "min_gbps": network.get("min_gbps"),
-            "all_reduce": network.get("all_reduce"), "failed": failed}
+    return {
+        "wall_s": round(time.monotonic() - t0, 1),
+        "doctor_s": report.get("seconds"),
+        "ok": report.get("ok"),
+        "links": links,
+        "median_gbps": network.get("median_gbps"),
+        "min_gbps": network.get("min_gbps"),
+        "all_reduce": network.get("all_reduce"),
+        "failed": failed,
+    }
 
 
 def row(r: dict, which: str) -> list:
@@ -57,10 +79,17 @@ def row(r: dict, which: str) -> list:
     out_of_slow = [x["gbps"] for x in d["links"] if x["src"] == r["slow_host"] and x["gbps"] is not None]
     named = [c["node"] for c in d["failed"] if c["name"] == "network" and c["node"]]
     reduce = d["all_reduce"] or {}
-    return [str(r["hosts"]), which, "%.1f" % (d["doctor_s"] or float("nan")), str(len(d["links"])),
-            "%.3g" % (d["median_gbps"] or 0), "%.3g" % (d["min_gbps"] or 0),
-            "%.3g" % statistics.median(out_of_slow) if out_of_slow else "-",
-            "%.3g" % (reduce.get("bus_gbps") or 0), ", ".join(sorted(set(named))) or "none"]
+    return [
+        str(r["hosts"]),
+        which,
+        "%.1f" % (d["doctor_s"] or float("nan")),
+        str(len(d["links"])),
+        "%.3g" % (d["median_gbps"] or 0),
+        "%.3g" % (d["min_gbps"] or 0),
+        "%.3g" % statistics.median(out_of_slow) if out_of_slow else "-",
+        "%.3g" % (reduce.get("bus_gbps") or 0),
+        ", ".join(sorted(set(named))) or "none",
+    ]
 
 
 def main(argv=None) -> int:
@@ -74,13 +103,24 @@ def main(argv=None) -> int:
         print("cannot run: " + "; ".join(why), file=sys.stderr)
         return 2
     rows = [one_size(n, opts.rate_mbit, opts.prefix) for n in opts.sizes]
-    header = ["hosts", "run", "doctor s", "directions", "median Gb/s", "min Gb/s", "out of the slow host Gb/s",
-              "all-reduce bus Gb/s", "named"]
+    header = [
+        "hosts",
+        "run",
+        "doctor s",
+        "directions",
+        "median Gb/s",
+        "min Gb/s",
+        "out of the slow host Gb/s",
+        "all-reduce bus Gb/s",
+        "named",
+    ]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     lines += [" | ".join(row(r, which)) for r in rows for which in ("clean", "limited")]
     print("\n".join(lines))
-    path = results.write_json("doctor_network", {"command": results.command("python", argv, script=__file__),
-                                                  "rows": rows, "table": lines, "loadavg_1m": os.getloadavg()[0]})
+    path = results.write_json(
+        "doctor_network",
+        {"command": results.command("python", argv, script=__file__), "rows": rows, "table": lines, "loadavg_1m": os.getloadavg()[0]},
+    )
     print("saved", path)
     return 0
 

@@ -6,6 +6,7 @@ the idle rate is the share of the call the other thread could run.
 
 Also times the first buffer put on a device against the second (the allocator's pool is reserved then).
 """
+
 from __future__ import annotations
 
 import json

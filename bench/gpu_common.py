@@ -5,6 +5,7 @@ with the un-donated peer's second copy and both steps' scratch beside it (the fi
 out of memory). So each loop's state goes to host memory while the other loop runs, comes back
 before its own turn, and one untimed step runs after the move, so no timed step pays for it.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -46,11 +47,12 @@ PEAK_TFLOPS_H100 = 798.0  # bf16 dense, measured with an 8192^3 matmul on the le
 
 def gpt_flops(n_params: int, batch: int, seq: int, layers: int, d_model: int) -> float:
     """6 * params * tokens + 12 * layers * batch * seq^2 * d_model (attention, no causal discount)."""
-    return 6.0 * n_params * batch * seq + 12.0 * layers * batch * seq ** 2 * d_model
+    return 6.0 * n_params * batch * seq + 12.0 * layers * batch * seq**2 * d_model
 
 
 def _move(tree, kind: str):
     """Copy every array of `tree` to memory `kind` ("pinned_host" or "device"), freeing the source."""
+
     def move(leaf):
         if not isinstance(leaf, jax.Array):
             return leaf

@@ -7,6 +7,7 @@ each candidate's step time per phase: how much the compile slows each, and for h
 
     python3 bench/gpu_copies_contention.py --case gpt24 --depth 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,15 @@ def main() -> None:
                 loop = loops[(done + offset) % len(loops)]
                 begin = time.perf_counter()
                 seconds = loop.time(STEPS_PER_TURN, parked=False)  # one untimed step first
-                rows.append({"phase": phase, "t_s": round(begin - t0, 3), "candidate": loop.name,
-                             "step_ms": round(seconds * 1e3, 3), "load1": os.getloadavg()[0]})
+                rows.append(
+                    {
+                        "phase": phase,
+                        "t_s": round(begin - t0, 3),
+                        "candidate": loop.name,
+                        "step_ms": round(seconds * 1e3, 3),
+                        "load1": os.getloadavg()[0],
+                    }
+                )
             done += 1
 
     rounds("before", count=args.rounds_after)
@@ -81,16 +89,34 @@ def main() -> None:
         for name, _ in candidates:
             times = [r["step_ms"] for r in rows if r["phase"] == phase and r["candidate"] == name]
             if times:
-                table[f"{phase}/{name}"] = {"median_ms": round(statistics.median(times), 3),
-                                            "min_ms": min(times), "max_ms": max(times), "turns": len(times)}
-    print(f"{n} x {jax.devices()[0].device_kind}, {args.case} copy of {args.depth} layers; copies compiled in "
-          f"{compiled_s:.1f} s; whole fsdp compile in the background {bg_start:.1f}-{bg_end:.1f} s")
+                table[f"{phase}/{name}"] = {
+                    "median_ms": round(statistics.median(times), 3),
+                    "min_ms": min(times),
+                    "max_ms": max(times),
+                    "turns": len(times),
+                }
+    print(
+        f"{n} x {jax.devices()[0].device_kind}, {args.case} copy of {args.depth} layers; copies compiled in "
+        f"{compiled_s:.1f} s; whole fsdp compile in the background {bg_start:.1f}-{bg_end:.1f} s"
+    )
     print(f"{'phase/candidate':<20} {'median ms':>10} {'min':>8} {'max':>8} {'turns':>6}")
     for key, row in table.items():
         print(f"{key:<20} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} {row['max_ms']:>8.2f} {row['turns']:>6}")
-    print(save_result("gpu_copies_contention", args.out, {
-        "case": args.case, "depth": args.depth, "devices": n, "copies_compile_s": round(compiled_s, 3),
-        "background_s": [round(bg_start, 3), round(bg_end, 3)], "table": table, "turns": rows}))
+    print(
+        save_result(
+            "gpu_copies_contention",
+            args.out,
+            {
+                "case": args.case,
+                "depth": args.depth,
+                "devices": n,
+                "copies_compile_s": round(compiled_s, 3),
+                "background_s": [round(bg_start, 3), round(bg_end, 3)],
+                "table": table,
+                "turns": rows,
+            },
+        )
+    )
 
 
 if __name__ == "__main__":

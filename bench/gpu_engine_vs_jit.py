@@ -13,6 +13,7 @@ user would pick.
 
     python3 bench/gpu_engine_vs_jit.py --out bench/results      # on the GPU machine, no Ray needed
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,11 @@ from gpu_common import GPT_CASES, PEAK_TFLOPS_H100, Loop, alternate, gpt_case, g
 from lib.results import save_result
 
 CASES = GPT_CASES
-LABELS = {"gpt12": "GPT 12L d1024 h16 B16 S1024 V32768 bf16", "gpt24": "GPT 24L d2048 h16 B8 S1024 V32768 bf16",
-          "tiny": "GPT 2L d64 (CPU smoke)"}
+LABELS = {
+    "gpt12": "GPT 12L d1024 h16 B16 S1024 V32768 bf16",
+    "gpt24": "GPT 24L d2048 h16 B8 S1024 V32768 bf16",
+    "tiny": "GPT 2L d64 (CPU smoke)",
+}
 
 
 def einsum_loop(config, model, batch):
@@ -75,8 +79,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_H100, help="bf16 dense peak for MFU")
     parser.add_argument("--no-park", action="store_true", help="keep every loop's state on the device")
-    parser.add_argument("--trace", default=None, help="folder: a profiler trace of 3 steps of each loop, "
-                        "to compare their kernels (the trace of a loop lands in DIR/CASE-LOOP)")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="folder: a profiler trace of 3 steps of each loop, to compare their kernels (the trace of a loop lands in DIR/CASE-LOOP)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args()
     extras = {e.split(":")[0]: e.split(":")[1] for e in args.extras.split(",") if e}
@@ -87,8 +94,8 @@ def main() -> None:
         m = SimpleNamespace(**config.model_args)
         t0 = time.perf_counter()
         peer_run, peer_holder, n_params, peer_compiled = gpu_peer.make_loop(
-            m.num_layers, m.d_model, m.num_heads, m.vocab_size, m.seq_len,
-            config.learning_rate, batch["tokens"])
+            m.num_layers, m.d_model, m.num_heads, m.vocab_size, m.seq_len, config.learning_rate, batch["tokens"]
+        )
         peer = Loop("peer", peer_run, peer_holder)
         t1 = time.perf_counter()
         kit, engine = kit_loop(config, model, batch)
@@ -104,35 +111,47 @@ def main() -> None:
             trace_loops(loops, os.path.join(args.trace, name), parked=not args.no_park)
         flops = gpt_flops(n_params, config.batch_size, m.seq_len, m.num_layers, m.d_model)
         peer_mem = peer_compiled.memory_analysis()
-        row = {"case": name, "label": LABELS[name], "params": n_params, "flops_per_step": flops,
-               "peer_ms": round(medians["peer"] * 1e3, 2), "kit_ms": round(medians["kit"] * 1e3, 2),
-               "kit_vs_peer": round(medians["peer"] / medians["kit"], 3),
-               "peer_mfu": round(flops / medians["peer"] / 1e12 / args.peak_tflops, 3),
-               "kit_mfu": round(flops / medians["kit"] / 1e12 / args.peak_tflops, 3),
-               "kit_tflops": round(flops / medians["kit"] / 1e12, 1),
-               "kit_temp_gb": round(engine.stats.memory["temp_size_in_bytes"] / 1e9, 2) if engine.stats.memory else None,
-               "peer_temp_gb": round(peer_mem.temp_size_in_bytes / 1e9, 2) if peer_mem else None,
-               "kit_compile_s": round(engine.stats.compile_seconds, 1),
-               "samples_ms": {loop.name: [round(s * 1e3, 2) for s in loop.samples] for loop in loops}}
+        row = {
+            "case": name,
+            "label": LABELS[name],
+            "params": n_params,
+            "flops_per_step": flops,
+            "peer_ms": round(medians["peer"] * 1e3, 2),
+            "kit_ms": round(medians["kit"] * 1e3, 2),
+            "kit_vs_peer": round(medians["peer"] / medians["kit"], 3),
+            "peer_mfu": round(flops / medians["peer"] / 1e12 / args.peak_tflops, 3),
+            "kit_mfu": round(flops / medians["kit"] / 1e12 / args.peak_tflops, 3),
+            "kit_tflops": round(flops / medians["kit"] / 1e12, 1),
+            "kit_temp_gb": round(engine.stats.memory["temp_size_in_bytes"] / 1e9, 2) if engine.stats.memory else None,
+            "peer_temp_gb": round(peer_mem.temp_size_in_bytes / 1e9, 2) if peer_mem else None,
+            "kit_compile_s": round(engine.stats.compile_seconds, 1),
+            "samples_ms": {loop.name: [round(s * 1e3, 2) for s in loop.samples] for loop in loops},
+        }
         if "einsum" in medians:
             row["extra_einsum_ms"] = round(medians["einsum"] * 1e3, 2)
             row["kit_vs_extra_einsum"] = round(medians["einsum"] / medians["kit"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del loops, peer, kit, engine, peer_run, peer_holder, peer_compiled
-    save_result("gpu_engine_vs_jit", args.out, {"steps": args.steps, "repeats": args.repeats,
-                                                "parked": not args.no_park, "peak_tflops": args.peak_tflops,
-                                                "rows": rows})
+    save_result(
+        "gpu_engine_vs_jit",
+        args.out,
+        {"steps": args.steps, "repeats": args.repeats, "parked": not args.no_park, "peak_tflops": args.peak_tflops, "rows": rows},
+    )
     print(f"\n{device}, jax {jax.__version__}; median of {args.repeats} alternating rounds x {args.steps} steps")
     print("| case | competent loop ms (MFU) | kit ms (MFU) | kit / loop | kit temp GB | loop temp GB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['label']} | {r['peer_ms']} ({r['peer_mfu']}) | {r['kit_ms']} ({r['kit_mfu']}) | "
-              f"**{r['kit_vs_peer']}** | {r['kit_temp_gb']} | {r['peer_temp_gb']} |")
+        print(
+            f"| {r['label']} | {r['peer_ms']} ({r['peer_mfu']}) | {r['kit_ms']} ({r['kit_mfu']}) | "
+            f"**{r['kit_vs_peer']}** | {r['kit_temp_gb']} | {r['peer_temp_gb']} |"
+        )
     for r in rows:
         if "extra_einsum_ms" in r:
-            print(f"extra (not a peer): {r['case']} textbook einsum-attention jit loop {r['extra_einsum_ms']} ms; "
-                  f"kit is {r['kit_vs_extra_einsum']}x that")
+            print(
+                f"extra (not a peer): {r['case']} textbook einsum-attention jit loop {r['extra_einsum_ms']} ms; "
+                f"kit is {r['kit_vs_extra_einsum']}x that"
+            )
 
 
 if __name__ == "__main__":

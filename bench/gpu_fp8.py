@@ -8,6 +8,7 @@ the reports' steady step times. `loss` tokenizes real text (the installed Python
 tokenizer) with `data tokenize`, trains the same model from the same seed in each precision, and compares the
 loss curves (the mean of the last 20 steps). Results: a table here and JSON (+ a PNG of the curves) in --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,27 @@ CASES = {
 
 def train(out: str, precision: str, args, steps: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, LLAMA]))
-    cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--dtype", "bfloat16", "--precision",
-           precision, "--steps", str(steps), "--out", out, "--overwrite", "--compile-cache", "none", "--quiet", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--address",
+        "none",
+        "--dtype",
+        "bfloat16",
+        "--precision",
+        precision,
+        "--steps",
+        str(steps),
+        "--out",
+        out,
+        "--overwrite",
+        "--compile-cache",
+        "none",
+        "--quiet",
+        *args,
+    ]
     started = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -48,10 +68,17 @@ def train(out: str, precision: str, args, steps: int) -> dict:
 def row(name: str, precision: str, report: dict) -> dict:
     t = report["timing"]
     steady = t.get("steady_step") or {}
-    return {"case": name, "precision": precision, "step_ms": round(steady.get("median_s", float("nan")) * 1e3, 1),
-            "tokens_per_s_per_device": t.get("tokens_per_s_per_device"), "mfu": t.get("mfu"),
-            "peak": t.get("peak"), "loss_last": report["summary"]["loss_last"], "wall_s": report["bench_wall_s"],
-            "command": report["bench_command"]}
+    return {
+        "case": name,
+        "precision": precision,
+        "step_ms": round(steady.get("median_s", float("nan")) * 1e3, 1),
+        "tokens_per_s_per_device": t.get("tokens_per_s_per_device"),
+        "mfu": t.get("mfu"),
+        "peak": t.get("peak"),
+        "loss_last": report["summary"]["loss_last"],
+        "wall_s": report["bench_wall_s"],
+        "command": report["bench_command"],
+    }
 
 
 def speed(args) -> dict:
@@ -61,8 +88,11 @@ def speed(args) -> dict:
             report = train(os.path.join(args.work, f"{name}-{precision}"), precision, CASES[name], args.steps)
             rows.append(row(name, precision, report))
             r = rows[-1]
-            print(f"{name:12s} {precision:6s} step {r['step_ms']:8.1f} ms  {r['tokens_per_s_per_device']} tokens/s/GPU  "
-                  f"MFU {r['mfu']}  ({r['peak']['precision']} peak)", flush=True)
+            print(
+                f"{name:12s} {precision:6s} step {r['step_ms']:8.1f} ms  {r['tokens_per_s_per_device']} tokens/s/GPU  "
+                f"MFU {r['mfu']}  ({r['peak']['precision']} peak)",
+                flush=True,
+            )
         bf16, fp8 = rows[-2]["step_ms"], rows[-1]["step_ms"]
         print(f"{name:12s} fp8 speed-up {bf16 / fp8:.3f}x", flush=True)
     return {"rows": rows}
@@ -74,8 +104,12 @@ def tokens(work: str) -> str:
 
     source = os.path.join(os.path.dirname(jax.__file__), "**", "*.py")
     out = os.path.join(work, "jax-source.bin")
-    p = subprocess.run([sys.executable, "-m", "alpa_job", "data", "tokenize", source, "--out", out],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    p = subprocess.run(
+        [sys.executable, "-m", "alpa_job", "data", "tokenize", source, "--out", out],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     if p.returncode != 0:
         raise SystemExit(p.stderr[-2000:])
     print(p.stdout.strip(), flush=True)
@@ -84,16 +118,33 @@ def tokens(work: str) -> str:
 
 def loss(args) -> dict:
     data = tokens(args.work)
-    model = ["--model", "llama_example.model:build", *sum((["--model-arg", a] for a in LLAMA_1B), []),
-             "--model-arg", "vocab_size=257", "--model-arg", "seq_len=1024", "--dataset", "tokens",
-             "--data-path", data, "--batch-size", "16", "--learning-rate", "3e-4"]
+    model = [
+        "--model",
+        "llama_example.model:build",
+        *sum((["--model-arg", a] for a in LLAMA_1B), []),
+        "--model-arg",
+        "vocab_size=257",
+        "--model-arg",
+        "seq_len=1024",
+        "--dataset",
+        "tokens",
+        "--data-path",
+        data,
+        "--batch-size",
+        "16",
+        "--learning-rate",
+        "3e-4",
+    ]
     curves = {}
     for precision in ("dtype", "fp8"):
         report = train(os.path.join(args.work, f"loss-{precision}"), precision, model, args.steps)
         curves[precision] = report["losses"]
         r = row("llama-1b", precision, report)
-        print(f"llama-1b {precision:6s} step {r['step_ms']:.1f} ms, loss {report['losses'][0]:.4f} -> "
-              f"{report['losses'][-1]:.4f}, {r['wall_s']} s", flush=True)
+        print(
+            f"llama-1b {precision:6s} step {r['step_ms']:.1f} ms, loss {report['losses'][0]:.4f} -> "
+            f"{report['losses'][-1]:.4f}, {r['wall_s']} s",
+            flush=True,
+        )
     tail = {p: statistics.mean(c[-20:]) for p, c in curves.items()}
     gap = tail["fp8"] / tail["dtype"] - 1
     print(f"mean of the last 20 steps: bf16 {tail['dtype']:.4f}, fp8 {tail['fp8']:.4f} ({gap * 100:+.2f} %)", flush=True)

@@ -10,6 +10,7 @@ executables a previous process stored. The parent prints a table and saves the r
 The first campaign (bench/RESULTS.md) ran this script at commit 21577b1, when `blocks` was a prototype
 of what `parts` is now and `parallel` tried XLA flags that jax 0.11.2 no longer knows.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -150,8 +151,12 @@ def main() -> None:
             continue
         start = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--child", variant, "--case", args.case,
-                                   "--scratch", scratch], capture_output=True, text=True, timeout=left)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", variant, "--case", args.case, "--scratch", scratch],
+                capture_output=True,
+                text=True,
+                timeout=left,
+            )
             found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
             row = json.loads(found[0]) if found else {"variant": variant, "error": proc.stderr[-1500:]}
         except subprocess.TimeoutExpired:

@@ -21,6 +21,7 @@ host memory while another runs (bench/gpu_common.py says why); medians are repor
     PYTHONPATH=.:examples/llama python3 bench/gpu_llama_vs_jit.py --case 1b --out $OUT   # the GPU machine
     PYTHONPATH=.:examples/llama python3 bench/gpu_llama_vs_jit.py --case tiny --out /tmp/x # CPU smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,10 +47,12 @@ from lib.results import save_result  # noqa: E402
 
 CASES = {
     # ~1B: 18 layers, d 2048, 16 heads (8 kv heads), SwiGLU 5632, vocab 32000; 8 x 1024 tokens a step.
-    "1b": dict(model=dict(num_layers=18, d_model=2048, num_heads=16, num_kv_heads=8, mlp_dim=5632,
-                          vocab_size=32000, seq_len=1024), batch=8),
-    "tiny": dict(model=dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=176,
-                            vocab_size=256, seq_len=64), batch=2),  # CPU smoke
+    "1b": dict(
+        model=dict(num_layers=18, d_model=2048, num_heads=16, num_kv_heads=8, mlp_dim=5632, vocab_size=32000, seq_len=1024), batch=8
+    ),
+    "tiny": dict(
+        model=dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=176, vocab_size=256, seq_len=64), batch=2
+    ),  # CPU smoke
 }
 MODEL = "llama_example.model:build"
 
@@ -62,9 +65,17 @@ def kit_loop(sizes: dict, batch: int, lr: float, steps: int):
     from alpa_job.settings.config import JobConfig
     from alpa_job.train.loop import build_jax_engine, prepare_data
 
-    config = JobConfig(model=MODEL, model_args={k: str(v) for k, v in sizes.items()}, dtype="bfloat16",
-                       address="none", strategy="data", batch_size=batch, num_samples=batch, steps=steps,
-                       learning_rate=lr).validated()
+    config = JobConfig(
+        model=MODEL,
+        model_args={k: str(v) for k, v in sizes.items()},
+        dtype="bfloat16",
+        address="none",
+        strategy="data",
+        batch_size=batch,
+        num_samples=batch,
+        steps=steps,
+        learning_rate=lr,
+    ).validated()
     config = resolve(config)  # runner._resolve_model: import the builder, type its settings, call it once
     model = get_model(config)
     data = prepare_data(config, model)
@@ -77,14 +88,14 @@ def peer_schedule(peak: float, total_steps: int):
     """Linear warmup over min(1000, total/5) steps from peak/(warmup+1), cosine decay to peak/10 by
     the last step: what the kit's optimizer does, written out with optax."""
     warmup = max(1, min(1000, total_steps // 5))
-    return optax.warmup_cosine_decay_schedule(init_value=peak / (warmup + 1), peak_value=peak,
-                                              warmup_steps=warmup, decay_steps=total_steps, end_value=peak * 0.1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=peak / (warmup + 1), peak_value=peak, warmup_steps=warmup, decay_steps=total_steps, end_value=peak * 0.1
+    )
 
 
 def optax_loss(module, params, tokens):
     logits = module.apply({"params": params}, tokens)  # bf16 logits [B, S, V]
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32),
-                                                           tokens[:, 1:]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
 
 
 def example_loss(model, params, tokens):
@@ -93,8 +104,7 @@ def example_loss(model, params, tokens):
     return model.loss(logits, {"tokens": tokens}).mean()
 
 
-def peer_loop(name: str, model, tokens: np.ndarray, lr: float, horizon: int, donate: bool = False,
-              kit_loss: bool = False):
+def peer_loop(name: str, model, tokens: np.ndarray, lr: float, horizon: int, donate: bool = False, kit_loss: bool = False):
     """(Loop, n_params, compiled step): plain jax.jit + optax Adam over `model.module`."""
     from flax.core import meta
 
@@ -139,6 +149,7 @@ def main() -> None:
     t1 = time.perf_counter()
     horizon = engine._horizon
     from alpa_job.engines.optimizer import learning_rate_schedule
+
     kit_sched = learning_rate_schedule(config.learning_rate, horizon)
     ours = peer_schedule(config.learning_rate, horizon)
     for s in (0, 1, horizon // 5, horizon // 2, horizon):
@@ -146,6 +157,7 @@ def main() -> None:
 
     # The peer's module: the example's builder, called directly (no kit code between).
     from llama_example.model import LlamaArgs, build
+
     model = build(LlamaArgs(**sizes), jnp.bfloat16)
     tokens = np.asarray(example["tokens"])
     peer, n_params, peer_compiled = peer_loop("peer", model, tokens, config.learning_rate, horizon)
@@ -155,47 +167,66 @@ def main() -> None:
     assert float(np.asarray(example["mask"]).min()) == 1.0, "every row of the kit's batch is real"
     loops = [peer, kit]
     for extra in extras:
-        loops.append(peer_loop(f"peer_{extra}", model, tokens, config.learning_rate, horizon,
-                               donate=extra == "donate", kit_loss=extra == "kitloss")[0])
+        loops.append(
+            peer_loop(f"peer_{extra}", model, tokens, config.learning_rate, horizon, donate=extra == "donate", kit_loss=extra == "kitloss")[
+                0
+            ]
+        )
     t3 = time.perf_counter()
     device = jax.devices()[0].device_kind
-    print(f"# {args.case}: {n_params:,} parameters ({n_params / 1e9:.3f} B); schedule horizon {horizon}; "
-          f"kit build+compile+init {t1 - t0:.1f}s, peer {t2 - t1:.1f}s, extras {t3 - t2:.1f}s", flush=True)
+    print(
+        f"# {args.case}: {n_params:,} parameters ({n_params / 1e9:.3f} B); schedule horizon {horizon}; "
+        f"kit build+compile+init {t1 - t0:.1f}s, peer {t2 - t1:.1f}s, extras {t3 - t2:.1f}s",
+        flush=True,
+    )
 
     medians = alternate(loops, args.steps, args.repeats, parked=not args.no_park)
     tokens_per_step = batch * sizes["seq_len"]
     flops = gpt_flops(n_params, batch, sizes["seq_len"], sizes["num_layers"], sizes["d_model"])
     ms = {k: v * 1e3 for k, v in medians.items()}
     peer_mem = peer_compiled.memory_analysis()
-    row = {"case": args.case, "sizes": sizes, "batch": batch, "params": n_params, "flops_per_step": flops,
-           "schedule_horizon": horizon, "peer_donates": False,
-           "kit_ms": round(ms["kit"], 2), "peer_ms": round(ms["peer"], 2),
-           "kit_tokens_per_s": round(tokens_per_step / medians["kit"]),
-           "peer_tokens_per_s": round(tokens_per_step / medians["peer"]),
-           "kit_speed_vs_peer": round(medians["peer"] / medians["kit"], 3),  # >= 0.95 is the proof
-           "kit_ms_over_peer_ms": round(medians["kit"] / medians["peer"], 3),
-           "kit_mfu": round(flops / medians["kit"] / 1e12 / args.peak_tflops, 3),
-           "peer_mfu": round(flops / medians["peer"] / 1e12 / args.peak_tflops, 3),
-           "kit_temp_gb": round(engine.stats.memory["temp_size_in_bytes"] / 1e9, 2) if engine.stats.memory else None,
-           "peer_temp_gb": round(peer_mem.temp_size_in_bytes / 1e9, 2) if peer_mem else None,
-           "kit_compile_s": round(engine.stats.compile_seconds, 1),
-           "extras_ms": {k: round(v, 2) for k, v in ms.items() if k.startswith("peer_")},
-           "samples_ms": {loop.name: [round(s * 1e3, 2) for s in loop.samples] for loop in loops}}
+    row = {
+        "case": args.case,
+        "sizes": sizes,
+        "batch": batch,
+        "params": n_params,
+        "flops_per_step": flops,
+        "schedule_horizon": horizon,
+        "peer_donates": False,
+        "kit_ms": round(ms["kit"], 2),
+        "peer_ms": round(ms["peer"], 2),
+        "kit_tokens_per_s": round(tokens_per_step / medians["kit"]),
+        "peer_tokens_per_s": round(tokens_per_step / medians["peer"]),
+        "kit_speed_vs_peer": round(medians["peer"] / medians["kit"], 3),  # >= 0.95 is the proof
+        "kit_ms_over_peer_ms": round(medians["kit"] / medians["peer"], 3),
+        "kit_mfu": round(flops / medians["kit"] / 1e12 / args.peak_tflops, 3),
+        "peer_mfu": round(flops / medians["peer"] / 1e12 / args.peak_tflops, 3),
+        "kit_temp_gb": round(engine.stats.memory["temp_size_in_bytes"] / 1e9, 2) if engine.stats.memory else None,
+        "peer_temp_gb": round(peer_mem.temp_size_in_bytes / 1e9, 2) if peer_mem else None,
+        "kit_compile_s": round(engine.stats.compile_seconds, 1),
+        "extras_ms": {k: round(v, 2) for k, v in ms.items() if k.startswith("peer_")},
+        "samples_ms": {loop.name: [round(s * 1e3, 2) for s in loop.samples] for loop in loops},
+    }
     print(json.dumps(row), flush=True)
-    path = save_result(f"gpu_llama_vs_jit-{args.case}", args.out,
-                       {"steps": args.steps, "repeats": args.repeats, "parked": not args.no_park,
-                        "peak_tflops": args.peak_tflops, "rows": [row]})
-    print(f"\n{device}, jax {jax.__version__}; {n_params:,} parameters; median of {args.repeats} alternating "
-          f"rounds x {args.steps} steps; saved {path}")
+    path = save_result(
+        f"gpu_llama_vs_jit-{args.case}",
+        args.out,
+        {"steps": args.steps, "repeats": args.repeats, "parked": not args.no_park, "peak_tflops": args.peak_tflops, "rows": [row]},
+    )
+    print(
+        f"\n{device}, jax {jax.__version__}; {n_params:,} parameters; median of {args.repeats} alternating "
+        f"rounds x {args.steps} steps; saved {path}"
+    )
     print("| loop | step ms | tokens/s | MFU |")
     print("|---|---|---|---|")
     print(f"| plain jax.jit (peer, no donation) | {row['peer_ms']} | {row['peer_tokens_per_s']:,} | {row['peer_mfu']} |")
     print(f"| kit (JaxEngine, data, bf16) | {row['kit_ms']} | {row['kit_tokens_per_s']:,} | {row['kit_mfu']} |")
     for name, value in row["extras_ms"].items():
-        print(f"| extra (diagnostic): {name} | {value} | {round(tokens_per_step / value * 1e3):,} | "
-              f"{round(flops / value / 1e9 / args.peak_tflops, 3)} |")
-    print(f"kit speed / peer speed = {row['kit_speed_vs_peer']} (peer ms / kit ms); kit ms / peer ms = "
-          f"{row['kit_ms_over_peer_ms']}")
+        print(
+            f"| extra (diagnostic): {name} | {value} | {round(tokens_per_step / value * 1e3):,} | "
+            f"{round(flops / value / 1e9 / args.peak_tflops, 3)} |"
+        )
+    print(f"kit speed / peer speed = {row['kit_speed_vs_peer']} (peer ms / kit ms); kit ms / peer ms = {row['kit_ms_over_peer_ms']}")
 
 
 if __name__ == "__main__":

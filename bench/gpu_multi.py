@@ -12,6 +12,7 @@ Scaling efficiency = 1-GPU step time / n-GPU step time at n times the batch (ide
 
     python3 bench/gpu_multi.py --preset gpt-24l --per-gpu-batch 8 --runs data fsdp tensor
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,22 +70,22 @@ def run(cmd, env, timeout) -> tuple:
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
-        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                         for x in (err.stdout, err.stderr))
+        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr))
         proc = subprocess.CompletedProcess(cmd, 124, output, f"timed out after {timeout} s")
     return proc, round(time.perf_counter() - start, 1)
 
 
 # A variant of the kit for one run: tensor with sequence parallelism between blocks (the sequence
 # of the activations a block hands on split over "model" too; the kit's rules keep it whole).
-SEQUENCE_PARALLEL = ("import dataclasses, runpy, sys; import alpa_job.strategies as s; "
-                     "s.STRATEGIES['tensor'] = dataclasses.replace(s.TENSOR, activation_rules="
-                     "s.TENSOR.activation_rules + [('seq', 'model')]); "
-                     "sys.argv = ['alpa_job'] + sys.argv[1:]; runpy.run_module('alpa_job', run_name='__main__')")
+SEQUENCE_PARALLEL = (
+    "import dataclasses, runpy, sys; import alpa_job.strategies as s; "
+    "s.STRATEGIES['tensor'] = dataclasses.replace(s.TENSOR, activation_rules="
+    "s.TENSOR.activation_rules + [('seq', 'model')]); "
+    "sys.argv = ['alpa_job'] + sys.argv[1:]; runpy.run_module('alpa_job', run_name='__main__')"
+)
 
 
-def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, gpus: str = None,
-            variant: str = "", more_args=()) -> dict:
+def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, gpus: str = None, variant: str = "", more_args=()) -> dict:
     out = os.path.join(args.scratch, name)
     shutil.rmtree(out, ignore_errors=True)
     env = dict(env)
@@ -93,9 +94,25 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     launcher = {"seq-parallel": ["-c", SEQUENCE_PARALLEL]}.get(variant, ["-m", "alpa_job"])
-    cmd = [sys.executable, *launcher, "train", "--address", "none", "--preset", args.preset,
-           "--strategy", strategy, "--batch-size", str(batch), "--num-samples", str(batch * 4),
-           "--steps", str(args.steps), "--out", out]
+    cmd = [
+        sys.executable,
+        *launcher,
+        "train",
+        "--address",
+        "none",
+        "--preset",
+        args.preset,
+        "--strategy",
+        strategy,
+        "--batch-size",
+        str(batch),
+        "--num-samples",
+        str(batch * 4),
+        "--steps",
+        str(args.steps),
+        "--out",
+        out,
+    ]
     if args.profile and gpus is None:
         cmd += ["--profile", args.profile]
     cmd += args.kit_args + list(more_args)
@@ -106,17 +123,28 @@ def kit_run(args, name: str, strategy: str, batch: int, extra_flags: str, env, g
         report = json.load(f)
     timing = report["timing"]
     profile = timing.get("profile") or {}
-    row = {"run": name, "strategy": report["strategy"], "mesh": report["mesh"], "batch": batch,
-           "step_ms": round(timing["steady_step"]["median_s"] * 1e3, 2), "mfu": timing.get("mfu"),
-           "peak_gb": round((timing.get("peak_memory_bytes") or 0) / 1e9, 2),
-           "estimate_gb": round((timing.get("peak_estimate_bytes") or 0) / 1e9, 2),
-           "to_first_step_s": timing["phases_s"].get("to_first_step"), "wall_s": wall,
-           "comm_share": profile.get("comm_share"), "exposed_comm_share": profile.get("exposed_comm_share"),
-           "collective_ms_per_step": profile.get("collective_ms_per_step"), "xla_flags": extra_flags,
-           "search": report.get("search"), "collectives": report.get("collectives"),
-           # Start to the last step's end: the whole run's cost, not only its start.
-           "to_end_s": _to_end(timing["phases_s"], report["loop_seconds"]), "steps": report["steps"],
-           "phases_s": timing["phases_s"]}
+    row = {
+        "run": name,
+        "strategy": report["strategy"],
+        "mesh": report["mesh"],
+        "batch": batch,
+        "step_ms": round(timing["steady_step"]["median_s"] * 1e3, 2),
+        "mfu": timing.get("mfu"),
+        "peak_gb": round((timing.get("peak_memory_bytes") or 0) / 1e9, 2),
+        "estimate_gb": round((timing.get("peak_estimate_bytes") or 0) / 1e9, 2),
+        "to_first_step_s": timing["phases_s"].get("to_first_step"),
+        "wall_s": wall,
+        "comm_share": profile.get("comm_share"),
+        "exposed_comm_share": profile.get("exposed_comm_share"),
+        "collective_ms_per_step": profile.get("collective_ms_per_step"),
+        "xla_flags": extra_flags,
+        "search": report.get("search"),
+        "collectives": report.get("collectives"),
+        # Start to the last step's end: the whole run's cost, not only its start.
+        "to_end_s": _to_end(timing["phases_s"], report["loop_seconds"]),
+        "steps": report["steps"],
+        "phases_s": timing["phases_s"],
+    }
     if args.keep_traces and profile.get("trace"):
         dest = os.path.join(args.out, "traces", f"{name}.trace.json.gz")
         os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -172,9 +200,15 @@ def peer_run(args, batch: int, env, donate: bool) -> dict:
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not line:
         return {"run": "peer", "wall_s": wall, "error": (proc.stdout + proc.stderr)[-3000:]}
-    result = json.loads(line[0][len("RESULT "):])
-    return {"run": "peer" + ("+donate" if donate else ""), "strategy": "peer data", "batch": batch,
-            "step_ms": round(result["step_ms"], 2), "peak_gb": round(result["peak_gb"], 2), "wall_s": wall}
+    result = json.loads(line[0][len("RESULT ") :])
+    return {
+        "run": "peer" + ("+donate" if donate else ""),
+        "strategy": "peer data",
+        "batch": batch,
+        "step_ms": round(result["step_ms"], 2),
+        "peak_gb": round(result["peak_gb"], 2),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -183,9 +217,12 @@ def main() -> None:
     parser.add_argument("--per-gpu-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile", default="30:3", help="START:COUNT for the kit runs ('' for none)")
-    parser.add_argument("--runs", nargs="*", default=["data", "fsdp", "tensor"],
-                        help="STRATEGY or NAME=STRATEGY[+xla:FLAG,FLAG][+env:K=V,K=V][+args:--flag,value]"
-                             "[+seq-parallel][+pgle]")
+    parser.add_argument(
+        "--runs",
+        nargs="*",
+        default=["data", "fsdp", "tensor"],
+        help="STRATEGY or NAME=STRATEGY[+xla:FLAG,FLAG][+env:K=V,K=V][+args:--flag,value][+seq-parallel][+pgle]",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1-GPU run")
     parser.add_argument("--peer", choices=("none", "plain", "donate", "both"), default="plain")
     parser.add_argument("--kit-args", nargs="*", default=[], help="extra train flags for every kit run")
@@ -213,21 +250,20 @@ def main() -> None:
     for spec in args.runs:
         head, *extras = spec.split("+")
         name, _, strategy = head.rpartition("=")
-        flags = " ".join(e[len("xla:"):].replace(",", " ") for e in extras if e.startswith("xla:"))
-        run_env = dict(env, **dict(kv.split("=", 1) for e in extras if e.startswith("env:")
-                                   for kv in e[len("env:"):].split(",")))
+        flags = " ".join(e[len("xla:") :].replace(",", " ") for e in extras if e.startswith("xla:"))
+        run_env = dict(env, **dict(kv.split("=", 1) for e in extras if e.startswith("env:") for kv in e[len("env:") :].split(",")))
         variant = "seq-parallel" if "seq-parallel" in extras else ""
-        more = [a for e in extras if e.startswith("args:") for a in e[len("args:"):].split(",")]
+        more = [a for e in extras if e.startswith("args:") for a in e[len("args:") :].split(",")]
         if "pgle" in extras:
-            flags = _with_pgle_profile(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env,
-                                       rows)
-        rows.append(kit_run(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env, variant=variant,
-                            more_args=more))
+            flags = _with_pgle_profile(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env, rows)
+        rows.append(kit_run(args, name or strategy, strategy, args.per_gpu_batch * n, flags, run_env, variant=variant, more_args=more))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("search", "collectives")}), flush=True)
     base = next((r["step_ms"] for r in rows if r["run"] == "1gpu" and "step_ms" in r), None)
     print(f"\n{n} x {kind}, {args.preset}, {args.per_gpu_batch} sequences per GPU")
-    print(f"{'run':28s} {'step ms':>8s} {'scaling':>8s} {'peak GB':>8s} {'est GB':>7s} {'MFU':>6s} "
-          f"{'comm':>6s} {'exposed':>8s} {'first s':>8s} {'end s':>7s}")
+    print(
+        f"{'run':28s} {'step ms':>8s} {'scaling':>8s} {'peak GB':>8s} {'est GB':>7s} {'MFU':>6s} "
+        f"{'comm':>6s} {'exposed':>8s} {'first s':>8s} {'end s':>7s}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['run']:28s} ERROR {r['error'][-300:]!r}")
@@ -237,12 +273,17 @@ def main() -> None:
 
         def f(v, fmt):
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
-        print(f"{r['run']:28s} {f(r['step_ms'], '8.2f')} {f(scaling, '8.3f')} {f(r.get('peak_gb'), '8.2f')} "
-              f"{f(r.get('estimate_gb'), '7.2f')} {f(r.get('mfu'), '6.3f')} {f(r.get('comm_share'), '6.3f')} "
-              f"{f(r.get('exposed_comm_share'), '8.3f')} {f(r.get('to_first_step_s'), '8.1f')} "
-              f"{f(r.get('to_end_s'), '7.1f')}")
-    print("saved", save_result("gpu_multi", args.out, {"preset": args.preset, "devices": n, "rows": rows,
-                                                         "per_gpu_batch": args.per_gpu_batch}))
+
+        print(
+            f"{r['run']:28s} {f(r['step_ms'], '8.2f')} {f(scaling, '8.3f')} {f(r.get('peak_gb'), '8.2f')} "
+            f"{f(r.get('estimate_gb'), '7.2f')} {f(r.get('mfu'), '6.3f')} {f(r.get('comm_share'), '6.3f')} "
+            f"{f(r.get('exposed_comm_share'), '8.3f')} {f(r.get('to_first_step_s'), '8.1f')} "
+            f"{f(r.get('to_end_s'), '7.1f')}"
+        )
+    print(
+        "saved",
+        save_result("gpu_multi", args.out, {"preset": args.preset, "devices": n, "rows": rows, "per_gpu_batch": args.per_gpu_batch}),
+    )
 
 
 if __name__ == "__main__":

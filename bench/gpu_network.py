@@ -12,6 +12,7 @@
 
 Prints what each phase found and saves OUT/gpu_network-<UTC time>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,7 @@ class QuietNodes(two.Cluster):
 
 
 def doctor(address: str, env: Dict[str, str], timeout_s: float) -> dict:
-    argv = [sys.executable, "-m", "alpa_job", "doctor", "--address", address, "--network", "--format", "json",
-            "--deadline", "90"]
+    argv = [sys.executable, "-m", "alpa_job", "doctor", "--address", address, "--network", "--format", "json", "--deadline", "90"]
     two.log("doctor: " + two.shown(argv))
     p = subprocess.run(argv, cwd=two.REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     try:
@@ -57,24 +57,66 @@ def doctor(address: str, env: Dict[str, str], timeout_s: float) -> dict:
         return {"rc": p.returncode, "error": (p.stdout + p.stderr)[-2000:]}
     network = result.get("network") or {}
     network_words = ("nccl", "all-reduce", "link", "network", "route", "transport")
-    checks = [c for c in result.get("checks", []) if not c.get("ok") or c.get("warn")
-              or any(w in (c.get("name") or "").lower() for w in network_words)]
-    found = {"rc": p.returncode, "links": network.get("links"), "all_reduce": network.get("all_reduce"),
-             "median_gbps": network.get("median_gbps"), "checks": checks}
-    two.log(f"doctor rc {p.returncode}: links {[(r.get('src'), r.get('dst'), r.get('gbps')) for r in found['links'] or []]}"
-            f"; all-reduce {found['all_reduce']}")
+    checks = [
+        c
+        for c in result.get("checks", [])
+        if not c.get("ok") or c.get("warn") or any(w in (c.get("name") or "").lower() for w in network_words)
+    ]
+    found = {
+        "rc": p.returncode,
+        "links": network.get("links"),
+        "all_reduce": network.get("all_reduce"),
+        "median_gbps": network.get("median_gbps"),
+        "checks": checks,
+    }
+    two.log(
+        f"doctor rc {p.returncode}: links {[(r.get('src'), r.get('dst'), r.get('gbps')) for r in found['links'] or []]}"
+        f"; all-reduce {found['all_reduce']}"
+    )
     for c in checks:
-        two.log(f"  {'ok' if c.get('ok') else 'FAIL'} {c.get('name')} {c.get('node') or ''}: "
-                f"{(c.get('detail') or '')[:200]}")
+        two.log(f"  {'ok' if c.get('ok') else 'FAIL'} {c.get('name')} {c.get('node') or ''}: {(c.get('detail') or '')[:200]}")
     return found
 
 
 def train(cluster, args, out: str, steps: int, env: Dict[str, str], deadline: two.Deadline) -> dict:
-    argv = [sys.executable, "-m", "alpa_job", "train", "--address", cluster.address, "--model", "gpt",
-            "--num-layers", "6", "--d-model", "1024", "--num-heads", "16", "--seq-len", "1024",
-            "--vocab-size", "32768", "--dtype", "bfloat16", "--batch-size", "16", "--num-samples", "256",
-            "--epochs", str(steps // 8 + 2), "--steps", str(steps), "--strategy", "data", "--out", out,
-            "--progress-every", "25", "--compile-cache", "none"]
+    argv = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--address",
+        cluster.address,
+        "--model",
+        "gpt",
+        "--num-layers",
+        "6",
+        "--d-model",
+        "1024",
+        "--num-heads",
+        "16",
+        "--seq-len",
+        "1024",
+        "--vocab-size",
+        "32768",
+        "--dtype",
+        "bfloat16",
+        "--batch-size",
+        "16",
+        "--num-samples",
+        "256",
+        "--epochs",
+        str(steps // 8 + 2),
+        "--steps",
+        str(steps),
+        "--strategy",
+        "data",
+        "--out",
+        out,
+        "--progress-every",
+        "25",
+        "--compile-cache",
+        "none",
+    ]
     two.log("train: " + two.shown(argv))
     driver = two.Driver(argv, env)
     rc = driver.wait(deadline.phase())
@@ -84,12 +126,13 @@ def train(cluster, args, out: str, steps: int, env: Dict[str, str], deadline: tw
         return found
     report = json.loads(open(os.path.join(out, "report.json")).read())
     steady = (report.get("timing") or {}).get("steady_step") or {}
-    found.update(network_measured=report.get("network_measured"),
-                 nccl=[p.get("nccl") and {k: p["nccl"][k] for k in ("transports", "channels", "verdicts")}
-                       for p in report["processes"]],
-                 stragglers={k: (report.get("stragglers") or {}).get(k) for k in ("latest", "events", "slow_now")},
-                 step_ms=round(steady["median_s"] * 1e3, 2) if steady.get("median_s") else None,
-                 lines=[t for t in driver.tail(60) if "straggler" in t or "network:" in t or "slow:" in t])
+    found.update(
+        network_measured=report.get("network_measured"),
+        nccl=[p.get("nccl") and {k: p["nccl"][k] for k in ("transports", "channels", "verdicts")} for p in report["processes"]],
+        stragglers={k: (report.get("stragglers") or {}).get(k) for k in ("latest", "events", "slow_now")},
+        step_ms=round(steady["median_s"] * 1e3, 2) if steady.get("median_s") else None,
+        lines=[t for t in driver.tail(60) if "straggler" in t or "network:" in t or "slow:" in t],
+    )
     two.log(f"train: step {found['step_ms']} ms; network {found['network_measured']}; nccl {found['nccl']}")
     two.log(f"  stragglers {found['stragglers']}")
     for line in found["lines"]:
@@ -102,9 +145,25 @@ def one_node(args, env: Dict[str, str], scratch: str, deadline: two.Deadline) ->
     tag = "tw2n-one-" + str(os.getpid())
     node_env = dict(env, CUDA_VISIBLE_DEVICES="0,1", **{two.TAG_VAR: tag})
     port = args.port + 7
-    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address", "127.0.0.1",
-            "--port", str(port), "--temp-dir", os.path.join(scratch, "ray-one"), "--include-dashboard=false",
-            "--num-cpus", "8", "--num-gpus", "2", "--disable-usage-stats"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--temp-dir",
+        os.path.join(scratch, "ray-one"),
+        "--include-dashboard=false",
+        "--num-cpus",
+        "8",
+        "--num-gpus",
+        "2",
+        "--disable-usage-stats",
+    ]
     p = subprocess.run(argv, env=node_env, capture_output=True, text=True, timeout=deadline.phase())
     if p.returncode != 0:
         return {"error": (p.stdout + p.stderr)[-1500:]}
@@ -137,11 +196,12 @@ def main() -> int:
         cluster.start(deadline)
         result["two_nodes_doctor"] = doctor(cluster.address, env, deadline.phase())
         result["two_nodes_train"] = train(cluster, args, os.path.join(scratch, "clean"), args.steps, env, deadline)
-        hog = subprocess.Popen([sys.executable, "-c", HOG.format(seconds=int(deadline.left()))],
-                               env=dict(env, CUDA_VISIBLE_DEVICES="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.1"))
+        hog = subprocess.Popen(
+            [sys.executable, "-c", HOG.format(seconds=int(deadline.left()))],
+            env=dict(env, CUDA_VISIBLE_DEVICES="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.1"),
+        )
         time.sleep(8)  # its compile done: node B's GPU is shared from the first step on
-        result["two_nodes_train_gpu1_busy"] = train(cluster, args, os.path.join(scratch, "busy"), args.steps, env,
-                                                    deadline)
+        result["two_nodes_train_gpu1_busy"] = train(cluster, args, os.path.join(scratch, "busy"), args.steps, env, deadline)
     except (two.Failed, subprocess.TimeoutExpired) as err:
         result["error"] = str(err)
         two.log(f"FAILED: {err}")

@@ -14,6 +14,7 @@ schedule or transport can hide; an unchanged clock says SMs or memory were taken
 
   python3 bench/gpu_overlap.py [--gradient-gb 2.5] [--chunks 24] [--matmuls 60] [--size 8192] [--random-inputs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,6 +67,7 @@ def make_step(mesh, matmuls: int, exchange, with_compute: bool):
         if with_compute:
             return body(x, w, grads, matmuls, exchange)
         return x, [exchange(g) for g in grads]
+
     spec = P("d")
     mapped = shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec))
     return jax.jit(mapped)
@@ -75,8 +77,7 @@ class ClockSampler:
     """Mean SM clock (MHz) and power draw (W) of the GPUs while the block runs, from nvidia-smi every
     50 ms; empty where nvidia-smi is missing."""
 
-    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
-             "-lms", "50"]
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits", "-lms", "50"]
 
     def __enter__(self):
         try:
@@ -98,9 +99,11 @@ class ClockSampler:
             except ValueError:
                 continue
         if samples:
-            self.result = {"sm_mhz": round(statistics.mean(s[0] for s in samples)),
-                           "power_w": round(statistics.mean(s[1] for s in samples)),
-                           "power_limit_w": round(max(s[2] for s in samples))}
+            self.result = {
+                "sm_mhz": round(statistics.mean(s[0] for s in samples)),
+                "power_w": round(statistics.mean(s[1] for s in samples)),
+                "power_limit_w": round(max(s[2] for s in samples)),
+            }
 
 
 def time_step(step, args, repeats: int):
@@ -123,48 +126,55 @@ def main() -> None:
     parser.add_argument("--matmuls", type=int, default=60)
     parser.add_argument("--size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--random-inputs", action="store_true",
-                        help="normal random matmul inputs (a model's power draw) instead of constants")
+    parser.add_argument(
+        "--random-inputs", action="store_true", help="normal random matmul inputs (a model's power draw) instead of constants"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args()
 
     devices = jax.devices()[:2]
     mesh = Mesh(np.array(devices), ("d",))
     n = len(devices)
-    per_chunk = int(args.gradient_gb * 2 ** 30 / 2 / args.chunks) // 2 * 2
+    per_chunk = int(args.gradient_gb * 2**30 / 2 / args.chunks) // 2 * 2
     if args.random_inputs:
         keys = jax.random.split(jax.random.PRNGKey(0))
         x = jax.random.normal(keys[0], (n * args.size, args.size), jnp.bfloat16)
-        w = jax.random.normal(keys[1], (n * args.size, args.size), jnp.bfloat16) / args.size ** 0.5
+        w = jax.random.normal(keys[1], (n * args.size, args.size), jnp.bfloat16) / args.size**0.5
     else:
         x = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.01
         w = jnp.ones((n * args.size, args.size), jnp.bfloat16) * 0.001
     grads = [jnp.ones((n * per_chunk,), jnp.bfloat16) for _ in range(args.chunks)]
+
     def put(a):
         return jax.device_put(a, jax.sharding.NamedSharding(mesh, P("d")))
 
     x, w, grads = put(x), put(w), [put(g) for g in grads]
 
     rows = []
-    for name, exchange, with_compute in (("matmuls alone", None, True),
-                                         ("psum alone", exchange_psum, False),
-                                         ("ppermute alone", exchange_ppermute, False),
-                                         ("matmuls + psum", exchange_psum, True),
-                                         ("matmuls + ppermute", exchange_ppermute, True)):
+    for name, exchange, with_compute in (
+        ("matmuls alone", None, True),
+        ("psum alone", exchange_psum, False),
+        ("ppermute alone", exchange_ppermute, False),
+        ("matmuls + psum", exchange_psum, True),
+        ("matmuls + ppermute", exchange_ppermute, True),
+    ):
         step = make_step(mesh, args.matmuls, exchange, with_compute)
         seconds, clocks = time_step(step, (x, w, grads), args.repeats)
         rows.append({"run": name, "ms": round(seconds * 1e3, 2), **clocks})
         print(rows[-1], flush=True)
     alone = rows[0]["ms"]
-    print(f"\n{n} x {devices[0].device_kind}, {args.gradient_gb} GB bf16 in {args.chunks} chunks, "
-          f"{args.matmuls} matmuls of {args.size}^3; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(
+        f"\n{n} x {devices[0].device_kind}, {args.gradient_gb} GB bf16 in {args.chunks} chunks, "
+        f"{args.matmuls} matmuls of {args.size}^3; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+    )
     print(f"{'run':22s} {'ms':>8s} {'cost ms':>8s} {'SM MHz':>7s} {'W':>5s} {'limit W':>8s}")
     for r in rows:
         r["cost_ms"] = round(r["ms"] - alone, 2) if r["run"].startswith("matmuls +") else None
-        print(f"{r['run']:22s} {r['ms']:8.2f} {r['cost_ms'] if r['cost_ms'] is not None else '-':>8} "
-              f"{r.get('sm_mhz', '-'):>7} {r.get('power_w', '-'):>5} {r.get('power_limit_w', '-'):>8}")
-    print("saved", save_result("gpu_overlap", args.out, {"rows": rows, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                                                        "args": vars(args)}))
+        print(
+            f"{r['run']:22s} {r['ms']:8.2f} {r['cost_ms'] if r['cost_ms'] is not None else '-':>8} "
+            f"{r.get('sm_mhz', '-'):>7} {r.get('power_w', '-'):>5} {r.get('power_limit_w', '-'):>8}"
+        )
+    print("saved", save_result("gpu_overlap", args.out, {"rows": rows, "xla_flags": os.environ.get("XLA_FLAGS", ""), "args": vars(args)}))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ HIGHEST (true fp32 FMAs). fp8 multiplies e4m3 operands into a bfloat16 result, a
 
     python3 bench/gpu_peaks.py --size 8192
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ def rate(size: int, kind: str, repeats: int) -> float:
         start = time.perf_counter()
         fn(a, b).block_until_ready()
         times.append(time.perf_counter() - start)
-    return 2.0 * size ** 3 / statistics.median(times)
+    return 2.0 * size**3 / statistics.median(times)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ embedding), so the two do the same FLOPs; the bench asserts the counts match.
 
 No kit imports: this file is the yardstick, not the thing measured.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -32,18 +33,23 @@ def init_params(rng, num_layers: int, d_model: int, vocab_size: int, seq_len: in
 
     layers = []
     for _ in range(num_layers):
-        layers.append({
-            "ln1": ln(), "ln2": ln(),
-            # q, k and v's projections as one [d, 3, heads, head_dim] weight: the product splits by
-            # indexing, not jnp.split of a [.., 3d] output (whose backward concatenates dq, dk, dv).
-            "w_qkv": normal((d_model, 3, num_heads, d_model // num_heads)),
-            "b_qkv": jnp.zeros((3, num_heads, d_model // num_heads), jnp.float32),
-            "w_out": normal((d_model, d_model)), "b_out": jnp.zeros((d_model,), jnp.float32),
-            "w_up": normal((d_model, 4 * d_model)), "b_up": jnp.zeros((4 * d_model,), jnp.float32),
-            "w_down": normal((4 * d_model, d_model)), "b_down": jnp.zeros((d_model,), jnp.float32),
-        })
-    return {"wte": normal((vocab_size, d_model)), "wpe": normal((seq_len, d_model)), "layers": layers,
-            "ln_f": ln()}
+        layers.append(
+            {
+                "ln1": ln(),
+                "ln2": ln(),
+                # q, k and v's projections as one [d, 3, heads, head_dim] weight: the product splits by
+                # indexing, not jnp.split of a [.., 3d] output (whose backward concatenates dq, dk, dv).
+                "w_qkv": normal((d_model, 3, num_heads, d_model // num_heads)),
+                "b_qkv": jnp.zeros((3, num_heads, d_model // num_heads), jnp.float32),
+                "w_out": normal((d_model, d_model)),
+                "b_out": jnp.zeros((d_model,), jnp.float32),
+                "w_up": normal((d_model, 4 * d_model)),
+                "b_up": jnp.zeros((4 * d_model,), jnp.float32),
+                "w_down": normal((4 * d_model, d_model)),
+                "b_down": jnp.zeros((d_model,), jnp.float32),
+            }
+        )
+    return {"wte": normal((vocab_size, d_model)), "wpe": normal((seq_len, d_model)), "layers": layers, "ln_f": ln()}
 
 
 def layer_norm(x, p, eps: float = 1e-6):
@@ -65,8 +71,7 @@ def forward(params, tokens, num_heads: int):
     x = (params["wte"][tokens] + params["wpe"][:seq]).astype(COMPUTE)
     d_model = x.shape[-1]
     for p in params["layers"]:
-        qkv = jnp.einsum("bsd,dthk->bsthk", layer_norm(x, p["ln1"]), p["w_qkv"].astype(COMPUTE)) \
-            + p["b_qkv"].astype(COMPUTE)
+        qkv = jnp.einsum("bsd,dthk->bsthk", layer_norm(x, p["ln1"]), p["w_qkv"].astype(COMPUTE)) + p["b_qkv"].astype(COMPUTE)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=ATTENTION)
         x = x + dense(a.reshape(batch, seq, d_model), p["w_out"], p["b_out"])
@@ -84,6 +89,7 @@ def loss_fn(params, tokens, num_heads: int):
 
 def train_step(tx, num_heads: int):
     """(params, opt_state, tokens) -> (params, opt_state, loss): the peer's step, before jit."""
+
     def step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, num_heads)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -92,8 +98,7 @@ def train_step(tx, num_heads: int):
     return step
 
 
-def make_loop(num_layers: int, d_model: int, num_heads: int, vocab_size: int, seq_len: int,
-              learning_rate: float, tokens):
+def make_loop(num_layers: int, d_model: int, num_heads: int, vocab_size: int, seq_len: int, learning_rate: float, tokens):
     """(run(n) -> last loss, [state] (a one-item list the caller may park on the host), n_params,
     compiled step) for the batch `tokens` [B, seq_len + 1]."""
     params = init_params(jax.random.PRNGKey(0), num_layers, d_model, vocab_size, seq_len, num_heads)

@@ -17,6 +17,7 @@ Variants (cumulative unless said):
   product     the kit's GPT as it is
   mubf16      product with Adam's first moment in bf16 (a numerics change: an option, not a default)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,21 +65,28 @@ class _Attention(nn.Module):
         d_model = x.shape[-1]
         head_dim = d_model // self.num_heads
         if self.split_qkv:
-            kernel = self.param("qkv_kernel", logical(_normal, (EMBED, None, HEADS, KV)),
-                                (d_model, 3, self.num_heads, head_dim))
-            bias = self.param("qkv_bias", logical(nn.initializers.zeros, (None, HEADS, KV)),
-                              (3, self.num_heads, head_dim))
+            kernel = self.param("qkv_kernel", logical(_normal, (EMBED, None, HEADS, KV)), (d_model, 3, self.num_heads, head_dim))
+            bias = self.param("qkv_bias", logical(nn.initializers.zeros, (None, HEADS, KV)), (3, self.num_heads, head_dim))
             xc, kc, bc = x.astype(self.dtype), kernel.astype(self.dtype), bias.astype(self.dtype)
             q, k, v = (jnp.einsum("bse,ehd->bshd", xc, kc[:, i]) + bc[i] for i in range(3))
         else:
-            qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype, name="qkv",
-                                  kernel_init=logical(_normal, (EMBED, None, HEADS, KV)),
-                                  bias_init=logical(nn.initializers.zeros, (None, HEADS, KV)))(x)
+            qkv = nn.DenseGeneral(
+                (3, self.num_heads, head_dim),
+                dtype=self.dtype,
+                name="qkv",
+                kernel_init=logical(_normal, (EMBED, None, HEADS, KV)),
+                bias_init=logical(nn.initializers.zeros, (None, HEADS, KV)),
+            )(x)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         out = causal_attention(q, k, v, "auto")
-        return nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, name="out",
-                               kernel_init=logical(_normal, (HEADS, KV, EMBED)),
-                               bias_init=logical(nn.initializers.zeros, (EMBED,)))(out)
+        return nn.DenseGeneral(
+            d_model,
+            axis=(-2, -1),
+            dtype=self.dtype,
+            name="out",
+            kernel_init=logical(_normal, (HEADS, KV, EMBED)),
+            bias_init=logical(nn.initializers.zeros, (EMBED,)),
+        )(out)
 
 
 class _Block(nn.Module):
@@ -90,15 +98,18 @@ class _Block(nn.Module):
     def __call__(self, x):
         x = x + _Attention(self.num_heads, self.dtype, self.split_qkv)(_layer_norm(self.dtype)(x))
         d = x.shape[-1]
-        y = nn.Dense(4 * d, dtype=self.dtype, kernel_init=logical(_normal, (EMBED, MLP)),
-                     bias_init=logical(nn.initializers.zeros, (MLP,)))(_layer_norm(self.dtype)(x))
-        y = nn.Dense(d, dtype=self.dtype, kernel_init=logical(_normal, (MLP, EMBED)),
-                     bias_init=logical(nn.initializers.zeros, (EMBED,)))(nn.gelu(y))
+        y = nn.Dense(4 * d, dtype=self.dtype, kernel_init=logical(_normal, (EMBED, MLP)), bias_init=logical(nn.initializers.zeros, (MLP,)))(
+            _layer_norm(self.dtype)(x)
+        )
+        y = nn.Dense(d, dtype=self.dtype, kernel_init=logical(_normal, (MLP, EMBED)), bias_init=logical(nn.initializers.zeros, (EMBED,)))(
+            nn.gelu(y)
+        )
         return x + y
 
 
 class AblationGPT(nn.Module):
     """The kit's GPT (same parameters) with the policy choices as switches."""
+
     num_layers: int
     d_model: int
     num_heads: int
@@ -131,17 +142,21 @@ class OptionsEngine(JaxEngine):
     compiler_options: dict = {}
 
     def compile(self):
-        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
-                          for k, v in self._example.items()}
-        jitted = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                         out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
-                         donate_argnums=(0,), compiler_options=self.compiler_options or None)
+        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in self._example.items()}
+        jitted = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
+            donate_argnums=(0,),
+            compiler_options=self.compiler_options or None,
+        )
         start = time.perf_counter()
         self._compiled = jitted.lower(self.abstract_state, abstract_batch).compile()
         self._jitted = jitted
         self.stats.compile_seconds += time.perf_counter() - start
         self.stats.compiles += 1
         from alpa_job.record.jax_program import memory_analysis
+
         self.stats.memory = memory_analysis(self._compiled)
         return self.stats
 
@@ -166,8 +181,7 @@ def build_engine(name: str, config, spec: ModelSpec, batch):
 def variant_spec(name: str, config, base: ModelSpec):
     """(ModelSpec, compiler options) for a variant name."""
     m = SimpleNamespace(**config.model_args)
-    kw = dict(num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads,
-              seq_len=m.seq_len, vocab_size=m.vocab_size)
+    kw = dict(num_layers=m.num_layers, d_model=m.d_model, num_heads=m.num_heads, seq_len=m.seq_len, vocab_size=m.vocab_size)
     options = {}
     if name in ("product", "mubf16"):  # whatever alpa_job/models/gpt.py and the shared loss do now
         return base, options
@@ -203,10 +217,10 @@ def main() -> None:
     m = SimpleNamespace(**config.model_args)
     t0 = time.perf_counter()
     peer_run, peer_holder, n_params, peer_compiled = gpu_peer.make_loop(
-        m.num_layers, m.d_model, m.num_heads, m.vocab_size, m.seq_len, 1e-4, batch["tokens"])
+        m.num_layers, m.d_model, m.num_heads, m.vocab_size, m.seq_len, 1e-4, batch["tokens"]
+    )
     peer_mem = peer_compiled.memory_analysis()
-    print(f"# peer compiled in {time.perf_counter() - t0:.1f}s, temp {peer_mem.temp_size_in_bytes / 1e9:.2f} GB",
-          flush=True)
+    print(f"# peer compiled in {time.perf_counter() - t0:.1f}s, temp {peer_mem.temp_size_in_bytes / 1e9:.2f} GB", flush=True)
     flops = gpt_flops(n_params, config.batch_size, m.seq_len, m.num_layers, m.d_model)
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, f"gpu_ablation_{args.model}.jsonl")
@@ -225,9 +239,11 @@ def main() -> None:
             if layout not in initial:
                 initial[layout] = [engine.init_state(0)]
                 park(initial[layout])
-            holder = [jax.tree_util.tree_map(  # a fresh copy, parked like the peer's state
-                lambda x: jax.device_put(x, x.sharding, may_alias=False) if isinstance(x, jax.Array) else x,
-                initial[layout][0])]
+            holder = [
+                jax.tree_util.tree_map(  # a fresh copy, parked like the peer's state
+                    lambda x: jax.device_put(x, x.sharding, may_alias=False) if isinstance(x, jax.Array) else x, initial[layout][0]
+                )
+            ]
             device_batch = engine.put_batch(batch)
 
             def kit_run(n, engine=engine, holder=holder, device_batch=device_batch):
@@ -246,14 +262,19 @@ def main() -> None:
                 peer.time(args.steps, parked=True)
                 kit.time(args.steps, parked=True)
             p, k = peer.median_s, kit.median_s
-            row.update(peer_ms=round(p * 1e3, 2), kit_ms=round(k * 1e3, 2), kit_vs_peer=round(p / k, 3),
-                       kit_mfu=round(flops / k / 1e12 / args.peak_tflops, 3),
-                       peer_mfu=round(flops / p / 1e12 / args.peak_tflops, 3),
-                       peer_samples_ms=[round(x * 1e3, 2) for x in peer.samples],
-                       kit_samples_ms=[round(x * 1e3, 2) for x in kit.samples],
-                       compile_s=round(engine.stats.compile_seconds, 1), build_s=round(build_s, 1),
-                       kit_temp_gb=round(engine.stats.memory["temp_size_in_bytes"] / 1e9, 2),
-                       peer_temp_gb=round(peer_mem.temp_size_in_bytes / 1e9, 2))
+            row.update(
+                peer_ms=round(p * 1e3, 2),
+                kit_ms=round(k * 1e3, 2),
+                kit_vs_peer=round(p / k, 3),
+                kit_mfu=round(flops / k / 1e12 / args.peak_tflops, 3),
+                peer_mfu=round(flops / p / 1e12 / args.peak_tflops, 3),
+                peer_samples_ms=[round(x * 1e3, 2) for x in peer.samples],
+                kit_samples_ms=[round(x * 1e3, 2) for x in kit.samples],
+                compile_s=round(engine.stats.compile_seconds, 1),
+                build_s=round(build_s, 1),
+                kit_temp_gb=round(engine.stats.memory["temp_size_in_bytes"] / 1e9, 2),
+                peer_temp_gb=round(peer_mem.temp_size_in_bytes / 1e9, 2),
+            )
             del engine, kit, kit_run, device_batch, holder
         except Exception as e:  # noqa: BLE001 - an unknown XLA option must not end the campaign
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -261,15 +282,20 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         results.append_row(out_path, row)
-    print(f"\n{args.model} ({jax.devices()[0].device_kind}, jax {jax.__version__}), params {n_params}, "
-          f"{args.repeats}x{args.steps} steps alternating")
+    print(
+        f"\n{args.model} ({jax.devices()[0].device_kind}, jax {jax.__version__}), params {n_params}, "
+        f"{args.repeats}x{args.steps} steps alternating"
+    )
     print(f"{'variant':28s} {'peer ms':>8s} {'kit ms':>8s} {'kit/peer':>8s} {'MFU':>6s} {'temp GB':>8s} {'peer tmp':>8s}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:28s} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['variant']:28s} {r['peer_ms']:8.2f} {r['kit_ms']:8.2f} {r['kit_vs_peer']:8.3f} "
-                  f"{r['kit_mfu']:6.3f} {r['kit_temp_gb']:8.2f} {r['peer_temp_gb']:8.2f}")
+            print(
+                f"{r['variant']:28s} {r['peer_ms']:8.2f} {r['kit_ms']:8.2f} {r['kit_vs_peer']:8.3f} "
+                f"{r['kit_mfu']:6.3f} {r['kit_temp_gb']:8.2f} {r['peer_temp_gb']:8.2f}"
+            )
+
 
 if __name__ == "__main__":
     main()

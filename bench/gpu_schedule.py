@@ -12,6 +12,7 @@ Python that runs it; no GPU, no driver. Every XLA flag in $XLA_FLAGS applies, as
 
     python3 bench/gpu_schedule.py --strategy data [--data-update replicated] [--case gpt24] [--dump FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ runtime_version { major: 13 minor: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
+
 def entry_schedule(hlo_text: str):
     """(name, shape, opcode, operands and attributes) of each instruction of the entry computation, in the
     order they run."""
@@ -50,8 +52,9 @@ def entry_schedule(hlo_text: str):
 
 
 def is_matmul(opcode: str, rest: str) -> bool:
-    return (opcode == "fusion" and ("gemm" in rest or "kind=kCustom" in rest)) or \
-        (opcode == "custom-call" and ("__cublas" in rest or "__cudnn" in rest))
+    return (opcode == "fusion" and ("gemm" in rest or "kind=kCustom" in rest)) or (
+        opcode == "custom-call" and ("__cublas" in rest or "__cudnn" in rest)
+    )
 
 
 def overlap_report(hlo_text: str) -> dict:
@@ -76,13 +79,15 @@ def overlap_report(hlo_text: str) -> dict:
         if not pairs:
             continue
         hidden = sorted(sum(1 for m in matmuls if a < m < b) for a, b, _ in pairs)
-        report[kind] = {"count": len(pairs), "bytes": sum(shape_bytes(shape) for _, _, shape in pairs),
-                        "matmuls_beside_each_median": hidden[len(hidden) // 2],
-                        "with_no_matmul_beside": hidden.count(0),
-                        "bytes_after_last_matmul": sum(shape_bytes(shape) for _, b, shape in pairs if b > last),
-                        "bytes_before_first_matmul": sum(shape_bytes(shape) for _, b, shape in pairs if b < first),
-                        "dtypes": sorted({d for _, _, shape in pairs
-                                          for d in re.findall(r"([a-z][a-z0-9]*)\[", shape)})}
+        report[kind] = {
+            "count": len(pairs),
+            "bytes": sum(shape_bytes(shape) for _, _, shape in pairs),
+            "matmuls_beside_each_median": hidden[len(hidden) // 2],
+            "with_no_matmul_beside": hidden.count(0),
+            "bytes_after_last_matmul": sum(shape_bytes(shape) for _, b, shape in pairs if b > last),
+            "bytes_before_first_matmul": sum(shape_bytes(shape) for _, b, shape in pairs if b < first),
+            "dtypes": sorted({d for _, _, shape in pairs for d in re.findall(r"([a-z][a-z0-9]*)\[", shape)}),
+        }
     return report
 
 
@@ -107,14 +112,12 @@ def main() -> None:
     from gpu_common import GPT_CASES, gpt_case
     from lib.results import save_result
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET,
-                                            topology=f"1x1x{args.devices}")
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET, topology=f"1x1x{args.devices}")
     jax_engine.make_mesh = lambda shape: topologies.make_mesh(topology, shape, MESH_AXES)
     memory_fit.check_state_fits = lambda *a, **k: None  # it reads the local devices' memory: there are none
     mesh = (args.devices, 1) if args.strategy in ("data", "fsdp") else (1, args.devices)
     rows = GPT_CASES[args.case]["batch_size"] * args.devices
-    config, model, batch = gpt_case(args.case, batch_size=rows, num_samples=rows, compile_cache="none",
-                                    data_update=args.data_update)
+    config, model, batch = gpt_case(args.case, batch_size=rows, num_samples=rows, compile_cache="none", data_update=args.data_update)
     engine = jax_engine.JaxEngine(config, model, batch, args.strategy, mesh)
     start = time.perf_counter()
     _jitted, lowered = engine._lower("train_step", engine._abstract_batch())
@@ -127,22 +130,41 @@ def main() -> None:
             f.write(hlo_text)
     report = overlap_report(hlo_text)
     peak_gb, state_gb = (memory.get(k, 0) / 1e9 for k in ("peak_estimate_bytes", "argument_size_in_bytes"))
-    print(f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} "
-          f"({args.data_update} update), XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
-          f"{report['matmuls']} matmuls; XLA's peak estimate {peak_gb:.2f} GB a GPU (state {state_gb:.2f} GB)")
-    print(f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
-          f"{'none beside':>12s} {'GB before first matmul':>23s} {'GB after last matmul':>21s}")
+    print(
+        f"{args.devices} x H100 (compiled here in {seconds} s), {args.case}, {args.strategy} "
+        f"({args.data_update} update), XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+        f"{report['matmuls']} matmuls; XLA's peak estimate {peak_gb:.2f} GB a GPU (state {state_gb:.2f} GB)"
+    )
+    print(
+        f"{'collective':16s} {'count':>6s} {'GB':>7s} {'dtypes':>10s} {'matmuls beside (median)':>24s} "
+        f"{'none beside':>12s} {'GB before first matmul':>23s} {'GB after last matmul':>21s}"
+    )
     for kind in hlo.COLLECTIVE_KINDS:
         if kind in report:
             r = report[kind]
-            print(f"{kind:16s} {r['count']:6d} {r['bytes'] / 1e9:7.2f} {','.join(r['dtypes']):>10s} "
-                  f"{r['matmuls_beside_each_median']:24d} {r['with_no_matmul_beside']:12d} "
-                  f"{r['bytes_before_first_matmul'] / 1e9:23.2f} {r['bytes_after_last_matmul'] / 1e9:21.2f}")
+            print(
+                f"{kind:16s} {r['count']:6d} {r['bytes'] / 1e9:7.2f} {','.join(r['dtypes']):>10s} "
+                f"{r['matmuls_beside_each_median']:24d} {r['with_no_matmul_beside']:12d} "
+                f"{r['bytes_before_first_matmul'] / 1e9:23.2f} {r['bytes_after_last_matmul'] / 1e9:21.2f}"
+            )
     print(json.dumps(report))
-    print("saved", save_result("gpu_schedule", args.out, {
-        "target": "2 x H100 (deviceless compile)", "case": args.case, "strategy": args.strategy,
-        "data_update": args.data_update, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "compile_s": seconds, "memory": memory, "report": report}))
+    print(
+        "saved",
+        save_result(
+            "gpu_schedule",
+            args.out,
+            {
+                "target": "2 x H100 (deviceless compile)",
+                "case": args.case,
+                "strategy": args.strategy,
+                "data_update": args.data_update,
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "compile_s": seconds,
+                "memory": memory,
+                "report": report,
+            },
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ stand clear of.
 
     python3 bench/gpu_straggler_probe.py --case gpt12 --blocks 6 --block-steps 100
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,27 +61,33 @@ def main() -> None:
             # The wall time a step took with the watch's rhythm (its wait and probe included)
             step_s[kind].append((time.perf_counter() - started) / args.block_steps)
     per_window = max(1, math.ceil(WINDOW_STEPS / args.every))
-    windows = [statistics.median(rounds[i:i + per_window]) for i in range(0, len(rounds) - per_window + 1)]
+    windows = [statistics.median(rounds[i : i + per_window]) for i in range(0, len(rounds) - per_window + 1)]
     median_probe = statistics.median(rounds)
     log_steps = [abs(math.log(b / a)) for a, b in zip(rounds, rounds[1:])]
     result = {
-        "case": args.case, "every": args.every, "probe": GPU_PROBE, "dtype": config.dtype,
+        "case": args.case,
+        "every": args.every,
+        "probe": GPU_PROBE,
+        "dtype": config.dtype,
         "step_ms_plain": round(statistics.median(step_s["plain"]) * 1e3, 3),
         "step_ms_with_watch": round(statistics.median(step_s["probe"]) * 1e3, 3),
         "probe_ms_median": round(median_probe * 1e3, 4),
-        "probe_ms_p10_p90": [round(sorted(rounds)[int(0.1 * len(rounds))] * 1e3, 4),
-                             round(sorted(rounds)[int(0.9 * len(rounds))] * 1e3, 4)],
+        "probe_ms_p10_p90": [
+            round(sorted(rounds)[int(0.1 * len(rounds))] * 1e3, 4),
+            round(sorted(rounds)[int(0.9 * len(rounds))] * 1e3, 4),
+        ],
         "round_to_round_change_median": round(statistics.median(log_steps), 4),
         "window_median_spread": [round(min(windows) / median_probe, 4), round(max(windows) / median_probe, 4)],
         "rounds": len(rounds),
     }
     result["overhead"] = round(result["step_ms_with_watch"] / result["step_ms_plain"] - 1, 4)
-    print(f"{'case':8} {'step ms':>9} {'+watch':>9} {'overhead':>9} {'probe ms':>9} {'p10-p90':>15} "
-          f"{'50-step window / median':>24}")
-    print(f"{args.case:8} {result['step_ms_plain']:9.2f} {result['step_ms_with_watch']:9.2f} "
-          f"{result['overhead'] * 100:8.2f}% {result['probe_ms_median']:9.3f} "
-          f"{result['probe_ms_p10_p90'][0]:7.3f}-{result['probe_ms_p10_p90'][1]:<7.3f} "
-          f"{result['window_median_spread'][0]:11.4f}-{result['window_median_spread'][1]:.4f}")
+    print(f"{'case':8} {'step ms':>9} {'+watch':>9} {'overhead':>9} {'probe ms':>9} {'p10-p90':>15} {'50-step window / median':>24}")
+    print(
+        f"{args.case:8} {result['step_ms_plain']:9.2f} {result['step_ms_with_watch']:9.2f} "
+        f"{result['overhead'] * 100:8.2f}% {result['probe_ms_median']:9.3f} "
+        f"{result['probe_ms_p10_p90'][0]:7.3f}-{result['probe_ms_p10_p90'][1]:<7.3f} "
+        f"{result['window_median_spread'][0]:11.4f}-{result['window_median_spread'][1]:.4f}"
+    )
     print("saved", save_result("gpu_straggler_probe", args.out, result))
 
 

@@ -25,6 +25,7 @@ ray-slim.tar.xz and the jsonschema wheels) is unpacked into a temporary site fol
 Prints one table and saves OUT/gpu_two_nodes-<UTC time>.json (OUT: --out, else $OUT, else bench/results)
 with the commands, the nodes, each run's report numbers and the tail of its driver output.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,13 @@ from lib import results
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG_VAR = "GPU_TWO_NODES_TAG"  # every process a node starts inherits it: how they are found and stopped
 NODE_B_IP = "127.0.0.2"
-NCCL_OVER_SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
-                     "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}
+NCCL_OVER_SOCKETS = {
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_NVLS_ENABLE": "0",
+}
 # Nodes of several GPUs: each node a host of its own to NCCL (its own NCCL_HOSTID), so its GPUs talk over
 # NVLink (P2P) within it and over sockets to the other node's, as two hosts without InfiniBand would.
 TWO_HOSTS = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}
@@ -113,12 +119,14 @@ def ensure_ray(whl: Optional[str], env: Dict[str, str]) -> Optional[str]:
         with tarfile.open(bundle, "r:xz") as tar:
             tar.extractall(site, filter="tar") if sys.version_info >= (3, 12) else tar.extractall(site)
     if wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site,
-                        *wheels], check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, *wheels], check=True, timeout=300
+        )
     env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PATH"] = os.pathsep.join([os.path.join(site, "bin"), env.get("PATH", "")])
-    check = subprocess.run([sys.executable, "-c", "import ray; print(ray.__version__)"], env=env,
-                           capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [sys.executable, "-c", "import ray; print(ray.__version__)"], env=env, capture_output=True, text=True, timeout=120
+    )
     if check.returncode != 0:
         raise Failed(f"Ray unpacked into {site} does not import: {check.stderr.strip().splitlines()[-1:]}")
     log(f"Ray {check.stdout.strip()} unpacked into {site} in {time.monotonic() - start:.1f} s")
@@ -208,8 +216,7 @@ class Cluster:
         if not self.args.cpu:
             per_node = self.args.gpus_per_node
             first = 0 if which == "a" else per_node
-            env.update(NCCL_DEBUG, CUDA_VISIBLE_DEVICES=",".join(str(first + i) for i in range(per_node)),
-                       NCCL_NVLS_ENABLE="0")
+            env.update(NCCL_DEBUG, CUDA_VISIBLE_DEVICES=",".join(str(first + i) for i in range(per_node)), NCCL_NVLS_ENABLE="0")
             if self.sockets:
                 env.update(NCCL_OVER_SOCKETS if per_node == 1 else dict(TWO_HOSTS, NCCL_HOSTID=f"{self.tag}-{which}"))
         return env
@@ -218,35 +225,56 @@ class Cluster:
         per_node = ["--num-cpus", str(self.args.num_cpus), "--disable-usage-stats"]
         if not self.args.cpu:
             per_node += ["--num-gpus", str(self.args.gpus_per_node)]
-        head = self.ray("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
-                        "--temp-dir", os.path.join(self.workdir, "ray-a"), "--include-dashboard=false", *per_node)
+        head = self.ray(
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--temp-dir",
+            os.path.join(self.workdir, "ray-a"),
+            "--include-dashboard=false",
+            *per_node,
+        )
         # The dashboard agent's listen port is fixed by default (52365): the second node on this machine
         # takes the next one.
-        worker = self.ray("start", "--address", self.address, "--node-ip-address", NODE_B_IP,
-                          "--temp-dir", os.path.join(self.workdir, "ray-b"), "--dashboard-agent-listen-port",
-                          str(self.args.agent_port), *per_node)
+        worker = self.ray(
+            "start",
+            "--address",
+            self.address,
+            "--node-ip-address",
+            NODE_B_IP,
+            "--temp-dir",
+            os.path.join(self.workdir, "ray-b"),
+            "--dashboard-agent-listen-port",
+            str(self.args.agent_port),
+            *per_node,
+        )
         for which, argv in (("a", head), ("b", worker)):
             env = self.node_env(which)
             shown = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", *NCCL_OVER_SOCKETS, "NCCL_HOSTID") if k in env}
-            self.commands.append(" ".join([*(f"{k}={v}" for k, v in shown.items()), "ray",
-                                           *map(shlex.quote, argv[3:])]))
+            self.commands.append(" ".join([*(f"{k}={v}" for k, v in shown.items()), "ray", *map(shlex.quote, argv[3:])]))
             log(f"node {which.upper()}: {self.commands[-1]}")
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=deadline.phase())
             if proc.returncode != 0:
-                raise Failed(f"ray start (node {which.upper()}) exited {proc.returncode}: "
-                             + " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-5:]))
+                raise Failed(
+                    f"ray start (node {which.upper()}) exited {proc.returncode}: "
+                    + " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+                )
         self.wait_nodes(deadline)
 
     def node_list(self, timeout_s: float) -> List[dict]:
-        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
-                "print('NODES', json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'], "
-                "'id': n['NodeID'], 'resources': n.get('Resources', {})} for n in ray.nodes()]))" % self.address)
-        proc = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        code = (
+            "import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+            "print('NODES', json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'], "
+            "'id': n['NodeID'], 'resources': n.get('Resources', {})} for n in ray.nodes()]))" % self.address
+        )
+        proc = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=timeout_s)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("NODES ")]
         if proc.returncode != 0 or not line:
             raise Failed("reading Ray's node list failed: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
-        return json.loads(line[0][len("NODES "):])
+        return json.loads(line[0][len("NODES ") :])
 
     def wait_nodes(self, deadline: Deadline) -> None:
         """Until Ray lists 2 alive nodes, B at 127.0.0.2; the head's IP is the other one's (as Ray reports it)."""
@@ -284,14 +312,12 @@ class Cluster:
                 return pid
         return None
 
-
     def nccl_transports(self) -> Dict[str, object]:
         """How NCCL connected the processes, from the workers' logs of both nodes: each transport's count."""
         counts: Dict[str, int] = {}
         sample: List[str] = []
         lines: List[str] = []  # NCCL's INIT/NET lines as they are, for the doctor's tests on real logs
-        for path in glob.glob(os.path.join(self.workdir, "ray-*", "session_latest", "logs", "**", "worker-*"),
-                              recursive=True):
+        for path in glob.glob(os.path.join(self.workdir, "ray-*", "session_latest", "logs", "**", "worker-*"), recursive=True):
             try:
                 with open(path, errors="replace") as f:
                     for line in f:
@@ -299,8 +325,7 @@ class Cluster:
                             lines.append(line.rstrip("\n"))
                         m = TRANSPORT.search(line) if "NCCL INFO" in line else None
                         if m:
-                            kind = m.group(1).split("/")[0] + ("/" + m.group(1).split("/")[1]
-                                                               if m.group(1).startswith("NET/") else "")
+                            kind = m.group(1).split("/")[0] + ("/" + m.group(1).split("/")[1] if m.group(1).startswith("NET/") else "")
                             counts[kind] = counts.get(kind, 0) + 1
                             if len(sample) < 4:
                                 sample.append(line.strip())
@@ -317,8 +342,9 @@ class Driver:
         self.argv = argv
         self.lines: List[tuple] = []  # (monotonic time, text)
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -357,8 +383,24 @@ class Driver:
 def model_args(args, steps: int) -> List[str]:
     if args.cpu:
         batch, samples = 8, 64
-        size = ["--model", "gpt", "--num-layers", "2", "--d-model", "64", "--num-heads", "4", "--seq-len", "64",
-                "--vocab-size", "256", "--devices", str(args.devices), "--batch-size", str(batch)]
+        size = [
+            "--model",
+            "gpt",
+            "--num-layers",
+            "2",
+            "--d-model",
+            "64",
+            "--num-heads",
+            "4",
+            "--seq-len",
+            "64",
+            "--vocab-size",
+            "256",
+            "--devices",
+            str(args.devices),
+            "--batch-size",
+            str(batch),
+        ]
     else:
         batch, samples = args.batch_size or 16, 256  # default the preset's batch
         size = ["--preset", args.preset] + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
@@ -374,17 +416,49 @@ def run_spec(spec: str) -> Tuple[str, str, List[str]]:
 
 
 def train_argv(args, cluster: Cluster, strategy: str, steps: int, out: str, extra: Sequence[str] = ()) -> List[str]:
-    return [sys.executable, "-m", "alpa_job", "train", "--address", cluster.address, *model_args(args, steps),
-            "--strategy", strategy, "--steps", str(steps), "--out", out, "--progress-every", str(args.progress_every),
-            "--max-restarts", "0", *(shlex.split(args.pipeline_args) if strategy.startswith("pipeline") else []),
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--address",
+        cluster.address,
+        *model_args(args, steps),
+        "--strategy",
+        strategy,
+        "--steps",
+        str(steps),
+        "--out",
+        out,
+        "--progress-every",
+        str(args.progress_every),
+        "--max-restarts",
+        "0",
+        *(shlex.split(args.pipeline_args) if strategy.startswith("pipeline") else []),
+        *extra,
+    ]
 
 
 def one_gpu_run(args, scratch: str, deadline: Deadline) -> dict:
     """The same model on one GPU alone, no Ray (--address none): what scaling efficiency divides by."""
     out = os.path.join(scratch, "run-one-gpu")
-    argv = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--preset", args.preset,
-            "--batch-size", str(args.one_gpu_batch), "--steps", str(args.steps), "--out", out, "--quiet"]
+    argv = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--address",
+        "none",
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.one_gpu_batch),
+        "--steps",
+        str(args.steps),
+        "--out",
+        out,
+        "--quiet",
+    ]
     log(f"one GPU: {shown(argv)}")
     env = dict(base_env(args), CUDA_VISIBLE_DEVICES="0")
     started = time.monotonic()
@@ -392,16 +466,28 @@ def one_gpu_run(args, scratch: str, deadline: Deadline) -> dict:
         p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=deadline.phase())
     except subprocess.TimeoutExpired:
         return {"run": "one GPU", "strategy": "data", "error": "timed out"}
-    row = {"run": "one GPU", "strategy": "data", "command": shown(argv), "rc": p.returncode, "nccl": "-",
-           "wall_s": round(time.monotonic() - started, 1), "driver_tail": (p.stdout + p.stderr).splitlines()[-20:]}
+    row = {
+        "run": "one GPU",
+        "strategy": "data",
+        "command": shown(argv),
+        "rc": p.returncode,
+        "nccl": "-",
+        "wall_s": round(time.monotonic() - started, 1),
+        "driver_tail": (p.stdout + p.stderr).splitlines()[-20:],
+    }
     if p.returncode != 0:
         row["error"] = f"exit {p.returncode}"
         return row
     report = read_report(out)
     steady = (report.get("timing") or {}).get("steady_step") or {}
-    row.update(processes=1, hosts=1, step_ms=round(steady["median_s"] * 1e3, 2) if steady.get("median_s") else None,
-               samples_per_s_report=steady.get("samples_per_s"), mfu=(report.get("timing") or {}).get("mfu"),
-               device=(report.get("devices") or {}).get("kind"))
+    row.update(
+        processes=1,
+        hosts=1,
+        step_ms=round(steady["median_s"] * 1e3, 2) if steady.get("median_s") else None,
+        samples_per_s_report=steady.get("samples_per_s"),
+        mfu=(report.get("timing") or {}).get("mfu"),
+        device=(report.get("devices") or {}).get("kind"),
+    )
     return row
 
 
@@ -461,8 +547,15 @@ def short_run(args, cluster: Cluster, spec: str, scratch: str, deadline: Deadlin
     log(f"{strategy}: {shown(argv)}")
     driver = Driver(argv, cluster.env)
     rc = driver.wait(deadline.phase())
-    row = {"run": name, "strategy": strategy, "command": shown(argv), "rc": rc, "nccl": nccl_mode(args, cluster),
-           "wall_s": round(time.monotonic() - driver.started, 1), "driver_tail": driver.tail()}
+    row = {
+        "run": name,
+        "strategy": strategy,
+        "command": shown(argv),
+        "rc": rc,
+        "nccl": nccl_mode(args, cluster),
+        "wall_s": round(time.monotonic() - driver.started, 1),
+        "driver_tail": driver.tail(),
+    }
     if rc != 0:
         row["error"] = "timed out" if rc is None else f"exit {rc}"
         row["ray_log_tail"] = file_tail(os.path.join(out, "ray.log"), 80)
@@ -476,14 +569,23 @@ def short_run(args, cluster: Cluster, spec: str, scratch: str, deadline: Deadlin
     first, last = (sum(losses[:k]) / k, sum(losses[-k:]) / k) if losses else (None, None)
     rate_report = steady.get("samples_per_s")
     rate_progress = progress_rate(driver)
-    row.update(processes=summary.get("processes"), hosts=summary.get("hosts"), ips=ips,
-               device=(report.get("devices") or {}).get("kind"), devices=(report.get("devices") or {}).get("count"),
-               local_devices=[p.get("local_devices") for p in report.get("processes") or []], steps=report.get("steps"),
-               step_ms=round(steady["median_s"] * 1e3, 2) if steady.get("median_s") else None,
-               mfu=timing.get("mfu"), loss_first=first, loss_last=last,
-               to_first_step_s=(timing.get("phases_s") or {}).get("to_first_step"),
-               samples_per_s_progress=rate_progress, samples_per_s_report=rate_report,
-               progress_over_report=round(rate_progress / rate_report, 3) if rate_progress and rate_report else None)
+    row.update(
+        processes=summary.get("processes"),
+        hosts=summary.get("hosts"),
+        ips=ips,
+        device=(report.get("devices") or {}).get("kind"),
+        devices=(report.get("devices") or {}).get("count"),
+        local_devices=[p.get("local_devices") for p in report.get("processes") or []],
+        steps=report.get("steps"),
+        step_ms=round(steady["median_s"] * 1e3, 2) if steady.get("median_s") else None,
+        mfu=timing.get("mfu"),
+        loss_first=first,
+        loss_last=last,
+        to_first_step_s=(timing.get("phases_s") or {}).get("to_first_step"),
+        samples_per_s_progress=rate_progress,
+        samples_per_s_report=rate_report,
+        progress_over_report=round(rate_progress / rate_report, 3) if rate_progress and rate_report else None,
+    )
     problems = []
     if row["processes"] != 2 or row["hosts"] != 2:
         problems.append(f"report says {row['processes']} processes on {row['hosts']} hosts ({ips}), not 2 on 2")
@@ -506,8 +608,9 @@ def kill_run(args, cluster: Cluster, scratch: str, deadline: Deadline) -> dict:
         while driver.proc.poll() is None and driver.last_step() < args.kill_after and time.monotonic() < end:
             time.sleep(0.2)
         if driver.last_step() < args.kill_after:
-            row["error"] = (f"the run ended (exit {driver.proc.returncode})" if driver.proc.poll() is not None
-                            else "timed out") + f" before step {args.kill_after}"
+            row["error"] = (
+                f"the run ended (exit {driver.proc.returncode})" if driver.proc.poll() is not None else "timed out"
+            ) + f" before step {args.kill_after}"
             return row
         pid = None
         while pid is None and time.monotonic() < end:
@@ -519,8 +622,14 @@ def kill_run(args, cluster: Cluster, scratch: str, deadline: Deadline) -> dict:
             return row
         placed = [PLACED.search(t) for _, t in driver.lines]
         ips = next((m.group(2).split(", ") for m in placed if m), [])
-        row.update(processes=next((int(m.group(1)) for m in placed if m), None), ips=ips, hosts=len(set(ips)) or None,
-                   killed_pid=pid, killed_cmdline=cmdline(pid), killed_at_step=driver.last_step())
+        row.update(
+            processes=next((int(m.group(1)) for m in placed if m), None),
+            ips=ips,
+            hosts=len(set(ips)) or None,
+            killed_pid=pid,
+            killed_cmdline=cmdline(pid),
+            killed_at_step=driver.last_step(),
+        )
         seen = len(driver.lines)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -542,11 +651,11 @@ def kill_run(args, cluster: Cluster, scratch: str, deadline: Deadline) -> dict:
         if named is None:
             row["error"] = f"the driver named no lost process within {args.kill_wait:.0f} s (exit {rc})"
         else:
-            row.update(named_s=round(named[0] - killed, 2), named_line=named[1].strip(),
-                       names_node_b=NODE_B_IP in named[1])
+            row.update(named_s=round(named[0] - killed, 2), named_line=named[1].strip(), names_node_b=NODE_B_IP in named[1])
             if row["named_s"] > NAMED_WITHIN_S or not row["names_node_b"] or rc in (0, None):
-                row["error"] = (f"named after {row['named_s']} s (target {NAMED_WITHIN_S:.0f}), node B named: "
-                                f"{row['names_node_b']}, exit {rc}")
+                row["error"] = (
+                    f"named after {row['named_s']} s (target {NAMED_WITHIN_S:.0f}), node B named: {row['names_node_b']}, exit {rc}"
+                )
         return row
     finally:
         driver.kill()
@@ -562,19 +671,46 @@ def fmt(v, spec: str = "") -> str:
 
 
 def table(rows: List[dict]) -> str:
-    header = ["run", "strategy", "nccl", "proc", "hosts", "host IPs", "step ms", "MFU", "loss first->last", "samples/s progress",
-              "samples/s report", "ratio", "efficiency", "killed: s to named", "ok"]
+    header = [
+        "run",
+        "strategy",
+        "nccl",
+        "proc",
+        "hosts",
+        "host IPs",
+        "step ms",
+        "MFU",
+        "loss first->last",
+        "samples/s progress",
+        "samples/s report",
+        "ratio",
+        "efficiency",
+        "killed: s to named",
+        "ok",
+    ]
     cells = [header]
     for r in rows:
-        loss = (f"{r['loss_first']:.3f}->{r['loss_last']:.3f}" if r.get("loss_first") is not None
-                and r.get("loss_last") is not None else "-")
-        killed = (f"{r['named_s']:.2f} (exit {r.get('rc')} at {fmt(r.get('exit_s'))} s)" if r.get("named_s")
-                  is not None else "-")
-        cells.append([r["run"], r.get("strategy") or "-", r.get("nccl") or "-", fmt(r.get("processes")), fmt(r.get("hosts")),
-                      " ".join(r.get("ips") or []) or "-", fmt(r.get("step_ms"), ".2f"), fmt(r.get("mfu"), ".3f"), loss,
-                      fmt(r.get("samples_per_s_progress"), ",.0f"), fmt(r.get("samples_per_s_report"), ",.1f"),
-                      fmt(r.get("progress_over_report"), ".3f"), fmt(r.get("scaling_efficiency"), ".3f"), killed,
-                      "yes" if not r.get("error") else "NO"])
+        loss = f"{r['loss_first']:.3f}->{r['loss_last']:.3f}" if r.get("loss_first") is not None and r.get("loss_last") is not None else "-"
+        killed = f"{r['named_s']:.2f} (exit {r.get('rc')} at {fmt(r.get('exit_s'))} s)" if r.get("named_s") is not None else "-"
+        cells.append(
+            [
+                r["run"],
+                r.get("strategy") or "-",
+                r.get("nccl") or "-",
+                fmt(r.get("processes")),
+                fmt(r.get("hosts")),
+                " ".join(r.get("ips") or []) or "-",
+                fmt(r.get("step_ms"), ".2f"),
+                fmt(r.get("mfu"), ".3f"),
+                loss,
+                fmt(r.get("samples_per_s_progress"), ",.0f"),
+                fmt(r.get("samples_per_s_report"), ",.1f"),
+                fmt(r.get("progress_over_report"), ".3f"),
+                fmt(r.get("scaling_efficiency"), ".3f"),
+                killed,
+                "yes" if not r.get("error") else "NO",
+            ]
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -594,22 +730,38 @@ def save(out_dir: str, payload: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="no GPUs: a tiny GPT on --devices CPU devices per node")
-    ap.add_argument("--whl", default=os.path.join(REPO, ".whl"), help="make-ray-slim's OUTDIR, used when Ray is "
-                    "not installed (default: .whl)")
+    ap.add_argument(
+        "--whl", default=os.path.join(REPO, ".whl"), help="make-ray-slim's OUTDIR, used when Ray is not installed (default: .whl)"
+    )
     ap.add_argument("--preset", default="gpt-12l", help="GPU mode's model")
     ap.add_argument("--devices", type=int, default=1, help="--cpu: CPU devices per node")
-    ap.add_argument("--gpus-per-node", type=int, default=1, help="GPU mode: GPUs per node (node A the first ones); "
-                    "with 2 or more each node is a host of its own to NCCL (NVLink within, sockets across)")
-    ap.add_argument("--strategies", nargs="*", default=["data", "fsdp"], help="STRATEGY, or NAME=STRATEGY+FLAG,VALUE,... "
-                    "for a variant with its own train flags (e.g. circ=pipeline+--pipeline-repeats,2)")
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=1,
+        help="GPU mode: GPUs per node (node A the first ones); "
+        "with 2 or more each node is a host of its own to NCCL (NVLink within, sockets across)",
+    )
+    ap.add_argument(
+        "--strategies",
+        nargs="*",
+        default=["data", "fsdp"],
+        help="STRATEGY, or NAME=STRATEGY+FLAG,VALUE,... for a variant with its own train flags (e.g. circ=pipeline+--pipeline-repeats,2)",
+    )
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--nccl-default", action="store_true", help="GPU mode: leave NCCL its own transports "
-                    "(NVLink between the two nodes' GPUs) instead of holding it to sockets")
+    ap.add_argument(
+        "--nccl-default",
+        action="store_true",
+        help="GPU mode: leave NCCL its own transports (NVLink between the two nodes' GPUs) instead of holding it to sockets",
+    )
     ap.add_argument("--batch-size", type=int, default=0, help="GPU mode's global batch (default the preset's)")
-    ap.add_argument("--pipeline-args", default="", help="extra train flags for --strategies pipeline, e.g. "
-                    "'--micro-batches 8'")
-    ap.add_argument("--one-gpu-batch", type=int, default=0, help="GPU mode: first the model on one GPU alone at "
-                    "this batch (no Ray), for the scaling-efficiency column")
+    ap.add_argument("--pipeline-args", default="", help="extra train flags for --strategies pipeline, e.g. '--micro-batches 8'")
+    ap.add_argument(
+        "--one-gpu-batch",
+        type=int,
+        default=0,
+        help="GPU mode: first the model on one GPU alone at this batch (no Ray), for the scaling-efficiency column",
+    )
     ap.add_argument("--kill-steps", type=int, default=2000)
     ap.add_argument("--kill-after", type=int, default=10, help="kill node B's process after this step")
     ap.add_argument("--kill-strategy", default="data")
@@ -632,8 +784,7 @@ def main() -> int:
     # Short: Ray's socket paths live under it and Unix socket paths are limited to 107 bytes.
     scratch = args.scratch or tempfile.mkdtemp(prefix="tw2n-", dir="/tmp")
     rows: List[dict] = []
-    payload: dict = {"mode": "cpu" if args.cpu else "gpu", "args": vars(args), "scratch": scratch,
-                     "command": results.command("python3")}
+    payload: dict = {"mode": "cpu" if args.cpu else "gpu", "args": vars(args), "scratch": scratch, "command": results.command("python3")}
     cluster = None
     failure = None
     try:
@@ -658,9 +809,15 @@ def main() -> int:
                 payload.update(fallback_node_commands=cluster.commands, nccl_fallback=r["error"])
                 rows.append(short_run(args, cluster, strategy, scratch, deadline, name=f"{strategy}-nccl-default"))
                 r = rows[-1]
-            log(f"{strategy}: " + (f"ERROR {r['error']}" if r.get("error") else
-                                   f"{r['processes']} processes on {r['hosts']} hosts {r['ips']}, "
-                                   f"{r['step_ms']} ms/step, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}"))
+            log(
+                f"{strategy}: "
+                + (
+                    f"ERROR {r['error']}"
+                    if r.get("error")
+                    else f"{r['processes']} processes on {r['hosts']} hosts {r['ips']}, "
+                    f"{r['step_ms']} ms/step, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}"
+                )
+            )
             if r.get("error"):
                 print("\n".join(r["driver_tail"][-20:]), flush=True)
         if not args.no_kill:
@@ -684,8 +841,10 @@ def main() -> int:
     payload.update(rows=rows, failure=failure, wall_s=round(time.monotonic() - started, 1))
     text = table(rows)
     device = next((r.get("device") for r in rows if r.get("device")), "?")
-    print(f"\ntwo Ray nodes on one machine ({payload['mode']}, {device}), head {payload.get('head_ip')} + "
-          f"{NODE_B_IP}, wall {payload['wall_s']} s")
+    print(
+        f"\ntwo Ray nodes on one machine ({payload['mode']}, {device}), head {payload.get('head_ip')} + "
+        f"{NODE_B_IP}, wall {payload['wall_s']} s"
+    )
     print(text)
     payload["table"] = text
     print("saved", save(args.out, payload))

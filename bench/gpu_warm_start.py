@@ -16,6 +16,7 @@ Runs, each a fresh process, in one call:
 
     python3 bench/gpu_warm_start.py --preset gpt-24l --steps 20 --warm 3 --sample --resume
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-AGE = ("def age():\n"
-       "    start = float(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])\n"
-       "    return float(open('/proc/uptime').read().split()[0]) - start / os.sysconf('SC_CLK_TCK')\n")
+AGE = (
+    "def age():\n"
+    "    start = float(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])\n"
+    "    return float(open('/proc/uptime').read().split()[0]) - start / os.sysconf('SC_CLK_TCK')\n"
+)
 FLOOR = "import os\n" + AGE + "import jax\njax.devices()\nprint(age())\n"
 FIRST_BUFFER = "import numpy\njax.device_put(numpy.zeros((), numpy.int32)).block_until_ready()\nprint(age())\n"
 KIT = "import alpa_job.cli, alpa_job.launch.runner, alpa_job.train.loop, alpa_job.engines.jax_engine\nprint(age())\n"
@@ -51,8 +54,12 @@ def floor(env, kit: str) -> dict:
     lines = proc.stdout.split()
     if proc.returncode != 0 or len(lines) < 3:
         return {"error": proc.stderr[-2000:]}
-    return {"devices_open_at_s": float(lines[0]), "first_buffer_at_s": float(lines[1]),
-            "kit_imported_too_s": round(float(lines[2]) - float(lines[1]), 3), "process_wall_s": wall}
+    return {
+        "devices_open_at_s": float(lines[0]),
+        "first_buffer_at_s": float(lines[1]),
+        "kit_imported_too_s": round(float(lines[2]) - float(lines[1]), 3),
+        "process_wall_s": wall,
+    }
 
 
 def floor_summary(rows: list) -> dict:
@@ -65,19 +72,39 @@ def floor_summary(rows: list) -> dict:
 
 def train(args, env, name: str, extra=(), prefix=()) -> dict:
     out = os.path.join(args.scratch, name)
-    cmd = [*(prefix or [sys.executable, "-m", "alpa_job"]), "train", "--address", "none", "--preset", args.preset, "--steps",
-           str(args.steps), "--compile-cache", os.path.join(args.scratch, "cache"), "--out", out, *args.train_args, *extra]
+    cmd = [
+        *(prefix or [sys.executable, "-m", "alpa_job"]),
+        "train",
+        "--address",
+        "none",
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+        "--compile-cache",
+        os.path.join(args.scratch, "cache"),
+        "--out",
+        out,
+        *args.train_args,
+        *extra,
+    ]
     proc, wall = run(cmd, env, args.kit)
     if proc.returncode != 0:
         return {"run": name, "wall_s": wall, "error": proc.stderr[-3000:]}
     with open(os.path.join(out, "report.json")) as f:
         report = json.load(f)
     timing = report["timing"]
-    return {"run": name, "wall_s": wall, "phases_s": timing["phases_s"],
-            "compile_cache": timing.get("compile_cache"), "startup": timing.get("startup"),
-            "steady_median_ms": round((timing.get("steady_step") or {}).get("median_s", 0) * 1e3, 1),
-            "loss_first5": report["losses"][:5], "compiles_in_loop": report["backend_compiles_during_loop"],
-            "progress_tail": proc.stderr[-1500:] + proc.stdout[-600:]}
+    return {
+        "run": name,
+        "wall_s": wall,
+        "phases_s": timing["phases_s"],
+        "compile_cache": timing.get("compile_cache"),
+        "startup": timing.get("startup"),
+        "steady_median_ms": round((timing.get("steady_step") or {}).get("median_s", 0) * 1e3, 1),
+        "loss_first5": report["losses"][:5],
+        "compiles_in_loop": report["backend_compiles_during_loop"],
+        "progress_tail": proc.stderr[-1500:] + proc.stdout[-600:],
+    }
 
 
 def sampled(args, env) -> dict:
@@ -99,8 +126,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt-24l")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warm", type=int, default=3, help="warm runs after the cold one")
-    parser.add_argument("--floors", type=int, default=1, help="floor processes before the cold run (one more "
-                        "before each warm run)")
+    parser.add_argument("--floors", type=int, default=1, help="floor processes before the cold run (one more before each warm run)")
     parser.add_argument("--sample", action="store_true", help="one more warm run under the stack sampler")
     parser.add_argument("--resume", action="store_true", help="a checkpointed warm run, then a resumed one")
     parser.add_argument("--kit", default=REPO, help="the checkout whose kit runs (default: this one)")
@@ -129,8 +155,9 @@ def main() -> None:
         result["runs"].append(sampled(args, env))
     if args.resume:
         result["runs"].append(train(args, env, "warm-ckpt", ["--checkpoint-every", str(args.steps)]))
-        result["runs"].append(train(args, env, "warm-ckpt", ["--steps", str(2 * args.steps), "--resume",
-                                                                "--checkpoint-every", str(args.steps)]))
+        result["runs"].append(
+            train(args, env, "warm-ckpt", ["--steps", str(2 * args.steps), "--resume", "--checkpoint-every", str(args.steps)])
+        )
         result["runs"][-1]["run"] = "warm-resumed"
     from lib.results import save_result
 
@@ -141,11 +168,15 @@ def main() -> None:
 
 def table(result: dict) -> None:
     floor_s = result["floor"].get("median_devices_open_at_s")
-    print(f"floor (import jax, open the GPU): {floor_s} s; with a first buffer on the device: "
-          f"{result['floor'].get('median_first_buffer_at_s')} s; the kit's modules import in "
-          f"{result['floor'].get('median_kit_imported_too_s')} s more")
-    print("| run | process to first step s | - floor s | to first step (train start) | compile/load | "
-          "init compile | init or restore | first step | steady ms |")
+    print(
+        f"floor (import jax, open the GPU): {floor_s} s; with a first buffer on the device: "
+        f"{result['floor'].get('median_first_buffer_at_s')} s; the kit's modules import in "
+        f"{result['floor'].get('median_kit_imported_too_s')} s more"
+    )
+    print(
+        "| run | process to first step s | - floor s | to first step (train start) | compile/load | "
+        "init compile | init or restore | first step | steady ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in result["runs"]:
         if "error" in r:
@@ -153,15 +184,19 @@ def table(result: dict) -> None:
             continue
         p = r["phases_s"]
         first = p.get("process_to_first_step")
-        print(f"| {r['run']} | {first} | {round(first - floor_s, 2) if first and floor_s else '-'} | "
-              f"{p.get('to_first_step')} | {p.get('compile')} | {p.get('init_compile')} | "
-              f"{p.get('init_or_restore')} | {p.get('first_step')} | {r['steady_median_ms']} |")
-    warm = [r["phases_s"]["process_to_first_step"] for r in result["runs"]
-            if r["run"].startswith("warm") and r["run"][4:].isdigit() and "error" not in r]
+        print(
+            f"| {r['run']} | {first} | {round(first - floor_s, 2) if first and floor_s else '-'} | "
+            f"{p.get('to_first_step')} | {p.get('compile')} | {p.get('init_compile')} | "
+            f"{p.get('init_or_restore')} | {p.get('first_step')} | {r['steady_median_ms']} |"
+        )
+    warm = [
+        r["phases_s"]["process_to_first_step"]
+        for r in result["runs"]
+        if r["run"].startswith("warm") and r["run"][4:].isdigit() and "error" not in r
+    ]
     if warm and floor_s:
         median = statistics.median(warm)
-        print(f"warm runs' median {median:.2f} s to the first step, floor {floor_s:.2f} s: difference "
-              f"{median - floor_s:.2f} s")
+        print(f"warm runs' median {median:.2f} s to the first step, floor {floor_s:.2f} s: difference {median - floor_s:.2f} s")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ brought up again between runs (a killed host does not come back). Records the 1-
 
 Needs root, iproute2, util-linux, tini, nftables (like the test bed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,15 +57,36 @@ def one_run(prefix: str, max_restarts: int, timeout: float) -> dict:
     out = Path("/tmp") / ("%s-node-loss-%s" % (prefix, uuid.uuid4().hex[:8]))
     out.mkdir()
     try:
-        info = ray_layer.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, include_dashboard=True,
-                                     timeout=120)
+        info = ray_layer.start_ray(bed, num_cpus=2, object_store_memory=200_000_000, include_dashboard=True, timeout=120)
         spec_path = info["spec_path"]
         address = info.get("address") or "%s:6379" % bed.head.ip
         load_before = os.getloadavg()[0]
-        argv = ["python", "-m", "alpa_job", "train", "--model", "mlp", "--hidden-dim", "512", "--steps", str(STEPS),
-                "--devices", "2", "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
-                "--max-restarts", str(max_restarts), "--address", address, "--cluster-spec", str(spec_path),
-                "--out", str(out)]
+        argv = [
+            "python",
+            "-m",
+            "alpa_job",
+            "train",
+            "--model",
+            "mlp",
+            "--hidden-dim",
+            "512",
+            "--steps",
+            str(STEPS),
+            "--devices",
+            "2",
+            "--batch-size",
+            str(BATCH),
+            "--checkpoint-every",
+            str(EVERY),
+            "--max-restarts",
+            str(max_restarts),
+            "--address",
+            address,
+            "--cluster-spec",
+            str(spec_path),
+            "--out",
+            str(out),
+        ]
         log_path = out.parent / (out.name + ".log")
         with open(log_path, "w") as log:
             p = bed.popen("head", *argv, stdout=log, stderr=subprocess.STDOUT, env={"RAY_ADDRESS": address})
@@ -78,8 +100,13 @@ def one_run(prefix: str, max_restarts: int, timeout: float) -> dict:
             if p.poll() is None:
                 p.kill()
             ended = time.time()
-        row = {"max_restarts": max_restarts, "rc": p.returncode, "killed": killed is not None,
-               "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
+        row = {
+            "max_restarts": max_restarts,
+            "rc": p.returncode,
+            "killed": killed is not None,
+            "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+        }
         if killed is None:
             row["error"] = "the job ended before checkpoint %d" % KILL_AT
             return row
@@ -90,9 +117,15 @@ def one_run(prefix: str, max_restarts: int, timeout: float) -> dict:
         report = json.loads((out / "report.json").read_text())
         r = report["restarts"][0]
         detected = _iso(r["time"])
-        row.update(detect_s=round(detected - killed, 2), recover_s=r["recover_seconds"],
-                   total_s=round(detected - killed + (r["recover_seconds"] or 0), 2), steps_lost=r["steps_lost"],
-                   resumed_from=r["resumed_from_step"], steps=report["steps"], host=r["host"])
+        row.update(
+            detect_s=round(detected - killed, 2),
+            recover_s=r["recover_seconds"],
+            total_s=round(detected - killed + (r["recover_seconds"] or 0), 2),
+            steps_lost=r["steps_lost"],
+            resumed_from=r["resumed_from_step"],
+            steps=report["steps"],
+            host=r["host"],
+        )
         return row
     finally:
         bed.down(graceful=False)
@@ -112,12 +145,29 @@ def main() -> None:
         if args.fail_fast:
             rows.append(one_run(args.prefix, 0, args.timeout))
     header = ["max_restarts", "rc", "detect_s", "recover_s", "total_s", "steps_lost", "exit_s", "load before/after"]
-    table = print_table(header, [[r.get("max_restarts"), r.get("rc"), r.get("detect_s", "-"), r.get("recover_s", "-"),
-                                  r.get("total_s", "-"), r.get("steps_lost", "-"), r.get("exit_s", "-"),
-                                  "%s / %s" % (r.get("load_before"), r.get("load_after"))] for r in rows])
-    record("node_loss", {"rows": rows, "every": EVERY, "kill_at": KILL_AT, "steps": STEPS}, table,
-           "Node loss on 3 test-bed hosts: kill w2's PID 1 after checkpoint %d (every %d), seconds to the first "
-           "step after recovery (--max-restarts 1) and to the exit (--max-restarts 0)" % (KILL_AT, EVERY))
+    table = print_table(
+        header,
+        [
+            [
+                r.get("max_restarts"),
+                r.get("rc"),
+                r.get("detect_s", "-"),
+                r.get("recover_s", "-"),
+                r.get("total_s", "-"),
+                r.get("steps_lost", "-"),
+                r.get("exit_s", "-"),
+                "%s / %s" % (r.get("load_before"), r.get("load_after")),
+            ]
+            for r in rows
+        ],
+    )
+    record(
+        "node_loss",
+        {"rows": rows, "every": EVERY, "kill_at": KILL_AT, "steps": STEPS},
+        table,
+        "Node loss on 3 test-bed hosts: kill w2's PID 1 after checkpoint %d (every %d), seconds to the first "
+        "step after recovery (--max-restarts 1) and to the exit (--max-restarts 0)" % (KILL_AT, EVERY),
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ that called it. `summarise(path, until_s)` reads the file back: per thread, cons
 same label merged into segments, the label being the innermost kit frame and the innermost frame below it.
 Times are seconds since the process started (its age, as the report's process_to_first_step counts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,7 @@ class Sampler:
         while not self._stop.wait(self.every_s):
             names = {t.ident: t.name for t in threading.enumerate()}
             now = time.perf_counter() - self.origin
-            row = {names.get(ident, str(ident)): self._stack(frame)
-                   for ident, frame in sys._current_frames().items() if ident != me}
+            row = {names.get(ident, str(ident)): self._stack(frame) for ident, frame in sys._current_frames().items() if ident != me}
             self.samples.append([round(now, 4), row])
 
     def dump(self, path: str) -> None:
@@ -94,7 +94,7 @@ def _label(frames: List[str], stack: List[int]) -> str:
     names = [frames[i] for i in stack]
     kit = [i for i, name in enumerate(names) if name.startswith("alpa_job/")]
     inner = kit[-1] if kit else -1
-    below = names[inner + 1:]
+    below = names[inner + 1 :]
     modules = [n for n in below if n.endswith(":<module>") and not n.startswith("alpa_job/")]
     if any("importlib" in n for n in below) and modules:
         return (names[inner] + " > " if kit else "") + "import " + modules[0].rsplit(":", 1)[0]
@@ -139,9 +139,10 @@ def summarise(path: str, until_s: float, min_s: float = 0.05) -> Dict[str, Any]:
                 kept.append(run)
         segments[thread] = [{**r, "seconds": round(r["end"] - r["start"], 3)} for r in kept]
     ordered = sorted(inclusive.items(), key=lambda kv: kv[1]["first"])
-    return {"segments": segments,
-            "inclusive": {k: {n: round(v, 3) for n, v in seen.items()} for k, seen in ordered
-                          if seen["seconds"] >= min_s}}
+    return {
+        "segments": segments,
+        "inclusive": {k: {n: round(v, 3) for n, v in seen.items()} for k, seen in ordered if seen["seconds"] >= min_s},
+    }
 
 
 def main() -> None:
@@ -157,7 +158,7 @@ def main() -> None:
     from alpa_job.cli import main as kit_main
 
     try:
-        code = kit_main(argv[split + 1:])
+        code = kit_main(argv[split + 1 :])
     finally:
         sampler.stop()
         sampler.dump(args.samples)

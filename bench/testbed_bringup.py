@@ -14,6 +14,7 @@ with the exact command.
 
 Needs root, iproute2, util-linux, tini, nftables (like the test bed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,9 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max
     result = {"hosts": n}
     try:
         t["bed_up"] = time.monotonic() - t0
-        info = ray_layer.start_ray(bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True,
-                                     timeout=timeout, max_parallel=max_parallel)
+        info = ray_layer.start_ray(
+            bed, num_cpus=num_cpus, object_store_memory=store, include_dashboard=True, timeout=timeout, max_parallel=max_parallel
+        )
         steps = info["seconds"]
         t["firewall"] = steps["firewall"]
         t["head_gcs"] = steps["head_gcs"]
@@ -56,10 +58,17 @@ def bring_up(n: int, num_cpus: int, store: int, prefix: str, timeout: float, max
         t["doctor"] = time.monotonic() - mark
         t["green_total"] = time.monotonic() - t0
         failed = [c for c in doctor.get("checks", []) if not c["ok"]] if doctor else []
-        result.update({"alive": len(info["nodes"]), "late_workers": info.get("late_workers", []),
-                       "worker_retries": info.get("worker_retries", []),
-                       "doctor_ok": bool(doctor and doctor.get("ok")), "doctor_attempts": attempts,
-                       "doctor_own_seconds": doctor.get("seconds") if doctor else None, "doctor_failed": failed[:5]})
+        result.update(
+            {
+                "alive": len(info["nodes"]),
+                "late_workers": info.get("late_workers", []),
+                "worker_retries": info.get("worker_retries", []),
+                "doctor_ok": bool(doctor and doctor.get("ok")),
+                "doctor_attempts": attempts,
+                "doctor_own_seconds": doctor.get("seconds") if doctor else None,
+                "doctor_failed": failed[:5],
+            }
+        )
     finally:
         mark = time.monotonic()
         bed.down()
@@ -76,42 +85,52 @@ def main(argv=None) -> int:
     ap.add_argument("--object-store-memory", type=int, default=80_000_000)
     ap.add_argument("--prefix", default="akb")
     ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--max-parallel", type=int, default=None,
-                    help="workers starting at once (default: ray_layer's, cores + 1)")
+    ap.add_argument("--max-parallel", type=int, default=None, help="workers starting at once (default: ray_layer's, cores + 1)")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/results or bench/RESULTS.md")
     opts = ap.parse_args(argv)
     why = hosts.missing_requirements()
     if why:
         print("cannot run: " + "; ".join(why), file=sys.stderr)
         return 2
-    rows = [bring_up(n, opts.num_cpus, opts.object_store_memory, opts.prefix, opts.timeout, opts.max_parallel)
-            for n in opts.sizes]
+    rows = [bring_up(n, opts.num_cpus, opts.object_store_memory, opts.prefix, opts.timeout, opts.max_parallel) for n in opts.sizes]
     cols = ("bed_up", "firewall", "head_gcs", "ray_start", "wait", "joined_total", "doctor", "green_total", "teardown")
     header = ["hosts", "alive", "doctor"] + list(cols) + ["late / restarted workers", "load 1m before/after"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
-        lines.append(" | ".join([str(r["hosts"]), str(r.get("alive")), "green" if r.get("doctor_ok") else "RED"]
-                                + ["%.1f" % r["seconds"].get(c, float("nan")) for c in cols]
-                                + ["%d / %d" % (len(r.get("late_workers", [])), len(r.get("worker_retries", [])))]
-                                + ["%.2f / %.2f" % (r["loadavg_1m"]["before"], r["loadavg_1m"]["after"])]))
+        lines.append(
+            " | ".join(
+                [str(r["hosts"]), str(r.get("alive")), "green" if r.get("doctor_ok") else "RED"]
+                + ["%.1f" % r["seconds"].get(c, float("nan")) for c in cols]
+                + ["%d / %d" % (len(r.get("late_workers", [])), len(r.get("worker_retries", [])))]
+                + ["%.2f / %.2f" % (r["loadavg_1m"]["before"], r["loadavg_1m"]["after"])]
+            )
+        )
     table = "\n".join("| %s |" % line for line in lines)
     print(table)
     command = results.command("python", argv, script=__file__)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")  # local time: this script's files always were
-    result = {"command": command, "when": stamp, "machine": results.machine("cpus", "python", "kernel"),
-              "num_cpus": opts.num_cpus, "object_store_memory": opts.object_store_memory, "runs": rows}
+    result = {
+        "command": command,
+        "when": stamp,
+        "machine": results.machine("cpus", "python", "kernel"),
+        "num_cpus": opts.num_cpus,
+        "object_store_memory": opts.object_store_memory,
+        "runs": rows,
+    }
     if not opts.no_record:
         out = results.write_json("testbed_bringup", result, stamp=stamp)
         results.append_to_results_md(
-            "\n## Test bed bring-up: nothing -> N hosts joined -> doctor green (%s)\n\n" % stamp
+            "\n## Test bed bring-up: nothing -> N hosts joined -> doctor green (%s)\n\n"
+            % stamp
             + "`%s` (as root; %d CPUs, Python %s; each node `--num-cpus %d --object-store-memory %d`, "
-              "dashboard on the head only; spec firewall loaded in every host). Seconds; "
-              "`joined_total` = bed up + firewall + `ray start` everywhere (workers once the head's GCS "
-              "listens) + wait_nodes, `green_total` = that + doctor until green; load = 1-minute load "
-              "average before/after (shared machine). Raw: `bench/results/%s`.\n\n"
-            % (command, os.cpu_count() or 0, platform.python_version(), opts.num_cpus,
-               opts.object_store_memory, os.path.basename(out))
-            + table + "\n")
+            "dashboard on the head only; spec firewall loaded in every host). Seconds; "
+            "`joined_total` = bed up + firewall + `ray start` everywhere (workers once the head's GCS "
+            "listens) + wait_nodes, `green_total` = that + doctor until green; load = 1-minute load "
+            "average before/after (shared machine). Raw: `bench/results/%s`.\n\n"
+            % (command, os.cpu_count() or 0, platform.python_version(), opts.num_cpus, opts.object_store_memory, os.path.basename(out))
+            + table
+            + "\n"
+        )
         print("saved bench/results/%s; appended to bench/RESULTS.md" % os.path.basename(out))
     return 0 if all(r["doctor_ok"] for r in rows) else 3
 

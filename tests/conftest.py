@@ -1,4 +1,5 @@
 """Shared pytest configuration. Fixtures live in tests/fixtures_*.py; list yours below."""
+
 import functools
 import os
 import re
@@ -11,8 +12,9 @@ import pytest
 # its expensive optimisations: every compile, here and in every process the tests start (test-bed hosts
 # included: they inherit this environment), takes about a quarter less time. Every run of a test is
 # compiled alike, so comparisons between runs are unaffected.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 # `import alpa_job`, the fixture modules and the test bed's package by name: pyproject.toml's `pythonpath`.
@@ -36,18 +38,32 @@ pytest_plugins = [
 # the source, so a new test-bed module joins the lane: by the marker, or a bed fixture among a function's
 # arguments (a test's or another fixture's), not the words alone, which also name e.g. the Ansible role
 # `ray_cluster`.
-BED_USE = re.compile(r"mark\.testbed\b|def \w+\((?:[^)]*,)?\s*(testbed|testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|"
-                     r"site_bed)\s*[,):=]")
+BED_USE = re.compile(
+    r"mark\.testbed\b|def \w+\((?:[^)]*,)?\s*(testbed|testbed_factory|ray_cluster|mgmt_cluster|ssh_bed|"
+    r"site_bed)\s*[,):=]"
+)
 BED_LANE = "test-bed"
 # The lane's modules in an order that puts the users of one bed next to each other (site; ssh; node loss's;
 # ray and the plain bed; mgmt), so that a bed is taken down soon after its last user (fixtures_testbed)
 # instead of idling to the end of the session. The lane outlasts the other worker, so the modules that
 # compile most (three JAX processes on two cores) come last, when they have the cores to themselves.
 # Modules not named here follow, in file order.
-BED_LANE_ORDER = ("test_ansible_docker", "test_testbed_site", "test_ansible", "test_node_loss",
-                  "test_preemption_testbed", "test_watchdog_testbed", "test_cluster_ops", "test_testbed", "test_doctor",
-                  "test_failed_run_logs", "test_user_model_cluster", "test_doctor_skew", "test_kuberay_testbed",
-                  "test_multihost")
+BED_LANE_ORDER = (
+    "test_ansible_docker",
+    "test_testbed_site",
+    "test_ansible",
+    "test_node_loss",
+    "test_preemption_testbed",
+    "test_watchdog_testbed",
+    "test_cluster_ops",
+    "test_testbed",
+    "test_doctor",
+    "test_failed_run_logs",
+    "test_user_model_cluster",
+    "test_doctor_skew",
+    "test_kuberay_testbed",
+    "test_multihost",
+)
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
 
 

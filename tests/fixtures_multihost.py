@@ -8,6 +8,7 @@
 * ``run_doctor(bed, host, address, spec_path, *extra, timeout=90)`` -> (rc, parsed json or None,
   CompletedProcess, seconds): ``python -m alpa_job doctor --format json`` inside a host.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,25 @@ from alpa_job.cluster.ray_api import gcs_address
 NUM_CPUS = 1
 OBJECT_STORE = 100_000_000
 
+
 def run_doctor(bed, host: str, address: str, spec_path, *extra, timeout: float = 90):
     t0 = time.monotonic()
-    p = bed.exec(host, "python", "-m", "alpa_job", "doctor", "--address", address, "--cluster-spec",
-                 str(spec_path), "--format", "json", *extra, timeout=timeout, check=False)
+    p = bed.exec(
+        host,
+        "python",
+        "-m",
+        "alpa_job",
+        "doctor",
+        "--address",
+        address,
+        "--cluster-spec",
+        str(spec_path),
+        "--format",
+        "json",
+        *extra,
+        timeout=timeout,
+        check=False,
+    )
     seconds = time.monotonic() - t0
     try:
         data = json.loads(p.stdout)
@@ -43,9 +59,19 @@ class MgmtCluster:
         self.address = gcs_address(spec, head_node_ip)
 
     def alive(self, want: int, timeout: float = 30) -> list:
-        p = self.testbed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(want),
-                              "--timeout", str(timeout), timeout=timeout + 60,
-                              env={"RAY_ADDRESS": self.address}, check=False)  # fewer than `want` is an answer too
+        p = self.testbed.exec(
+            "head",
+            "python",
+            "-m",
+            "alpa_job.cluster.wait_nodes",
+            "--count",
+            str(want),
+            "--timeout",
+            str(timeout),
+            timeout=timeout + 60,
+            env={"RAY_ADDRESS": self.address},
+            check=False,
+        )  # fewer than `want` is an answer too
         reports = [x for x in p.stdout.splitlines() if x.startswith("{")]
         assert reports, "wait_nodes printed no report (rc=%d): %s" % (p.returncode, p.stderr[-2000:])
         return json.loads(reports[-1])["alive"]
@@ -55,8 +81,7 @@ class MgmtCluster:
         from alpa_job.cluster.ray_start import ray_start_args
 
         w1 = self.testbed.host("w1")
-        argv = ray_start_args(self.spec, "worker", w1.ip, head_ip=self.head_node_ip, num_cpus=NUM_CPUS,
-                              object_store_memory=OBJECT_STORE)
+        argv = ray_start_args(self.spec, "worker", w1.ip, head_ip=self.head_node_ip, num_cpus=NUM_CPUS, object_store_memory=OBJECT_STORE)
         if node_ip is not None:  # ray_start_args refuses an IP outside the CIDR: this is the mistake
             argv = [("--node-ip-address=%s" % node_ip if a.startswith("--node-ip-address=") else a) for a in argv]
         return self.testbed.exec("w1", *argv, timeout=90)
@@ -78,8 +103,11 @@ def mgmt_cluster(testbed_factory):
     try:
         # The node IP is chosen inside the head, by the kit, from the CIDR (not by Ray's route guess).
         node_ip = bed.exec("head", "python", "-m", "alpa_job.cluster.node_ip", "--cidr", bed.subnet).stdout.strip()
-        bed.exec("head", *ray_start_args(spec, "head", node_ip, num_cpus=NUM_CPUS, object_store_memory=OBJECT_STORE,
-                                         include_dashboard=False), timeout=120)
+        bed.exec(
+            "head",
+            *ray_start_args(spec, "head", node_ip, num_cpus=NUM_CPUS, object_store_memory=OBJECT_STORE, include_dashboard=False),
+            timeout=120,
+        )
         cluster = MgmtCluster(bed, spec, spec_path, node_ip)
     except BaseException:
         bed.down()

@@ -1,4 +1,5 @@
 """The cluster spec as tests see it: the package defaults, never the caller's override."""
+
 import pytest
 
 from alpa_job.cluster.spec import SPEC_ENV_VAR, load_spec

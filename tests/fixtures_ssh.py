@@ -6,6 +6,7 @@ Fixtures (session-scoped):
   inside each host, root login by key only; see kit_testbed/sshd.py for the API and for ``SshBed`` on a
   site bed (``site_bed`` in fixtures_testbed.py).
 """
+
 from __future__ import annotations
 
 import shutil

@@ -39,6 +39,7 @@ wait up to $AKT_TESTBED_LOCK_TIMEOUT s, default 900). Prefix: $AKT_TESTBED_PREFI
 the CLI's default is ``akt``, so a bed you brought up by hand is left alone). Leftovers of a killed
 session with the same prefix are removed at the start of the next one.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -82,16 +83,24 @@ class _Beds:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     os.close(fd)
-                    pytest.fail(f"test bed lock /run/lock/{PREFIX}-testbed.lock held by another session "
-                                f"for more than {LOCK_TIMEOUT:.0f}s")
+                    pytest.fail(f"test bed lock /run/lock/{PREFIX}-testbed.lock held by another session for more than {LOCK_TIMEOUT:.0f}s")
                 time.sleep(0.5)
         self.lock_fd = fd
         # Leftovers of a killed session (same prefix family): nobody else can own them now.
         for p in testbed_lib.list_prefixes(rf"{PREFIX}\d*"):
             testbed_lib.down(prefix=p)
 
-    def get(self, hosts: int, mgmt=(), shm_size: str = testbed_lib.DEFAULT_SHM, tag: str = "",
-            site: bool = False, cgroups: bool = False, held: bool = False, revive: bool = False) -> Testbed:
+    def get(
+        self,
+        hosts: int,
+        mgmt=(),
+        shm_size: str = testbed_lib.DEFAULT_SHM,
+        tag: str = "",
+        site: bool = False,
+        cgroups: bool = False,
+        held: bool = False,
+        revive: bool = False,
+    ) -> Testbed:
         why = testbed_lib.missing_requirements()
         if why:
             pytest.skip("multi-host test bed unavailable: " + "; ".join(why))
@@ -171,7 +180,7 @@ def pytest_runtest_teardown(item, nextitem):
     if nextitem is not None and nextitem.module is item.module:
         return
     items = item.session.items
-    later = items[items.index(item) + 1:]
+    later = items[items.index(item) + 1 :]
     wanted = set().union(*(other.fixturenames for other in later))
     manager = item.session._fixturemanager
     for name in BED_FIXTURES:
@@ -244,21 +253,22 @@ class RayCluster:
     def logs(self, host: str) -> Path:
         return self.testbed.ray_dir(host)
 
-    def run_python(self, code: str, *args, host: str = "head", timeout: float = 120, check: bool = True,
-                   env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    def run_python(
+        self, code: str, *args, host: str = "head", timeout: float = 120, check: bool = True, env: Optional[dict] = None
+    ) -> subprocess.CompletedProcess:
         full_env = {"RAY_ADDRESS": self.address}
         full_env.update(env or {})
-        return self.testbed.exec(host, "python", "-c", code, *map(str, args), timeout=timeout, check=check,
-                                 env=full_env)
+        return self.testbed.exec(host, "python", "-c", code, *map(str, args), timeout=timeout, check=check, env=full_env)
 
     def check(self, timeout: float = 60) -> dict:
         want = sorted(self.node_ips.values())
         p = self.run_python(_CHECK_DRIVER, json.dumps(want), timeout, timeout=timeout + 60, check=False)
         for line in p.stdout.splitlines():
             if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-        raise AssertionError(f"ray check driver failed (rc={p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-                             f"\nlogs: {self.logs('head')}")
+                return json.loads(line[len("RESULT ") :])
+        raise AssertionError(
+            f"ray check driver failed (rc={p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}\nlogs: {self.logs('head')}"
+        )
 
     def healthy(self, result: dict) -> bool:
         want = sorted(self.node_ips.values())
@@ -270,8 +280,9 @@ def _start_ray(bed: Testbed, ray_env: Optional[Dict[str, str]] = None) -> RayClu
     then the formation check (a task pinned to every node). `ray_env`: Ray settings for its daemons."""
     from alpa_job.cluster.spec import load_spec
 
-    info = testbed_ray.start_ray(bed, num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE,
-                                 include_dashboard=True, timeout=RAY_START_TIMEOUT, ray_env=ray_env)
+    info = testbed_ray.start_ray(
+        bed, num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE, include_dashboard=True, timeout=RAY_START_TIMEOUT, ray_env=ray_env
+    )
     spec_path = Path(info["spec_path"])
     cluster = RayCluster(bed, load_spec(str(spec_path)), spec_path)
     result = cluster.check(timeout=RAY_FORM_TIMEOUT)
@@ -320,4 +331,3 @@ def site_bed(testbed_factory) -> SiteBed:
     yield SiteBed(bed, site, ssh)
     ssh.stop()
     bed.down()  # containers removed, dockerds + registry SIGTERMed by PID (site_layer.stop_site), hosts gone
-

@@ -1,5 +1,6 @@
 """Rendering the Ansible roles with Ansible's own Templar (the role tests). Running the playbooks against a
 test bed's hosts is the bed's: kit_testbed/ansible_runs.py."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,8 +19,7 @@ _PLUGINS_READY = False
 class Render:
     """Ansible's Templar over alpa_kit's + one role's defaults, inventory vars, facts and role vars."""
 
-    def __init__(self, runtime: str, role: str = "worker", supervisor: str = "daemon", kit_role: str = "ray_cluster",
-                 **host_vars):
+    def __init__(self, runtime: str, role: str = "worker", supervisor: str = "daemon", kit_role: str = "ray_cluster", **host_vars):
         pytest.importorskip("ansible")
         from ansible.parsing.dataloader import DataLoader
         from ansible.plugins.loader import filter_loader, init_plugin_loader
@@ -41,15 +41,21 @@ class Render:
         variables = {}
         variables.update(load(ROLES / "alpa_kit" / "defaults" / "main.yml"))  # role defaults: lowest
         variables.update(load(self.role_dir / "defaults" / "main.yml"))
-        variables.update({
-            "inventory_hostname": me, "playbook_dir": str(ANSIBLE_DIR),
-            "groups": {"ray_head": ["head"], "ray_workers": ["w1"], "all": ["head", "w1"]},
-            "hostvars": {n: {"ray_node_prep_node_ip": ip} for n, ip in ips.items()},
-            "ray_node_prep_node_ip": ips[me], "ray_node_prep_node_iface": "ens5",
-            "ansible_facts": {"service_mgr": "systemd" if supervisor == "systemd" else "tini", "os_family": "Debian"},
-            "ray_runtime": runtime, "ray_cluster_auth_token": "tok3n", "ray_cluster_num_gpus": 8,
-            "ansible_managed": "managed",
-        })
+        variables.update(
+            {
+                "inventory_hostname": me,
+                "playbook_dir": str(ANSIBLE_DIR),
+                "groups": {"ray_head": ["head"], "ray_workers": ["w1"], "all": ["head", "w1"]},
+                "hostvars": {n: {"ray_node_prep_node_ip": ip} for n, ip in ips.items()},
+                "ray_node_prep_node_ip": ips[me],
+                "ray_node_prep_node_iface": "ens5",
+                "ansible_facts": {"service_mgr": "systemd" if supervisor == "systemd" else "tini", "os_family": "Debian"},
+                "ray_runtime": runtime,
+                "ray_cluster_auth_token": "tok3n",
+                "ray_cluster_num_gpus": 8,
+                "ansible_managed": "managed",
+            }
+        )
         variables.update(host_vars)  # inventory vars beat role defaults
         variables.update(load(self.role_dir / "vars" / "main.yml"))
         for os_vars in ("Debian.yml",):

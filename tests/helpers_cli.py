@@ -1,5 +1,6 @@
 """Running the kit's command line as a user does (a fresh process, this checkout on its path), and a port
 that answers nothing, for the tests that need them."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ def run_cli(*args, timeout=300, env=None):
     full_env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=REPO)
     full_env.pop("RAY_ADDRESS", None)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
 
 
 def silent_listener():

@@ -1,6 +1,7 @@
 """A model whose loss becomes NaN after a number of steps, the same on every machine: a scalar `t` that
 Adam moves by about the learning rate each step (its gradient is a constant), and a loss that is NaN
 once `t` passes `limit`. `--model helpers_diverging:build` (tests/ on PYTHONPATH)."""
+
 from __future__ import annotations
 
 import flax.linen as nn

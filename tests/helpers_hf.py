@@ -1,6 +1,7 @@
 """A tiny Llama checkpoint in Hugging Face's PyTorch format, written without the kit: random tensors under the
 names and shapes transformers' own PyTorch -> Flax converter maps onto its Flax Llama's parameters (the
 converter checks them), and that model's logits as the reference."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,29 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 
-TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False}
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 # The same shapes as the kit's LLaMA example's settings.
-TINY_ARGS = ("num_layers=2", "d_model=64", "num_heads=4", "num_kv_heads=2", "mlp_dim=160", "vocab_size=128",
-             "rms_norm_eps=1e-5", "seq_len=16")
+TINY_ARGS = (
+    "num_layers=2",
+    "d_model=64",
+    "num_heads=4",
+    "num_kv_heads=2",
+    "mlp_dim=160",
+    "vocab_size=128",
+    "rms_norm_eps=1e-5",
+    "seq_len=16",
+)
 
 
 def write_tiny(directory: str, files: int = 2, **overrides) -> Dict[str, np.ndarray]:
@@ -45,8 +63,9 @@ def pytorch_state_dict(model, seed: int = 1) -> Dict[str, np.ndarray]:
     return out
 
 
-def write_checkpoint(directory: str, tensors: Dict[str, np.ndarray], config: Dict[str, Any], files: int = 2,
-                     dtype: Any = np.float32) -> None:
+def write_checkpoint(
+    directory: str, tensors: Dict[str, np.ndarray], config: Dict[str, Any], files: int = 2, dtype: Any = np.float32
+) -> None:
     """Tensors split over `files` safetensors files with an index, as transformers shards them."""
     from safetensors.numpy import save_file
 

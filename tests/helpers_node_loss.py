@@ -1,5 +1,6 @@
 """The node-loss test bed, shared by the modules that kill hosts, stop jobs and hang processes on it
 (test_node_loss, test_preemption_testbed, test_watchdog_testbed): its Ray cluster and the job they train."""
+
 from __future__ import annotations
 
 import uuid
@@ -46,9 +47,28 @@ MLP = ("--model", "mlp", "--hidden-dim", "256")
 
 
 def _train_argv(cluster, out: str, *extra: str, steps: int = STEPS, model=MLP):
-    return ["python", "-m", "alpa_job", "train", *model, "--steps", str(steps),
-            "--devices", "2", "--batch-size", str(BATCH), "--checkpoint-every", str(EVERY),
-            "--address", cluster.address, "--cluster-spec", str(cluster.spec_path), "--out", out, *extra]
+    return [
+        "python",
+        "-m",
+        "alpa_job",
+        "train",
+        *model,
+        "--steps",
+        str(steps),
+        "--devices",
+        "2",
+        "--batch-size",
+        str(BATCH),
+        "--checkpoint-every",
+        str(EVERY),
+        "--address",
+        cluster.address,
+        "--cluster-spec",
+        str(cluster.spec_path),
+        "--out",
+        out,
+        *extra,
+    ]
 
 
 def _out(name: str) -> Path:

@@ -1,4 +1,5 @@
 """Check a report.json (as data) against the JSON Schema the package ships."""
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,7 @@ def report_validator() -> jsonschema.Draft202012Validator:
 
 def schema_errors(report) -> list:
     """Every schema violation, as 'path: message' lines (empty: the report is valid)."""
-    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-            for e in report_validator().iter_errors(report)]
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in report_validator().iter_errors(report)]
 
 
 def assert_valid_report(report) -> None:
@@ -30,24 +30,47 @@ def assert_valid_report(report) -> None:
 def record_with_input(processes: int = 2, resumed_from_step=None):
     """A run record as token-data training writes it, built in memory (no Ray, no jax): `processes`
     processes each reading its own share, an input record (process 0's numbers) and three eval points."""
-    from alpa_job.record.run_record import (EvalPoint, InputRecord, MeshShape, ProcessInfo, ProcessResult,
-                                            RunRecord)
+    from alpa_job.record.run_record import EvalPoint, InputRecord, MeshShape, ProcessInfo, ProcessResult, RunRecord
 
     start = resumed_from_step or 0
     rows_each = 960 // processes
     results = []
     for pid in range(processes):
-        info = ProcessInfo(id=pid, count=processes, host=f"node{pid}", ip=f"10.0.0.{pid + 1}",
-                           local_devices=["gpu:0", "gpu:1"], rows_read=rows_each, bytes_read=rows_each * 516)
-        results.append(ProcessResult(
-            engine="jax", strategy="data", mesh=MeshShape([2 * processes, 1], ["data", "model"]), process=info,
-            steps=30 - start, losses=[7.0 - 0.1 * i for i in range(30 - start)], eval_loss=4.07,
-            evals=[EvalPoint(10, 6.39, 596.19, 2), EvalPoint(20, 5.3, 200.34, 2), EvalPoint(30, 4.07, 58.56, 2)],
-            input=InputRecord(dataset="tokens: 1 file(s), 3,124 windows of 129", rows=3124, steps_per_epoch=97,
-                              epochs=0.3093, rows_read=rows_each, bytes_read=rows_each * 516, bytes_per_s=30582.5,
-                              data_wait_s=0.0086, data_wait_per_step_s=0.000287, data_wait_fraction=0.0005,
-                              pipeline="grain"),
-            resumed_from_step=resumed_from_step))
+        info = ProcessInfo(
+            id=pid,
+            count=processes,
+            host=f"node{pid}",
+            ip=f"10.0.0.{pid + 1}",
+            local_devices=["gpu:0", "gpu:1"],
+            rows_read=rows_each,
+            bytes_read=rows_each * 516,
+        )
+        results.append(
+            ProcessResult(
+                engine="jax",
+                strategy="data",
+                mesh=MeshShape([2 * processes, 1], ["data", "model"]),
+                process=info,
+                steps=30 - start,
+                losses=[7.0 - 0.1 * i for i in range(30 - start)],
+                eval_loss=4.07,
+                evals=[EvalPoint(10, 6.39, 596.19, 2), EvalPoint(20, 5.3, 200.34, 2), EvalPoint(30, 4.07, 58.56, 2)],
+                input=InputRecord(
+                    dataset="tokens: 1 file(s), 3,124 windows of 129",
+                    rows=3124,
+                    steps_per_epoch=97,
+                    epochs=0.3093,
+                    rows_read=rows_each,
+                    bytes_read=rows_each * 516,
+                    bytes_per_s=30582.5,
+                    data_wait_s=0.0086,
+                    data_wait_per_step_s=0.000287,
+                    data_wait_fraction=0.0005,
+                    pipeline="grain",
+                ),
+                resumed_from_step=resumed_from_step,
+            )
+        )
     return RunRecord.from_processes(results, {"model": "gpt"}, created="2026-01-01T00:00:00Z")
 
 
@@ -69,8 +92,7 @@ def read_events(folder):
     acc = ea.EventAccumulator(str(folder), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
     acc.Reload()
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    texts = {tag.split("/")[0]: acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
-             for tag in acc.Tags()["tensors"]}
+    texts = {tag.split("/")[0]: acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"]}
     return scalars, texts
 
 

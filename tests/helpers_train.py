@@ -1,4 +1,5 @@
 """Small helpers for the core training tests (tiny, fast configs on emulated CPU devices)."""
+
 from __future__ import annotations
 
 from alpa_job.models import model_values, size_settings
@@ -13,8 +14,17 @@ TINY = {
 
 def tiny_config(model: str = "mlp", **overrides) -> JobConfig:
     """A tiny job of built-in `model`; its sizes (`num_layers=2`) may be overridden like any setting."""
-    base = dict(model=model, num_samples=64, batch_size=16, epochs=1, address="none", devices=8,
-                learning_rate=3e-3, out="/tmp/alpa-job-test", **TINY[model])
+    base = dict(
+        model=model,
+        num_samples=64,
+        batch_size=16,
+        epochs=1,
+        address="none",
+        devices=8,
+        learning_rate=3e-3,
+        out="/tmp/alpa-job-test",
+        **TINY[model],
+    )
     base.update(overrides)
     return job_config(**base)
 

@@ -1,5 +1,6 @@
 """The watchdog's slow tests' shared part (test_watchdog on a local Ray, test_watchdog_testbed on the
 node-loss bed): train, SIGSTOP the victim once a checkpoint is complete, wait for the driver."""
+
 from __future__ import annotations
 
 import subprocess
@@ -12,8 +13,18 @@ import pytest
 GONE_WAIT_S = 30.0  # Ray's kill of a stopped worker is asynchronous: the raylet ends it after the driver left
 
 
-def _stop_and_wait(argv, out: Path, find_victim, stop, cont, alive, timeout: float = 400, after_checkpoint: int = 20,
-                   popen=None, again_after_steps: Optional[int] = None):
+def _stop_and_wait(
+    argv,
+    out: Path,
+    find_victim,
+    stop,
+    cont,
+    alive,
+    timeout: float = 400,
+    after_checkpoint: int = 20,
+    popen=None,
+    again_after_steps: Optional[int] = None,
+):
     """Train; SIGSTOP the victim once checkpoint `after_checkpoint` is complete (and, with `again_after_steps`,
     the victim's successor once a checkpoint that many steps past the first stop's is); wait for the driver.
     Returns (rc, output, seconds from the last stop to the driver's exit, the stopped pids, whether every
@@ -52,6 +63,7 @@ def _stop_and_wait(argv, out: Path, find_victim, stop, cont, alive, timeout: flo
         log.seek(0)
         text = log.read()
         log.close()
-    assert len(victims) == len(thresholds) == 1 + (again_after_steps is not None), \
+    assert len(victims) == len(thresholds) == 1 + (again_after_steps is not None), (
         f"the job ended before checkpoint {thresholds[len(victims)]} (stopped {victims}):\n{text[-4000:]}"
+    )
     return p.returncode, text, ended - stopped_at, victims, gone

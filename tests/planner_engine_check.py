@@ -1,5 +1,6 @@
 """Run in a subprocess with 8 CPU devices: for each strategy, a real JaxEngine (state initialised on the
 devices, step compiled) beside the planner's compile of the same candidate; prints JSON to compare."""
+
 import json
 import os
 import sys
@@ -21,12 +22,20 @@ for strategy, mesh in request["candidates"]:
     engine = JaxEngine(config, model, example, strategy, tuple(mesh))
     engine.compile()
     state = engine.init_state(0)
-    on_device0 = sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(state)
-                     for shard in leaf.addressable_shards if shard.device == jax.devices()[0])
+    on_device0 = sum(
+        shard.data.nbytes
+        for leaf in jax.tree_util.tree_leaves(state)
+        for shard in leaf.addressable_shards
+        if shard.device == jax.devices()[0]
+    )
     real = {k: v["count"] for k, v in hlo.count_collectives(engine.stats.hlo_texts[0]).items()}
     planned = compile_candidate(config, model, example, strategy, tuple(mesh), request["gpus_per_node"])
     out[f"{strategy}{tuple(mesh)}"] = {
-        "real_state_bytes_device0": on_device0, "planned_state_bytes": planned["state_bytes_per_device"],
-        "real_collectives": real, "planned_collectives": {k: v["count"] for k, v in planned["collectives"].items()},
-        "real_flops": engine.stats.flops_per_step, "planned_flops": planned["flops_per_step"]}
+        "real_state_bytes_device0": on_device0,
+        "planned_state_bytes": planned["state_bytes_per_device"],
+        "real_collectives": real,
+        "planned_collectives": {k: v["count"] for k, v in planned["collectives"].items()},
+        "real_flops": engine.stats.flops_per_step,
+        "planned_flops": planned["flops_per_step"],
+    }
 print("RESULT " + json.dumps(out))

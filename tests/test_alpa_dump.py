@@ -1,4 +1,5 @@
 """Offline reading of Alpa `dump_debug_info` folders (fixtures made from real Alpa objects)."""
+
 import json
 import shutil
 from pathlib import Path
@@ -6,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from alpa_job.errors import KitError
-from alpa_job.record.alpa_dump import (
-    AlpaDump, collect_leaves, dim_axes_of, load_alpa_dump, parse_tree, _sharding_spec)
+from alpa_job.record.alpa_dump import AlpaDump, collect_leaves, dim_axes_of, load_alpa_dump, parse_tree, _sharding_spec
 from alpa_job.record.plan import STRATEGY_LABELS
 
 FIXTURES = Path(__file__).resolve().parent / "alpa_fixtures"
@@ -36,8 +36,7 @@ def test_every_leaf_label_matches_expected(loaded):
 
 def test_meshes_and_batch_axes(loaded):
     name, dump, exp = loaded
-    meshes = [{"id": m.mesh_id, "shape": list(m.shape), "batch_axes": list(m.batch_axes)}
-              for m in dump.plan.meshes]
+    meshes = [{"id": m.mesh_id, "shape": list(m.shape), "batch_axes": list(m.batch_axes)} for m in dump.plan.meshes]
     assert meshes == exp["meshes"], name
     for m in dump.plan.meshes:
         assert m.axes == tuple(str(i) for i in range(len(m.shape)))
@@ -50,8 +49,7 @@ def test_collectives_memory_and_kind(loaded):
     assert {k: v for k, v in dump.collectives.items() if v["count"]} == exp["collectives"]
     assert dump.memory_gb == exp["memory"]
     if "stage_collectives" in exp:
-        got = {stem: {k: v for k, v in c.items() if v["count"]}
-               for stem, c in dump.stage_collectives.items()}
+        got = {stem: {k: v for k, v in c.items() if v["count"]} for stem, c in dump.stage_collectives.items()}
         assert got == exp["stage_collectives"]
 
 
@@ -110,22 +108,23 @@ def test_load_from_spec_file_path():
 
 # ------------------------------------------------------------------ parser units
 def test_parse_named_tuples_dicts_and_opaque():
-    text = ("(TrainState(step=PlacementSpec(aval=ShapedArray(int32[], weak_type=True), mesh_ids=(0,), "
-            "sharding_specs=(ShardingSpec((), (Replicated(replicas=2),)),)), apply_fn=<bound method "
-            "Module.apply of M(\n    # attributes\n    act = <function relu at 0x1>\n    x = (1, 2)\n)>, "
-            "params=FrozenDict({\n    Dense_0: {\n        kernel: PlacementSpec(aval=ShapedArray(float32[2,3]), "
-            "mesh_ids=(0,), sharding_specs=(ShardingSpec((Chunked(2), NoSharding()), (ShardedAxis(axis=0), "
-            "Replicated(replicas=2))),)),\n    },\n}), opt_state=(EmptyState(), [None, 1.5e-3, -2]), "
-            "dynamic_scale=None), {'x': PlacementSpec(aval=ShapedArray(bfloat16[4]), mesh_ids=(0,), "
-            "sharding_specs=(ShardingSpec((Chunked([2, 2]),), (ShardedAxis(axis=0), ShardedAxis(axis=1))),))})")
+    text = (
+        "(TrainState(step=PlacementSpec(aval=ShapedArray(int32[], weak_type=True), mesh_ids=(0,), "
+        "sharding_specs=(ShardingSpec((), (Replicated(replicas=2),)),)), apply_fn=<bound method "
+        "Module.apply of M(\n    # attributes\n    act = <function relu at 0x1>\n    x = (1, 2)\n)>, "
+        "params=FrozenDict({\n    Dense_0: {\n        kernel: PlacementSpec(aval=ShapedArray(float32[2,3]), "
+        "mesh_ids=(0,), sharding_specs=(ShardingSpec((Chunked(2), NoSharding()), (ShardedAxis(axis=0), "
+        "Replicated(replicas=2))),)),\n    },\n}), opt_state=(EmptyState(), [None, 1.5e-3, -2]), "
+        "dynamic_scale=None), {'x': PlacementSpec(aval=ShapedArray(bfloat16[4]), mesh_ids=(0,), "
+        "sharding_specs=(ShardingSpec((Chunked([2, 2]),), (ShardedAxis(axis=0), ShardedAxis(axis=1))),))})"
+    )
     leaves = collect_leaves(parse_tree(text))
     assert [(l.arg, l.path) for l in leaves] == [(0, "step"), (0, "params/Dense_0/kernel"), (1, "x")]
     assert leaves[1].shape == (2, 3) and leaves[2].specs[0].dims == ((2, 2),)
 
 
 def test_sharding_spec_text_roundtrip_and_axes():
-    s = ("ShardingSpec((NoSharding(), Chunked(2), Chunked(2)), "
-         "(ShardedAxis(axis=1), ShardedAxis(axis=0)))")
+    s = "ShardingSpec((NoSharding(), Chunked(2), Chunked(2)), (ShardedAxis(axis=1), ShardedAxis(axis=0)))"
     spec = _sharding_spec(parse_tree(s))
     assert spec.text() == s
     assert dim_axes_of(spec, (2, 2)) == ((), ("1",), ("0",))

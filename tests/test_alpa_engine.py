@@ -8,6 +8,7 @@
   standalone in .venv39, with jax 0.4.13's ShardingSpec and a real flax TrainState), converted
   by alpa_job.record.alpa_live -- labels checked against the intent computed by make_dumps.py.
 """
+
 import ast
 import json
 import os
@@ -27,20 +28,28 @@ REPO = Path(__file__).resolve().parent.parent
 VENV39_PY = REPO / ".venv39" / "bin" / "python"
 ENGINE = REPO / "alpa_job" / "engines" / "alpa_engine.py"
 # What the Alpa driver imports: the engine, its guards and plan cache, the interface and the one loop.
-ALPA_FILES = [ENGINE, REPO / "alpa_job/engines/alpa_guards.py", REPO / "alpa_job/engines/plan_cache.py",
-              REPO / "alpa_job/record/alpa_live.py", REPO / "alpa_job/engines/base.py", REPO / "alpa_job/train/loop.py"]
+ALPA_FILES = [
+    ENGINE,
+    REPO / "alpa_job/engines/alpa_guards.py",
+    REPO / "alpa_job/engines/plan_cache.py",
+    REPO / "alpa_job/record/alpa_live.py",
+    REPO / "alpa_job/engines/base.py",
+    REPO / "alpa_job/train/loop.py",
+]
 NEEDS_VENV39 = pytest.mark.skipif(
     not VENV39_PY.exists(),
     reason=f"{VENV39_PY} not found: create it (python3.9 -m venv .venv39; .venv39/bin/pip install --no-deps "
-           "alpa==0.2.3; .venv39/bin/pip install -r requirements/alpa-fixtures-py39.txt) to test against real "
-           "alpa 0.2.3 objects")
+    "alpa==0.2.3; .venv39/bin/pip install -r requirements/alpa-fixtures-py39.txt) to test against real "
+    "alpa 0.2.3 objects",
+)
 
 
 def run39(code: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'alpa_fixtures'}")
-    r = subprocess.run([str(VENV39_PY), "-c", textwrap.dedent(code)], cwd=str(REPO), env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [str(VENV39_PY), "-c", textwrap.dedent(code)], cwd=str(REPO), env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, f"py3.9 script failed:\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
     return r
 
@@ -63,7 +72,7 @@ def test_compiles_and_imports_on_python39_without_alpa():
     files = " ".join(repr(str(p)) for p in ALPA_FILES)
     r = run39(f"""
         import py_compile, sys
-        for f in [{files.replace(' ', ', ')}]:
+        for f in [{files.replace(" ", ", ")}]:
             py_compile.compile(f, doraise=True)
         import alpa_job.engines.alpa_engine, alpa_job.engines.plan_cache, alpa_job.record.alpa_live, alpa_job.train.loop
         assert 'alpa' not in sys.modules, 'importing the engine imported alpa'
@@ -73,9 +82,13 @@ def test_compiles_and_imports_on_python39_without_alpa():
 
 
 def test_importing_engine_does_not_import_alpa():
-    r = subprocess.run([sys.executable, "-c", "import sys, alpa_job.engines.alpa_engine as e; "
-                        "print('alpa' in sys.modules, 'jax' in sys.modules)"],
-                       cwd=str(REPO), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, alpa_job.engines.alpa_engine as e; print('alpa' in sys.modules, 'jax' in sys.modules)"],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False"]
 
@@ -107,12 +120,15 @@ def test_method_settings():
     assert alpa_engine.model_layer_count(wrn) == 6
 
 
-@pytest.mark.parametrize("engine,strategy,msg", [
-    ("alpa", "fsdp", "is a JAX-engine strategy; with --engine alpa use one of: data, shard, pipeshard-manual"),
-    ("alpa", "tensor", "JAX-engine strategy"),
-    ("jax", "shard", "is an Alpa method; use --engine alpa"),
-    ("jax", "pipeshard-auto", "is an Alpa method"),
-])
+@pytest.mark.parametrize(
+    "engine,strategy,msg",
+    [
+        ("alpa", "fsdp", "is a JAX-engine strategy; with --engine alpa use one of: data, shard, pipeshard-manual"),
+        ("alpa", "tensor", "JAX-engine strategy"),
+        ("jax", "shard", "is an Alpa method; use --engine alpa"),
+        ("jax", "pipeshard-auto", "is an Alpa method"),
+    ],
+)
 def test_engine_strategy_refusals(engine, strategy, msg):
     with pytest.raises(KitError, match=msg):
         build_config({}, {"engine": engine, "strategy": strategy})
@@ -195,8 +211,13 @@ def test_live_inspection_from_real_placement_specs():
 def test_stage_layout_from_seed_dp_result():
     from alpa_job.record.alpa_live import stage_layout
 
-    dp = (None, [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], [(1, 2), (1, 2)], [(1, 2), (1, 2)],
-          [{"force_batch_dim_to_mesh_dim": 0}, {"force_batch_dim_to_mesh_dim": 0}])
+    dp = (
+        None,
+        [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]],
+        [(1, 2), (1, 2)],
+        [(1, 2), (1, 2)],
+        [{"force_batch_dim_to_mesh_dim": 0}, {"force_batch_dim_to_mesh_dim": 0}],
+    )
     rows = stage_layout(dp, [10, 20, 30, 40])
     assert rows[0].layers == list(range(8)) and rows[1].submesh_shape == [1, 2]
     assert rows[0].memory_bytes_forward == 10 and rows[0].memory_bytes_backward == 40

@@ -4,6 +4,7 @@ Real where it can be: the installed alpa 0.2.3's version metadata and its own gl
 (loaded standalone in .venv39) reading the XLA port range; a real Ray actor raising the KeyError
 `MeshHostWorker.get_exec_hlo_text` raises (same contract: `self.executables[uuid]`).
 """
+
 import os
 import subprocess
 import textwrap
@@ -21,15 +22,15 @@ from alpa_job.errors import KitError
 
 REPO = Path(__file__).resolve().parent.parent
 VENV39_PY = REPO / ".venv39" / "bin" / "python"
-NEEDS_VENV39 = pytest.mark.skipif(not VENV39_PY.exists(), reason=f"{VENV39_PY} not found (see "
-                                  "requirements/alpa-fixtures-py39.txt for the three commands that create it)")
+NEEDS_VENV39 = pytest.mark.skipif(
+    not VENV39_PY.exists(), reason=f"{VENV39_PY} not found (see requirements/alpa-fixtures-py39.txt for the three commands that create it)"
+)
 
 
 def run39(code: str, env_extra=None) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **(env_extra or {}))
-    r = subprocess.run([str(VENV39_PY), "-c", textwrap.dedent(code)], cwd=str(REPO), env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([str(VENV39_PY), "-c", textwrap.dedent(code)], cwd=str(REPO), env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -249,6 +250,7 @@ def test_dump_keyerror_through_a_real_ray_actor(tmp_path):
     saved_env = dict(os.environ)  # ray.init() writes RAY_AUTH_MODE=token (and more) into os.environ
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+
         class MeshHostWorker:  # defined here so Ray ships it by value (same contract as above)
             def __init__(self):
                 self.executables = {}

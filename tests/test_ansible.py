@@ -6,6 +6,7 @@ head through SSH to its own IP like every other node. Order matters and is the f
 inventories first (nothing may be started by them), then the cluster up, doctor green, a job, the
 idempotent re-run, --check, and teardown.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,6 @@ import pytest
 from kit_testbed.ansible_runs import VENV_PYTHON, Ansible, failure_lines, played
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
-
 
 
 @pytest.fixture(scope="module")
@@ -41,22 +41,36 @@ def _bad(ansible, name):
     if name == "no_head":
         return ansible.inventory(name, [], workers), r"group ray_head must hold exactly one host.*it holds 0"
     if name == "two_heads":
-        return (ansible.inventory(name, [("head", ips["head"]), ("w1", ips["w1"])], [("w2", ips["w2"])]),
-                r"group ray_head must hold exactly one host.*it holds 2: head, w1")
+        return (
+            ansible.inventory(name, [("head", ips["head"]), ("w1", ips["w1"])], [("w2", ips["w2"])]),
+            r"group ray_head must hold exactly one host.*it holds 2: head, w1",
+        )
     if name == "no_address_in_cidr":  # the CIDR typed in the inventory file holds the head (10.77.0.1) only
-        return (ansible.inventory(name, [("head", ips["head"])], workers,
-                                  file_vars={"alpa_kit_cluster_cidr": "10.77.0.0/31"}),
-                r"host w1: no interface of this host has an address in cluster CIDR 10\.77\.0\.0/31 "
-                r"\(found: .*eth0=10\.77\.0\.2")
+        return (
+            ansible.inventory(name, [("head", ips["head"])], workers, file_vars={"alpa_kit_cluster_cidr": "10.77.0.0/31"}),
+            r"host w1: no interface of this host has an address in cluster CIDR 10\.77\.0\.0/31 "
+            r"\(found: .*eth0=10\.77\.0\.2",
+        )
     if name == "unreachable":  # nobody owns 10.77.0.9
-        return (ansible.inventory(name, [("head", ips["head"])], workers + [("w9", "10.77.0.9")]),
-                r"w9: UNREACHABLE: .*connect to host 10\.77\.0\.9 port 22")
+        return (
+            ansible.inventory(name, [("head", ips["head"])], workers + [("w9", "10.77.0.9")]),
+            r"w9: UNREACHABLE: .*connect to host 10\.77\.0\.9 port 22",
+        )
     if name == "no_docker_engine":  # the docker runtime, and no engine answers on the nodes
-        return (ansible.inventory(name, [("head", ips["head"])], workers, file_vars={
-                    "ray_runtime": "docker", "ray_gpus": False,
-                    "alpa_kit_docker_host": "unix:///run/%s-no-docker.sock" % ansible.bed.prefix}),
-                r"head: ray_runtime is docker but no Docker Engine answers at unix:///run/\S+-no-docker\.sock "
-                r"\(.*\); install Docker Engine")
+        return (
+            ansible.inventory(
+                name,
+                [("head", ips["head"])],
+                workers,
+                file_vars={
+                    "ray_runtime": "docker",
+                    "ray_gpus": False,
+                    "alpa_kit_docker_host": "unix:///run/%s-no-docker.sock" % ansible.bed.prefix,
+                },
+            ),
+            r"head: ray_runtime is docker but no Docker Engine answers at unix:///run/\S+-no-docker\.sock "
+            r"\(.*\); install Docker Engine",
+        )
     raise AssertionError(name)
 
 
@@ -107,11 +121,35 @@ def test_a_job_runs_on_the_cluster(ansible):
     spec = bed.host_dir("head") / "etc" / "alpa-kit" / "cluster.yaml"
     out = Path("/tmp") / ("akt-ansible-job-%s" % uuid.uuid4().hex[:8])
     token = ansible.token_file.read_text().strip()
-    job = bed.exec("head", "ray", "job", "submit", "--address", "http://%s:8265" % bed.ips["head"], "--",
-                   # the venv's python by path: a bare `python` in the job's shell found one without ray
-                   str(VENV_PYTHON), "-m", "alpa_job", "train", "--model", "mlp", "--steps", "3", "--devices", "2",
-                   "--batch-size", "96", "--cluster-spec", str(spec), "--out", str(out),
-                   env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, timeout=400, check=False)
+    job = bed.exec(
+        "head",
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        "http://%s:8265" % bed.ips["head"],
+        "--",
+        # the venv's python by path: a bare `python` in the job's shell found one without ray
+        str(VENV_PYTHON),
+        "-m",
+        "alpa_job",
+        "train",
+        "--model",
+        "mlp",
+        "--steps",
+        "3",
+        "--devices",
+        "2",
+        "--batch-size",
+        "96",
+        "--cluster-spec",
+        str(spec),
+        "--out",
+        str(out),
+        env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+        timeout=400,
+        check=False,
+    )
     assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 3
@@ -125,8 +163,7 @@ def test_second_run_changes_nothing(ansible):
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     counts = summary["hosts"]
     assert set(counts) == {"localhost", "head", "w1", "w2"}
-    assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, \
-        played(summary)[-8000:]
+    assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, played(summary)[-8000:]
     print("site.yml (idempotent re-run): %.1f s" % summary["seconds"])
 
 

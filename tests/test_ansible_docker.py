@@ -12,6 +12,7 @@ What only the test bed needs is set on top of the example inventory and said so:
 (ray_gpus: false), a plain-HTTP registry, per-node paths (the hosts share one filesystem), each
 node's dockerd socket, and limits within this sandbox's hard limits.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -60,24 +61,38 @@ def _bad(site, mistake):
     ctl, reg = site.site.controller_ip, site.site.registry
     host, port = reg.rsplit(":", 1)
     if mistake == "wrong_admin_cidr":
-        return ({"alpa_kit_admin_cidrs": ["192.0.2.0/24"]}, None,
-                r"the controller reaches this node from %s, which neither alpa_kit_admin_cidrs \(192\.0\.2\.0/24\) "
-                r"nor the cluster's members hold: its firewall would lock you out\. Add %s/32 to "
-                r"alpa_kit_admin_cidrs" % (re.escape(ctl), re.escape(ctl)))
+        return (
+            {"alpa_kit_admin_cidrs": ["192.0.2.0/24"]},
+            None,
+            r"the controller reaches this node from %s, which neither alpa_kit_admin_cidrs \(192\.0\.2\.0/24\) "
+            r"nor the cluster's members hold: its firewall would lock you out\. Add %s/32 to "
+            r"alpa_kit_admin_cidrs" % (re.escape(ctl), re.escape(ctl)),
+        )
     if mistake == "registry_unreachable":  # nothing listens there
-        return ({"alpa_kit_registry": "%s:%d" % (host, int(port) + 1)}, None,
-                r"registry %s:%d is unreachable \(.*\); start it or fix alpa_kit_registry"
-                % (re.escape(host), int(port) + 1))
+        return (
+            {"alpa_kit_registry": "%s:%d" % (host, int(port) + 1)},
+            None,
+            r"registry %s:%d is unreachable \(.*\); start it or fix alpa_kit_registry" % (re.escape(host), int(port) + 1),
+        )
     if mistake == "tag_missing":
-        return ({"alpa_kit_images": {"jax_cpu": "alpa-cluster-kit/jax:no-such-tag"}}, None,
-                r"registry %s has no alpa-cluster-kit/jax:no-such-tag; push it" % re.escape(reg))
+        return (
+            {"alpa_kit_images": {"jax_cpu": "alpa-cluster-kit/jax:no-such-tag"}},
+            None,
+            r"registry %s has no alpa-cluster-kit/jax:no-such-tag; push it" % re.escape(reg),
+        )
     if mistake == "no_docker_engine":  # one node's engine is missing: every node stops
-        return ({}, {"w2": {"alpa_kit_docker_host": "unix:///run/%s-nothing-here.sock" % site.bed.prefix}},
-                r"w2: ray_runtime is docker but no Docker Engine answers at unix:///run/\S+-nothing-here\.sock")
+        return (
+            {},
+            {"w2": {"alpa_kit_docker_host": "unix:///run/%s-nothing-here.sock" % site.bed.prefix}},
+            r"w2: ray_runtime is docker but no Docker Engine answers at unix:///run/\S+-nothing-here\.sock",
+        )
     if mistake == "no_address_in_cidr":  # holds the head only
         head_ip = list(site.site.nodes.values())[0]
-        return ({"alpa_kit_cluster_cidr": head_ip + "/32"}, None,
-                r"host w1: no interface of this host has an address in cluster CIDR %s/32" % re.escape(head_ip))
+        return (
+            {"alpa_kit_cluster_cidr": head_ip + "/32"},
+            None,
+            r"host w1: no interface of this host has an address in cluster CIDR %s/32" % re.escape(head_ip),
+        )
     if mistake == "two_heads":
         return ({}, None, r"group ray_head must hold exactly one host.*it holds 2: head, w1")
     raise AssertionError(mistake)
@@ -109,8 +124,9 @@ def _snapshot(site):
     return {"containers": site.containers(), "images": site.images(), "tables": site.tables(), "files": site.files()}
 
 
-@pytest.mark.parametrize("mistake", ["wrong_admin_cidr", "registry_unreachable", "tag_missing", "no_docker_engine",
-                                     "no_address_in_cidr", "two_heads"])
+@pytest.mark.parametrize(
+    "mistake", ["wrong_admin_cidr", "registry_unreachable", "tag_missing", "no_docker_engine", "no_address_in_cidr", "two_heads"]
+)
 def test_bad_input_stops_before_any_change(site, mistake):
     assert "up" not in _STATE  # the nodes are still untouched
     before = _snapshot(site)
@@ -131,13 +147,21 @@ def _auth_state(site) -> str:
     def h(text):
         return hashlib.sha256(text.strip().encode()).hexdigest()[:8]
 
-    lines = ["token file %s: %s" % (site.token_file, h(site.token_file.read_text()) if site.token_file.exists()
-                                    else "absent")]
+    lines = ["token file %s: %s" % (site.token_file, h(site.token_file.read_text()) if site.token_file.exists() else "absent")]
     for node in site.site.nodes:
         p = site.site.docker(node, "inspect", "--format", "{{json .Config.Env}}", CONTAINER, check=False)
         env = json.loads(p.stdout) if p.returncode == 0 else []
-        lines.append("%s: %s" % (node, {e.split("=", 1)[0]: h(e.split("=", 1)[1]) if "TOKEN" in e else e.split("=", 1)[1]
-                                        for e in env if e.startswith("RAY_AUTH")}))
+        lines.append(
+            "%s: %s"
+            % (
+                node,
+                {
+                    e.split("=", 1)[0]: h(e.split("=", 1)[1]) if "TOKEN" in e else e.split("=", 1)[1]
+                    for e in env
+                    if e.startswith("RAY_AUTH")
+                },
+            )
+        )
     return "\n".join(lines)
 
 
@@ -189,16 +213,39 @@ def test_a_job_from_the_controller_trains_across_the_nodes_with_token_auth(site)
     head_ip = nodes["head"]
     run_id = "akt-job-%s" % uuid.uuid4().hex[:8]
     spec = site.etc("head") / "alpa-kit" / "cluster.yaml"  # mounted at the same path in the containers
-    submit = ["ray", "job", "submit", "--address", "http://%s:8265" % head_ip, "--submission-id", run_id, "--",
-              "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "3", "--devices", "2",
-              "--batch-size", "96", "--cluster-spec", str(spec), "--out", "/tmp/ray/" + run_id]
+    submit = [
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        "http://%s:8265" % head_ip,
+        "--submission-id",
+        run_id,
+        "--",
+        "python",
+        "-m",
+        "alpa_job",
+        "train",
+        "--model",
+        "mlp",
+        "--steps",
+        "3",
+        "--devices",
+        "2",
+        "--batch-size",
+        "96",
+        "--cluster-spec",
+        str(spec),
+        "--out",
+        "/tmp/ray/" + run_id,
+    ]
     # Token auth is on: without the token the jobs API refuses the controller.
-    anon = site.site.on_controller("ray", "job", "list", "--address", "http://%s:8265" % head_ip,
-                                   env={"RAY_AUTH_MODE": "disabled"}, timeout=120, check=False)
+    anon = site.site.on_controller(
+        "ray", "job", "list", "--address", "http://%s:8265" % head_ip, env={"RAY_AUTH_MODE": "disabled"}, timeout=120, check=False
+    )
     assert anon.returncode != 0, anon.stdout[-2000:]
     token = site.token_file.read_text().strip()
-    job = site.site.on_controller(*submit, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, timeout=500,
-                                  check=False)
+    job = site.site.on_controller(*submit, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}, timeout=500, check=False)
     assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-3000:]
     report = json.loads((site.ray_dir("head") / run_id / "report.json").read_text())
     assert report["steps"] == 3
@@ -212,8 +259,7 @@ def test_second_run_from_the_controller_is_admitted_and_changes_nothing(site):
     p, summary = site.run("site.yml", site.inventory("good"), fresh_ssh=True)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     counts = summary["hosts"]
-    assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, \
-        played(summary)[-8000:]
+    assert {h: c["changed"] for h, c in counts.items()} == {"localhost": 0, "head": 0, "w1": 0, "w2": 0}, played(summary)[-8000:]
     assert site.containers() == ids  # nothing restarted
     for node in site.site.nodes:  # a brand-new SSH connection from the controller passes the firewall
         assert site.site.ssh.ssh(node, "hostname", timeout=60).stdout.strip() == node
@@ -264,14 +310,28 @@ def test_air_gapped_nodes_load_the_image_from_a_tar(site, tmp_path):
     docker(node, "save", "-o", str(archive), ref, timeout=300)
     docker(node, "rmi", ref)
     play = site.work / "airgap.yml"
-    play.write_text(yaml.safe_dump([{
-        "name": "Air-gapped image.", "hosts": node, "gather_facts": False,
-        "vars": {"alpa_kit_image": ref, "alpa_kit_image_source": "load", "alpa_kit_image_archive": str(archive),
-                 "ray_cluster_archive_dir": str(site.bed.host_dir(node))},
-        "tasks": [
-            {"name": "Preflight.", "ansible.builtin.include_role": {"name": "ray_node_prep", "tasks_from": "docker.yml"}},
-            {"name": "Image.", "ansible.builtin.include_role": {"name": "ray_cluster", "tasks_from": "image.yml"}},
-        ]}], sort_keys=False))
+    play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "Air-gapped image.",
+                    "hosts": node,
+                    "gather_facts": False,
+                    "vars": {
+                        "alpa_kit_image": ref,
+                        "alpa_kit_image_source": "load",
+                        "alpa_kit_image_archive": str(archive),
+                        "ray_cluster_archive_dir": str(site.bed.host_dir(node)),
+                    },
+                    "tasks": [
+                        {"name": "Preflight.", "ansible.builtin.include_role": {"name": "ray_node_prep", "tasks_from": "docker.yml"}},
+                        {"name": "Image.", "ansible.builtin.include_role": {"name": "ray_cluster", "tasks_from": "image.yml"}},
+                    ],
+                }
+            ],
+            sort_keys=False,
+        )
+    )
     try:
         p, summary = site.run(str(play), site.inventory("good"))
         assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
@@ -285,8 +345,10 @@ def test_air_gapped_nodes_load_the_image_from_a_tar(site, tmp_path):
         docker(node, "rmi", ref)
         p3, summary3 = site.run(str(play), site.inventory("good"))
         assert p3.returncode != 0 and summary3["hosts"][node]["changed"] == 0
-        assert re.search(r"w2: alpa_kit_image_source is load but the archive '%s' is not on the controller"
-                         % re.escape(str(archive)), failure_lines(summary3)), summary3["failures"]
+        assert re.search(
+            r"w2: alpa_kit_image_source is load but the archive '%s' is not on the controller" % re.escape(str(archive)),
+            failure_lines(summary3),
+        ), summary3["failures"]
     finally:
         docker(node, "rmi", "-f", ref, check=False)
         archive.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ together, the container's user owns what it writes, the firewall admits the cont
 stops, and the ruleset is persisted through the distribution's nftables config. Rendering uses
 Ansible's own Templar over the roles' defaults/vars/tasks (no SSH, no Docker); one test runs a real
 ansible-playbook against localhost to show an inventory-file var beating the defaults."""
+
 from __future__ import annotations
 
 import hashlib
@@ -34,16 +35,26 @@ def _tool(name):
 
 
 def test_yamllint_clean():
-    p = subprocess.run([_tool("yamllint"), "-s", "-f", "parsable", "."], cwd=ANSIBLE_DIR, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run([_tool("yamllint"), "-s", "-f", "parsable", "."], cwd=ANSIBLE_DIR, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_ansible_lint_production_profile_clean(tmp_path):
-    env = dict(os.environ, ANSIBLE_HOME=str(tmp_path / "home"), NO_COLOR="1", ANSIBLE_LINT_NODEPS="0",
-               PATH=str(BIN) + os.pathsep + os.environ.get("PATH", ""))
-    p = subprocess.run([_tool("ansible-lint"), "--profile", "production", "--offline", "-q"], cwd=ANSIBLE_DIR,
-                       capture_output=True, text=True, timeout=600, env=env)
+    env = dict(
+        os.environ,
+        ANSIBLE_HOME=str(tmp_path / "home"),
+        NO_COLOR="1",
+        ANSIBLE_LINT_NODEPS="0",
+        PATH=str(BIN) + os.pathsep + os.environ.get("PATH", ""),
+    )
+    p = subprocess.run(
+        [_tool("ansible-lint"), "--profile", "production", "--offline", "-q"],
+        cwd=ANSIBLE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-4000:]
 
 
@@ -59,8 +70,7 @@ def test_the_plan_is_read_from_cluster_yaml_not_copied():
         assert defaults["alpa_kit_" + key] == "{{ __alpa_kit_file_plan.%s }}" % key
     # ... and no literal of the plan is spelled anywhere in the tree (no port, no version, no tag)
     texts = "\n".join(p.read_text() for p in ANSIBLE_DIR.rglob("*.yml"))
-    for literal in (plan["versions"]["ray_modern"], plan["images"]["jax"], str(plan["ports"]["dashboard"]),
-                    plan["versions"]["jax_modern"]):
+    for literal in (plan["versions"]["ray_modern"], plan["images"]["jax"], str(plan["ports"]["dashboard"]), plan["versions"]["jax_modern"]):
         assert literal not in texts, literal
     assert Render("docker").var("alpa_kit_spec") == plan
 
@@ -71,12 +81,24 @@ def _playbook_run(tmp_path, inventory: dict, playbook: list):
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
     (tmp_path / "play.yml").write_text(yaml.safe_dump(playbook, sort_keys=False))
     (tmp_path / "ansible.cfg").write_text("[defaults]\n")  # none of the machine's settings
-    env = dict(os.environ, ANSIBLE_HOME=str(tmp_path / "home"), ANSIBLE_ROLES_PATH=str(ROLES),
-               ANSIBLE_FILTER_PLUGINS=str(ANSIBLE_DIR / "filter_plugins"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.json", ANSIBLE_CONFIG=str(tmp_path / "ansible.cfg"),
-               PATH=str(BIN) + os.pathsep + os.environ.get("PATH", ""))
-    p = subprocess.run([_tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    env = dict(
+        os.environ,
+        ANSIBLE_HOME=str(tmp_path / "home"),
+        ANSIBLE_ROLES_PATH=str(ROLES),
+        ANSIBLE_FILTER_PLUGINS=str(ANSIBLE_DIR / "filter_plugins"),
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_STDOUT_CALLBACK="ansible.builtin.json",
+        ANSIBLE_CONFIG=str(tmp_path / "ansible.cfg"),
+        PATH=str(BIN) + os.pathsep + os.environ.get("PATH", ""),
+    )
+    p = subprocess.run(
+        [_tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     out = json.loads(p.stdout)
     return {t["task"]["name"]: t["hosts"]["node1"] for t in out["plays"][0]["tasks"]}
@@ -85,14 +107,27 @@ def _playbook_run(tmp_path, inventory: dict, playbook: list):
 def test_inventory_file_vars_beat_the_kit_defaults(tmp_path):
     """alpa_kit_cluster_cidr (and a partial alpa_kit_ports) typed in the inventory FILE take effect."""
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    inventory = {"ray_cluster": {
-        "children": {"ray_head": {"hosts": {"node1": local}}, "ray_workers": {"hosts": {}}},
-        "vars": {"alpa_kit_cluster_cidr": "192.168.50.0/24", "alpa_kit_ports": {"dashboard": 8266},
-                 "ray_stack": "alpa", "alpa_kit_registry": "reg.example:5000"},
-    }}
+    inventory = {
+        "ray_cluster": {
+            "children": {"ray_head": {"hosts": {"node1": local}}, "ray_workers": {"hosts": {}}},
+            "vars": {
+                "alpa_kit_cluster_cidr": "192.168.50.0/24",
+                "alpa_kit_ports": {"dashboard": 8266},
+                "ray_stack": "alpa",
+                "alpa_kit_registry": "reg.example:5000",
+            },
+        }
+    }
     shown = {"spec": "{{ alpa_kit_spec }}", "image": "{{ alpa_kit_image }}", "ray": "{{ alpa_kit_ray_version }}"}
-    playbook = [{"name": "Show the settings.", "hosts": "ray_head", "gather_facts": False, "roles": ["alpa_kit"],
-                 "tasks": [{"name": "show", "ansible.builtin.debug": {"msg": shown}}]}]
+    playbook = [
+        {
+            "name": "Show the settings.",
+            "hosts": "ray_head",
+            "gather_facts": False,
+            "roles": ["alpa_kit"],
+            "tasks": [{"name": "show", "ansible.builtin.debug": {"msg": shown}}],
+        }
+    ]
     got = _playbook_run(tmp_path, inventory, playbook)["show"]["msg"]
     from alpa_job.cluster.spec import load_spec
 
@@ -133,12 +168,11 @@ def test_docker_container_runs_the_same_ray_start_as_the_process_runtime(role):
     start_argv = process.var("__ray_cluster_start_argv")
     systemd = Render("process", role=role, supervisor="systemd")
     unit = systemd.template_file("alpa-kit-ray.service.j2")
-    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))[len("ExecStart="):]
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))[len("ExecStart=") :]
 
     # One argv: the kit's renderer with this node's IP; foreground (--block) in the container and the
     # systemd unit, daemonised by the process runtime without a service manager.
-    want = ray_start_args(load_spec(), role, "10.0.0.1" if role == "head" else "10.0.0.2", head_ip="10.0.0.1",
-                          num_gpus=8, block=True)
+    want = ray_start_args(load_spec(), role, "10.0.0.1" if role == "head" else "10.0.0.2", head_ip="10.0.0.1", num_gpus=8, block=True)
     assert list(container["command"]) == want
     assert list(start_argv) + ["--block"] == want
     argv = shlex.split(exec_start)
@@ -225,8 +259,11 @@ def nccl_fabric_drift(env, spec) -> list:
     """Where a runtime's NCCL_IB_* environment differs from what spec.nccl_env() renders for the fabric."""
     have = {k: v for k, v in env.items() if k.startswith("NCCL_IB_")}
     want = spec.nccl_env()
-    return ["%s = %r, the fabric (%s) says %r" % (k, have.get(k), spec.network.fabric, want.get(k))
-            for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k)]
+    return [
+        "%s = %r, the fabric (%s) says %r" % (k, have.get(k), spec.network.fabric, want.get(k))
+        for k in sorted(set(have) | set(want))
+        if have.get(k) != want.get(k)
+    ]
 
 
 def _fabric_spec(network):
@@ -254,7 +291,8 @@ def test_the_nccl_drift_check_fails_when_a_runtime_overrides_the_fabric():
     env = dict(r.task_args("docker.yml", "community.docker.docker_container")["env"])
     assert nccl_fabric_drift(env, spec) == ["NCCL_IB_DISABLE = '1', the fabric (ib) says '0'"]
     assert nccl_fabric_drift({"NCCL_IB_DISABLE": "1", "NCCL_IB_HCA": "mlx5_0"}, _fabric_spec({})) == [
-        "NCCL_IB_HCA = 'mlx5_0', the fabric (ethernet) says None"]
+        "NCCL_IB_HCA = 'mlx5_0', the fabric (ethernet) says None"
+    ]
 
 
 @pytest.mark.parametrize("fabric", ["ib", "roce"])
@@ -290,8 +328,12 @@ def test_image_reference_parts():
         sys.path.remove(str(ANSIBLE_DIR / "filter_plugins"))
     assert kit.image_ref("kit/jax:1.0", "10.78.0.1:5000/") == "10.78.0.1:5000/kit/jax:1.0"
     assert kit.image_parts("10.78.0.1:5000/kit/jax:1.0") == {
-        "registry": "10.78.0.1:5000", "repository": "kit/jax", "tag": "1.0", "api_host": "10.78.0.1:5000",
-        "manifest_path": "/v2/kit/jax/manifests/1.0"}
+        "registry": "10.78.0.1:5000",
+        "repository": "kit/jax",
+        "tag": "1.0",
+        "api_host": "10.78.0.1:5000",
+        "manifest_path": "/v2/kit/jax/manifests/1.0",
+    }
     hub = kit.image_parts("debian")
     assert (hub["api_host"], hub["manifest_path"]) == ("registry-1.docker.io", "/v2/library/debian/manifests/latest")
     assert kit.image_parts("localhost/x/y")["registry"] == "localhost"
@@ -306,25 +348,27 @@ def _kit_filters():
     return alpa_kit
 
 
-@pytest.mark.parametrize("controller, cidrs, auto, admit, error", [
-    ("", [], True, [], ""),                                   # ansible_connection: local
-    ("10.0.0.2", [], True, [], ""),                           # a member
-    ("127.0.0.1", [], True, [], ""),                          # loopback
-    ("192.168.1.9", [], True, [], ""),                        # one of the node's own addresses
-    ("172.16.5.5", [], True, ["172.16.5.5/32"], ""),          # outside: admitted by its own address
-    ("172.16.5.5", ["172.16.0.0/16"], True, [], ""),          # inside admin_cidrs
-    ("172.16.5.5", ["192.0.2.0/24"], True, [], "alpa_kit_admin_cidrs"),  # set and excluding: stop
-    ("172.16.5.5", [], False, [], "alpa_kit_admin_cidrs"),    # auto off
-    ("?", [], True, [], "alpa_kit_admin_cidrs"),              # unknown and nothing set: stop
-    ("?", ["192.0.2.0/24"], True, [], ""),                    # unknown but the operator set the CIDRs
-])
+@pytest.mark.parametrize(
+    "controller, cidrs, auto, admit, error",
+    [
+        ("", [], True, [], ""),  # ansible_connection: local
+        ("10.0.0.2", [], True, [], ""),  # a member
+        ("127.0.0.1", [], True, [], ""),  # loopback
+        ("192.168.1.9", [], True, [], ""),  # one of the node's own addresses
+        ("172.16.5.5", [], True, ["172.16.5.5/32"], ""),  # outside: admitted by its own address
+        ("172.16.5.5", ["172.16.0.0/16"], True, [], ""),  # inside admin_cidrs
+        ("172.16.5.5", ["192.0.2.0/24"], True, [], "alpa_kit_admin_cidrs"),  # set and excluding: stop
+        ("172.16.5.5", [], False, [], "alpa_kit_admin_cidrs"),  # auto off
+        ("?", [], True, [], "alpa_kit_admin_cidrs"),  # unknown and nothing set: stop
+        ("?", ["192.0.2.0/24"], True, [], ""),  # unknown but the operator set the CIDRs
+    ],
+)
 def test_controller_admission(controller, cidrs, auto, admit, error):
     from alpa_job.cluster.spec import load_spec
 
     kit = _kit_filters()
     plan = dict(load_spec().as_dict(), admin_cidrs=cidrs)
-    got = kit.controller_admission(controller, plan, ["10.0.0.1", "10.0.0.2"], ["192.168.1.9", "10.0.0.1"],
-                                   auto=auto, host="w1")
+    got = kit.controller_admission(controller, plan, ["10.0.0.1", "10.0.0.2"], ["192.168.1.9", "10.0.0.1"], auto=auto, host="w1")
     assert got["admit"] == admit
     if error:
         assert error in got["error"] and got["error"].startswith("host w1: ") and "\n" not in got["error"]
@@ -335,8 +379,9 @@ def test_controller_admission(controller, cidrs, auto, admit, error):
 
 
 def test_firewall_admits_the_controller_found_and_persists_through_the_distribution_config(tmp_path):
-    fw = Render("docker", role="head", kit_role="ray_firewall", ray_node_prep_admin_extra=["172.16.5.5/32"],
-                alpa_kit_config_dir=str(tmp_path))
+    fw = Render(
+        "docker", role="head", kit_role="ray_firewall", ray_node_prep_admin_extra=["172.16.5.5/32"], alpa_kit_config_dir=str(tmp_path)
+    )
     ruleset = fw.var("__ray_firewall_ruleset")
     assert "elements = { 172.16.5.5/32 }" in ruleset
     assert 'ip saddr @admin_v4 tcp dport { 22, 8265 } accept comment "admin: ssh, dashboard"' in ruleset
@@ -348,15 +393,18 @@ def test_firewall_admits_the_controller_found_and_persists_through_the_distribut
     assert persist["line"] == line and persist["validate"] == "nft -c -f %s" and persist["create"]
     names = [t["name"] for t in fw.tasks("nftables.yml")]
     assert names.index("Render the firewall from the port plan.") < names.index(
-        "Include the rendered table from the distribution's nftables config (survives a reboot).")
+        "Include the rendered table from the distribution's nftables config (survives a reboot)."
+    )
     removed = fw.task_args("teardown.yml", "ansible.builtin.lineinfile")
     assert removed["line"] == line and removed["state"] == "absent"
     # The real check: nft accepts a Debian-style nftables.conf that includes the rendered ruleset.
     nft = shutil.which("nft") or pytest.skip("nft not installed")
     (tmp_path / "nftables-alpa_kit.nft").write_text(ruleset)
     conf = tmp_path / "nftables.conf"
-    conf.write_text("#!/usr/sbin/nft -f\nflush ruleset\ntable inet filter {\n\tchain input {\n"
-                    "\t\ttype filter hook input priority filter;\n\t}\n}\n%s\n" % line)
+    conf.write_text(
+        "#!/usr/sbin/nft -f\nflush ruleset\ntable inet filter {\n\tchain input {\n"
+        "\t\ttype filter hook input priority filter;\n\t}\n}\n%s\n" % line
+    )
     p = subprocess.run([nft, "-c", "-f", str(conf)], capture_output=True, text=True, timeout=30)
     if p.returncode != 0 and "Operation not permitted" in p.stderr:
         pytest.skip("nft -c needs CAP_NET_ADMIN")
@@ -368,8 +416,11 @@ def test_preflight_checks_come_before_every_change():
     tasks = yaml.safe_load((ROLES / "ray_node_prep" / "tasks" / "main.yml").read_text())
     names = [t["name"] for t in tasks]
     first_change = names.index("Ensure the kit's config directory exists.")
-    for check in ("Find this node's address in the cluster CIDR.", "Include the controller's admission check.",
-                  "Check Docker, the GPU stack and the image (docker runtime)."):
+    for check in (
+        "Find this node's address in the cluster CIDR.",
+        "Include the controller's admission check.",
+        "Check Docker, the GPU stack and the image (docker runtime).",
+    ):
         assert names.index(check) < first_change, check
     for sub in ("controller.yml", "docker.yml"):  # the included files only read and assert
         for t in yaml.safe_load((ROLES / "ray_node_prep" / "tasks" / sub).read_text()):

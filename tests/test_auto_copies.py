@@ -1,6 +1,7 @@
 """`--strategy auto` ranking its candidates on shallow copies of the model (engines/shallow_ranking.py), on
 emulated CPU devices: which models get copies, the prediction, and a real search that compiles only its
 winner whole."""
+
 from __future__ import annotations
 
 import math
@@ -32,15 +33,22 @@ def test_copies_timed_out_of_order_still_predict_a_positive_time_and_say_why():
 
 
 def _candidate(strategy, step_ms, peak_gb):
-    return ({"strategy": strategy, "mesh_shape": [2, 1], "step_time_s": step_ms / 1e3,
-             "peak_bytes_per_device": int(peak_gb * 1e9), "note": "predicted"}, strategy)
+    return (
+        {
+            "strategy": strategy,
+            "mesh_shape": [2, 1],
+            "step_time_s": step_ms / 1e3,
+            "peak_bytes_per_device": int(peak_gb * 1e9),
+            "note": "predicted",
+        },
+        strategy,
+    )
 
 
 def test_of_candidates_predicted_within_the_tie_the_one_needing_least_memory_wins():
     least = shallow_ranking.least_memory_among_ties
     tie = shallow_ranking.TIE
-    data, fsdp, tensor = _candidate("data", 130.0, 35.0), _candidate("fsdp", 130.0 * (1 + tie / 2), 27.0), \
-        _candidate("tensor", 140.0, 29.0)
+    data, fsdp, tensor = _candidate("data", 130.0, 35.0), _candidate("fsdp", 130.0 * (1 + tie / 2), 27.0), _candidate("tensor", 140.0, 29.0)
     ranked = least([data, fsdp, tensor])
     assert [engine for _, engine in ranked] == ["fsdp", "data", "tensor"]
     # Every process decides on the peaks it is given (process 0's), not its own rows'.
@@ -62,10 +70,15 @@ def test_the_likeliest_winner_compiles_first_the_least_state_then_the_narrowest_
     batch = model.synthetic(np.random.default_rng(0), 16)
     batch["mask"] = np.ones(16, np.float32)
     replicated = tiny_config("gpt", num_layers=2, data_update="replicated")
-    engines = [({"strategy": name}, JaxEngine(cfg, model, batch, s, mesh))
-               for name, cfg, s, mesh in (("data replicated", replicated, "data", (8, 1)),
-                                          ("tensor", config, "tensor", (4, 2)), ("fsdp", config, "fsdp", (8, 1)),
-                                          ("data", config, "data", (8, 1)))]
+    engines = [
+        ({"strategy": name}, JaxEngine(cfg, model, batch, s, mesh))
+        for name, cfg, s, mesh in (
+            ("data replicated", replicated, "data", (8, 1)),
+            ("tensor", config, "tensor", (4, 2)),
+            ("fsdp", config, "fsdp", (8, 1)),
+            ("data", config, "data", (8, 1)),
+        )
+    ]
     ordered = [row["strategy"] for row, _ in auto_search._likeliest_first(engines)]
     # fsdp and data (its update sharded) split every parameter and its optimizer state over the data axis
     # (a tie: the given order stays); tensor only the matmuls' inner widths, over 2 of the 8 devices; data's
@@ -95,15 +108,17 @@ def test_the_copies_one_state_is_created_whole_and_every_layout_is_cut_from_it()
     assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(state))
 
 
-@pytest.mark.parametrize("model, overrides, expected", [
-    ("gpt", dict(num_layers=6, auto_rank_on="copies"), 6),
-    ("gpt", dict(num_layers=5, auto_rank_on="copies"), None),  # copies would cost about a whole compile
-    ("gpt", dict(num_layers=6, auto_rank_on="whole"), None),
-    ("gpt", dict(num_layers=6), 6),  # the default
-    ("mlp", dict(auto_rank_on="copies"), None),  # declares no depth_setting
-])
-def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_copies(model, overrides, expected,
-                                                                                       capfd):
+@pytest.mark.parametrize(
+    "model, overrides, expected",
+    [
+        ("gpt", dict(num_layers=6, auto_rank_on="copies"), 6),
+        ("gpt", dict(num_layers=5, auto_rank_on="copies"), None),  # copies would cost about a whole compile
+        ("gpt", dict(num_layers=6, auto_rank_on="whole"), None),
+        ("gpt", dict(num_layers=6), 6),  # the default
+        ("mlp", dict(auto_rank_on="copies"), None),  # declares no depth_setting
+    ],
+)
+def test_only_a_model_that_declares_its_depth_and_is_deep_enough_is_ranked_on_copies(model, overrides, expected, capfd):
     config = tiny_config(model, strategy="auto", **overrides)
     copies = shallow_ranking.copies_for(config, models.get_model(config))
     if expected is None:
@@ -133,14 +148,16 @@ def test_state_like_reshards_a_state_and_cuts_a_deeper_copys_to_its_own_layers()
         engine.compile_step(with_initializer=False)
     original = data.init_state(0)
     moved = fsdp.state_like(original)
-    for a, b, sharding in zip(jax.tree_util.tree_leaves(original), jax.tree_util.tree_leaves(moved),
-                              jax.tree_util.tree_leaves(fsdp.state_sharding)):
+    for a, b, sharding in zip(
+        jax.tree_util.tree_leaves(original), jax.tree_util.tree_leaves(moved), jax.tree_util.tree_leaves(fsdp.state_sharding)
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert b.sharding == sharding
     cut = shallow.state_like(original)
     assert set(cut.params) == {"wte", "wpe", "DecoderBlock_0", "LayerNorm_0"}
-    np.testing.assert_array_equal(np.asarray(cut.params["DecoderBlock_0"]["Dense_0"]["kernel"]),
-                                  np.asarray(original.params["DecoderBlock_0"]["Dense_0"]["kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(cut.params["DecoderBlock_0"]["Dense_0"]["kernel"]), np.asarray(original.params["DecoderBlock_0"]["Dense_0"]["kernel"])
+    )
     with pytest.raises(ValueError, match="DecoderBlock_1"):
         data.state_like(cut)  # a shallower state has no layers to give a deeper one
     _, moved_loss = fsdp.step(moved, fsdp.put_batch(batch))  # donates `moved`, not `original`
@@ -150,8 +167,16 @@ def test_state_like_reshards_a_state_and_cuts_a_deeper_copys_to_its_own_layers()
 
 
 def test_auto_on_copies_predicts_each_candidate_and_compiles_only_the_winner_whole(tmp_path):
-    config = tiny_config("gpt", num_layers=6, steps=2, strategy="auto", auto_rank_on="copies", auto_trial_steps=1,
-                         compile_cache=str(tmp_path / "cache"), out=str(tmp_path / "a"))
+    config = tiny_config(
+        "gpt",
+        num_layers=6,
+        steps=2,
+        strategy="auto",
+        auto_rank_on="copies",
+        auto_trial_steps=1,
+        compile_cache=str(tmp_path / "cache"),
+        out=str(tmp_path / "a"),
+    )
     result = run_in_process(config)
     timed = [r for r in result.search if r.step_time_s]
     assert len(timed) >= 3

@@ -6,6 +6,7 @@ bound), and it leaves every earlier run's files as they were.
 (sys.modules[name] = None), so any check that came after a Ray start or an engine import would end
 in an ImportError traceback instead of the expected line.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,11 +23,13 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRIPWIRE = ("import sys\n"
-            "for name in ('ray', 'jax', 'flax', 'alpa'):\n"
-            "    sys.modules[name] = None  # importing one now fails: the CLI must stop before\n"
-            "from alpa_job.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
+TRIPWIRE = (
+    "import sys\n"
+    "for name in ('ray', 'jax', 'flax', 'alpa'):\n"
+    "    sys.modules[name] = None  # importing one now fails: the CLI must stop before\n"
+    "from alpa_job.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
 PRE_RAY_CPU_S = 3.0  # issue 13: every config check in <= 3 s
 
 
@@ -44,8 +47,7 @@ def _child_cpu() -> float:
 def run_guarded(args, cwd):
     """The CLI with Ray and the engines unimportable; returns (process, CPU seconds it used)."""
     before = _child_cpu()
-    proc = subprocess.run([sys.executable, "-c", TRIPWIRE, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env=_env())
+    proc = subprocess.run([sys.executable, "-c", TRIPWIRE, *args], cwd=cwd, capture_output=True, text=True, timeout=60, env=_env())
     return proc, _child_cpu() - before
 
 
@@ -108,23 +110,32 @@ CASES = [
     (["--plan-cache", "empty"], r"--plan-cache does nothing here", 2),
     (["--auto-trial-steps", "2"], r"--auto-trial-steps does nothing here: .*--strategy auto", 2),
     (["--strategy", "fsdp", "--memory-limit-gb", "1"], r"--memory-limit-gb does nothing here", 2),
-    (["--num-heads", "8"],
-     r"--num-heads does nothing here: it sizes --model gpt, and --model mlp reads --hidden-dim", 2),
+    (["--num-heads", "8"], r"--num-heads does nothing here: it sizes --model gpt, and --model mlp reads --hidden-dim", 2),
     (["--model", "gpt", "--hidden-dim", "64"], r"--hidden-dim does nothing here: it sizes --model mlp", 2),
     (["--data-dir", "empty"], r"--data-dir does nothing here: only --dataset cifar10 reads it", 2),
     (["--address", "none", "--processes", "2"], r"--processes does nothing here: --address none", 2),
-    (["--address", "none", "--max-restarts", "2"], r"--max-restarts does nothing here: restarts replace lost JAX "
-                                                   r"processes on Ray nodes", 2),
+    (
+        ["--address", "none", "--max-restarts", "2"],
+        r"--max-restarts does nothing here: restarts replace lost JAX "
+        r"processes on Ray nodes",
+        2,
+    ),
     (["--restart-wait", "30"], r"--restart-wait does nothing here: .* --max-restarts is 0", 2),
     # sizes and divisibility against the devices the run will have
     (["--processes", "2"], r"--processes 2 but a local Ray has one node", 2),
-    (["--batch-size", "60"], r"batch size 60 is not divisible by the data-parallel size 8; use a multiple of 8 "
-                             r"\(--batch-size 56 or 64\)", 2),
-    (["--strategy", "fsdp", "--devices", "3", "--batch-size", "16"],
-     r"batch size 16 is not divisible by the data-parallel size 3", 2),
+    (
+        ["--batch-size", "60"],
+        r"batch size 60 is not divisible by the data-parallel size 8; use a multiple of 8 "
+        r"\(--batch-size 56 or 64\)",
+        2,
+    ),
+    (["--strategy", "fsdp", "--devices", "3", "--batch-size", "16"], r"batch size 16 is not divisible by the data-parallel size 3", 2),
     (["--strategy", "tensor", "--model-parallel", "3"], r"--model-parallel 3 does not divide the 8 devices", 2),
-    (["--strategy", "tensor", "--model-parallel", "4", "--batch-size", "5"],
-     r"batch size 5 is not divisible by the data-parallel size 2", 2),
+    (
+        ["--strategy", "tensor", "--model-parallel", "4", "--batch-size", "5"],
+        r"batch size 5 is not divisible by the data-parallel size 2",
+        2,
+    ),
     (["--batch-size", "4000"], r"--batch-size 4000 is larger than the dataset \(2000 samples\)", 2),
     (["--steps", "0"], r"--steps must be a positive integer", 2),
     (["--learning-rate", "-1"], r"--learning-rate must be > 0", 2),
@@ -135,18 +146,28 @@ CASES = [
     (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "nowhere"], r"'nowhere' is not a folder", 2),
     (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "empty"], r"holds no CIFAR-10 batches", 2),
     (["--dataset", "cifar10", "--data-dir", "empty"], r"--dataset cifar10 feeds images; use --model wide_resnet", 2),
-    (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "junk"],
-     r"junk/data_batch_1 is not a CIFAR-10 python batch \(not a pickle\)", 2),
+    (
+        ["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "junk"],
+        r"junk/data_batch_1 is not a CIFAR-10 python batch \(not a pickle\)",
+        2,
+    ),
     (["inspect", "runs/latest", "--format", "htm"], r"invalid choice: 'htm' .* \(did you mean html\?\)", 2),
     # output, checkpoints, resume
     (["--resume"], r"--resume needs --checkpoint-every", 2),
     (["--resume", "--overwrite", "--checkpoint-every", "1"], r"--resume continues .* and --overwrite replaces it", 2),
     (["--resume", "--checkpoint-every", "1", "--out", "empty"], r"--resume: no checkpoint in empty/checkpoints", 2),
-    (["--checkpoint-every", "1", "--out", "prev"], r"--out prev holds another run's checkpoints \(steps up to 5\); "
-                                                   r"pass --resume .* --overwrite", 2),
+    (
+        ["--checkpoint-every", "1", "--out", "prev"],
+        r"--out prev holds another run's checkpoints \(steps up to 5\); "
+        r"pass --resume .* --overwrite",
+        2,
+    ),
     (["--out", "prev"], r"--out prev holds another run's checkpoints", 2),
-    (["--resume", "--checkpoint-every", "1", "--out", "prev", "--hidden-dim", "64"],
-     r"--resume: the checkpoint in prev is of another model: --hidden-dim 256 \(now 64\)", 2),
+    (
+        ["--resume", "--checkpoint-every", "1", "--out", "prev", "--hidden-dim", "64"],
+        r"--resume: the checkpoint in prev is of another model: --hidden-dim 256 \(now 64\)",
+        2,
+    ),
     (["--out", "a-file/run"], r"--out a-file/run: cannot write there", 2),
     (["--progress-every", "-1"], r"--progress-every must be >= 0", 2),
     # where to run
@@ -177,8 +198,7 @@ def test_catalogue_is_large_enough():
 # ----------------------------------------------------------------------------- connection errors (bounded)
 def _run_cli(args, cwd, timeout=60):
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=_env())
+    proc = subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
     return proc, time.monotonic() - start
 
 

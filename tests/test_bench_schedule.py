@@ -1,4 +1,5 @@
 """bench/gpu_schedule.py's reader finds collectives, their bytes and the matmuls beside them in a scheduled HLO."""
+
 from __future__ import annotations
 
 import gpu_schedule  # bench/, on pytest's pythonpath
@@ -29,4 +30,3 @@ def test_the_schedule_reader_counts_bytes_the_matmuls_beside_each_collective_and
     assert scatter["count"] == 1 and scatter["matmuls_beside_each_median"] == 1 and scatter["dtypes"] == ["bf16"]
     assert scatter["bytes_after_last_matmul"] == 2 * 4 * 2  # started beside the last matmul, done after it
     assert gpu_schedule.shape_bytes("(bf16[2,4]{1,0}, f32[3]{0})") == 2 * 8 + 4 * 3
-

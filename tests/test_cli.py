@@ -1,4 +1,5 @@
 """The command line as a user runs it: bad input, the embedded default end to end, inspect."""
+
 from __future__ import annotations
 
 import json
@@ -17,22 +18,26 @@ from helpers_report import assert_valid_report
 from helpers_train import signal_at_step
 
 
-
-@pytest.mark.parametrize("args, message", [
-    (["--model", "resnet"], r"--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt"),
-    (["--batch-size", "60", "--devices", "8", "--address", "none"],
-     r"batch size 60 is not divisible by the data-parallel size 8; use a multiple of 8"),
-    (["--dataset", "cifar10", "--model", "wide_resnet"], r"--dataset cifar10 needs --data-dir"),
-    (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "/nonexistent"], r"is not a folder"),
-    (["--steps", "0"], r"--steps must be a positive integer"),
-    (["--depth", "12"], r"not a WideResNet depth; use 6n\+4"),
-    (["--resume"], r"--resume needs --checkpoint-every"),
-    (["--config", "/nonexistent.yaml"], r"no such file"),
-    (["--address", "127.0.0.1:1"], r"cannot reach Ray GCS at 127.0.0.1:1"),
-    (["--address", "http://127.0.0.1:8265"], r"is the dashboard/jobs URL"),
-    (["--engine", "alpa"], r"alpa package is not installed"),
-    (["--address", "none", "--strategy", "tensor", "--model-parallel", "3"], r"--model-parallel 3 does not divide"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "resnet"], r"--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt"),
+        (
+            ["--batch-size", "60", "--devices", "8", "--address", "none"],
+            r"batch size 60 is not divisible by the data-parallel size 8; use a multiple of 8",
+        ),
+        (["--dataset", "cifar10", "--model", "wide_resnet"], r"--dataset cifar10 needs --data-dir"),
+        (["--dataset", "cifar10", "--model", "wide_resnet", "--data-dir", "/nonexistent"], r"is not a folder"),
+        (["--steps", "0"], r"--steps must be a positive integer"),
+        (["--depth", "12"], r"not a WideResNet depth; use 6n\+4"),
+        (["--resume"], r"--resume needs --checkpoint-every"),
+        (["--config", "/nonexistent.yaml"], r"no such file"),
+        (["--address", "127.0.0.1:1"], r"cannot reach Ray GCS at 127.0.0.1:1"),
+        (["--address", "http://127.0.0.1:8265"], r"is the dashboard/jobs URL"),
+        (["--engine", "alpa"], r"alpa package is not installed"),
+        (["--address", "none", "--strategy", "tensor", "--model-parallel", "3"], r"--model-parallel 3 does not divide"),
+    ],
+)
 def test_bad_input_gives_one_line_error_and_nonzero_exit(args, message):
     proc = run_cli(*args, "--out", "/tmp/alpa-job-bad", timeout=120)
     assert proc.returncode != 0
@@ -61,29 +66,60 @@ def _write_cifar_batches(folder, n_per_file=20):
     rng = np.random.default_rng(0)
     folder.mkdir()
     for i in range(1, 3):
-        entry = {b"data": rng.integers(0, 256, size=(n_per_file, 3072), dtype=np.uint8),
-                 b"labels": list(rng.integers(0, 10, size=n_per_file)), b"batch_label": b"training batch"}
+        entry = {
+            b"data": rng.integers(0, 256, size=(n_per_file, 3072), dtype=np.uint8),
+            b"labels": list(rng.integers(0, 10, size=n_per_file)),
+            b"batch_label": b"training batch",
+        }
         with open(folder / f"data_batch_{i}", "wb") as f:
             pickle.dump(entry, f)
 
 
 def test_cifar10_from_local_batches(tmp_path):
     _write_cifar_batches(tmp_path / "cifar")
-    proc = run_cli("--model", "wide_resnet", "--width", "1", "--dataset", "cifar10", "--data-dir",
-                   str(tmp_path / "cifar"), "--batch-size", "16", "--steps", "2", "--address", "none",
-                   "--out", str(tmp_path / "run"))
+    proc = run_cli(
+        "--model",
+        "wide_resnet",
+        "--width",
+        "1",
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        str(tmp_path / "cifar"),
+        "--batch-size",
+        "16",
+        "--steps",
+        "2",
+        "--address",
+        "none",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["steps"] == 2 and report["samples_seen"] == 32
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "data_batch_1").write_bytes(b"not a pickle")
-    proc = run_cli("--model", "wide_resnet", "--dataset", "cifar10", "--data-dir", str(tmp_path / "junk"),
-                   "--address", "none")
+    proc = run_cli("--model", "wide_resnet", "--dataset", "cifar10", "--data-dir", str(tmp_path / "junk"), "--address", "none")
     assert proc.returncode == 2 and "is not a CIFAR-10 python batch" in proc.stderr
 
 
-REQUIRED_KEYS = {"config", "engine", "strategy", "mesh", "compiles", "steps", "samples_seen", "samples_dropped",
-                 "step_time_s", "throughput", "params", "summary", "collectives", "versions"}
+REQUIRED_KEYS = {
+    "config",
+    "engine",
+    "strategy",
+    "mesh",
+    "compiles",
+    "steps",
+    "samples_seen",
+    "samples_dropped",
+    "step_time_s",
+    "throughput",
+    "params",
+    "summary",
+    "collectives",
+    "versions",
+}
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +195,21 @@ def _chromium():
 @pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium package (apt-get install chromium)")
 def test_html_report_renders_in_headless_chromium(default_run, tmp_path):
     out, _ = default_run
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
-           f"file://{out / 'report.html'}"]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        f"file://{out / 'report.html'}",
+    ]
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
     assert '<table class="params">' in dom and "params/Dense_0/kernel" in dom
     widths = [int(w) for w in re.findall(r'data-rendered="(\d+)"', dom)]
@@ -195,12 +242,39 @@ def two_runs(tmp_path_factory):
     home = tmp_path_factory.mktemp("user")
     procs = []
     for strategy in (["--strategy", "data"], ["--strategy", "tensor", "--model-parallel", "2"]):
-        proc = subprocess.run([sys.executable, "-m", "alpa_job", "--address", "none", "--model", "gpt",
-                               "--num-layers", "1", "--d-model", "32", "--seq-len", "16", "--vocab-size", "64",
-                               "--batch-size", "16", "--num-samples", "96", "--epochs", "2", *strategy,
-                               "--progress-every", "2"],
-                              cwd=home, capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "alpa_job",
+                "--address",
+                "none",
+                "--model",
+                "gpt",
+                "--num-layers",
+                "1",
+                "--d-model",
+                "32",
+                "--seq-len",
+                "16",
+                "--vocab-size",
+                "64",
+                "--batch-size",
+                "16",
+                "--num-samples",
+                "96",
+                "--epochs",
+                "2",
+                *strategy,
+                "--progress-every",
+                "2",
+            ],
+            cwd=home,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         procs.append(proc)
     runs = sorted(p for p in (home / "runs").iterdir() if not p.is_symlink())
@@ -222,8 +296,7 @@ def test_progress_lines_without_a_tty(two_runs):
     lines = [l for l in procs[0].stderr.splitlines() if l.startswith("[train] step")]
     # 12 steps, a line every 2: loss, rate and ETA on each (the first has no loss read back yet)
     assert len(lines) == 6, procs[0].stderr
-    assert re.match(r"\[train\] step 12/12  loss \d.*  [\d,]+ samples/s  [\d,]+ tokens/s a device  ETA 0 s",
-                    lines[-1]), lines[-1]
+    assert re.match(r"\[train\] step 12/12  loss \d.*  [\d,]+ samples/s  [\d,]+ tokens/s a device  ETA 0 s", lines[-1]), lines[-1]
     assert "compiling train step (gpt, data" in procs[0].stderr
     assert "\x1b[" not in procs[0].stderr  # no colour codes in a log
     log = (runs[0] / "train.log").read_text()
@@ -231,9 +304,20 @@ def test_progress_lines_without_a_tty(two_runs):
 
 
 def _chromium_run(args, tmp_path, timeout=120):
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", *args]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--virtual-time-budget=5000",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -306,19 +390,41 @@ def test_interrupted_run_still_writes_its_report(tmp_path):
     import signal
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "alpa_job", "--address", "none", "--hidden-dim", "16",
-                             "--batch-size", "16", "--num-samples", "64", "--epochs", "100000",
-                             "--progress-every", "1", "--out", str(out)],
-                            cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"),
-                            # A suite started with `&` from a script runs with SIGINT ignored, which a child
-                            # inherits (and then rightly keeps): give the child Ctrl-C as a terminal would.
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "alpa_job",
+            "--address",
+            "none",
+            "--hidden-dim",
+            "16",
+            "--batch-size",
+            "16",
+            "--num-samples",
+            "64",
+            "--epochs",
+            "100000",
+            "--progress-every",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"),
+        # A suite started with `&` from a script runs with SIGINT ignored, which a child
+        # inherits (and then rightly keeps): give the child Ctrl-C as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     stderr = signal_at_step(proc, 5, signal.SIGINT)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert [l for l in stderr.splitlines() if l.startswith("error:")] == [
-        "error: interrupted (the run directory keeps a report of the steps done)"]
+        "error: interrupted (the run directory keeps a report of the steps done)"
+    ]
     report = json.loads((out / "report.json").read_text())
     assert_valid_report(report)
     assert report["status"] == "interrupted" and report["steps"] >= 5 and report["error"]
@@ -333,21 +439,36 @@ def test_cluster_size_is_checked_from_the_alive_nodes_before_any_actor():
     from alpa_job.settings.validate import check_cluster_size
     from helpers_train import tiny_config
 
-    rows = [{"Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "NodeID": str(i),
-             "Resources": {"CPU": 8.0, "GPU": 4.0}} for i in (1, 2)]
+    rows = [{"Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "NodeID": str(i), "Resources": {"CPU": 8.0, "GPU": 4.0}} for i in (1, 2)]
     rows.append({"Alive": False, "NodeManagerAddress": "10.0.0.3", "NodeID": "3", "Resources": {"CPU": 8.0}})
     nodes = [n for n in parse_nodes(rows) if n.alive]
     check_cluster_size(tiny_config(batch_size=16), nodes)  # 2 x 4 GPUs: 16 splits over 8
-    with pytest.raises(KitError, match=r"batch size 12 is not divisible by the data-parallel size 8; .*"
-                                       r"the cluster gives 2 node\(s\) x 4 devices"):
+    with pytest.raises(
+        KitError,
+        match=r"batch size 12 is not divisible by the data-parallel size 8; .*"
+        r"the cluster gives 2 node\(s\) x 4 devices",
+    ):
         check_cluster_size(tiny_config(batch_size=12, address="10.0.0.1:6379"), nodes)
     with pytest.raises(KitError, match=r"--processes 3 but only 2 alive Ray nodes"):
         check_cluster_size(tiny_config(processes=3, address="10.0.0.1:6379"), nodes)
 
 
 def test_quiet_prints_only_the_result(tmp_path):
-    proc = run_cli("-q", "--address", "none", "--hidden-dim", "16", "--batch-size", "16", "--num-samples", "32",
-                   "--steps", "2", "--out", str(tmp_path / "run"))
+    proc = run_cli(
+        "-q",
+        "--address",
+        "none",
+        "--hidden-dim",
+        "16",
+        "--batch-size",
+        "16",
+        "--num-samples",
+        "32",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "" and proc.stdout.startswith("trained mlp with jax/data")
     assert "[train] step 2/2" in (tmp_path / "run" / "train.log").read_text()  # the log still has it all
@@ -357,11 +478,9 @@ def test_plan_title_and_units():
     from alpa_job.record.run_record import MeshShape, RunRecord
     from alpa_job.inspect.units import human_bytes, plan_title
 
-    auto = RunRecord(engine="jax", strategy="tensor", requested_strategy="auto",
-                     mesh=MeshShape(shape=[2, 4], axes=["data", "model"]))
+    auto = RunRecord(engine="jax", strategy="tensor", requested_strategy="auto", mesh=MeshShape(shape=[2, 4], axes=["data", "model"]))
     assert plan_title(auto) == "auto → tensor (2×4)"
-    assert plan_title(RunRecord(engine="jax", strategy="fsdp", requested_strategy="fsdp",
-                                mesh=MeshShape(shape=[8, 1]))) == "fsdp (8×1)"
+    assert plan_title(RunRecord(engine="jax", strategy="fsdp", requested_strategy="fsdp", mesh=MeshShape(shape=[8, 1]))) == "fsdp (8×1)"
     assert [human_bytes(n) for n in (512, 1536, 3 * 2**20, 80 * 2**30)] == ["512 B", "1.5 KiB", "3.0 MiB", "80.0 GiB"]
 
 
@@ -370,8 +489,7 @@ def test_overwrite_replaces_an_earlier_runs_checkpoints(tmp_path):
     (prev / "checkpoints" / "5").mkdir(parents=True)
     (prev / "checkpoints" / "5" / "state").write_text("orbax data")
     (prev / "report.json").write_text("{}")
-    args = ("--address", "none", "--hidden-dim", "16", "--batch-size", "16", "--num-samples", "32", "--steps", "1",
-            "--out", str(prev))
+    args = ("--address", "none", "--hidden-dim", "16", "--batch-size", "16", "--num-samples", "32", "--steps", "1", "--out", str(prev))
     refused = run_cli(*args)
     assert refused.returncode == 2 and "holds another run's checkpoints" in refused.stderr
     assert (prev / "checkpoints" / "5" / "state").exists()

@@ -5,6 +5,7 @@ Ray's log API, and an up/status/logs/down round trip of site.yml (process runtim
 Every command runs inside the bed's head host (the bridge has no address in the machine's own
 namespace), the way an operator on a node would run it; the JSON outputs are what the tests read.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,14 +33,18 @@ def _libraries():
 
 
 # ---- inventories -----------------------------------------------------------------------------------
-def write_inventory(path: Path, heads: List[tuple], workers: List[tuple], file_vars: Optional[dict] = None,
-                    host_vars=None) -> Path:
+def write_inventory(path: Path, heads: List[tuple], workers: List[tuple], file_vars: Optional[dict] = None, host_vars=None) -> Path:
     """A YAML inventory: ray_head/ray_workers under ray_cluster, `file_vars` as the group's vars."""
+
     def hosts(pairs):
         return {n: dict({"ansible_host": ip}, **((host_vars or (lambda n: {}))(n))) for n, ip in pairs} or None
 
-    inv = {"ray_cluster": {"children": {"ray_head": {"hosts": hosts(heads)}, "ray_workers": {"hosts": hosts(workers)}},
-                           "vars": dict(file_vars or {})}}
+    inv = {
+        "ray_cluster": {
+            "children": {"ray_head": {"hosts": hosts(heads)}, "ray_workers": {"hosts": hosts(workers)}},
+            "vars": dict(file_vars or {}),
+        }
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(inv, sort_keys=False))
     return path
@@ -47,23 +52,32 @@ def write_inventory(path: Path, heads: List[tuple], workers: List[tuple], file_v
 
 def ssh_vars(sb, extra: Optional[dict] = None) -> dict:
     """The ssh bed's access (root, its key, no host-key prompts) and the process runtime."""
-    v = {"ansible_user": "root", "ansible_ssh_private_key_file": str(sb.key),
-         "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=10",
-         "ansible_python_interpreter": str(VENV_PYTHON), "ray_runtime": "process",
-         "alpa_kit_cluster_cidr": sb.testbed.subnet}
+    v = {
+        "ansible_user": "root",
+        "ansible_ssh_private_key_file": str(sb.key),
+        "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=10",
+        "ansible_python_interpreter": str(VENV_PYTHON),
+        "ray_runtime": "process",
+        "alpa_kit_cluster_cidr": sb.testbed.subnet,
+    }
     v.update(extra or {})
     return v
 
 
 def bed_inventory(sb, name: str, extra_hosts=(), **extra) -> Path:
     ips = sb.testbed.ips
-    return write_inventory(sb.testbed.state_dir / "cluster-ops" / name / "hosts.yml", [("head", ips["head"])],
-                           [(n, ips[n]) for n in ("w1", "w2")] + list(extra_hosts), ssh_vars(sb, extra))
+    return write_inventory(
+        sb.testbed.state_dir / "cluster-ops" / name / "hosts.yml",
+        [("head", ips["head"])],
+        [(n, ips[n]) for n in ("w1", "w2")] + list(extra_hosts),
+        ssh_vars(sb, extra),
+    )
 
 
 def cli(bed, *args, host: str = "head", timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    return bed.exec(host, str(VENV_PYTHON), "-m", "alpa_job", "cluster", *map(str, args), timeout=timeout, check=False,
-                    cwd=str(REPO), env=env)
+    return bed.exec(
+        host, str(VENV_PYTHON), "-m", "alpa_job", "cluster", *map(str, args), timeout=timeout, check=False, cwd=str(REPO), env=env
+    )
 
 
 def preflight(bed, inventory: Path, *extra, host: str = "head"):
@@ -73,8 +87,7 @@ def preflight(bed, inventory: Path, *extra, host: str = "head"):
     try:
         result = json.loads(p.stdout)
     except ValueError:
-        raise AssertionError("preflight printed no JSON (rc=%d):\n%s\n%s" % (p.returncode, p.stdout[-3000:],
-                                                                             p.stderr[-3000:]))
+        raise AssertionError("preflight printed no JSON (rc=%d):\n%s\n%s" % (p.returncode, p.stdout[-3000:], p.stderr[-3000:]))
     return p, result, seconds
 
 
@@ -82,13 +95,11 @@ def as_json(p: subprocess.CompletedProcess) -> dict:
     try:
         return json.loads(p.stdout)
     except ValueError:
-        raise AssertionError("no JSON from %s (rc=%d):\n%s\n%s" % (p.args[3:6], p.returncode, p.stdout[-2000:],
-                                                                   p.stderr[-2000:])) from None
+        raise AssertionError("no JSON from %s (rc=%d):\n%s\n%s" % (p.args[3:6], p.returncode, p.stdout[-2000:], p.stderr[-2000:])) from None
 
 
 def failed(result: dict, host: Optional[str] = None, name: Optional[str] = None) -> List[dict]:
-    return [c for c in result["checks"] if not c["ok"] and (host is None or c["node"] == host)
-            and (name is None or c["name"] == name)]
+    return [c for c in result["checks"] if not c["ok"] and (host is None or c["node"] == host) and (name is None or c["name"] == name)]
 
 
 # ---- preflight over real SSH (ssh_bed: sshd in head, w1, w2; no Ray) --------------------------------
@@ -107,13 +118,18 @@ def test_preflight_is_green_on_clean_hosts(ssh_bed):
 def test_preflight_catches_a_port_already_in_use(ssh_bed):
     bed = ssh_bed.testbed
     port = 8076  # the plan's node_manager port (cluster.yaml): every node needs it
-    squatter = bed.popen("w1", str(VENV_PYTHON), "-c",
-                         # SO_REUSEADDR as servers bind: the connections of a Ray that just stopped on w1 may
-                         # still be in TIME_WAIT on the port, which only a plain bind minds
-                         "import os,socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
-                         "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', %d)); s.listen(); "
-                         "print('listening', os.getpid(), flush=True); time.sleep(120)" % port,
-                         stdout=subprocess.PIPE, text=True)
+    squatter = bed.popen(
+        "w1",
+        str(VENV_PYTHON),
+        "-c",
+        # SO_REUSEADDR as servers bind: the connections of a Ray that just stopped on w1 may
+        # still be in TIME_WAIT on the port, which only a plain bind minds
+        "import os,socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+        "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', %d)); s.listen(); "
+        "print('listening', os.getpid(), flush=True); time.sleep(120)" % port,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         said = squatter.stdout.readline().split()
         assert said[:1] == ["listening"], said
@@ -136,8 +152,9 @@ def test_preflight_catches_a_second_interface_in_the_cidr(ssh_bed):
     extra = "10.77.0.99" if bed.subnet.startswith("10.77.0.") else None
     assert extra, bed.subnet
     # a second NIC (one end of a veth pair) with an address in the cluster CIDR, like a second network's card
-    bed.exec("w2", "sh", "-c", "ip link add aktfx0 type veth peer name aktfx1 && ip addr add %s/32 dev aktfx0 && "
-             "ip link set aktfx0 up" % extra)
+    bed.exec(
+        "w2", "sh", "-c", "ip link add aktfx0 type veth peer name aktfx1 && ip addr add %s/32 dev aktfx0 && ip link set aktfx0 up" % extra
+    )
     try:
         p, result, seconds = preflight(bed, bed_inventory(ssh_bed, "iface"))
     finally:
@@ -167,13 +184,20 @@ def test_preflight_names_an_unreachable_host_and_does_not_hang(ssh_bed):
 # ---- preflight with Docker Engines (site_bed: dockerd per node, registry on the controller) -----------
 def site_inventory(site, name: str, **extra) -> Path:
     etc = site.testbed.state_dir / "cluster-ops"
-    v = {"ansible_user": "root", "ansible_ssh_private_key_file": str(site.ssh.key),
-         "ansible_python_interpreter": "/usr/bin/python3", "ray_runtime": "docker", "ray_gpus": False,
-         "alpa_kit_cluster_cidr": site.cluster_cidr, "alpa_kit_registry": site.registry}
+    v = {
+        "ansible_user": "root",
+        "ansible_ssh_private_key_file": str(site.ssh.key),
+        "ansible_python_interpreter": "/usr/bin/python3",
+        "ray_runtime": "docker",
+        "ray_gpus": False,
+        "alpa_kit_cluster_cidr": site.cluster_cidr,
+        "alpa_kit_registry": site.registry,
+    }
     v.update(extra)
     nodes = list(site.nodes.items())
-    return write_inventory(etc / name / "hosts.yml", nodes[:1], nodes[1:], v,
-                           host_vars=lambda n: {"alpa_kit_docker_host": site.docker_sockets[n]})
+    return write_inventory(
+        etc / name / "hosts.yml", nodes[:1], nodes[1:], v, host_vars=lambda n: {"alpa_kit_docker_host": site.docker_sockets[n]}
+    )
 
 
 def test_preflight_docker_engine_and_image_present_or_pullable(site_bed):
@@ -241,14 +265,15 @@ def test_status_exits_3_when_the_cluster_is_not_the_inventory(ray_cluster):
     bed = ray_cluster.testbed
     cases = {
         # w1 named as the head: it serves no dashboard, Ray's head is found among the inventory's workers
-        "swapped": ([("w1", ips["w1"])], [("head", ips["head"]), ("w2", ips["w2"])],
-                    "the inventory's head w1 (%s) serves no Ray dashboard; Ray's head answers at http://%s:"
-                    % (ips["w1"], ips["head"])),
+        "swapped": (
+            [("w1", ips["w1"])],
+            [("head", ips["head"]), ("w2", ips["w2"])],
+            "the inventory's head w1 (%s) serves no Ray dashboard; Ray's head answers at http://%s:" % (ips["w1"], ips["head"]),
+        ),
         # w2 left out: an alive node the inventory lacks
         "missing": ([("head", ips["head"])], [("w1", ips["w1"])], "is alive but not in the inventory"),
         # a node the inventory promises and Ray does not have
-        "extra": ([("head", ips["head"])], [("w1", ips["w1"]), ("w2", ips["w2"]), ("w9", "10.77.0.9")],
-                  "has no Ray node"),
+        "extra": ([("head", ips["head"])], [("w1", ips["w1"]), ("w2", ips["w2"]), ("w9", "10.77.0.9")], "has no Ray node"),
     }
     for name, (heads, workers, says) in cases.items():
         p, result = status(bed, ray_inventory(ray_cluster, "bad-" + name, heads, workers))
@@ -305,7 +330,7 @@ def test_logs_through_rays_log_api(ray_cluster, tmp_path):
         on_disk = {w.name: w.read_bytes() for pattern in mine for w in disk.glob(pattern)}
         got = {w.name: w.read_bytes() for pattern in mine for w in (out / host).glob(pattern)}
         assert set(got) == set(on_disk) and got, (host, sorted(got), sorted(on_disk))
-        assert all(got[n] == on_disk[n][:len(got[n])] for n in got)  # (a file may have grown since)
+        assert all(got[n] == on_disk[n][: len(got[n])] for n in got)  # (a file may have grown since)
         printed = [f.relative_to(disk) for f in disk.rglob("*") if f.is_file() and marker.encode() in f.read_bytes()]
         assert printed, (host, "the job's tasks printed nothing on this node?")
         assert all(marker in (out / host / f).read_text(errors="replace") for f in printed), (host, printed)
@@ -345,8 +370,16 @@ def test_logs_and_status_on_the_head_need_no_inventory(ray_cluster, tmp_path):
     # Ray down there (w1 runs no head): the inventory is asked for, in one line, within the request timeout
     for action in ("logs", "status"):
         t0 = time.monotonic()
-        p = cli(bed, action, "--address", ips["w1"], "--out" if action == "logs" else "--format",
-                tmp_path / "none" if action == "logs" else "json", env=env, timeout=60)
+        p = cli(
+            bed,
+            action,
+            "--address",
+            ips["w1"],
+            "--out" if action == "logs" else "--format",
+            tmp_path / "none" if action == "logs" else "json",
+            env=env,
+            timeout=60,
+        )
         seconds = time.monotonic() - t0
         assert p.returncode == 2, (action, p.stdout, p.stderr)
         lines = p.stderr.strip().splitlines()
@@ -370,27 +403,39 @@ class Site:
 
         def per_host(name):  # the hosts share the machine's filesystem: every node gets its own /etc-like paths
             etc = bed.host_dir(name) / "etc"
-            return {"alpa_kit_config_dir": str(etc / "alpa-kit"),
-                    "ray_node_prep_sysctl_file": str(etc / "sysctl.d" / "90-alpa-kit.conf"),
-                    "ray_node_prep_limits_file": str(etc / "limits.d" / "90-alpa-kit.conf"),
-                    "ray_firewall_persist_conf": str(etc / "nftables.conf")}
+            return {
+                "alpa_kit_config_dir": str(etc / "alpa-kit"),
+                "ray_node_prep_sysctl_file": str(etc / "sysctl.d" / "90-alpa-kit.conf"),
+                "ray_node_prep_limits_file": str(etc / "limits.d" / "90-alpa-kit.conf"),
+                "ray_firewall_persist_conf": str(etc / "nftables.conf"),
+            }
 
-        v = ssh_vars(self.sb, {"ray_cluster_python": str(VENV_PYTHON), "ray_cluster_python_manage": False,
-                               "ray_cluster_num_cpus": 2, "ray_cluster_object_store_memory": 200_000_000,
-                               # Test bed only: the GCS asks each raylet every second (Ray's default: every
-                               # 3 s), so the raylet the round trip kills is listed dead in ~5 s, not ~15 s.
-                               "ray_cluster_env_extra": {"PYTHONPATH": str(REPO), "RAY_health_check_period_ms": "1000"},
-                               "ray_cluster_auth_token_file": str(self.work / "ray_auth_token")})
+        v = ssh_vars(
+            self.sb,
+            {
+                "ray_cluster_python": str(VENV_PYTHON),
+                "ray_cluster_python_manage": False,
+                "ray_cluster_num_cpus": 2,
+                "ray_cluster_object_store_memory": 200_000_000,
+                # Test bed only: the GCS asks each raylet every second (Ray's default: every
+                # 3 s), so the raylet the round trip kills is listed dead in ~5 s, not ~15 s.
+                "ray_cluster_env_extra": {"PYTHONPATH": str(REPO), "RAY_health_check_period_ms": "1000"},
+                "ray_cluster_auth_token_file": str(self.work / "ray_auth_token"),
+            },
+        )
         v.pop("alpa_kit_cluster_cidr")  # the plan's default 10.0.0.0/8 holds the bed
         ips = bed.ips
-        return write_inventory(self.work / "hosts.yml", [("head", ips["head"])], [(n, ips[n]) for n in ("w1", "w2")],
-                               v, host_vars=per_host)
+        return write_inventory(self.work / "hosts.yml", [("head", ips["head"])], [(n, ips[n]) for n in ("w1", "w2")], v, host_vars=per_host)
 
     def cli(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
         # own ControlPersist sockets: Ansible's default dir names a socket by host+port+user only, so another
         # test bed's 10.77.0.1 (same address, other namespace) would answer through a live one
-        return cli(self.bed, *args, timeout=timeout, env={"ANSIBLE_HOME": str(self.work / "ansible-home"),
-                                                           "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "cp")})
+        return cli(
+            self.bed,
+            *args,
+            timeout=timeout,
+            env={"ANSIBLE_HOME": str(self.work / "ansible-home"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "cp")},
+        )
 
     def ray_pids(self, host: str) -> Dict[str, List[int]]:
         p = self.bed.exec(host, "pgrep", "-l", "-x", "raylet|gcs_server", check=False)  # "PID NAME" lines
@@ -409,8 +454,9 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
     try:
         up = site.cli("up", "-i", inventory, "--run-dir", run_dir, "--timeout", 480, timeout=560)
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert up.returncode == 0, "\n".join(["rc=%d" % up.returncode, up.stderr[-2000:]] + [
-            "%(host)s / %(task)s: %(message)s" % f for f in summary["failures"]])
+        assert up.returncode == 0, "\n".join(
+            ["rc=%d" % up.returncode, up.stderr[-2000:]] + ["%(host)s / %(task)s: %(message)s" % f for f in summary["failures"]]
+        )
         assert summary["ok"] and summary["status"] == "successful" and summary["playbook"] == "site.yml"
         assert set(summary["hosts"]) == {"localhost", "head", "w1", "w2"}
         assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in summary["hosts"].values())
@@ -427,8 +473,11 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
         out = tmp_path / "logs-up"
         p = site.cli("logs", "-i", inventory, "--out", out, timeout=240)
         assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
-        assert {h["host"]: h["how"] for h in json.loads((out / "collection.json").read_text())["hosts"]} == \
-            {"head": "api", "w1": "api", "w2": "api"}
+        assert {h["host"]: h["how"] for h in json.loads((out / "collection.json").read_text())["hosts"]} == {
+            "head": "api",
+            "w1": "api",
+            "w2": "api",
+        }
         assert (out / "w2" / "raylet.out").stat().st_size > 0
 
         # w2's Ray crashes (its raylet killed by PID): the log API cannot serve it, SSH still can
@@ -448,8 +497,7 @@ def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
         assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
         how = {h["host"]: h["how"] for h in json.loads((out / "collection.json").read_text())["hosts"]}
         assert how == {"head": "api", "w1": "api", "w2": "ssh"}, how
-        assert "raylet" in (out / "w2" / "raylet.out").read_text(errors="replace") or \
-            (out / "w2" / "raylet.out").stat().st_size > 0
+        assert "raylet" in (out / "w2" / "raylet.out").read_text(errors="replace") or (out / "w2" / "raylet.out").stat().st_size > 0
 
         down = site.cli("down", "-i", inventory, "--run-dir", tmp_path / "down", timeout=300)
         assert down.returncode == 0, (down.stdout[-4000:], down.stderr[-2000:])

@@ -1,5 +1,6 @@
 """alpa_job/cluster/control without a test bed: a real ansible-runner run of a small playbook (local connection), the
 inventory as Ansible reads it, the status comparison and the log selection rules (plain data)."""
+
 from __future__ import annotations
 
 import json
@@ -48,16 +49,25 @@ def test_run_playbook_summarises_counts_failures_and_timing(local_play, tmp_path
 
     project, inventory = local_play
     seen = []
-    summary = run_playbook("play.yml", str(inventory), run_dir=str(tmp_path / "run"), ansible_dir=str(project),
-                           on_event=lambda e: seen.append(e["event"]))
+    summary = run_playbook(
+        "play.yml", str(inventory), run_dir=str(tmp_path / "run"), ansible_dir=str(project), on_event=lambda e: seen.append(e["event"])
+    )
     assert not summary.ok and summary.status == "failed" and summary.rc == 2
     # Ansible's RECAP numbers, per host
     assert summary.hosts == {
         "a": {"ok": 1, "changed": 1, "unreachable": 0, "failed": 0, "skipped": 2, "rescued": 0, "ignored": 0},
         "b": {"ok": 1, "changed": 1, "unreachable": 0, "failed": 1, "skipped": 0, "rescued": 0, "ignored": 0},
     }
-    assert summary.failures == [{"host": "b", "task": "Fail on b", "play": "Two hosts, one task each way.",
-                                 "message": "non-zero return code: it broke", "unreachable": False, "ignored": False}]
+    assert summary.failures == [
+        {
+            "host": "b",
+            "task": "Fail on b",
+            "play": "Two hosts, one task each way.",
+            "message": "non-zero return code: it broke",
+            "unreachable": False,
+            "ignored": False,
+        }
+    ]
     assert [d["task"] for d in summary.slowest][:1] in (["Say hello"], ["Fail on b"])
     assert "playbook_on_task_start" in seen and "playbook_on_stats" in seen  # the live view's feed
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -80,8 +90,7 @@ def test_run_playbook_summarises_counts_failures_and_timing(local_play, tmp_path
             return False
 
     with Progress("play.yml", stream=Sink()) as progress:
-        run_playbook("play.yml", str(inventory), run_dir=str(tmp_path / "run2"), ansible_dir=str(project),
-                     on_event=progress)
+        run_playbook("play.yml", str(inventory), run_dir=str(tmp_path / "run2"), ansible_dir=str(project), on_event=progress)
     text = "".join(lines)
     assert "PLAY Two hosts" in text and "FAILED       b          Fail on b: non-zero return code: it broke" in text
 
@@ -113,9 +122,19 @@ def test_the_example_inventory_as_the_cluster_commands_read_it():
 
 def _inventory(tmp_path, heads, workers, vars_=None):
     path = tmp_path / "hosts.yml"
-    path.write_text(yaml.safe_dump({"ray_cluster": {"children": {
-        "ray_head": {"hosts": {n: {"ansible_host": ip} for n, ip in heads} or None},
-        "ray_workers": {"hosts": {n: {"ansible_host": ip} for n, ip in workers} or None}}, "vars": vars_ or {}}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "ray_cluster": {
+                    "children": {
+                        "ray_head": {"hosts": {n: {"ansible_host": ip} for n, ip in heads} or None},
+                        "ray_workers": {"hosts": {n: {"ansible_host": ip} for n, ip in workers} or None},
+                    },
+                    "vars": vars_ or {},
+                }
+            }
+        )
+    )
     return str(path)
 
 
@@ -139,15 +158,15 @@ def test_status_compare_names_each_difference(tmp_path):
     from alpa_job.cluster.control.inventory import load_inventory
     from alpa_job.cluster.control.status import compare
 
-    inv = load_inventory(_inventory(tmp_path, [("h", "10.1.0.1")], [("w1", "10.1.0.2"), ("w2", "10.1.0.3")],
-                                    {"alpa_kit_cluster_cidr": "10.1.0.0/24"}))
+    inv = load_inventory(
+        _inventory(tmp_path, [("h", "10.1.0.1")], [("w1", "10.1.0.2"), ("w2", "10.1.0.3")], {"alpa_kit_cluster_cidr": "10.1.0.0/24"})
+    )
 
     def node(ip, head=False, alive=True):
         return {"ip": ip, "alive": alive, "head": head, "state_message": None if alive else "raylet died"}
 
     assert compare(inv, [node("10.1.0.1", True), node("10.1.0.2"), node("10.1.0.3")]) == []
-    problems = compare(inv, [node("10.1.0.1", True), node("10.1.0.2"), node("10.1.0.3", alive=False),
-                             node("10.1.0.9")])
+    problems = compare(inv, [node("10.1.0.1", True), node("10.1.0.2"), node("10.1.0.3", alive=False), node("10.1.0.9")])
     assert [p["node"] for p in problems] == ["w2", "10.1.0.9"]
     assert "its Ray node is dead: raylet died" in problems[0]["problem"]
     assert "alive but not in the inventory" in problems[1]["problem"]
@@ -159,9 +178,21 @@ def test_job_log_selection():
     from alpa_job.cluster.control.logs import JobRef
 
     job = JobRef("raysubmit_abc", job_id="03000000", submission_id="raysubmit_abc")
-    keep = ["raylet.out", "gcs_server.err", "dashboard_agent.log", "events/event_RAYLET.log",
-            "worker-aa11-03000000-42.out", "worker-aa11-03000000-42.err", "job-driver-raysubmit_abc.log",
-            "python-core-driver-03000000ffffffff_9.log", "worker-cc33-ffffffff-7.out"]
-    drop = ["worker-bb22-02000000-41.out", "job-driver-raysubmit_other.log", "python-core-worker-bb22_41.log",
-            "python-core-driver-02000000ffffffff_8.log"]
+    keep = [
+        "raylet.out",
+        "gcs_server.err",
+        "dashboard_agent.log",
+        "events/event_RAYLET.log",
+        "worker-aa11-03000000-42.out",
+        "worker-aa11-03000000-42.err",
+        "job-driver-raysubmit_abc.log",
+        "python-core-driver-03000000ffffffff_9.log",
+        "worker-cc33-ffffffff-7.out",
+    ]
+    drop = [
+        "worker-bb22-02000000-41.out",
+        "job-driver-raysubmit_other.log",
+        "python-core-worker-bb22_41.log",
+        "python-core-driver-02000000ffffffff_8.log",
+    ]
     assert [f for f in keep + drop if job.keeps(f)] == keep

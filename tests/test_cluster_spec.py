@@ -1,4 +1,5 @@
 """The cluster spec: package defaults, user overrides, and the validation that guards the port plan."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,22 +69,23 @@ def test_spec_is_read_only():
 
 
 def test_user_file_changes_only_the_keys_it_sets(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         cluster_cidr: 192.168.10.0/24
         ports:
           gcs: 6380
         ranges:
           ray_workers: [11000, 11999]
-    """)
+    """,
+    )
     spec = load_spec(path)
     defaults = load_spec()
     assert spec.cluster_cidr == "192.168.10.0/24"
     assert spec.ports["gcs"] == 6380
     assert spec.ranges["ray_workers"] == (11000, 11999)
     # Siblings of the changed keys keep their defaults.
-    assert {k: v for k, v in spec.ports.items() if k != "gcs"} == {
-        k: v for k, v in defaults.ports.items() if k != "gcs"
-    }
+    assert {k: v for k, v in spec.ports.items() if k != "gcs"} == {k: v for k, v in defaults.ports.items() if k != "gcs"}
     assert spec.ranges["xla_grpc"] == defaults.ranges["xla_grpc"]
     assert spec.versions == defaults.versions and spec.images == defaults.images
     assert path in spec.source
@@ -103,9 +105,7 @@ def test_empty_user_file_means_defaults(tmp_path):
 
 def test_port_inside_a_range_is_refused_naming_both(tmp_path):
     message = refused(tmp_path, "ports: {node_manager: 20001}\n")
-    assert message.startswith(
-        "port plan: node_manager 20001 lies inside range xla_grpc 20000-24999; move one of them"
-    )
+    assert message.startswith("port plan: node_manager 20001 lies inside range xla_grpc 20000-24999; move one of them")
 
 
 def test_two_ports_on_one_number_are_refused(tmp_path):

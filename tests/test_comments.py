@@ -8,6 +8,7 @@ by its public URL (https://github.com/alpa-projects/alpa/issues/776), which anyo
 Measured timings belong in bench/RESULTS.md too, but "a number with a unit" is too common in true
 comments (defaults, limits) to check mechanically: reviews keep those out.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,7 +29,6 @@ FORBIDDEN: List[Tuple[re.Pattern, str]] = [
     (re.compile(r"(?:\.\./)+shared/|/work/"), "a path of the machines the kit was developed on"),
     (re.compile(r"(?i)\bseeds?/|\bseed failures?\b"), "the development seeds, which the package's user never sees"),
 ]
-
 
 
 def python_comments(source: str) -> Iterator[Tuple[int, str]]:
@@ -79,9 +79,7 @@ def package_problems() -> Dict[str, List[Tuple[int, str, str]]]:
 
 
 def test_the_package_comments_cite_nothing_a_user_cannot_open():
-    report = [f"{path}:{line}: {text!r} is {why}"
-              for path, found in sorted(package_problems().items())
-              for line, text, why in found]
+    report = [f"{path}:{line}: {text!r} is {why}" for path, found in sorted(package_problems().items()) for line, text, why in found]
     assert not report, "\n".join(report)
 
 
@@ -114,8 +112,7 @@ def f(seed, bench):
 def test_the_check_fails_on_a_bad_sample_and_passes_a_good_one():
     found = problems(BAD_SAMPLE)
     texts = [text for _line, text, _why in found]
-    for expected in ("issue 13", "bench/", "../shared/", "tests/", "#886", "seed failures", ".ci/",
-                     "scripts/", "Issue #12", "/work/"):
+    for expected in ("issue 13", "bench/", "../shared/", "tests/", "#886", "seed failures", ".ci/", "scripts/", "Issue #12", "/work/"):
         assert expected in texts, (expected, found)
     assert problems(GOOD_SAMPLE) == []
     yaml_found = problems("a: 1  # Ray Client (issue #886)\nb: '#123'\n# see bench/RESULTS.md\n", "yaml")

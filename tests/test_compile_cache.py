@@ -1,6 +1,7 @@
 """The persistent compile cache is on by default, and a second identical run loads the step (from the
 kit's store, without tracing) and the state initialiser (from JAX's cache) instead of compiling them
 (issue 16, item 3)."""
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,8 @@ RUN = textwrap.dedent("""
 
 
 def _run(cache_home: str, **settings) -> dict:
-    env = dict(os.environ, XDG_CACHE_HOME=cache_home, PYTHONPATH=REPO,
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(settings)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home, PYTHONPATH=REPO, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(settings)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["stderr"] = proc.stderr
@@ -56,8 +55,7 @@ def _stored(cache_home: str) -> list:
 def _train(out: str, *args: str):
     """`python -m alpa_job train --address none ARGS --out OUT`: (its report, what it printed); it must succeed."""
     cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", *args, "--out", out]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "report.json")) as f:
         return json.load(f), proc.stderr + proc.stdout
@@ -102,9 +100,29 @@ def test_an_unreadable_entry_is_deleted_and_the_step_compiled(tmp_path):
 
 def test_cli_second_identical_run_trains_the_same_from_the_stored_step(tmp_path):
     def train(out: str) -> dict:
-        return _train(out, "--model", "gpt", "--num-layers", "2", "--d-model", "64", "--num-heads", "4", "--seq-len",
-                      "32", "--vocab-size", "128", "--num-samples", "64", "--batch-size", "8", "--steps", "6",
-                      "--compile-cache", str(tmp_path / "cache"))[0]
+        return _train(
+            out,
+            "--model",
+            "gpt",
+            "--num-layers",
+            "2",
+            "--d-model",
+            "64",
+            "--num-heads",
+            "4",
+            "--seq-len",
+            "32",
+            "--vocab-size",
+            "128",
+            "--num-samples",
+            "64",
+            "--batch-size",
+            "8",
+            "--steps",
+            "6",
+            "--compile-cache",
+            str(tmp_path / "cache"),
+        )[0]
 
     cold, warm = train(str(tmp_path / "cold")), train(str(tmp_path / "warm"))
     cold_cache, warm_cache = (r["timing"]["compile_cache"] for r in (cold, warm))
@@ -124,10 +142,27 @@ def test_compile_cache_setting_resolves(tmp_path, monkeypatch):
 def test_a_second_identical_auto_run_reuses_the_search_and_loads_its_winner(tmp_path):
     """The first auto run compiles every candidate together and keeps its table and its winner's step
     beside the compile cache; an identical second run searches nothing: it loads the winner's step."""
+
     def search(out: str):
-        return _train(out, "--model", "mlp", "--hidden-dim", "32", "--num-samples", "64", "--batch-size", "16",
-                      "--steps", "2", "--strategy", "auto", "--auto-trial-steps", "1",
-                      "--compile-cache", str(tmp_path / "cache"))
+        return _train(
+            out,
+            "--model",
+            "mlp",
+            "--hidden-dim",
+            "32",
+            "--num-samples",
+            "64",
+            "--batch-size",
+            "16",
+            "--steps",
+            "2",
+            "--strategy",
+            "auto",
+            "--auto-trial-steps",
+            "1",
+            "--compile-cache",
+            str(tmp_path / "cache"),
+        )
 
     first, _ = search(str(tmp_path / "a"))
     timed = [row for row in first["search"] if row.get("step_time_s")]
@@ -150,8 +185,20 @@ def test_auto_never_keeps_a_winner_jax_loaded_from_its_own_cache(tmp_path):
     ... not found"). Candidates are named after their own key, so such entries never match: with one
     written for every candidate, a search and the run that reuses it both train."""
     cache = str(tmp_path / "cache")
-    flags = ["--model", "mlp", "--hidden-dim", "32", "--num-samples", "64", "--batch-size", "16",
-             "--auto-trial-steps", "1", "--compile-cache", cache]
+    flags = [
+        "--model",
+        "mlp",
+        "--hidden-dim",
+        "32",
+        "--num-samples",
+        "64",
+        "--batch-size",
+        "16",
+        "--auto-trial-steps",
+        "1",
+        "--compile-cache",
+        cache,
+    ]
     old_kit_entries = r"""
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"; os.environ["JAX_PLATFORMS"] = "cpu"

@@ -1,6 +1,7 @@
 """The input pipeline (alpa_job.data) on real files: token windows, ArrayRecord, .npz and a model's own
 Grain dataset; per-process shards of one global order; exact resume; the eval split; and every bad
 input as one line before any training."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,7 @@ def test_process_shards_add_up_to_the_global_batch_for_any_process_count(tmp_pat
     steps = 2 * epoch.steps + 1  # into the third epoch: a fresh shuffle per epoch
     whole = _all_batches(InputStream(source, epoch, 48, 7, steps))
     for count in (2, 3):
-        shards = [InputStream(TokenWindows([path], "uint16", 17), epoch, 48, 7, steps, Shard(i, count))
-                  for i in range(count)]
+        shards = [InputStream(TokenWindows([path], "uint16", 17), epoch, 48, 7, steps, Shard(i, count)) for i in range(count)]
         parts = [_all_batches(s) for s in shards]
         for step in range(steps):
             for field in ("tokens", "mask"):
@@ -106,8 +106,18 @@ def test_an_out_of_vocabulary_id_met_while_training_names_file_and_place(tmp_pat
 def test_gpt_trains_on_a_token_file_with_eval_and_perplexity(tmp_path):
     train = _token_file(tmp_path / "train.bin", tokens=30000)
     held = _token_file(tmp_path / "eval.bin", tokens=3000)
-    config = tiny_config("gpt", dataset="tokens", data_path=train, eval_data_path=held, eval_every=10,
-                         eval_batches=2, steps=30, batch_size=16, out=str(tmp_path / "run"), **GPT)
+    config = tiny_config(
+        "gpt",
+        dataset="tokens",
+        data_path=train,
+        eval_data_path=held,
+        eval_every=10,
+        eval_batches=2,
+        steps=30,
+        batch_size=16,
+        out=str(tmp_path / "run"),
+        **GPT,
+    )
     result = run_in_process(config)
     assert [p.step for p in result.evals] == [10, 20, 30]
     assert all(p.batches == 2 for p in result.evals)
@@ -129,13 +139,13 @@ def test_resume_sees_the_batches_an_uninterrupted_run_sees(tmp_path):
     run_in_process(tiny_config("gpt", steps=14, checkpoint_every=7, out=str(tmp_path / "b"), **common))
     saved = json.load(open(tmp_path / "b" / "checkpoints" / "14" / "data" / "metadata"))
     assert saved["grain"]["next_index"] == 14 and saved["stream"]["batch_size"] == 16
-    resumed = run_in_process(tiny_config("gpt", steps=24, checkpoint_every=7, resume=True,
-                                         out=str(tmp_path / "b"), **common))
+    resumed = run_in_process(tiny_config("gpt", steps=24, checkpoint_every=7, resume=True, out=str(tmp_path / "b"), **common))
     assert resumed.resumed_from_step == 14 and resumed.steps == 10
     assert resumed.losses == straight.losses[14:]
     with pytest.raises(KitError, match="data stream differs"):
-        run_in_process(tiny_config("gpt", steps=30, checkpoint_every=7, resume=True, out=str(tmp_path / "b"),
-                                   **{**common, "batch_size": 8}))
+        run_in_process(
+            tiny_config("gpt", steps=30, checkpoint_every=7, resume=True, out=str(tmp_path / "b"), **{**common, "batch_size": 8})
+        )
 
 
 def _arrays(n):
@@ -152,10 +162,12 @@ def test_mlp_trains_on_an_npz_file_and_on_array_record_files(tmp_path):
     np.savez(tmp_path / "d.npz", **data)
     write_records(str(tmp_path / "a-0.arrayrecord"), ({k: v[i] for k, v in data.items()} for i in range(50)))
     write_records(str(tmp_path / "a-1.arrayrecord"), ({k: v[i] for k, v in data.items()} for i in range(50, 96)))
-    npz = run_in_process(tiny_config("mlp", dataset="npz", data_path=str(tmp_path / "d.npz"), steps=12,
-                                     epochs=5, out=str(tmp_path / "r1")))
-    records = run_in_process(tiny_config("mlp", dataset="array_record", data_path=str(tmp_path / "a-*.arrayrecord"),
-                                         steps=12, epochs=5, out=str(tmp_path / "r2")))
+    npz = run_in_process(tiny_config("mlp", dataset="npz", data_path=str(tmp_path / "d.npz"), steps=12, epochs=5, out=str(tmp_path / "r1")))
+    records = run_in_process(
+        tiny_config(
+            "mlp", dataset="array_record", data_path=str(tmp_path / "a-*.arrayrecord"), steps=12, epochs=5, out=str(tmp_path / "r2")
+        )
+    )
     assert npz.input.rows == records.input.rows == 96
     assert records.input.dataset.startswith("array_record: 2 file(s)")
     assert npz.losses == records.losses  # the same rows in the same order: the same training
@@ -163,8 +175,13 @@ def test_mlp_trains_on_an_npz_file_and_on_array_record_files(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input, before training
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "alpa_job", "train", "--address", "none", *args],
-                          capture_output=True, text=True, timeout=120, cwd=cwd or REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "alpa_job", "train", "--address", "none", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd or REPO,
+    )
 
 
 def _bad_cases(tmp_path):
@@ -180,8 +197,22 @@ def _bad_cases(tmp_path):
     for _ in range(40):
         writer.write(b"not msgpack \xff")
     writer.close()
-    gpt = ["--model", "gpt", "--num-layers", "1", "--d-model", "32", "--num-heads", "4", "--seq-len", "16",
-           "--vocab-size", "64", "--batch-size", "16"]
+    gpt = [
+        "--model",
+        "gpt",
+        "--num-layers",
+        "1",
+        "--d-model",
+        "32",
+        "--num-heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--vocab-size",
+        "64",
+        "--batch-size",
+        "16",
+    ]
     return [
         (gpt + ["--dataset", "tokens", "--data-path", str(tmp_path / "nope.bin")], r"--data-path .*nope\.bin does not exist"),
         (gpt + ["--dataset", "tokens", "--data-path", str(tmp_path / "*.tok")], r"matches no file"),
@@ -189,11 +220,15 @@ def _bad_cases(tmp_path):
         (gpt + ["--dataset", "tokens", "--data-path", big_ids], r"token id 4\d\d\d .*>= --vocab-size 64; use --vocab-size"),
         (gpt + ["--dataset", "tokens", "--data-path", short], r"fewer than one global batch \(16\)"),
         (gpt + ["--dataset", "tokens", "--data-path", good, "--eval-every", "5"], r"--eval-every needs eval data"),
-        (gpt + ["--dataset", "tokens", "--data-path", good, "--eval-data-path", str(tmp_path / "no-eval.bin")],
-         r"--eval-data-path .*no-eval\.bin does not exist"),
+        (
+            gpt + ["--dataset", "tokens", "--data-path", good, "--eval-data-path", str(tmp_path / "no-eval.bin")],
+            r"--eval-data-path .*no-eval\.bin does not exist",
+        ),
         (["--model", "mlp", "--dataset", "tokens", "--data-path", good], r"--model mlp reads 'x'"),
-        (["--model", "mlp", "--dataset", "array_record", "--data-path", str(rec), "--batch-size", "8"],
-         r"bad\.arrayrecord record 0 does not decode"),
+        (
+            ["--model", "mlp", "--dataset", "array_record", "--data-path", str(rec), "--batch-size", "8"],
+            r"bad\.arrayrecord record 0 does not decode",
+        ),
         (gpt + ["--dataset", "tokens"], r"add --data-path PATH"),
         (gpt + ["--data-path", good], r"--data-path does nothing here"),
     ]
@@ -212,7 +247,7 @@ def test_every_bad_input_is_one_line_and_exit_2_before_training(tmp_path):
 
 
 # ----------------------------------------------------------------------------- a model package's own input
-OWN_INPUT = '''
+OWN_INPUT = """
 import json
 
 import flax.linen as nn
@@ -241,7 +276,7 @@ def dataset(args, path, split):
 
 def build(*, dtype, scale: float = 1.0):
     return api.Model(Net(), input_field="features", loss=api.mse, decode=decode, dataset=dataset)
-'''
+"""
 
 
 def test_a_model_package_decodes_its_records_and_gives_its_own_grain_dataset(tmp_path, monkeypatch):
@@ -259,12 +294,13 @@ def test_a_model_package_decodes_its_records_and_gives_its_own_grain_dataset(tmp
     for i in range(64):
         writer.write(json.dumps({"f": a[i].tolist(), "t": b[i].tolist()}).encode())
     writer.close()
-    def own(**fields):
-        return resolve(JobConfig(model="own_input:build", batch_size=16, steps=8, epochs=4, address="none",
-                                 devices=8, **fields).validated())
 
-    by_records = run_in_process(own(dataset="array_record", data_path=str(tmp_path / "rows.arrayrecord"),
-                                    out=str(tmp_path / "r1")))
+    def own(**fields):
+        return resolve(
+            JobConfig(model="own_input:build", batch_size=16, steps=8, epochs=4, address="none", devices=8, **fields).validated()
+        )
+
+    by_records = run_in_process(own(dataset="array_record", data_path=str(tmp_path / "rows.arrayrecord"), out=str(tmp_path / "r1")))
     by_dataset = run_in_process(own(dataset="model", data_path=str(tmp_path / "rows.npz"), out=str(tmp_path / "r2")))
     assert by_records.input.rows == by_dataset.input.rows == 64
     assert by_records.losses == pytest.approx(by_dataset.losses, rel=1e-6)  # the same rows, the same order

@@ -1,4 +1,5 @@
 """`python -m alpa_job data tokenize`: text files -> a flat token file, offline, atomically."""
+
 from __future__ import annotations
 
 import base64
@@ -18,14 +19,16 @@ from alpa_job.errors import KitError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"  ", b"    ", b"\n "]
-TEXT = ("the thing in the theatre\n"
-        "    indented then\n"
-        "trailing spaces   \n"
-        "ends with a dot.\n"
-        "\n"
-        "  two spaces\n"
-        "héllo wörld 123 — the end\n"
-        "x\n/path\n")
+TEXT = (
+    "the thing in the theatre\n"
+    "    indented then\n"
+    "trailing spaces   \n"
+    "ends with a dot.\n"
+    "\n"
+    "  two spaces\n"
+    "héllo wörld 123 — the end\n"
+    "x\n/path\n"
+)
 
 
 def write(path, text):
@@ -180,8 +183,9 @@ def test_tiktoken_gpt2_without_its_cache_fails_at_once_without_the_network(tmp_p
 
 
 def cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "alpa_job", "data", "tokenize", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "alpa_job", "data", "tokenize", *args], cwd=REPO, capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 def test_cli_end_to_end(tmp_path, ranks_file):
@@ -199,8 +203,10 @@ def test_cli_end_to_end(tmp_path, ranks_file):
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty-cache"))
     write(tmp_path / "a.txt", "text")
-    for args in ([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t.bin")],
-                 [str(tmp_path / "a.txt"), "--out", str(tmp_path / "t.bin"), "--tokenizer", "tiktoken:gpt2"]):
+    for args in (
+        [str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t.bin")],
+        [str(tmp_path / "a.txt"), "--out", str(tmp_path / "t.bin"), "--tokenizer", "tiktoken:gpt2"],
+    ):
         done = cli(*args, env=env)
         assert done.returncode == 2, done
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr

@@ -2,6 +2,7 @@
 
 Failure tests break one thing, run the doctor, and restore what they broke in `finally`.
 """
+
 import json
 import os
 import socket
@@ -26,12 +27,12 @@ PY39 = "/root/.pyenv/versions/3.9.18/bin/python"
 # ---- pure checks, no cluster ---------------------------------------------------------------------
 def test_node_ip_checks_name_the_fix():
     addrs = {"lo": ["127.0.0.1"], "eth0": ["10.77.0.2"], "mgmt0": ["192.168.77.2"]}
-    ok, = doctor.check_node_ip("10.77.0.2", "10.77.0.2", addrs, "10.77.0.0/24")
+    (ok,) = doctor.check_node_ip("10.77.0.2", "10.77.0.2", addrs, "10.77.0.0/24")
     assert ok["ok"]
-    out, = doctor.check_node_ip("192.168.77.2", "192.168.77.2", addrs, "10.77.0.0/24")
+    (out,) = doctor.check_node_ip("192.168.77.2", "192.168.77.2", addrs, "10.77.0.0/24")
     assert not out["ok"] and "not in cluster CIDR 10.77.0.0/24" in out["detail"]
     assert "--node-ip-address=10.77.0.2" in out["fix"]
-    out, = doctor.check_node_ip("10.77.0.9", "10.77.0.9", addrs, "10.77.0.0/24")
+    (out,) = doctor.check_node_ip("10.77.0.9", "10.77.0.9", addrs, "10.77.0.0/24")
     assert not out["ok"] and "not an address of this host" in out["detail"] and "10.77.0.2" in out["detail"]
 
 
@@ -47,26 +48,34 @@ def test_matrix_names_the_blocked_port_source_and_target(spec):
     """The all-pairs results of a cluster where w2 refuses the head on its node-manager port."""
     nm = spec.ports["node_manager"]
     head, w1, w2 = "10.77.0.1", "10.77.0.2", "10.77.0.3"
-    listened = {ip: [{"name": "node_manager", "port": nm, "listener": "in use", "error": None},
-                     {"name": "xla_grpc", "port": spec.ranges["xla_grpc"][0], "listener": "ours", "error": None}]
-                for ip in (head, w1)}
+    listened = {
+        ip: [
+            {"name": "node_manager", "port": nm, "listener": "in use", "error": None},
+            {"name": "xla_grpc", "port": spec.ranges["xla_grpc"][0], "listener": "ours", "error": None},
+        ]
+        for ip in (head, w1)
+    }
     listened[w1].append({"name": "ssh", "port": 22, "listener": "none", "error": "EADDRNOTAVAIL"})
-    plan, listen_checks = matrix.target_plan([head, w1, w2], listened, {"head": [("gcs", 6379), ("node_manager", nm)],
-                                             "worker": [("node_manager", nm), ("ssh", 22)]}, head)
+    plan, listen_checks = matrix.target_plan(
+        [head, w1, w2], listened, {"head": [("gcs", 6379), ("node_manager", nm)], "worker": [("node_manager", nm), ("ssh", 22)]}, head
+    )
     assert [p["port"] for p in plan[w2]] == [nm]  # w2 opened no listeners: probed on Ray's fixed ports only
     assert [c["node"] for c in listen_checks] == [w1] and "cannot listen on %s:22 (ssh)" % w1 in listen_checks[0]["detail"]
     assert matrix.connect_targets(head, plan) == [(w1, nm), (w1, spec.ranges["xla_grpc"][0]), (w2, nm)]
     ok = lambda ip, port: {"ip": ip, "port": port, "status": "ok"}  # noqa: E731
-    connected = {head: [ok(w1, nm), ok(w1, spec.ranges["xla_grpc"][0]), {"ip": w2, "port": nm, "status": "refused"}],
-                 w1: [ok(head, nm), ok(w2, nm)]}  # w2 never reported
+    connected = {
+        head: [ok(w1, nm), ok(w1, spec.ranges["xla_grpc"][0]), {"ip": w2, "port": nm, "status": "refused"}],
+        w1: [ok(head, nm), ok(w2, nm)],
+    }  # w2 never reported
     grid, blocked = matrix.build_matrix([head, w1, w2], plan, connected)
     assert grid[head][w2] == {"ok": False, "probed": 1, "blocked": ["%d node_manager (refused)" % nm]}
     assert grid[head][w1]["ok"] and grid[w1][w2]["ok"] and grid[w2][head]["ok"] is None
     (bad,) = matrix.blocked_checks(spec, blocked)
     assert bad["node"] == w2 and bad["detail"] == "TCP %d (node_manager) blocked from %s (refused)" % (nm, head)
     assert bad["fix"].startswith("open TCP %d (node_manager) on %s" % (nm, w2))
-    table = render.render_table({"address": "a", "cluster_cidr": "c", "head": head, "seconds": 1, "ok": False,
-                                 "matrix": grid, "checks": listen_checks + [bad]})
+    table = render.render_table(
+        {"address": "a", "cluster_cidr": "c", "head": head, "seconds": 1, "ok": False, "matrix": grid, "checks": listen_checks + [bad]}
+    )
     assert "blocked: %d node_manager (refused)" % nm in table and "FAIL ports     %s" % w2 in table
     summary = render.failure_summary({"ok": False, "checks": listen_checks + [bad]})
     assert summary.startswith("doctor: 2 check(s) failed; first: node %s: cannot listen" % w1)
@@ -74,8 +83,7 @@ def test_matrix_names_the_blocked_port_source_and_target(spec):
 
 def _collect_with(python: str) -> dict:
     code = "import json, sys; sys.path.insert(0, sys.argv[1]); from alpa_job import versions; print(json.dumps(versions.collect()))"
-    return json.loads(subprocess.run([python, "-c", code, str(REPO)], capture_output=True, text=True, check=True,
-                                     timeout=60).stdout)
+    return json.loads(subprocess.run([python, "-c", code, str(REPO)], capture_output=True, text=True, check=True, timeout=60).stdout)
 
 
 @pytest.mark.skipif(not os.path.exists(PY39), reason="no Python 3.9 interpreter at " + PY39)
@@ -105,8 +113,12 @@ def test_version_skew_names_the_odd_node_with_real_interpreters():
 
 @pytest.mark.skipif(not os.path.exists(PY39), reason="no Python 3.9 interpreter at " + PY39)
 def test_doctor_imports_on_python39():
-    p = subprocess.run([PY39, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import alpa_job.cluster.doctor",
-                        str(REPO)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [PY39, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import alpa_job.cluster.doctor", str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -116,8 +128,9 @@ def test_unreachable_head_fails_fast_with_one_line():
         port = s.getsockname()[1]
     address = "127.0.0.1:%d" % port
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "alpa_job", "doctor", "--address", address], capture_output=True,
-                       text=True, timeout=60, cwd=str(REPO))
+    p = subprocess.run(
+        [sys.executable, "-m", "alpa_job", "doctor", "--address", address], capture_output=True, text=True, timeout=60, cwd=str(REPO)
+    )
     assert time.monotonic() - t0 < 30
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
@@ -157,8 +170,18 @@ def test_doctor_green_on_three_hosts(ray_cluster):
         names = {p.split()[1] for p in ports}
         assert {"node_manager", "object_manager", "xla_grpc", "ephemeral", "ray_workers"} <= names, ip
         assert ("gcs" in names) == (ip == ray_cluster.head_ip)
-    table = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", ray_cluster.address,
-                     "--cluster-spec", str(ray_cluster.spec_path), timeout=90)
+    table = bed.exec(
+        "head",
+        "python",
+        "-m",
+        "alpa_job",
+        "doctor",
+        "--address",
+        ray_cluster.address,
+        "--cluster-spec",
+        str(ray_cluster.spec_path),
+        timeout=90,
+    )
     assert "TCP reachability" in table.stdout and "FAIL" not in table.stdout
 
 
@@ -170,8 +193,7 @@ def test_doctor_network_names_a_rate_limited_host(ray_cluster):
     host or link."""
     bed = ray_cluster.testbed
     w2 = bed.host("w2").ip
-    bed.exec("w2", "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "20mbit", "burst", "32kb",
-             "latency", "50ms")
+    bed.exec("w2", "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "20mbit", "burst", "32kb", "latency", "50ms")
     try:
         rc, data, p, seconds = run_doctor(bed, "head", ray_cluster.address, ray_cluster.spec_path, "--network")
     finally:
@@ -204,9 +226,31 @@ def test_doctor_names_a_blocked_port(ray_cluster):
     comment = "akt-doctor-test-block"
     t0 = time.monotonic()
     # `ct state new`: Ray's established raylet channels survive, so the cluster stays healthy after.
-    bed.exec("w2", "nft", "insert", "rule", "inet", "alpa_kit", "input", "ip", "saddr", head, "tcp", "dport",
-             "{ %d, %s }" % (nm, xla), "ct", "state", "new", "counter", "reject", "with", "tcp", "reset",
-             "comment", '"%s"' % comment)
+    bed.exec(
+        "w2",
+        "nft",
+        "insert",
+        "rule",
+        "inet",
+        "alpa_kit",
+        "input",
+        "ip",
+        "saddr",
+        head,
+        "tcp",
+        "dport",
+        "{ %d, %s }" % (nm, xla),
+        "ct",
+        "state",
+        "new",
+        "counter",
+        "reject",
+        "with",
+        "tcp",
+        "reset",
+        "comment",
+        '"%s"' % comment,
+    )
     try:
         rc, data, p, seconds = run_doctor(bed, "head", ray_cluster.address, ray_cluster.spec_path)
     finally:

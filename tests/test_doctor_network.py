@@ -1,4 +1,5 @@
 """`doctor --network`: the link probe's schedule, its two ends over real sockets, and the verdicts."""
+
 from __future__ import annotations
 
 import itertools
@@ -47,8 +48,7 @@ def _rows(rates):
 
 
 def test_a_host_whose_every_outgoing_link_is_slow_is_named_once():
-    rows = _rows({("h", "w1"): 9.0, ("w1", "h"): 9.4, ("h", "w2"): 8.8, ("w2", "h"): 0.05, ("w1", "w2"): 9.1,
-                  ("w2", "w1"): 0.048})
+    rows = _rows({("h", "w1"): 9.0, ("w1", "h"): 9.4, ("h", "w2"): 8.8, ("w2", "h"): 0.05, ("w1", "w2"): 9.1, ("w2", "w1"): 0.048})
     failed = [c for c in network.verdicts(rows) if not c["ok"]]
     named = [c for c in failed if c["node"] == "w2" and "every link from w2 is slow" in c["detail"]]
     assert len(named) == 1 and "h 0.05 Gb/s" in named[0]["detail"] and "tc qdisc" in named[0]["fix"], failed
@@ -57,8 +57,7 @@ def test_a_host_whose_every_outgoing_link_is_slow_is_named_once():
 
 
 def test_one_slow_link_is_named_by_its_ends():
-    rows = _rows({("h", "w1"): 9.0, ("w1", "h"): 9.4, ("h", "w2"): 8.8, ("w2", "h"): 9.2, ("w1", "w2"): 0.5,
-                  ("w2", "w1"): 9.3})
+    rows = _rows({("h", "w1"): 9.0, ("w1", "h"): 9.4, ("h", "w2"): 8.8, ("w2", "h"): 9.2, ("w1", "w2"): 0.5, ("w2", "w1"): 9.3})
     failed = [c for c in network.verdicts(rows) if not c["ok"]]
     assert [c["detail"].split(" (")[0] for c in failed[:-1]] == ["link w1 -> w2 at 0.5 Gb/s"]
 
@@ -107,10 +106,8 @@ def test_the_all_reduce_shrinks_to_what_the_slowest_link_moves_in_a_quarter_seco
 def test_the_route_to_a_host_is_read_without_sending_and_a_mismatch_is_named():
     here = links.route_to("127.0.0.1")
     assert here["source"] == "127.0.0.1" and here["iface"] == "lo" and here["error"] is None
-    routes = {"10.0.0.2": {"source": "10.0.0.2", "iface": "eth0"},
-              "10.0.0.3": {"source": "192.168.5.3", "iface": "eth1", "error": None}}
+    routes = {"10.0.0.2": {"source": "10.0.0.2", "iface": "eth0"}, "10.0.0.3": {"source": "192.168.5.3", "iface": "eth1", "error": None}}
     (c,) = network.route_checks(routes, {"10.0.0.2": "eth0", "10.0.0.3": "eth0"}, "10.0.0.1")
     assert c["node"] == "10.0.0.3" and not c["ok"]
-    assert c["detail"] == ("Ray is bound to 10.0.0.3 (eth0) on 10.0.0.3, but the route to the head 10.0.0.1 "
-                           "leaves from 192.168.5.3 (eth1)")
+    assert c["detail"] == ("Ray is bound to 10.0.0.3 (eth0) on 10.0.0.3, but the route to the head 10.0.0.1 leaves from 192.168.5.3 (eth1)")
     assert "--node-ip-address 192.168.5.3" in c["fix"]

@@ -10,6 +10,7 @@ its jaxlib pin does not matter.
 Own 2-host bed (tag "skew": head + w1, no firewall), torn down at the end; the shared beds stay
 untouched. The same bed is first checked green WITHOUT the skew, then w1 is restarted with it.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -42,16 +43,47 @@ def _skew_version(installed: str) -> str:
 def _skewed_site(tmp_path: Path, version: str) -> Path:
     """DIR with the real jax==version (--no-deps); skip with the reason if PyPI cannot be reached."""
     wheels = tmp_path / "wheels"
-    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "--disable-pip-version-check", "-d", str(wheels), "%s==%s" % (PACKAGE, version)],
-                       capture_output=True, text=True, timeout=180)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+            str(wheels),
+            "%s==%s" % (PACKAGE, version),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     found = sorted(wheels.glob("%s-%s-*.whl" % (PACKAGE, version))) if wheels.is_dir() else []
     if p.returncode != 0 or not found:
-        pytest.skip("pip download %s==%s failed (PyPI unreachable?): %s"
-                    % (PACKAGE, version, (p.stderr.strip().splitlines() or ["no wheel"])[-1]))
+        pytest.skip(
+            "pip download %s==%s failed (PyPI unreachable?): %s" % (PACKAGE, version, (p.stderr.strip().splitlines() or ["no wheel"])[-1])
+        )
     site = tmp_path / "skew-site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check",
-                    "--target", str(site), str(found[0])], capture_output=True, text=True, timeout=180, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(found[0]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
     assert (site / ("%s-%s.dist-info" % (PACKAGE, version))).is_dir(), sorted(p.name for p in site.iterdir())
     return site
 
@@ -68,8 +100,7 @@ def _wait_formed(cluster: RayCluster, what: str) -> dict:
         if cluster.healthy(result) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    assert cluster.healthy(result), "%s: cluster did not form: %s (logs under %s/hosts)" % (
-        what, result, cluster.testbed.state_dir)
+    assert cluster.healthy(result), "%s: cluster did not form: %s (logs under %s/hosts)" % (what, result, cluster.testbed.state_dir)
     return result
 
 
@@ -96,11 +127,11 @@ def test_doctor_catches_a_real_package_skew_on_one_worker(testbed_factory, tmp_p
         head, w1 = bed.head, bed.host("w1")
 
         def start(host, role, env=None):
-            argv = ray_start_args(spec, role, host.ip, head_ip=head.ip, num_cpus=1,
-                                  object_store_memory=100_000_000, include_dashboard=role == "head")
+            argv = ray_start_args(
+                spec, role, host.ip, head_ip=head.ip, num_cpus=1, object_store_memory=100_000_000, include_dashboard=role == "head"
+            )
             p = bed.exec(host.name, *argv, timeout=RAY_FORM_TIMEOUT, check=False, env=env)
-            assert p.returncode == 0, "ray start (%s) rc=%d:\n%s\n%s" % (host.name, p.returncode, p.stdout[-3000:],
-                                                                        p.stderr[-3000:])
+            assert p.returncode == 0, "ray start (%s) rc=%d:\n%s\n%s" % (host.name, p.returncode, p.stdout[-3000:], p.stderr[-3000:])
 
         start(head, "head")
         start(w1, "worker")
@@ -125,8 +156,9 @@ def test_doctor_catches_a_real_package_skew_on_one_worker(testbed_factory, tmp_p
             "import os, ray\nfrom alpa_job.cluster.ray_api import join_ray, pin_to_node\n"
             "join_ray(os.environ['RAY_ADDRESS'], log_to_driver=False)\n"
             "f = ray.remote(num_cpus=0)(lambda: __import__('importlib.metadata').metadata.version('%s'))\n"
-            "print('SEEN', ray.get(f.options(**pin_to_node('%s')).remote(), timeout=60))"
-            % (PACKAGE, w1.ip), timeout=120).stdout
+            "print('SEEN', ray.get(f.options(**pin_to_node('%s')).remote(), timeout=60))" % (PACKAGE, w1.ip),
+            timeout=120,
+        ).stdout
         assert "SEEN %s" % skew in seen, seen
 
         rc, data, p, seconds = run_doctor(bed, "head", cluster.address, spec_path)

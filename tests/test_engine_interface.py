@@ -8,6 +8,7 @@
   class under Python 3.11 (no abstract member left, the same parameters as the interface), and as an
   instance under the Alpa image's Python 3.9 (.venv39: real alpa 0.2.3 package, flax 0.6.2).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,8 +28,9 @@ from helpers_train import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 VENV39_PY = REPO / ".venv39" / "bin" / "python"
-NEEDS_VENV39 = pytest.mark.skipif(not VENV39_PY.exists(), reason=f"{VENV39_PY} not found (scripts/setup --test "
-                                  "creates it: Python 3.9 with the real alpa 0.2.3 package)")
+NEEDS_VENV39 = pytest.mark.skipif(
+    not VENV39_PY.exists(), reason=f"{VENV39_PY} not found (scripts/setup --test creates it: Python 3.9 with the real alpa 0.2.3 package)"
+)
 
 
 def _members(part: type) -> Set[str]:
@@ -56,12 +58,36 @@ def signature_gaps(cls: type) -> List[str]:
 
 
 def test_the_interface_is_the_members_the_loop_uses_in_two_parts():
-    running = {"name", "strategy", "checkpoints", "abstract_state", "compile", "init_state", "put_batch", "step",
-               "to_floats", "wait", "wait_for_every_process", "eval_loss", "eval_sums"}
+    running = {
+        "name",
+        "strategy",
+        "checkpoints",
+        "abstract_state",
+        "compile",
+        "init_state",
+        "put_batch",
+        "step",
+        "to_floats",
+        "wait",
+        "wait_for_every_process",
+        "eval_loss",
+        "eval_sums",
+    }
     reporting = {"stats", "watch_compiles", "plan", "topology", "extra_report", "notes", "peak_memory_bytes", "finish"}
     assert _members(EngineRunner) == running and _members(EngineReport) == reporting
-    assert Engine.__abstractmethods__ == {"name", "abstract_state", "compile", "init_state", "put_batch", "step",
-                                          "to_floats", "wait", "watch_compiles", "plan", "topology"}
+    assert Engine.__abstractmethods__ == {
+        "name",
+        "abstract_state",
+        "compile",
+        "init_state",
+        "put_batch",
+        "step",
+        "to_floats",
+        "wait",
+        "watch_compiles",
+        "plan",
+        "topology",
+    }
 
 
 def test_an_engine_that_lacks_a_member_cannot_be_made():
@@ -84,8 +110,7 @@ def test_an_engine_that_lacks_a_member_cannot_be_made():
 
     class Nameless(Engine):  # every method, but no `name`
         abstract_state = None
-        compile = init_state = put_batch = step = to_floats = wait = watch_compiles = plan = topology = \
-            lambda self, *args: None
+        compile = init_state = put_batch = step = to_floats = wait = watch_compiles = plan = topology = lambda self, *args: None
 
     with pytest.raises(TypeError, match=r"abstract method.*name"):
         Nameless("data")
@@ -163,7 +188,7 @@ class DumpExecutable:
         return self._text("_output_placement_specs.txt")
 
     def get_stage_allocation_size(self):
-        return [int(self.memory_gib()[i] * 1024 ** 3) for i in range(4)]
+        return [int(self.memory_gib()[i] * 1024**3) for i in range(4)]
 
     def memory_gib(self):
         return [float(self._text(f"_stage_{i}.mem_usage.txt").split(":")[1].split()[0]) for i in range(4)]
@@ -260,8 +285,9 @@ ALPA_ON_PY39 = """
 def test_alpa_engine_is_an_engine_on_python39():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO))
-    r = subprocess.run([str(VENV39_PY), "-c", textwrap.dedent(ALPA_ON_PY39)], cwd=str(REPO), env=env,
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [str(VENV39_PY), "-c", textwrap.dedent(ALPA_ON_PY39)], cwd=str(REPO), env=env, capture_output=True, text=True, timeout=240
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out: Dict[str, Any] = json.loads(r.stdout.split("JSON", 1)[1])
     assert out["python"] == [3, 9]
@@ -269,7 +295,9 @@ def test_alpa_engine_is_an_engine_on_python39():
     assert not out["alpa_imported"]  # building the engine needs no Alpa runtime; compile() imports it
     assert out["strategy"] == "pipeshard-manual"
     assert out["settings"] == {"strategy": "pipeshard-manual", "micro_batches": 2, "stages": 2, "boundaries": [1]}
-    assert out["topology"] == {"mesh": {"shape": [2, 2], "axes": ["node", "gpu"]},
-                               "process": {"id": 0, "count": 1, "local_devices": []},
-                               "devices": {"count": 4, "platform": "gpu", "kind": "A100"}}
+    assert out["topology"] == {
+        "mesh": {"shape": [2, 2], "axes": ["node", "gpu"]},
+        "process": {"id": 0, "count": 1, "local_devices": []},
+        "devices": {"count": 4, "platform": "gpu", "kind": "A100"},
+    }
     assert out["same_shapes"] and out["batch_is_host"]

@@ -2,6 +2,7 @@
 logical axes every parameter carries, and the numerics that make them what they claim to be
 (causal, rotary, grouped-query attention, ResNet-50's size, BatchNorm's statistics). The modules
 import only jax and flax; training them through the kit is test_examples_train.py."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,7 @@ def kit_axis_names():
         from alpa_job import api as names
     except ImportError:
         from alpa_job.models import axes as names
-    return {names.BATCH, names.EMBED, names.MLP, names.HEADS, names.KV, names.VOCAB, names.CHANNELS,
-            names.CONV_IN, names.SEQ}
+    return {names.BATCH, names.EMBED, names.MLP, names.HEADS, names.KV, names.VOCAB, names.CHANNELS, names.CONV_IN, names.SEQ}
 
 
 def partitioned_leaves(variables):
@@ -78,7 +78,7 @@ def test_llama_is_causal(llama):
     t = 5
     changed = tokens.at[:, t + 1].set((tokens[:, t + 1] + 1) % 64)
     before, after = module.apply(variables, tokens), module.apply(variables, changed)
-    np.testing.assert_allclose(before[:, :t + 1], after[:, :t + 1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(before[:, : t + 1], after[:, : t + 1], rtol=1e-6, atol=1e-6)
     assert not np.allclose(before[:, t + 1], after[:, t + 1])
 
 
@@ -106,11 +106,9 @@ def test_grouped_query_attention_equals_multi_head_with_each_kv_head_shared_by_i
     gqa = Attention(num_heads=4, num_kv_heads=2, attention="einsum")
     params = nn.unbox(gqa.init(jax.random.PRNGKey(0), x))["params"]
     # Query head h reads kv head h // 2: multi-head attention whose key/value heads repeat each GQA head twice.
-    mha_params = dict(params, **{name: {"kernel": jnp.repeat(params[name]["kernel"], 2, axis=1)}
-                                 for name in ("key", "value")})
+    mha_params = dict(params, **{name: {"kernel": jnp.repeat(params[name]["kernel"], 2, axis=1)} for name in ("key", "value")})
     mha = Attention(num_heads=4, num_kv_heads=4, attention="einsum")
-    np.testing.assert_allclose(gqa.apply({"params": params}, x), mha.apply({"params": mha_params}, x),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gqa.apply({"params": params}, x), mha.apply({"params": mha_params}, x), rtol=1e-5, atol=1e-6)
 
 
 def test_resnet50_has_the_cifar_resnet50_parameter_count():
@@ -145,10 +143,13 @@ def test_resnet_training_pass_updates_batch_norm_statistics(tiny_resnet):
     assert module.apply(variables, images, train=False).shape == (4, 10)
 
 
-@pytest.mark.parametrize("example, package, entry_point", [
-    ("llama", "llama_example", 'llama = "llama_example.model:build"'),
-    ("resnet", "resnet_example", 'resnet50 = "resnet_example.model:build"'),
-])
+@pytest.mark.parametrize(
+    "example, package, entry_point",
+    [
+        ("llama", "llama_example", 'llama = "llama_example.model:build"'),
+        ("resnet", "resnet_example", 'resnet50 = "resnet_example.model:build"'),
+    ],
+)
 def test_each_example_is_a_package_with_its_own_pyproject(example, package, entry_point):
     root = os.path.join(EXAMPLES, example)
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:

@@ -2,6 +2,7 @@
 llama_example.model:build --model-arg ...` with the example's folder on PYTHONPATH (what `pip install -e`
 or `ray job submit --working-dir` gives), on 8 emulated CPU devices, every strategy; the report's labels
 show the sharding; ResNet-50's BatchNorm with --pad-remainder compiles once; a checkpoint resumes."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,27 @@ TINY_RESNET = ["stage_sizes=1,1,1,1", "base_width=8"]
 def train(example, model_args, *flags, timeout=600):
     """One `python -m alpa_job train` run of an example, in-process (--address none); returns (proc, report)."""
     package = {"llama": "llama_example", "resnet": "resnet_example"}[example]
-    args = [sys.executable, "-m", "alpa_job", "train", "--model", f"{package}.model:build", "--address", "none",
-            "--devices", "8", "--batch-size", "16", "--num-samples", "64", "--compile-cache", "none"]
+    args = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--model",
+        f"{package}.model:build",
+        "--address",
+        "none",
+        "--devices",
+        "8",
+        "--batch-size",
+        "16",
+        "--num-samples",
+        "64",
+        "--compile-cache",
+        "none",
+    ]
     for arg in model_args:
         args += ["--model-arg", arg]
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=os.pathsep.join([os.path.join(EXAMPLES, example), REPO]))
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join([os.path.join(EXAMPLES, example), REPO]))
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(args + list(flags), capture_output=True, text=True, timeout=timeout, env=env)
     out = flags[list(flags).index("--out") + 1]
@@ -85,16 +101,20 @@ def test_the_synthetic_data_are_learnable_patterns():
     for data in (first, second):
         assert data["image"].shape == (500, 32, 32, 3) and data["label"].max() < 10
     c = first["label"][0]
-    np.testing.assert_allclose(first["image"][first["label"] == c].mean(axis=(0, 1, 2)),
-                               second["image"][second["label"] == c].mean(axis=(0, 1, 2)), atol=0.05)
+    np.testing.assert_allclose(
+        first["image"][first["label"] == c].mean(axis=(0, 1, 2)), second["image"][second["label"] == c].mean(axis=(0, 1, 2)), atol=0.05
+    )
 
 
-@pytest.mark.parametrize("strategy, label", [
-    ("data", "ZeRO"),  # its sharded update keeps every weight split over the data axis between steps
-    ("fsdp", "ZeRO"),  # every weight split over the data axis
-    ("tensor", "MP"),  # heads, mlp and vocab over the model axis
-    pytest.param("auto", None, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "strategy, label",
+    [
+        ("data", "ZeRO"),  # its sharded update keeps every weight split over the data axis between steps
+        ("fsdp", "ZeRO"),  # every weight split over the data axis
+        ("tensor", "MP"),  # heads, mlp and vocab over the model axis
+        pytest.param("auto", None, marks=pytest.mark.slow),
+    ],
+)
 def test_llama_trains_with_every_strategy(strategy, label, tmp_path):
     out = str(tmp_path / "run")
     # auto on 2 devices: its 3 candidates (data, fsdp, tensor) prove a user's model searches as well as 8's many
@@ -114,8 +134,22 @@ def test_llama_trains_with_every_strategy(strategy, label, tmp_path):
 def test_llama_declares_its_depth_so_auto_can_rank_on_copies(tmp_path):
     out = str(tmp_path / "run")
     deep = [a for a in TINY_LLAMA if not a.startswith("num_layers=")] + ["num_layers=6"]
-    proc, report = train("llama", deep, "--strategy", "auto", "--auto-rank-on", "copies", "--auto-trial-steps", "1",
-                         "--devices", "2", "--steps", "2", "--out", out)
+    proc, report = train(
+        "llama",
+        deep,
+        "--strategy",
+        "auto",
+        "--auto-rank-on",
+        "copies",
+        "--auto-trial-steps",
+        "1",
+        "--devices",
+        "2",
+        "--steps",
+        "2",
+        "--out",
+        out,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     timed = [row for row in report["search"] if row["step_time_s"]]
     assert timed and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
@@ -127,8 +161,9 @@ def test_the_seeds_resnet50_trains_with_pad_remainder_in_one_compile_and_inspect
     # leave a ragged last batch each epoch, padded and masked; with BatchNorm's statistics under fsdp, the
     # step still compiles once over both epochs.
     out = str(tmp_path / "run")
-    proc, report = train("resnet", [], "--batch-size", "8", "--num-samples", "12", "--epochs", "2",
-                         "--pad-remainder", "--strategy", "fsdp", "--out", out)
+    proc, report = train(
+        "resnet", [], "--batch-size", "8", "--num-samples", "12", "--epochs", "2", "--pad-remainder", "--strategy", "fsdp", "--out", out
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["compiles"] == 1 and report["steps"] == 4 and report["samples_dropped"] == 0
     assert "ZeRO" in labels(report).values()
@@ -136,8 +171,13 @@ def test_the_seeds_resnet50_trains_with_pad_remainder_in_one_compile_and_inspect
     params = [row for row in report["params"] if row["path"].startswith("params/")]
     assert sum(int(np.prod(row["shape"])) for row in params) == 23_520_842
     assert report["versions"]["alpa_job_api"] == api.API_VERSION
-    shown = subprocess.run([sys.executable, "-m", "alpa_job", "inspect", out, "--format", "json"], capture_output=True,
-                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    shown = subprocess.run(
+        [sys.executable, "-m", "alpa_job", "inspect", out, "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     assert shown.returncode == 0, shown.stderr[-2000:]
     read = json.loads(shown.stdout)  # inspect reads the run back without the example on its path
     assert read["config"]["model"] == "resnet_example.model:build"
@@ -146,10 +186,8 @@ def test_the_seeds_resnet50_trains_with_pad_remainder_in_one_compile_and_inspect
 
 def test_llama_checkpoint_resumes(tmp_path):
     out = str(tmp_path / "run")
-    proc, first = train("llama", TINY_LLAMA, "--steps", "2", "--epochs", "4", "--checkpoint-every", "1",
-                        "--out", out)
+    proc, first = train("llama", TINY_LLAMA, "--steps", "2", "--epochs", "4", "--checkpoint-every", "1", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, resumed = train("llama", TINY_LLAMA, "--steps", "4", "--epochs", "4", "--checkpoint-every", "1",
-                          "--resume", "--out", out)
+    proc, resumed = train("llama", TINY_LLAMA, "--steps", "4", "--epochs", "4", "--checkpoint-every", "1", "--resume", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 2

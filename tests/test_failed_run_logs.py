@@ -5,6 +5,7 @@ The failure is a real one a user meets: the checkpoint a `--resume` continues fr
 The driver's checks pass (the run directory holds a checkpoint of the same model), so the JAX process
 inside its Ray actor is what fails, and its traceback is only in that worker's log.
 """
+
 import json
 import os
 import shutil
@@ -15,8 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]
 
-ARGS = ("--model", "mlp", "--hidden-dim", "32", "--num-samples", "96", "--batch-size", "48",
-        "--devices", "2", "--checkpoint-every", "2")
+ARGS = ("--model", "mlp", "--hidden-dim", "32", "--num-samples", "96", "--batch-size", "48", "--devices", "2", "--checkpoint-every", "2")
 
 
 def _damage_checkpoints(out: str) -> int:
@@ -43,8 +43,22 @@ def test_failed_cluster_run_collects_every_nodes_logs_and_says_where(ray_cluster
     out = str(Path("/tmp") / ("akt-failed-logs-" + uuid.uuid4().hex[:8]))
 
     def train(*extra):
-        return bed.exec("head", "python", "-m", "alpa_job", "train", *ARGS, "--cluster-spec", str(ray_cluster.spec_path),
-                        "--out", out, *extra, timeout=400, check=False, env={"RAY_ADDRESS": ray_cluster.address})
+        return bed.exec(
+            "head",
+            "python",
+            "-m",
+            "alpa_job",
+            "train",
+            *ARGS,
+            "--cluster-spec",
+            str(ray_cluster.spec_path),
+            "--out",
+            out,
+            *extra,
+            timeout=400,
+            check=False,
+            env={"RAY_ADDRESS": ray_cluster.address},
+        )
 
     first = train("--steps", "4")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -1,4 +1,5 @@
 """Firewall rendering: the text, the real `nft -c` parser, and real traffic in throw-away namespaces."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,7 @@ from alpa_job.errors import KitError
 REPO = Path(__file__).resolve().parents[1]
 NFT = shutil.which("nft")
 IS_ROOT = os.geteuid() == 0
-needs_nft = pytest.mark.skipif(
-    NFT is None or not IS_ROOT, reason="needs the nft binary (apt install nftables) and root for `nft -c`"
-)
+needs_nft = pytest.mark.skipif(NFT is None or not IS_ROOT, reason="needs the nft binary (apt install nftables) and root for `nft -c`")
 
 
 @pytest.fixture
@@ -56,7 +55,7 @@ def test_order_and_fail_fast_refusal(spec):
     lines = [l.strip() for l in render_nftables(spec, "10.0.0.2", [], "worker").splitlines()]
     # Idempotent load: create-then-delete our table only, then the new one.
     assert lines[3:5] == ["table inet alpa_kit {}", "delete table inet alpa_kit"]
-    chain = lines[lines.index("chain input {") + 1:]
+    chain = lines[lines.index("chain input {") + 1 :]
     assert chain[:4] == [
         "type filter hook input priority filter; policy accept;",
         'iif "lo" accept',
@@ -72,7 +71,7 @@ def test_admin_cidrs_reach_only_admin_ports(admin_spec):
     head = render_nftables(admin_spec, "10.0.0.1", [], "head")
     assert "elements = { 192.168.0.0/16 }" in head and "elements = { 2001:db8::/32 }" in head
     assert 'ip saddr @admin_v4 tcp dport { 22, 8265 } accept comment "admin: ssh, dashboard"' in head
-    assert 'ip6 saddr @admin_v6 tcp dport { 22, 8265 } accept' in head
+    assert "ip6 saddr @admin_v6 tcp dport { 22, 8265 } accept" in head
     worker = render_nftables(admin_spec, "10.0.0.2", [], "worker")
     assert "ip saddr @admin_v4 tcp dport { 22 } accept" in worker  # nothing listens on 8265 there
 
@@ -102,9 +101,11 @@ def test_sysctl_lines(spec):
 
 def test_cli_prints_the_ruleset(spec):
     done = subprocess.run(
-        [sys.executable, "-m", "alpa_job.cluster.firewall", "--node-ip", "10.0.0.2",
-         "--members", "10.0.0.1, 10.0.0.3", "--role", "worker"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "alpa_job.cluster.firewall", "--node-ip", "10.0.0.2", "--members", "10.0.0.1, 10.0.0.3", "--role", "worker"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == render_nftables(spec, "10.0.0.2", ["10.0.0.1", "10.0.0.3"], "worker")
@@ -171,8 +172,9 @@ def netns_pair():
             subprocess.run(["ip", "netns", "add", ns], check=True)
             created.append(ns)
         veth = "akv%s" % tag
-        subprocess.run(["ip", "-n", member, "link", "add", veth + "a", "type", "veth", "peer", "name",
-                        veth + "b", "netns", node], check=True)
+        subprocess.run(
+            ["ip", "-n", member, "link", "add", veth + "a", "type", "veth", "peer", "name", veth + "b", "netns", node], check=True
+        )
         for ns, dev, ip in ((member, veth + "a", MEMBER_IP), (node, veth + "b", NODE_IP)):
             subprocess.run(["ip", "-n", ns, "addr", "add", ip + "/24", "dev", dev], check=True)
             subprocess.run(["ip", "-n", ns, "link", "set", dev, "up"], check=True)
@@ -225,15 +227,14 @@ def test_rules_in_a_namespace_refuse_fast_and_admit_members(tmp_path, netns_pair
     assert any(s.covers(xla) and s.name == "xla_grpc" for s in spec.member_tcp_ports())
 
     listener = subprocess.Popen(
-        ["ip", "netns", "exec", node, sys.executable, "-c", LISTEN, NODE_IP,
-         str(planned), str(xla), str(head_only), str(unplanned)],
-        stdout=subprocess.PIPE, text=True,
+        ["ip", "netns", "exec", node, sys.executable, "-c", LISTEN, NODE_IP, str(planned), str(xla), str(head_only), str(unplanned)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert listener.stdout.readline().strip() == "ready"
         # Without rules every listener answers: what follows is the firewall's doing.
-        assert {p: r for p, (r, _) in _probe(member, planned, unplanned).items()} == {
-            planned: "connected", unplanned: "connected"}
+        assert {p: r for p, (r, _) in _probe(member, planned, unplanned).items()} == {planned: "connected", unplanned: "connected"}
 
         _load(node, render_nftables(spec, NODE_IP, [MEMBER_IP, NODE_IP], "worker"), tmp_path)
         seen = _probe(member, planned, xla, head_only, unplanned)

@@ -1,6 +1,7 @@
 """The step's model FLOPs counted on its jaxpr (engines/flops.py) agree with the textbook GPT formula,
 count convolutions, and follow loops (issue 16, item 4: MFU in the report); causal attention counts at half
 in the MFU's count, as MaxText counts it, the full count beside it (issue 40, item 4)."""
+
 from __future__ import annotations
 
 import jax
@@ -25,8 +26,7 @@ def _engine(model: str, **fields):
 @pytest.fixture(scope="module")
 def gpt():
     """A 3-layer GPT's compiled step (the einsum attention: CPU), shared by the tests that read its count."""
-    return _engine("gpt", num_layers=3, d_model=128, num_heads=4, seq_len=64, vocab_size=512,
-                   num_samples=16, batch_size=16)
+    return _engine("gpt", num_layers=3, d_model=128, num_heads=4, seq_len=64, vocab_size=512, num_samples=16, batch_size=16)
 
 
 def test_gpt_step_flops_match_6_params_tokens_plus_attention(gpt):
@@ -70,8 +70,7 @@ def _llama_step(causal_attention: bool):
         sys.path.insert(0, llama_dir)
     from llama_example.model import LlamaArgs, build
 
-    args = LlamaArgs(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, seq_len=16, vocab_size=64,
-                     attention="einsum")
+    args = LlamaArgs(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, seq_len=16, vocab_size=64, attention="einsum")
     model = build(args, jnp.float32)
     tokens = jnp.zeros((3, args.seq_len + 1), jnp.int32)
     params = jax.eval_shape(model.module.init, jax.random.PRNGKey(0), tokens)["params"]
@@ -85,7 +84,7 @@ def _llama_step(causal_attention: bool):
 
 def test_llama_example_declares_causal_attention_and_its_grouped_products_are_found():
     args, count = _llama_step(causal_attention=True)
-    assert count.causal_attention == 12 * args.num_layers * 3 * args.seq_len ** 2 * args.d_model
+    assert count.causal_attention == 12 * args.num_layers * 3 * args.seq_len**2 * args.d_model
     undeclared = _llama_step(causal_attention=False)[1]
     assert undeclared.total == count.total and undeclared.causal_attention == 0
 
@@ -99,7 +98,7 @@ def test_a_model_declaring_nothing_gets_the_full_count_and_the_report_says_so():
 
     w = jnp.ones((64, 64))
     dense = step_count(jax.jit(lambda x: jnp.tanh(x @ w) @ w).trace(jnp.ones((64, 64))), causal_attention=True)
-    assert dense.causal_attention == 0 and dense.total == 2 * 2 * 64 ** 3
+    assert dense.causal_attention == 0 and dense.total == 2 * 2 * 64**3
     out = timing.summary({}, [1.0], 394e12, "NVIDIA H200", "bfloat16", 1, None, None, causal_attention_flops=0.0)
     assert out["mfu_count"] == "full" and out["mfu"] == out["mfu_full"] == 0.5
     assert speed_text(out).endswith("FLOPs counted whole (no causal attention counted: api.Model.causal_attention)")
@@ -116,12 +115,14 @@ def test_cudnn_fused_attention_says_itself_whether_it_is_causal():
 
     def call(name, mask, window=None):
         q = SimpleNamespace(aval=SimpleNamespace(shape=(2, 128, 4, 64)))  # [batch, seq, heads, head_dim]
-        return SimpleNamespace(primitive=SimpleNamespace(name=name), invars=[q, q, q],
-                               params={"mask_type": mask, "sliding_window_length": window})
+        return SimpleNamespace(
+            primitive=SimpleNamespace(name=name), invars=[q, q, q], params={"mask_type": mask, "sliding_window_length": window}
+        )
 
     forward = 4.0 * 2 * 4 * 128 * 128 * 64
-    causal = jaxpr_count(SimpleNamespace(eqns=[call("dot_product_attention_fwd", MaskType.CAUSAL),
-                                               call("dot_product_attention_bwd", MaskType.CAUSAL)]))
+    causal = jaxpr_count(
+        SimpleNamespace(eqns=[call("dot_product_attention_fwd", MaskType.CAUSAL), call("dot_product_attention_bwd", MaskType.CAUSAL)])
+    )
     assert causal.total == causal.causal_attention == 3 * forward
     assert causal.maxtext == 1.5 * forward
     for mask, window in ((MaskType.NO_MASK, None), (MaskType.CAUSAL, 32)):
@@ -173,9 +174,20 @@ def test_a_shard_map_counts_its_body_once_per_device_of_its_manual_axes():
 def test_report_has_flops_and_tflops_on_cpu(tmp_path):
     from alpa_job.train.loop import train_process
 
-    config = job_config(model="gpt", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
-                       num_samples=32, batch_size=8, steps=4, address="none", compile_cache="none",
-                       out=str(tmp_path)).validated()
+    config = job_config(
+        model="gpt",
+        num_layers=2,
+        d_model=64,
+        num_heads=4,
+        seq_len=32,
+        vocab_size=128,
+        num_samples=32,
+        batch_size=8,
+        steps=4,
+        address="none",
+        compile_cache="none",
+        out=str(tmp_path),
+    ).validated()
     timing = train_process(config).timing
     assert timing["flops_per_step"] and timing["flops_per_step"] > 0
     assert timing["tflops_per_device"] is not None
@@ -193,8 +205,7 @@ def test_mfu_on_both_bases_in_each_precision_and_the_report_names_the_peaks():
     from alpa_job.train import timing
 
     def summary(kind, dtype, flops=394e12 * 2):  # a step of 2 devices at 394 TFLOP/s each, 1 s
-        return timing.summary({}, [1.0, 1.0], flops, kind, dtype, 2, None, None, samples_per_step=8,
-                              tokens_per_sample=1024)
+        return timing.summary({}, [1.0, 1.0], flops, kind, dtype, 2, None, None, samples_per_step=8, tokens_per_sample=1024)
 
     bf16 = summary("NVIDIA H200", "bfloat16")
     assert bf16["peak"] == {"precision": "bf16", "measured_tflops": 788.0, "datasheet_tflops": 989.4}
@@ -212,9 +223,11 @@ def test_mfu_on_both_bases_in_each_precision_and_the_report_names_the_peaks():
     line = format_step({"desc": "train", "step": 3, "total_step": 9, "rate": 8.0, "tokens_per_s_device": 4096})
     assert line == "[train] step 3/9  8 samples/s  4,096 tokens/s a device", line
     text = speed_text(bf16)
-    assert text == ("steady step 1000 ms; 4,096 tokens/s a device; 394.0 TFLOP/s a device; MFU 0.50 of 788.0 "
-                    "TFLOP/s (bf16, measured); MFU 0.40 of 989.4 TFLOP/s (bf16, datasheet); FLOPs counted whole "
-                    "(no causal attention counted: api.Model.causal_attention)"), text
+    assert text == (
+        "steady step 1000 ms; 4,096 tokens/s a device; 394.0 TFLOP/s a device; MFU 0.50 of 788.0 "
+        "TFLOP/s (bf16, measured); MFU 0.40 of 989.4 TFLOP/s (bf16, datasheet); FLOPs counted whole "
+        "(no causal attention counted: api.Model.causal_attention)"
+    ), text
 
 
 def test_mfu_counts_causal_attention_at_half_and_keeps_the_full_count_beside_it():
@@ -224,8 +237,7 @@ def test_mfu_counts_causal_attention_at_half_and_keeps_the_full_count_beside_it(
     from alpa_job.train import timing
 
     # 2 devices, 1 s a step: 2 x 394 TFLOP counted whole, of which 2 x 78.8 causal attention.
-    out = timing.summary({}, [1.0, 1.0], 394e12 * 2, "NVIDIA H200", "bfloat16", 2, None, None,
-                         causal_attention_flops=78.8e12 * 2)
+    out = timing.summary({}, [1.0, 1.0], 394e12 * 2, "NVIDIA H200", "bfloat16", 2, None, None, causal_attention_flops=78.8e12 * 2)
     assert out["mfu_count"] == "maxtext" and out["mfu_flops_per_step"] == (394e12 - 39.4e12) * 2
     assert (out["tflops_per_device"], out["mfu"], out["mfu_datasheet"]) == (354.6, 0.45, round(354.6 / 989.4, 3))
     assert (out["tflops_per_device_full"], out["mfu_full"], out["mfu_datasheet_full"]) == (394.0, 0.5, 0.398)
@@ -234,4 +246,5 @@ def test_mfu_counts_causal_attention_at_half_and_keeps_the_full_count_beside_it(
         "steady step 1000 ms; 354.6 TFLOP/s a device; MFU 0.45 of 788.0 TFLOP/s (bf16, measured); MFU 0.36 of "
         "989.4 TFLOP/s (bf16, datasheet); FLOPs counted as MaxText does, causal attention at half; counted "
         "whole: 394.0 TFLOP/s a device, MFU 0.50 of 788.0 TFLOP/s (bf16, measured), MFU 0.40 of 989.4 TFLOP/s "
-        "(bf16, datasheet)")
+        "(bf16, datasheet)"
+    )

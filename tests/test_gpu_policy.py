@@ -1,6 +1,7 @@
 """The GPU mixed-precision policy, checked on CPU: fp32 parameters, bf16 compute through the tied
 output projection, a stable fp32 cross-entropy whose gradient matches the textbook form, and
 defaults (warmup + decay) under which a small GPT's loss falls."""
+
 from __future__ import annotations
 
 import re
@@ -42,8 +43,9 @@ def test_fused_cross_entropy_matches_the_textbook_loss_and_gradient(dtype):
     tol = 2e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(g_ours, np.float32), np.asarray(g_ref, np.float32), atol=tol)
     # The gradient of one position's loss is softmax - onehot: each row sums to zero.
-    np.testing.assert_allclose(np.asarray(jax.grad(lambda z: cross_entropy(z, labels).sum())(
-        logits.astype(jnp.float32))).sum(-1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(lambda z: cross_entropy(z, labels).sum())(logits.astype(jnp.float32))).sum(-1), 0.0, atol=1e-5
+    )
 
 
 def test_gpt_keeps_fp32_params_and_computes_the_tied_logits_in_bf16():
@@ -56,8 +58,7 @@ def test_gpt_keeps_fp32_params_and_computes_the_tied_logits_in_bf16():
     assert logits.dtype == jnp.bfloat16 and logits.shape == (2, 16, 64)
     # The vocab-sized matmul in the compiled forward takes bf16 operands (the fp32 form is gone).
     hlo = jax.jit(model.apply).lower(variables, tokens).as_text()
-    vocab_dots = [line for line in hlo.splitlines()
-                  if "dot_general" in line and re.search(r"->\s*tensor<2x16x64x\w+>", line)]
+    vocab_dots = [line for line in hlo.splitlines() if "dot_general" in line and re.search(r"->\s*tensor<2x16x64x\w+>", line)]
     assert len(vocab_dots) == 1, vocab_dots
     operand_and_result_types = re.findall(r"tensor<[0-9x]+x(\w+)>", vocab_dots[0])
     assert operand_and_result_types == ["bf16", "bf16", "bf16"], vocab_dots[0]
@@ -67,7 +68,7 @@ def test_gpt_keeps_fp32_params_and_computes_the_tied_logits_in_bf16():
 
 
 def test_schedule_warms_up_then_decays():
-    assert warmup_steps(50) == 10 and warmup_steps(10 ** 6) == 1000 and warmup_steps(None) == 100
+    assert warmup_steps(50) == 10 and warmup_steps(10**6) == 1000 and warmup_steps(None) == 100
     lr = learning_rate_schedule(1e-3, 50)
     rates = [float(lr(i)) for i in range(50)]
     assert 0 < rates[0] < rates[5] < rates[10] and abs(rates[10] - 1e-3) < 1e-9

@@ -1,5 +1,6 @@
 """Hugging Face weights in and out (`--init-from hf:DIR`, `hf export`, `hf logits`), against a checkpoint the
 kit did not write: transformers' own Flax Llama and its PyTorch-name converter (tests/helpers_hf.py)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ import helpers_hf
 
 LLAMA = os.path.join(REPO, "examples", "llama")
 MODEL = ("--model", "llama_example.model:build")
-TOKENS = np.array([[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61],
-                   [100, 3, 77, 5, 0, 127, 64, 32, 16, 8, 4, 2, 1, 99, 98, 97]], np.int32)
+TOKENS = np.array(
+    [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61], [100, 3, 77, 5, 0, 127, 64, 32, 16, 8, 4, 2, 1, 99, 98, 97]], np.int32
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,12 @@ def test_slices_read_from_the_file_equal_slices_of_the_whole_tensor(checkpoint):
     query = next(t for t in _weights().tensors if t.path == ("layer_1", "attention", "query", "kernel"))
     whole = layout.read_slice(ckpt, query, (64, 4, 16))
     np.testing.assert_array_equal(whole, tensors["model.layers.1.self_attn.q_proj.weight"].T.reshape(64, 4, 16))
-    for index in [(slice(0, 32), slice(None), slice(None)), (slice(None), slice(2, 4), slice(None)),
-                  (slice(16, 48), slice(1, 3), slice(4, 12)), (slice(None), slice(None), slice(8, 16))]:
+    for index in [
+        (slice(0, 32), slice(None), slice(None)),
+        (slice(None), slice(2, 4), slice(None)),
+        (slice(16, 48), slice(1, 3), slice(4, 12)),
+        (slice(None), slice(None), slice(8, 16)),
+    ]:
         np.testing.assert_array_equal(layout.read_slice(ckpt, query, (64, 4, 16), index), whole[index])
     np.testing.assert_array_equal(layout.to_tensor(query, whole), tensors["model.layers.1.self_attn.q_proj.weight"])
 
@@ -68,8 +74,7 @@ def test_a_bfloat16_checkpoint_in_one_file_reads_as_its_values(checkpoint, tmp_p
     assert ckpt.info("lm_head.weight") == ((128, 64), "BF16")
     head = next(t for t in _weights().tensors if t.name == "lm_head.weight")
     got = layout.read_slice(ckpt, head, (64, 128), (slice(0, 64), slice(64, 128)))
-    np.testing.assert_array_equal(got.astype(np.float32),
-                                  tensors["lm_head.weight"].astype(ml_dtypes.bfloat16).astype(np.float32).T[:, 64:])
+    np.testing.assert_array_equal(got.astype(np.float32), tensors["lm_head.weight"].astype(ml_dtypes.bfloat16).astype(np.float32).T[:, 64:])
 
 
 def _weights(**args):
@@ -85,8 +90,20 @@ def test_logits_of_a_transformers_checkpoint_match_transformers_own_llama(checkp
     transformers' Flax Llama's logits (KL <= 1e-3; float32 on both sides gives ~1e-9)."""
     folder, _, reference = checkpoint
     np.save(tmp_path / "tokens.npy", TOKENS)
-    code = cli.main(["hf", "logits", folder, "--tokens", str(tmp_path / "tokens.npy"), "--out",
-                     str(tmp_path / "logits.npy"), *MODEL, "--model-arg", "attention=einsum"])
+    code = cli.main(
+        [
+            "hf",
+            "logits",
+            folder,
+            "--tokens",
+            str(tmp_path / "tokens.npy"),
+            "--out",
+            str(tmp_path / "logits.npy"),
+            *MODEL,
+            "--model-arg",
+            "attention=einsum",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "num_layers=2" in out.out and "rms_norm_eps=1e-05" in out.out, out.out
@@ -97,14 +114,31 @@ def test_logits_of_a_transformers_checkpoint_match_transformers_own_llama(checkp
 
 
 # Two CPU devices in the runs (the suite's own processes emulate 8), its fast compile settings kept.
-RUN_ENV = {"PYTHONPATH": os.pathsep.join([REPO, LLAMA]),
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=2")}
+RUN_ENV = {
+    "PYTHONPATH": os.pathsep.join([REPO, LLAMA]),
+    "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=2"),
+}
 
 
 def _train(out, *extra):
-    return run_cli("train", "--address", "none", *MODEL, *sum((["--model-arg", a] for a in helpers_hf.TINY_ARGS), []),
-                   "--out", str(out), "--steps", "2", "--batch-size", "4", "--num-samples", "8", "--quiet", *extra,
-                   env=RUN_ENV)
+    return run_cli(
+        "train",
+        "--address",
+        "none",
+        *MODEL,
+        *sum((["--model-arg", a] for a in helpers_hf.TINY_ARGS), []),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--num-samples",
+        "8",
+        "--quiet",
+        *extra,
+        env=RUN_ENV,
+    )
 
 
 def _first_loss(out) -> float:
@@ -117,10 +151,8 @@ def test_fine_tune_from_a_checkpoint_sharded_or_pipelined_then_export_round_trip
     layers) and reading the export gives the run's parameters exactly."""
     folder, _, _ = checkpoint
     runs = {}
-    for name, strategy in (("fsdp", ["--strategy", "fsdp"]), ("pipeline", ["--strategy", "pipeline",
-                                                                          "--micro-batches", "2"])):
-        p = _train(tmp_path / name, "--init-from", f"hf:{folder}", "--devices", "2", "--checkpoint-every", "2",
-                   *strategy)
+    for name, strategy in (("fsdp", ["--strategy", "fsdp"]), ("pipeline", ["--strategy", "pipeline", "--micro-batches", "2"])):
+        p = _train(tmp_path / name, "--init-from", f"hf:{folder}", "--devices", "2", "--checkpoint-every", "2", *strategy)
         assert p.returncode == 0, p.stderr[-3000:]
         runs[name] = tmp_path / name
     random = _train(tmp_path / "random", "--devices", "2", "--strategy", "fsdp")
@@ -131,8 +163,7 @@ def test_fine_tune_from_a_checkpoint_sharded_or_pipelined_then_export_round_trip
 
     exported = {}
     for name, out in runs.items():
-        p = run_cli("hf", "export", str(out), str(tmp_path / f"{name}-hf"), "--dtype", "float32",
-                    env=RUN_ENV)
+        p = run_cli("hf", "export", str(out), str(tmp_path / f"{name}-hf"), "--dtype", "float32", env=RUN_ENV)
         assert p.returncode == 0, p.stderr[-3000:]
         assert "exported step 2" in p.stdout, p.stdout
         exported[name] = HfCheckpoint(str(tmp_path / f"{name}-hf"))
@@ -142,8 +173,7 @@ def test_fine_tune_from_a_checkpoint_sharded_or_pipelined_then_export_round_trip
     assert sorted(exported["fsdp"].names()) == sorted(HfCheckpoint(folder).names())
     # The same two steps from the same weights: the pipeline's blocks came back as the same layers.
     for name in exported["fsdp"].names():
-        np.testing.assert_allclose(exported["pipeline"].read(name), exported["fsdp"].read(name), rtol=1e-4,
-                                   atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(exported["pipeline"].read(name), exported["fsdp"].read(name), rtol=1e-4, atol=1e-6, err_msg=name)
 
     # Exact: reading the export gives back the run's own saved parameters.
     from alpa_job import hf_commands as commands
@@ -166,8 +196,17 @@ def _error(capsys, *argv) -> str:
 
 def test_bad_checkpoints_are_one_line_before_anything_starts(checkpoint, tmp_path, capsys):
     folder, tensors, _ = checkpoint
-    base = ["train", "--address", "none", *MODEL, *sum((["--model-arg", a] for a in helpers_hf.TINY_ARGS), []),
-            "--steps", "1", "--out", str(tmp_path / "never")]
+    base = [
+        "train",
+        "--address",
+        "none",
+        *MODEL,
+        *sum((["--model-arg", a] for a in helpers_hf.TINY_ARGS), []),
+        "--steps",
+        "1",
+        "--out",
+        str(tmp_path / "never"),
+    ]
     assert "hf:DIR" in _error(capsys, *base, "--init-from", folder)
     assert "no such folder" in _error(capsys, *base, "--init-from", f"hf:{tmp_path / 'nowhere'}")
     # Shapes that disagree with the settings: the fix names the --model-arg to set.
@@ -189,8 +228,9 @@ def test_bad_checkpoints_are_one_line_before_anything_starts(checkpoint, tmp_pat
     helpers_hf.write_checkpoint(str(wide), tensors, helpers_hf.TINY, dtype=np.float64)
     assert "F64" in _error(capsys, *base, "--init-from", f"hf:{wide}")
     # A model without a Hugging Face layout.
-    assert "declares no Hugging Face layout" in _error(capsys, "train", "--address", "none", "--model", "gpt",
-                                                       "--init-from", f"hf:{folder}", "--out", str(tmp_path / "gpt"))
+    assert "declares no Hugging Face layout" in _error(
+        capsys, "train", "--address", "none", "--model", "gpt", "--init-from", f"hf:{folder}", "--out", str(tmp_path / "gpt")
+    )
     assert not (tmp_path / "gpt").exists()
     # Export never overwrites.
     (tmp_path / "full").mkdir()

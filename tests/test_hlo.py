@@ -1,4 +1,5 @@
 """Collective counting over both HLO text styles (Alpa 0.2.3 era and modern jax)."""
+
 from alpa_job.record.hlo import COLLECTIVE_KINDS, count_collectives, merge_counts, shape_bytes
 
 OLD_STYLE = """\
@@ -74,16 +75,19 @@ def test_new_style_async_pairs_count_once_with_done_bytes():
 
 
 def test_start_without_done_uses_output_part():
-    text = ("  ag = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(x), dimensions={0}\n"
-            "  cp = (f32[2]{0}, f32[2]{0}, u32[], u32[]) collective-permute-start(y)\n")
+    text = (
+        "  ag = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(x), dimensions={0}\n"
+        "  cp = (f32[2]{0}, f32[2]{0}, u32[], u32[]) collective-permute-start(y)\n"
+    )
     c = count_collectives(text)
     assert c["all-gather"] == {"count": 1, "bytes": 256}
     assert c["collective-permute"] == {"count": 1, "bytes": 8}
 
 
 def test_no_collectives_and_non_instructions():
-    c = count_collectives("HloModule m\n\nENTRY %e (p: f32[2]) -> f32[2] {\n"
-                          "  ROOT %p = f32[2]{0} parameter(0), metadata={op_name=\"all-reduce\"}\n}\n")
+    c = count_collectives(
+        'HloModule m\n\nENTRY %e (p: f32[2]) -> f32[2] {\n  ROOT %p = f32[2]{0} parameter(0), metadata={op_name="all-reduce"}\n}\n'
+    )
     assert all(v == {"count": 0, "bytes": 0} for v in c.values())
     assert count_collectives("") == {k: {"count": 0, "bytes": 0} for k in COLLECTIVE_KINDS}
 
@@ -100,6 +104,8 @@ def test_shape_bytes_and_merge():
 
 
 def test_old_style_typed_async_done_operand():
-    text = ("  %ag-start = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(f32[4,8]{1,0} %x), dimensions={0}\n"
-            "  %ag-done = f32[8,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[8,8]{1,0}) %ag-start)\n")
+    text = (
+        "  %ag-start = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(f32[4,8]{1,0} %x), dimensions={0}\n"
+        "  %ag-done = f32[8,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[8,8]{1,0}) %ag-start)\n"
+    )
     assert count_collectives(text)["all-gather"] == {"count": 1, "bytes": 256}

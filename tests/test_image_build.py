@@ -8,6 +8,7 @@ Cache (survives within one CI run; delete it to start over): $ALPA_KIT_IMAGE_CAC
 /var/tmp/alpa-cluster-kit-images: the debootstrap tarball and the container storage (layer cache).
 Skips, saying why, only when not root or when buildah/podman/runc/debootstrap cannot be installed.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,12 @@ def podman_env():
         f.write(CONTAINERS_CONF)
     with open(os.path.join(cache, "storage.conf"), "w") as f:
         f.write('[storage]\ndriver = "overlay"\ngraphroot = "%s/storage"\nrunroot = "%s/run"\n' % (cache, cache))
-    env = {**os.environ, "CONTAINERS_CONF": os.path.join(cache, "containers.conf"),
-           "CONTAINERS_STORAGE_CONF": os.path.join(cache, "storage.conf"), "PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "CONTAINERS_CONF": os.path.join(cache, "containers.conf"),
+        "CONTAINERS_STORAGE_CONF": os.path.join(cache, "storage.conf"),
+        "PYTHON": sys.executable,
+    }
     # Behind a TLS-intercepting proxy pip needs the host's CA bundle during the build (mounted, not baked in).
     if not env.get("PIP_CERT") and os.path.exists("/etc/ssl/certs/ca-certificates.crt"):
         env["PIP_CERT"] = "/etc/ssl/certs/ca-certificates.crt"
@@ -93,8 +98,7 @@ def _import_base(env, cache):
         if not os.path.exists(tarball):
             rootfs = os.path.join(cache, "rootfs")
             shutil.rmtree(rootfs, ignore_errors=True)
-            result, took = _run(["debootstrap", "--variant=minbase", "bookworm", rootfs,
-                                 "http://deb.debian.org/debian"], 900)
+            result, took = _run(["debootstrap", "--variant=minbase", "bookworm", rootfs, "http://deb.debian.org/debian"], 900)
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
             _log("debootstrap: %.0f s" % took)
             for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
@@ -115,23 +119,51 @@ def _import_base(env, cache):
 def cpu_image(podman_env):
     tag = load_spec().images["jax_cpu"]
     with image_cache_lock():  # the same tag as the site bed's image (scripts/testbed_site.py)
-        result, took = _run([os.path.join(REPO, "scripts", "build-images"), "--cpu", "--base", BASE], 1500,
-                            env=podman_env)
+        result, took = _run([os.path.join(REPO, "scripts", "build-images"), "--cpu", "--base", BASE], 1500, env=podman_env)
     assert result.returncode == 0, "build failed:\n%s\n%s" % (result.stdout[-6000:], result.stderr[-3000:])
     _log("build: %.0f s" % took)
     return tag
 
 
 def _podman_run(env, tag, *argv, timeout=600):
-    cmd = ["podman", "run", "--rm", "--shm-size=2g", "--network", "host", "--runtime", "runc",
-           "--cgroup-manager", "cgroupfs", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=4096:4096",
-           tag, *argv]
+    cmd = [
+        "podman",
+        "run",
+        "--rm",
+        "--shm-size=2g",
+        "--network",
+        "host",
+        "--runtime",
+        "runc",
+        "--cgroup-manager",
+        "cgroupfs",
+        "--ulimit",
+        "nofile=20000:20000",
+        "--ulimit",
+        "nproc=4096:4096",
+        tag,
+        *argv,
+    ]
     return _run(cmd, timeout, env=env)
 
 
 def test_cpu_image_trains(podman_env, cpu_image):
-    result, took = _podman_run(podman_env, cpu_image, "python", "-m", "alpa_job", "train", "--steps", "3",
-                               "--address", "none", "--devices", "2", "--out", "/tmp/run")
+    result, took = _podman_run(
+        podman_env,
+        cpu_image,
+        "python",
+        "-m",
+        "alpa_job",
+        "train",
+        "--steps",
+        "3",
+        "--address",
+        "none",
+        "--devices",
+        "2",
+        "--out",
+        "/tmp/run",
+    )
     _log("run (train --steps 3): %.0f s" % took)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
@@ -140,12 +172,14 @@ def test_cpu_image_layout(podman_env, cpu_image):
     """What KubeRay and the cluster need: the stack's versions, the venv on PATH for `bash -c` AND
     `bash -lc`, a non-root user, token auth on, the spec's XLA port range, pip's view consistent."""
     spec = load_spec()
-    script = ("set -e; echo \"uid=$(id -u)\"; echo \"c=$(command -v python)\"; "
-              "echo \"lc=$(bash -lc 'command -v python')\"; echo \"auth=$RAY_AUTH_MODE\"; "
-              "echo \"xla=$XLA_SERVER_PORT_START-$XLA_SERVER_PORT_END\"; pip check >/dev/null && echo pipcheck=ok; "
-              "python -c 'import json, ray, jax, flax; "
-              "print(\"versions=\" + json.dumps([ray.__version__, jax.__version__, flax.__version__]))'; "
-              "python -c 'import importlib.util as u; print(\"cuda=\" + str(u.find_spec(\"jax_cuda12_plugin\") is not None))'")
+    script = (
+        'set -e; echo "uid=$(id -u)"; echo "c=$(command -v python)"; '
+        'echo "lc=$(bash -lc \'command -v python\')"; echo "auth=$RAY_AUTH_MODE"; '
+        'echo "xla=$XLA_SERVER_PORT_START-$XLA_SERVER_PORT_END"; pip check >/dev/null && echo pipcheck=ok; '
+        "python -c 'import json, ray, jax, flax; "
+        'print("versions=" + json.dumps([ray.__version__, jax.__version__, flax.__version__]))\'; '
+        'python -c \'import importlib.util as u; print("cuda=" + str(u.find_spec("jax_cuda12_plugin") is not None))\''
+    )
     result, _ = _podman_run(podman_env, cpu_image, "bash", "-c", script)
     assert result.returncode == 0, result.stdout + result.stderr
     got = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
@@ -155,8 +189,7 @@ def test_cpu_image_layout(podman_env, cpu_image):
     assert got["auth"] == "token"
     assert got["xla"] == "%s-%s" % (xla["XLA_SERVER_PORT_START"], xla["XLA_SERVER_PORT_END"])
     assert got["pipcheck"] == "ok"
-    assert json.loads(got["versions"]) == [spec.versions["ray_modern"], spec.versions["jax_modern"],
-                                           spec.versions["flax_modern"]]
+    assert json.loads(got["versions"]) == [spec.versions["ray_modern"], spec.versions["jax_modern"], spec.versions["flax_modern"]]
     assert got["cuda"] == "False"  # the CPU variant carries no CUDA wheels
 
 
@@ -178,28 +211,36 @@ def alpa_recipe_without_cuda(text):
     Ubuntu 20.04 debootstrap base with the same apt sources), NCCL (comes with that base) and Alpa's
     CUDA jaxlib (-> a metadata-only stand-in of the same version, so `pip check` and the version guard
     run). Every other line -- apt pins, pip bootstrap, hashed lock, guard, layout -- is the real one."""
+
     def swap(old, new, count=1):
         nonlocal text
         assert text.count(old) == count, "docker/alpa/Dockerfile changed; update this test: %r" % old
         text = text.replace(old, new)
 
-    swap("FROM nvidia/cuda:11.3.1-cudnn8-devel-ubuntu20.04\n",
-         "FROM %s\nRUN printf 'deb %s focal main universe\\ndeb %s focal-updates main universe\\n"
-         "deb %s focal-security main universe\\n' > /etc/apt/sources.list \\\n"
-         " && apt-get update && apt-get install -y --no-install-recommends ca-certificates"
-         " && rm -rf /var/lib/apt/lists/*\n" % ((FOCAL,) + (UBUNTU_MIRROR,) * 3))
+    swap(
+        "FROM nvidia/cuda:11.3.1-cudnn8-devel-ubuntu20.04\n",
+        "FROM %s\nRUN printf 'deb %s focal main universe\\ndeb %s focal-updates main universe\\n"
+        "deb %s focal-security main universe\\n' > /etc/apt/sources.list \\\n"
+        " && apt-get update && apt-get install -y --no-install-recommends ca-certificates"
+        " && rm -rf /var/lib/apt/lists/*\n" % ((FOCAL,) + (UBUNTU_MIRROR,) * 3),
+    )
     swap('      "libnccl2=${NCCL_PACKAGE_VERSION}" "libnccl-dev=${NCCL_PACKAGE_VERSION}" \\\n', "")
     swap(" && apt-mark hold libnccl2 libnccl-dev \\\n", "")
-    swap(" && test \"$(dpkg-query -W -f '${Version}' libnccl2)\" = \"${NCCL_PACKAGE_VERSION}\" \\\n", "")
+    swap(' && test "$(dpkg-query -W -f \'${Version}\' libnccl2)" = "${NCCL_PACKAGE_VERSION}" \\\n', "")
     start = text.index(" && mkdir /tmp/jaxlib \\\n")
     end_marker = ' && /opt/venv/bin/pip install --no-cache-dir --no-deps "${whl}" \\\n'
     end = text.index(end_marker) + len(end_marker)
-    standin = ("/opt/venv/lib/python3.9/site-packages/jaxlib-${JAXLIB_VERSION}.dist-info")
-    text = text[:start] + (
-        " && mkdir -p %s \\\n"
-        " && printf 'Metadata-Version: 2.1\\nName: jaxlib\\nVersion: %%s\\nRequires-Dist: scipy (>=1.5)\\n"
-        "Requires-Dist: numpy (>=1.20)\\n' \"${JAXLIB_VERSION}\" > %s/METADATA \\\n"
-        " && echo stand-in > %s/INSTALLER && touch %s/RECORD \\\n" % ((standin,) * 4)) + text[end:]
+    standin = "/opt/venv/lib/python3.9/site-packages/jaxlib-${JAXLIB_VERSION}.dist-info"
+    text = (
+        text[:start]
+        + (
+            " && mkdir -p %s \\\n"
+            " && printf 'Metadata-Version: 2.1\\nName: jaxlib\\nVersion: %%s\\nRequires-Dist: scipy (>=1.5)\\n"
+            'Requires-Dist: numpy (>=1.20)\\n\' "${JAXLIB_VERSION}" > %s/METADATA \\\n'
+            " && echo stand-in > %s/INSTALLER && touch %s/RECORD \\\n" % ((standin,) * 4)
+        )
+        + text[end:]
+    )
     return text
 
 
@@ -215,14 +256,13 @@ def focal_base(podman_env):
     rootfs = os.path.join(cache, "rootfs-focal")
     shutil.rmtree(rootfs, ignore_errors=True)
     # Debian's debootstrap has the focal script; Ubuntu's archive key is not in Debian's keyring.
-    result, took = _run(["debootstrap", "--no-check-gpg", "--variant=minbase", "--components=main,universe",
-                         "focal", rootfs, UBUNTU_MIRROR], 900)
+    result, took = _run(
+        ["debootstrap", "--no-check-gpg", "--variant=minbase", "--components=main,universe", "focal", rootfs, UBUNTU_MIRROR], 900
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     _log("debootstrap focal: %.0f s" % took)
-    tar = subprocess.Popen(["tar", "-C", rootfs, "--exclude=./var/cache/apt/archives/*.deb", "-c", "."],
-                           stdout=subprocess.PIPE)
-    result = subprocess.run(["podman", "import", "-", FOCAL], stdin=tar.stdout, capture_output=True, text=True,
-                            timeout=300, env=podman_env)
+    tar = subprocess.Popen(["tar", "-C", rootfs, "--exclude=./var/cache/apt/archives/*.deb", "-c", "."], stdout=subprocess.PIPE)
+    result = subprocess.run(["podman", "import", "-", FOCAL], stdin=tar.stdout, capture_output=True, text=True, timeout=300, env=podman_env)
     tar.wait()
     assert result.returncode == 0, result.stderr
     shutil.rmtree(rootfs, ignore_errors=True)
@@ -239,8 +279,22 @@ def test_alpa_image_recipe_builds_on_ubuntu_2004(podman_env, focal_base, tmp_pat
     dockerfile.write_text(derived)
     tag = "localhost/alpa-cluster-kit-test/alpa-recipe:nocuda"
     env = {**podman_env}
-    cmd = ["buildah", "bud", "--format", "docker", "--isolation", "chroot", "--network", "host", "--layers",
-           "--pull=never", "-t", tag, "-f", str(dockerfile)]
+    cmd = [
+        "buildah",
+        "bud",
+        "--format",
+        "docker",
+        "--isolation",
+        "chroot",
+        "--network",
+        "host",
+        "--layers",
+        "--pull=never",
+        "-t",
+        tag,
+        "-f",
+        str(dockerfile),
+    ]
     if env.get("PIP_CERT"):
         cmd += ["-v", "%s:/etc/host-ca/ca.crt:ro" % env["PIP_CERT"], "--build-arg", "PIP_CERT=/etc/host-ca/ca.crt"]
     # The same minimal context scripts/build-images makes.
@@ -255,10 +309,12 @@ def test_alpa_image_recipe_builds_on_ubuntu_2004(podman_env, focal_base, tmp_pat
     result, took = _run(cmd + [str(ctx)], 1500, env=env)
     _log("alpa recipe build (ubuntu 20.04, no CUDA): %.0f s" % took)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    script = ("set -e; echo \"uid=$(id -u)\"; echo \"c=$(command -v python)\"; echo \"ray=$(ray --version)\"; "
-              "command -v cbc tini wget >/dev/null && echo tools=ok; "
-              "python -c 'import ray; ray.init(num_cpus=1, include_dashboard=False); "
-              "print(\"task=%d\" % ray.get(ray.remote(lambda: 7).remote()))'")
+    script = (
+        'set -e; echo "uid=$(id -u)"; echo "c=$(command -v python)"; echo "ray=$(ray --version)"; '
+        "command -v cbc tini wget >/dev/null && echo tools=ok; "
+        "python -c 'import ray; ray.init(num_cpus=1, include_dashboard=False); "
+        'print("task=%d" % ray.get(ray.remote(lambda: 7).remote()))\''
+    )
     result, _ = _podman_run(env, tag, "bash", "-c", script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     got = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)

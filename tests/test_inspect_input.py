@@ -1,6 +1,7 @@
 """What the input did and the eval curve, in the report: the schema's input/evals/per-process reads, the
 Input section of the terminal view, report.md and report.html, the eval points on the loss plot, and the
 run comparison's data wait and eval loss columns. Records are built in memory: no Ray, no training."""
+
 from __future__ import annotations
 
 import json
@@ -30,19 +31,22 @@ def test_schema_accepts_input_evals_and_per_process_reads():
     assert RunRecord.from_dict(data).to_dict() == data
 
 
-@pytest.mark.parametrize("where, mutate", [
-    ("input/rows_read", lambda d: d["input"].update(rows_read="960")),
-    ("input/data_wait_fraction", lambda d: d["input"].update(data_wait_fraction="0.05%")),
-    ("input/pipeline", lambda d: d["input"].update(pipeline="tf.data")),
-    ("input", lambda d: d["input"].pop("bytes_read")),
-    ("input", lambda d: d["input"].update(shuffle=True)),
-    ("input", lambda d: d.update(input=[])),
-    ("evals/1/loss", lambda d: d["evals"][1].update(loss="5.3")),
-    ("evals/0", lambda d: d["evals"][0].update(split="eval")),
-    ("evals", lambda d: d.update(evals={"step": 10})),
-    ("processes/1/bytes_read", lambda d: d["processes"][1].update(bytes_read=-1)),
-    ("process/rows_read", lambda d: d["process"].update(rows_read=1.5)),
-])
+@pytest.mark.parametrize(
+    "where, mutate",
+    [
+        ("input/rows_read", lambda d: d["input"].update(rows_read="960")),
+        ("input/data_wait_fraction", lambda d: d["input"].update(data_wait_fraction="0.05%")),
+        ("input/pipeline", lambda d: d["input"].update(pipeline="tf.data")),
+        ("input", lambda d: d["input"].pop("bytes_read")),
+        ("input", lambda d: d["input"].update(shuffle=True)),
+        ("input", lambda d: d.update(input=[])),
+        ("evals/1/loss", lambda d: d["evals"][1].update(loss="5.3")),
+        ("evals/0", lambda d: d["evals"][0].update(split="eval")),
+        ("evals", lambda d: d.update(evals={"step": 10})),
+        ("processes/1/bytes_read", lambda d: d["processes"][1].update(bytes_read=-1)),
+        ("process/rows_read", lambda d: d["process"].update(rows_read=1.5)),
+    ],
+)
 def test_schema_rejects_wrong_input_and_eval_data(where, mutate):
     data = record_with_input(processes=2).to_dict()
     mutate(data)

@@ -1,6 +1,7 @@
 """`alpa_job.inspect.plan_of`: a hand-written jax.jit train step, with its own NamedShardings on a
 (4, 2) ("data", "model") mesh, gets the run record a training run gets -- the right per-leaf labels,
 the mesh and its batch axes, collectives, memory -- and the same report files."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,11 @@ def state_shardings(param_spec):
 
 def abstract(tree_of_shapes):
     """ShapeDtypeStructs: the step compiles without allocating a single array."""
-    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), tree_of_shapes,
-                                  is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
+    return jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+        tree_of_shapes,
+        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x),
+    )
 
 
 def example_state():
@@ -76,8 +80,13 @@ def records():
 def test_each_split_gets_its_label(records, spec, label):
     record = records[label]
     rows = {r.path: r.strategy for r in record.params}
-    assert rows == {"params/w1": label, "params/w2": label, "opt_state/0/w1": label, "opt_state/0/w2": label,
-                    "opt_state/1": "DP"}  # the step count is a replicated scalar
+    assert rows == {
+        "params/w1": label,
+        "params/w2": label,
+        "opt_state/0/w1": label,
+        "opt_state/0/w2": label,
+        "opt_state/1": "DP",
+    }  # the step count is a replicated scalar
     assert record.strategy == label
     assert record.summary.strategy_counts["params"] == {label: 2}
     assert record.engine == "jax" and record.compiles == 1 and record.summary.one_compile
@@ -88,8 +97,7 @@ def test_the_mesh_and_the_batch_rows_come_from_the_shardings(records):
     assert (record.mesh.shape, record.mesh.axes) == ([4, 2], ["data", "model"])
     [mesh] = record.meshes
     assert mesh.batch_axes == ["data"] and mesh.devices == 8
-    assert {r.path: r.split_axes for r in record.batch_sharding} == {"batch/x": [["data"], []],
-                                                                      "batch/y": [["data"], []]}
+    assert {r.path: r.split_axes for r in record.batch_sharding} == {"batch/x": [["data"], []], "batch/y": [["data"], []]}
     w1 = next(r for r in record.params if r.path == "params/w1")
     assert w1.split_axes == [["data"], []] and w1.bytes_per_device == w1.bytes // 4
 
@@ -142,8 +150,9 @@ def test_separate_state_arguments_are_named():
     shardings = state_shardings(("data",))
     program = jax.jit(step, in_shardings=(shardings["params"], shardings["opt_state"], named("data")))
     state = example_state()
-    record = plan_of(program, state["params"], state["opt_state"], abstract(BATCH),
-                     state_argnums=(0, 1), names=("params", "opt_state", "batch"))
+    record = plan_of(
+        program, state["params"], state["opt_state"], abstract(BATCH), state_argnums=(0, 1), names=("params", "opt_state", "batch")
+    )
     assert {r.path: r.strategy for r in record.params}["opt_state/0/w2"] == "ZeRO"
     assert record.summary.strategy_counts == {"params": {"ZeRO": 2}, "opt_state": {"ZeRO": 2, "DP": 1}}
     assert [r.path for r in record.batch_sharding] == ["batch/x", "batch/y"]
@@ -167,8 +176,7 @@ def test_report_files_are_written_and_valid(records, tmp_path):
     with open(paths["json"]) as f:
         data = json.load(f)
     assert_valid_report(data)
-    assert [(r["path"], r["strategy"]) for r in data["params"]][:2] == [("opt_state/0/w1", "MP"),
-                                                                         ("opt_state/0/w2", "MP")]
+    assert [(r["path"], r["strategy"]) for r in data["params"]][:2] == [("opt_state/0/w1", "MP"), ("opt_state/0/w2", "MP")]
     assert "MP" in open(paths["md"]).read() and "<html" in open(paths["html"]).read()
     from alpa_job.inspect.load import load_any
 
@@ -180,8 +188,7 @@ def test_the_jax_engine_and_plan_of_agree_on_its_own_step():
     from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.models import get_model
 
-    config = job_config(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none",
-                       compile_cache="none").validated()
+    config = job_config(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none", compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     engine = JaxEngine(config, get_model(config), batch, "fsdp", (4, 2))
     engine.compile_step()
@@ -191,17 +198,17 @@ def test_the_jax_engine_and_plan_of_agree_on_its_own_step():
     assert record.meshes == engine_plan.mesh_records()
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: plan_of(train_step, example_state(), abstract(BATCH)), r"plan_of got a function; pass a jax\.jit-ed"),
-    (lambda: plan_of("step.py"), r"plan_of got a str; pass a jax\.jit-ed function with example arguments"),
-    (lambda: plan_of(jitted(())), r"needs the step's example arguments"),
-    (lambda: plan_of(jitted(()).lower(example_state(), abstract(BATCH)).compile(), example_state()),
-     r"already has its arguments"),
-    (lambda: plan_of(jitted(()), example_state(), abstract(BATCH), names=("state",)),
-     r"needs one name per positional argument \(2\)"),
-    (lambda: plan_of(jitted(()), example_state(), abstract(BATCH), state_argnums=(2,)),
-     r"state_argnums=\(2,\) names no argument"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: plan_of(train_step, example_state(), abstract(BATCH)), r"plan_of got a function; pass a jax\.jit-ed"),
+        (lambda: plan_of("step.py"), r"plan_of got a str; pass a jax\.jit-ed function with example arguments"),
+        (lambda: plan_of(jitted(())), r"needs the step's example arguments"),
+        (lambda: plan_of(jitted(()).lower(example_state(), abstract(BATCH)).compile(), example_state()), r"already has its arguments"),
+        (lambda: plan_of(jitted(()), example_state(), abstract(BATCH), names=("state",)), r"needs one name per positional argument \(2\)"),
+        (lambda: plan_of(jitted(()), example_state(), abstract(BATCH), state_argnums=(2,)), r"state_argnums=\(2,\) names no argument"),
+    ],
+)
 def test_a_wrong_argument_is_a_one_line_error_naming_what_to_pass(call, message):
     with pytest.raises(KitError, match=message) as caught:
         call()
@@ -210,8 +217,13 @@ def test_a_wrong_argument_is_a_one_line_error_naming_what_to_pass(call, message)
 
 def test_importing_the_readers_imports_no_jax():
     code = "import sys, alpa_job.inspect as i; assert callable(i.__getattr__); print('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.stdout.strip() == "False"
 
 

@@ -2,6 +2,7 @@
 record types): every format renders it; the terminal stays bounded (leaves grouped across layers/experts, at
 most TABLE_ROWS rows, a line saying how many more and where to see them); JSON, Markdown, HTML and
 `--all-rows` keep every leaf. Timing is the bench's job, not asserted here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,7 @@ def test_the_terminal_groups_per_layer_leaves_and_stays_bounded(big):
 
 def test_leaves_that_do_not_group_are_capped_with_a_more_line(big):
     # every leaf its own shape: nothing groups, so the table shows TABLE_ROWS rows and says what it left out
-    record = dataclasses.replace(big, params=[dataclasses.replace(r, shape=[i + 1]) for i, r in
-                                              enumerate(big.params)])
+    record = dataclasses.replace(big, params=[dataclasses.replace(r, shape=[i + 1]) for i, r in enumerate(big.params)])
     header, rows, note = render.terminal_param_table(record)
     assert len(rows) == render.TABLE_ROWS
     hidden = LEAVES - render.TABLE_ROWS
@@ -81,8 +81,9 @@ def test_the_cli_renders_the_big_report_in_every_format(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
     def inspect(*args):
-        p = subprocess.run([sys.executable, "-m", "alpa_job", "inspect", run, *args], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "alpa_job", "inspect", run, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         return p.stdout
 

@@ -10,6 +10,7 @@ and NCCL's fabric variables (with the RDMA device and IPC_LOCK) with spec.nccl_e
 
 The CRDs come from ../shared/kuberay beside the repository (or $ALPA_KIT_KUBERAY_CRDS).
 """
+
 from __future__ import annotations
 
 import copy
@@ -98,8 +99,10 @@ def spec() -> ClusterSpec:
 
 def _need_crds() -> None:
     if not CRD_DIR.is_dir():
-        pytest.skip("KubeRay CRDs not found at %s (the shared/ folder beside the repo); "
-                    "set ALPA_KIT_KUBERAY_CRDS to ray.io_rayclusters.yaml's folder" % CRD_DIR)
+        pytest.skip(
+            "KubeRay CRDs not found at %s (the shared/ folder beside the repo); "
+            "set ALPA_KIT_KUBERAY_CRDS to ray.io_rayclusters.yaml's folder" % CRD_DIR
+        )
 
 
 def _kubectl() -> str:
@@ -126,8 +129,7 @@ def load_manifest(name: str) -> List[Dict[str, Any]]:
 
 @lru_cache(maxsize=None)
 def _render_text(directory: str) -> str:
-    result = subprocess.run([_kubectl(), "kustomize", str(K8S / directory)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run([_kubectl(), "kustomize", str(K8S / directory)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, "kubectl kustomize k8s/%s failed:\n%s" % (directory, result.stderr)
     return result.stdout
 
@@ -177,8 +179,12 @@ def _strict(node: Any) -> Any:
         out["anyOf"] = out.get("anyOf") or [{"type": "integer"}, {"type": "string"}]
     if out.get("nullable") and isinstance(out.get("type"), str):
         out["type"] = [out["type"], "null"]
-    if (out.get("type") == "object" and "properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        out.get("type") == "object"
+        and "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -230,8 +236,7 @@ def kuberay_semantic_errors(doc: Mapping[str, Any]) -> List[str]:
             if role == "worker" and not autoscaling and ("minReplicas" not in group or "maxReplicas" not in group):
                 errors.append("%s: set both minReplicas and maxReplicas when autoscaling is off" % where)
             for port in kuberay.ray_container(group).get("ports") or []:
-                if not re.fullmatch(r"(?=.*[a-z])[a-z0-9]([-a-z0-9]*[a-z0-9])?", port.get("name", "")) \
-                        or len(port["name"]) > 15:
+                if not re.fullmatch(r"(?=.*[a-z])[a-z0-9]([-a-z0-9]*[a-z0-9])?", port.get("name", "")) or len(port["name"]) > 15:
                     errors.append("%s: container port name %r is no IANA_SVC_NAME (<= 15 chars)" % (where, port.get("name")))
         auth = (cluster.get("authOptions") or {}).get("mode")
         if auth == "token" and parse_ray_version(cluster.get("rayVersion", "0")) < (2, 52, 0):
@@ -244,11 +249,17 @@ def pod_templates(doc: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
     out = []
     for label, cluster in cluster_specs(doc):
         for _, group_name, group in groups(cluster):
-            out.append(("%s %s" % (label, group_name), {
-                "apiVersion": "v1", "kind": "PodTemplate",
-                "metadata": {"name": "%s-%s" % (doc["metadata"]["name"], group_name)},
-                "template": group["template"],
-            }))
+            out.append(
+                (
+                    "%s %s" % (label, group_name),
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": "%s-%s" % (doc["metadata"]["name"], group_name)},
+                        "template": group["template"],
+                    },
+                )
+            )
     return out
 
 
@@ -286,13 +297,17 @@ def test_core_objects_and_pod_templates_match_kubernetes_schemas(source):
         assert core_k8s_errors(doc) == [], "%s/%s" % (doc["kind"], doc["metadata"]["name"])
 
 
-@pytest.mark.parametrize("mutate, expected", [
-    (lambda d: d["spec"]["headGroupSpec"].__setitem__("rayStartParam", {}), "rayStartParam"),
-    (lambda d: d["spec"]["workerGroupSpecs"][0].__setitem__("replica", 2), "replica"),
-    (lambda d: d["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].__setitem__("imagee", "x"), "imagee"),
-    (lambda d: d["spec"]["headGroupSpec"]["rayStartParams"].__setitem__("port", 6379), "is not of type 'string'"),
-    (lambda d: d["spec"]["workerGroupSpecs"][0].pop("groupName"), "groupName"),
-], ids=["typo-rayStartParam", "typo-replica", "typo-in-pod-template", "unquoted-param", "missing-groupName"])
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda d: d["spec"]["headGroupSpec"].__setitem__("rayStartParam", {}), "rayStartParam"),
+        (lambda d: d["spec"]["workerGroupSpecs"][0].__setitem__("replica", 2), "replica"),
+        (lambda d: d["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].__setitem__("imagee", "x"), "imagee"),
+        (lambda d: d["spec"]["headGroupSpec"]["rayStartParams"].__setitem__("port", 6379), "is not of type 'string'"),
+        (lambda d: d["spec"]["workerGroupSpecs"][0].pop("groupName"), "groupName"),
+    ],
+    ids=["typo-rayStartParam", "typo-replica", "typo-in-pod-template", "unquoted-param", "missing-groupName"],
+)
 def test_crd_validation_catches_mistakes(mutate, expected):
     """The schema check can fail: typos, unquoted params and missing required fields are refused."""
     _need_crds()
@@ -371,8 +386,9 @@ def cluster_drift(spec: ClusterSpec, label: str, cluster: Mapping[str, Any], sta
             if name not in PORT_NAMES:
                 errors.append("%s: container port %s=%s is not in the plan" % (where, name, number))
             elif number != spec.ports[PORT_NAMES[name]]:
-                errors.append("%s: container port %s=%s != ports.%s %s"
-                              % (where, name, number, PORT_NAMES[name], spec.ports[PORT_NAMES[name]]))
+                errors.append(
+                    "%s: container port %s=%s != ports.%s %s" % (where, name, number, PORT_NAMES[name], spec.ports[PORT_NAMES[name]])
+                )
         wanted_names = set(HEAD_SERVICE_PORTS) if role == "head" else set()
         if "runtime-env-agent-port" in want:
             wanted_names.add("runtime-env")
@@ -387,32 +403,32 @@ def cluster_drift(spec: ClusterSpec, label: str, cluster: Mapping[str, Any], sta
         if "NCCL_SOCKET_IFNAME" not in env:
             errors.append("%s: env NCCL_SOCKET_IFNAME missing" % where)
         errors += nccl_fabric_drift(spec, where, role, group, env)
-        sysctls = {s["name"]: s["value"] for s in
-                   (group["template"]["spec"].get("securityContext") or {}).get("sysctls") or []}
+        sysctls = {s["name"]: s["value"] for s in (group["template"]["spec"].get("securityContext") or {}).get("sysctls") or []}
         for key, value in spec.sysctl().items():
             if sysctls.get(key) != value:
                 errors.append("%s: sysctl %s = %r, plan says %r" % (where, key, sysctls.get(key), value))
     return errors
 
 
-def nccl_fabric_drift(spec: ClusterSpec, where: str, role: str, group: Mapping[str, Any],
-                      env: Mapping[str, Mapping[str, Any]]) -> List[str]:
+def nccl_fabric_drift(
+    spec: ClusterSpec, where: str, role: str, group: Mapping[str, Any], env: Mapping[str, Mapping[str, Any]]
+) -> List[str]:
     """NCCL's fabric variables equal spec.nccl_env(); GPU workers on RDMA get the device and IPC_LOCK."""
     errors = []
     have = {k: e.get("value") for k, e in env.items() if k.startswith("NCCL_IB_")}
     want = spec.nccl_env()
     for key in sorted(set(have) | set(want)):
         if have.get(key) != want.get(key):
-            errors.append("%s: env %s = %r, network.fabric %s says %r"
-                          % (where, key, have.get(key), spec.network.fabric, want.get(key)))
+            errors.append("%s: env %s = %r, network.fabric %s says %r" % (where, key, have.get(key), spec.network.fabric, want.get(key)))
     container = kuberay.ray_container(group)
     added = ((container.get("securityContext") or {}).get("capabilities") or {}).get("add") or []
     resources = container.get("resources") or {}
     devices = {part: (resources.get(part) or {}).get(RDMA_RESOURCE) for part in ("limits", "requests")}
     wants_rdma = spec.network.rdma and role == "worker"
     if ("IPC_LOCK" in added) != wants_rdma:
-        errors.append("%s: capability IPC_LOCK %s, network.fabric is %s"
-                      % (where, "added" if "IPC_LOCK" in added else "missing", spec.network.fabric))
+        errors.append(
+            "%s: capability IPC_LOCK %s, network.fabric is %s" % (where, "added" if "IPC_LOCK" in added else "missing", spec.network.fabric)
+        )
     if (devices == {"limits": "1", "requests": "1"}) != wants_rdma or (not wants_rdma and any(devices.values())):
         errors.append("%s: %s %s, network.fabric is %s" % (where, RDMA_RESOURCE, devices, spec.network.fabric))
     return errors
@@ -435,8 +451,7 @@ def policy_drift(spec: ClusterSpec, policy: Mapping[str, Any], cluster_names: Li
     member, admin = set(), set()
     for rule in policy["spec"].get("ingress") or []:
         for peer in rule.get("from") or []:
-            if (peer.get("podSelector") or {}).get("matchLabels") == {"ray.io/cluster": target} \
-                    and "namespaceSelector" not in peer:
+            if (peer.get("podSelector") or {}).get("matchLabels") == {"ray.io/cluster": target} and "namespaceSelector" not in peer:
                 member |= _rule_ports(rule)
             elif "namespaceSelector" in peer:
                 admin |= _rule_ports(rule)
@@ -446,12 +461,16 @@ def policy_drift(spec: ClusterSpec, policy: Mapping[str, Any], cluster_names: Li
                 errors.append("NetworkPolicy: %s is not TCP" % port)
     want_member = _span_set(spec.member_tcp_ports())
     if member != want_member:
-        errors.append("NetworkPolicy member ports differ from the plan: extra %s, missing %s"
-                      % (sorted(member - want_member), sorted(want_member - member)))
+        errors.append(
+            "NetworkPolicy member ports differ from the plan: extra %s, missing %s"
+            % (sorted(member - want_member), sorted(want_member - member))
+        )
     want_admin = _span_set(spec.admin_tcp_ports())
     if admin != want_admin:
-        errors.append("NetworkPolicy admin ports differ from the plan: extra %s, missing %s"
-                      % (sorted(admin - want_admin), sorted(want_admin - admin)))
+        errors.append(
+            "NetworkPolicy admin ports differ from the plan: extra %s, missing %s"
+            % (sorted(admin - want_admin), sorted(want_admin - admin))
+        )
     return errors
 
 
@@ -467,13 +486,15 @@ def drift_errors(spec: ClusterSpec, docs: List[Mapping[str, Any]], stack: str) -
             # KubeRay passes these as `ray job submit` flags that Ray 2.1.0 lacks (2.2.0 / 2.6.0).
             for key in ("entrypointNumCpus", "entrypointNumGpus", "entrypointResources", "metadata"):
                 if key in doc["spec"]:
-                    errors.append("RayJob %s: %s must stay unset with Ray %s"
-                                  % (doc["metadata"]["name"], key, spec.versions[STACKS[stack][1]]))
+                    errors.append(
+                        "RayJob %s: %s must stay unset with Ray %s" % (doc["metadata"]["name"], key, spec.versions[STACKS[stack][1]])
+                    )
         if doc["kind"] == "RayJob" and "clusterSelector" in doc["spec"]:
             (rc,) = load_manifest("raycluster.yaml")
             if doc["spec"]["clusterSelector"] != {"ray.io/cluster": rc["metadata"]["name"]}:
-                errors.append("RayJob %s selects %s, not k8s/raycluster.yaml's cluster"
-                              % (doc["metadata"]["name"], doc["spec"]["clusterSelector"]))
+                errors.append(
+                    "RayJob %s selects %s, not k8s/raycluster.yaml's cluster" % (doc["metadata"]["name"], doc["spec"]["clusterSelector"])
+                )
     return errors
 
 
@@ -488,19 +509,23 @@ def _mutated(spec: ClusterSpec, section: str, key: str, value: Any) -> ClusterSp
     return spec_from_dict(raw, source="mutated copy")
 
 
-@pytest.mark.parametrize("section, key, value, expected", [
-    ("ports", "node_manager", 9076, "node-manager-port"),
-    ("ports", "gcs", 6380, "'port'"),
-    ("ports", "metrics_export", 9090, "metrics-export-port"),
-    ("ports", "dashboard_agent_listen", 52366, "dashboard-agent-listen-port"),
-    ("ranges", "ray_workers", [10002, 18999], "max-worker-port"),
-    ("ranges", "xla_grpc", [20000, 24998], "XLA_SERVER_PORT_END"),
-    ("ranges", "ephemeral", [41000, 49999], "ip_local_port_range"),
-    ("images", "alpa", "alpa-cluster-kit/alpa:0.2.4", "image"),
-    ("versions", "ray_legacy", "2.2.0", "rayVersion"),
-    ("network", "fabric", "ib", "env NCCL_IB_DISABLE = '1', network.fabric ib says '0'"),
-    ("network", "fabric", "roce", "capability IPC_LOCK missing"),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("ports", "node_manager", 9076, "node-manager-port"),
+        ("ports", "gcs", 6380, "'port'"),
+        ("ports", "metrics_export", 9090, "metrics-export-port"),
+        ("ports", "dashboard_agent_listen", 52366, "dashboard-agent-listen-port"),
+        ("ranges", "ray_workers", [10002, 18999], "max-worker-port"),
+        ("ranges", "xla_grpc", [20000, 24998], "XLA_SERVER_PORT_END"),
+        ("ranges", "ephemeral", [41000, 49999], "ip_local_port_range"),
+        ("images", "alpa", "alpa-cluster-kit/alpa:0.2.4", "image"),
+        ("versions", "ray_legacy", "2.2.0", "rayVersion"),
+        ("network", "fabric", "ib", "env NCCL_IB_DISABLE = '1', network.fabric ib says '0'"),
+        ("network", "fabric", "roce", "capability IPC_LOCK missing"),
+    ],
+    ids=lambda v: str(v),
+)
 def test_drift_check_fails_when_the_spec_differs(spec, section, key, value, expected):
     if section == "ranges" and key == "xla_grpc":
         raw = copy.deepcopy(spec.as_dict())
@@ -603,6 +628,7 @@ def test_kuberay_adds_metrics_and_agent_ports_equal_to_the_plan(spec):
 
 def test_readme_documents_install_and_every_overlay():
     text = (K8S / "README.md").read_text()
-    for needle in ["kuberay-operator", "--version 1.7.0", "--server-side", "kubectl create -f"] + \
-            ["k8s/overlays/%s" % o for o in ("alpa", "jax", "cpu-smoke", "rdma")]:
+    for needle in ["kuberay-operator", "--version 1.7.0", "--server-side", "kubectl create -f"] + [
+        "k8s/overlays/%s" % o for o in ("alpa", "jax", "cpu-smoke", "rdma")
+    ]:
         assert needle in text, needle

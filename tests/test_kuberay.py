@@ -1,4 +1,5 @@
 """alpa_job.cluster.kuberay: KubeRay's `ray start` rules, and k8s/ ≡ alpa_job.cluster.ray_start."""
+
 from __future__ import annotations
 
 import shutil
@@ -57,8 +58,16 @@ def group(params=None, limits=None, requests=None, env=None) -> dict:
 
 def test_head_gets_dashboard_host_metrics_block_and_listen_port():
     argv = kuberay.ray_start_argv(group({"port": "6379"}), "head")
-    assert argv == ["ray", "start", "--head", "--block", "--dashboard-agent-listen-port=52365",
-                    "--dashboard-host=0.0.0.0", "--metrics-export-port=8080", "--port=6379"]
+    assert argv == [
+        "ray",
+        "start",
+        "--head",
+        "--block",
+        "--dashboard-agent-listen-port=52365",
+        "--dashboard-host=0.0.0.0",
+        "--metrics-export-port=8080",
+        "--port=6379",
+    ]
 
 
 def test_worker_joins_the_head_service_fqdn_on_the_head_groups_port():
@@ -70,8 +79,13 @@ def test_worker_joins_the_head_service_fqdn_on_the_head_groups_port():
 
 
 def test_booleans_true_is_bare_false_dropped_except_three():
-    params = {"disable-usage-stats": "True", "no-monitor": "false", "log-color": "false",
-              "include-dashboard": "false", "include-log-monitor": "true"}
+    params = {
+        "disable-usage-stats": "True",
+        "no-monitor": "false",
+        "log-color": "false",
+        "include-dashboard": "false",
+        "include-log-monitor": "true",
+    }
     argv = kuberay.ray_start_argv(group(params), "head")
     assert "--disable-usage-stats" in argv
     assert not any(a.startswith("--no-monitor") for a in argv)
@@ -80,11 +94,9 @@ def test_booleans_true_is_bare_false_dropped_except_three():
 
 
 def test_params_the_user_set_win_over_kuberays_defaults():
-    params = {"metrics-export-port": "9000", "dashboard-agent-listen-port": "52000",
-              "dashboard-host": "127.0.0.1", "num-cpus": "0"}
+    params = {"metrics-export-port": "9000", "dashboard-agent-listen-port": "52000", "dashboard-host": "127.0.0.1", "num-cpus": "0"}
     argv = kuberay.ray_start_argv(group(params, limits={"cpu": "8"}), "head")
-    assert {"--metrics-export-port=9000", "--dashboard-agent-listen-port=52000",
-            "--dashboard-host=127.0.0.1", "--num-cpus=0"} <= set(argv)
+    assert {"--metrics-export-port=9000", "--dashboard-agent-listen-port=52000", "--dashboard-host=127.0.0.1", "--num-cpus=0"} <= set(argv)
 
 
 def test_resources_from_limits_then_cpu_request():
@@ -98,16 +110,24 @@ def test_resources_from_limits_then_cpu_request():
     assert not any(a.startswith("--num-gpus") for a in argv)
 
 
-@pytest.mark.parametrize("text, value", [
-    ("4", 4), ("500m", 1), ("1.5", 2), ("16Gi", 16 * 2 ** 30), ("1G", 10 ** 9), ("2e3", 2000), ("128974848", 128974848),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("4", 4),
+        ("500m", 1),
+        ("1.5", 2),
+        ("16Gi", 16 * 2**30),
+        ("1G", 10**9),
+        ("2e3", 2000),
+        ("128974848", 128974848),
+    ],
+)
 def test_quantity_value_rounds_up_like_kubernetes(text, value):
     assert kuberay.quantity_value(text) == value
 
 
 def test_pod_ip_reference_is_expanded_by_kubernetes_rules():
-    env = [{"name": "MY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "X", "value": "a-$(MY_POD_IP)"}]
+    env = [{"name": "MY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, {"name": "X", "value": "a-$(MY_POD_IP)"}]
     g = group({"node-ip-address": "$(MY_POD_IP)", "temp-dir": "/t/$(UNKNOWN)/$$(MY_POD_IP)"}, env=env)
     argv = kuberay.ray_start_argv(g, "head", pod_ip="10.1.2.3")
     assert "--node-ip-address=10.1.2.3" in argv
@@ -117,9 +137,11 @@ def test_pod_ip_reference_is_expanded_by_kubernetes_rules():
 
 def test_container_args_is_kuberays_shell_line():
     line = kuberay.container_args(group({"port": "6379"}), "head", "alpa")
-    assert line == ("ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; ray start --head  --block  "
-                    "--dashboard-agent-listen-port=52365  --dashboard-host=0.0.0.0  "
-                    "--metrics-export-port=8080  --port=6379 ")
+    assert line == (
+        "ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; ray start --head  --block  "
+        "--dashboard-agent-listen-port=52365  --dashboard-host=0.0.0.0  "
+        "--metrics-export-port=8080  --port=6379 "
+    )
 
 
 def test_refuses_what_it_does_not_model():
@@ -138,8 +160,7 @@ def _rendered(directory: str) -> dict:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl (with kustomize) is not on PATH")
-    out = subprocess.run([kubectl, "kustomize", str(K8S / directory)], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run([kubectl, "kustomize", str(K8S / directory)], capture_output=True, text=True, check=True, timeout=60).stdout
     return next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "RayCluster")
 
 
@@ -164,8 +185,7 @@ def test_kuberay_command_equals_ray_start_args(name, get_cluster, role):
         ours = kuberay.ray_start_argv(head, "head", pod_ip=HEAD_IP)
         theirs = ray_start_args(spec, "head", HEAD_IP, ray_version=cluster["rayVersion"])
     else:
-        ours = kuberay.ray_start_argv(cluster["workerGroupSpecs"][0], "worker", pod_ip=WORKER_IP,
-                                      head_address=HEAD_IP, head_group=head)
+        ours = kuberay.ray_start_argv(cluster["workerGroupSpecs"][0], "worker", pod_ip=WORKER_IP, head_address=HEAD_IP, head_group=head)
         theirs = ray_start_args(spec, "worker", WORKER_IP, head_ip=HEAD_IP, ray_version=cluster["rayVersion"])
     ours_f = {k: v for k, v in flags(ours).items() if k not in NOT_COMPARED}
     theirs_f = {k: v for k, v in flags(theirs).items() if k not in NOT_COMPARED}

@@ -20,6 +20,7 @@ What is emulated, and how (each host of the bed stands for one pod: head, w1 = c
 * the firewall is generated from the NetworkPolicy (alpa_job.cluster.netpol): its member ports accepted
   from the 3 bed IPs, everything else refused with a TCP reset.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,8 +90,7 @@ def _rendered():
     kubectl = shutil.which("kubectl")
     if not kubectl:
         pytest.skip("kubectl not installed: cannot render the cpu-smoke overlay")
-    text = subprocess.run([kubectl, "kustomize", str(OVERLAY)], capture_output=True, text=True, check=True,
-                          timeout=60).stdout
+    text = subprocess.run([kubectl, "kustomize", str(OVERLAY)], capture_output=True, text=True, check=True, timeout=60).stdout
     docs = [d for d in yaml.safe_load_all(text) if d]
     by_kind = {d["kind"]: d for d in docs}
     return by_kind["RayCluster"], by_kind["NetworkPolicy"]
@@ -128,29 +128,37 @@ def test_kuberay_command_lines_form_a_cluster_under_the_networkpolicy(testbed_fa
         for h, group, role in pods:
             # head_address: the head's IP where a pod has the head Service's FQDN (no cluster DNS here).
             commands[h.name] = kuberay.container_args(
-                group, role, name, pod_ip=h.ip, head_address=None if role == "head" else head.ip,
-                head_port=head_group["rayStartParams"].get("port", kuberay.DEFAULT_GCS_PORT))
+                group,
+                role,
+                name,
+                pod_ip=h.ip,
+                head_address=None if role == "head" else head.ip,
+                head_port=head_group["rayStartParams"].get("port", kuberay.DEFAULT_GCS_PORT),
+            )
             argvs[h.name] = kuberay.ray_start_argv(
-                group, role, name, pod_ip=h.ip, head_address=None if role == "head" else head.ip,
-                head_group=head_group)
+                group, role, name, pod_ip=h.ip, head_address=None if role == "head" else head.ip, head_group=head_group
+            )
             assert commands[h.name].startswith(kuberay.ULIMIT_PREFIX)
-            assert shlex.split(commands[h.name][len(kuberay.ULIMIT_PREFIX):]) == argvs[h.name]
+            assert shlex.split(commands[h.name][len(kuberay.ULIMIT_PREFIX) :]) == argvs[h.name]
         # The exact lines (cpu-smoke: 1 CPU / 2Gi per pod; the operator's additions marked).
-        common = ["--dashboard-agent-grpc-port=8078",
-                  "--dashboard-agent-listen-port=52365",  # KubeRay
-                  "--max-worker-port=19999",
-                  "--memory=%d" % (2 * GIB),  # KubeRay, from limits.memory
-                  "--metrics-export-port=8080",  # KubeRay
-                  "--min-worker-port=10002", "--node-ip-address=%s", "--node-manager-port=8076",
-                  "--num-cpus=1",  # KubeRay, from limits.cpu
-                  "--object-manager-port=8077",
-                  "--object-store-memory=536870912"]  # the overlay's (KubeRay adds none)
+        common = [
+            "--dashboard-agent-grpc-port=8078",
+            "--dashboard-agent-listen-port=52365",  # KubeRay
+            "--max-worker-port=19999",
+            "--memory=%d" % (2 * GIB),  # KubeRay, from limits.memory
+            "--metrics-export-port=8080",  # KubeRay
+            "--min-worker-port=10002",
+            "--node-ip-address=%s",
+            "--node-manager-port=8076",
+            "--num-cpus=1",  # KubeRay, from limits.cpu
+            "--object-manager-port=8077",
+            "--object-store-memory=536870912",
+        ]  # the overlay's (KubeRay adds none)
 
         def expected(role, ip):
             flags = [f % ip if "%s" in f else f for f in common] + ["--runtime-env-agent-port=8079", "--block"]
             if role == "head":
-                flags += ["--dashboard-host=0.0.0.0", "--dashboard-port=8265", "--port=6379",
-                          "--ray-client-server-port=10001"]
+                flags += ["--dashboard-host=0.0.0.0", "--dashboard-port=8265", "--port=6379", "--ray-client-server-port=10001"]
             else:
                 flags += ["--address=%s:6379" % head.ip]
             return ["ray", "start"] + (["--head"] if role == "head" else []) + sorted(flags)
@@ -173,6 +181,7 @@ def test_kuberay_command_lines_form_a_cluster_under_the_networkpolicy(testbed_fa
         spec_path = bed.state_dir / "k8s-cluster-spec.yaml"
         spec_path.write_text("cluster_cidr: %s\n" % bed.subnet)
         from alpa_job.cluster.spec import load_spec
+
         cspec = load_spec(str(spec_path))
         for h, group, _ in pods:
             nft = bed.state_dir / ("k8s-nftables-%s.nft" % h.name)
@@ -185,8 +194,7 @@ def test_kuberay_command_lines_form_a_cluster_under_the_networkpolicy(testbed_fa
         # 22 (ssh) is open between members in the bare-metal plan but not in the policy; 9000 is in neither;
         # 8265 is in the policy: a listener on all three on w1, connects from the head.
         probe_ports = ["22", "9000", "8265"]
-        listener = bed.popen("w1", "python", "-c", _LISTEN, w1.ip, *probe_ports, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+        listener = bed.popen("w1", "python", "-c", _LISTEN, w1.ip, *probe_ports, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert listener.stdout.readline().strip() == "LISTENING"
             p = bed.exec("head", "python", "-c", _CONNECT, w1.ip, *probe_ports, timeout=30)
@@ -202,28 +210,37 @@ def test_kuberay_command_lines_form_a_cluster_under_the_networkpolicy(testbed_fa
         def start(h):
             log = open(logs / ("%s.log" % h.name), "wb")
             try:
-                procs.append(bed.popen(h.name, "/bin/bash", "-c", "--", commands[h.name], env=envs[h.name],
-                                       stdout=log, stderr=subprocess.STDOUT))
+                procs.append(
+                    bed.popen(h.name, "/bin/bash", "-c", "--", commands[h.name], env=envs[h.name], stdout=log, stderr=subprocess.STDOUT)
+                )
             finally:
                 log.close()
 
         start(head)
-        p = bed.exec("w1", "python", "-c", _WAIT_PORT, head.ip, "6379", str(FORM_TIMEOUT), timeout=FORM_TIMEOUT + 10,
-                     check=False)
+        p = bed.exec("w1", "python", "-c", _WAIT_PORT, head.ip, "6379", str(FORM_TIMEOUT), timeout=FORM_TIMEOUT + 10, check=False)
         assert p.returncode == 0, (p.stderr, _tail(logs / "head.log"))
         start(w1)
         start(w2)
 
         address = "%s:6379" % head.ip
         driver_env = dict(auth, RAY_ADDRESS=address)
-        p = bed.exec("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", "3", "--timeout",
-                     str(FORM_TIMEOUT), env=driver_env,
-                     timeout=FORM_TIMEOUT + 30, check=False)
+        p = bed.exec(
+            "head",
+            "python",
+            "-m",
+            "alpa_job.cluster.wait_nodes",
+            "--count",
+            "3",
+            "--timeout",
+            str(FORM_TIMEOUT),
+            env=driver_env,
+            timeout=FORM_TIMEOUT + 30,
+            check=False,
+        )
         assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
         nodes = json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1])["resources"]
         for pr in procs:
-            assert pr.poll() is None, "a `ray start --block` exited: %s" % {h.name: _tail(logs / ("%s.log" % h.name))
-                                                                            for h in hosts}
+            assert pr.poll() is None, "a `ray start --block` exited: %s" % {h.name: _tail(logs / ("%s.log" % h.name)) for h in hosts}
         assert sorted(nodes) == sorted(members), (nodes, {h.name: _tail(logs / ("%s.log" % h.name)) for h in hosts})
         for ip, res in nodes.items():  # the limits made it into Ray: 1 CPU, 2Gi of task memory per pod
             assert res["CPU"] == 1 and res["memory"] == 2 * GIB, (ip, res)
@@ -233,8 +250,24 @@ def test_kuberay_command_lines_form_a_cluster_under_the_networkpolicy(testbed_fa
         # --skip-ports ssh: the bare-metal plan opens ssh between members, pods have no sshd and the policy
         # does not open 22 (checked refused above); every other planned port and range is probed.
         t0 = time.monotonic()
-        p = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", address, "--cluster-spec",
-                     str(spec_path), "--format", "json", "--skip-ports", "ssh", env=auth, timeout=120, check=False)
+        p = bed.exec(
+            "head",
+            "python",
+            "-m",
+            "alpa_job",
+            "doctor",
+            "--address",
+            address,
+            "--cluster-spec",
+            str(spec_path),
+            "--format",
+            "json",
+            "--skip-ports",
+            "ssh",
+            env=auth,
+            timeout=120,
+            check=False,
+        )
         doctor_s = time.monotonic() - t0
         data = json.loads(p.stdout) if p.stdout.strip().startswith("{") else None
         failed = [c for c in (data or {}).get("checks", []) if not c["ok"]]

@@ -1,5 +1,6 @@
 """The job controller's states and restarts, without a cluster: a scripted worker group stands in for the
 actors (the real group, the actor and Ray's node view are exercised by test_node_loss.py's test-bed part)."""
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,9 @@ from helpers_train import tiny_config
 
 
 def _nodes(*ids: str) -> List[ray_api.RayNode]:
-    rows = [{"NodeManagerAddress": "10.77.0.%d" % (i + 1), "NodeID": nid, "Alive": True, "Resources": {"CPU": 2.0}}
-            for i, nid in enumerate(ids)]
+    rows = [
+        {"NodeManagerAddress": "10.77.0.%d" % (i + 1), "NodeID": nid, "Alive": True, "Resources": {"CPU": 2.0}} for i, nid in enumerate(ids)
+    ]
     return ray_api.parse_nodes(rows)
 
 
@@ -31,8 +33,7 @@ class ScriptedGroup:
 
     def __init__(self, config, spec, nodes):
         self.nodes = nodes
-        self.slots = {i: failures.Slot(index=i, ip=n.ip, host="h%d" % i, node_id=n.node_id)
-                      for i, n in enumerate(nodes)}
+        self.slots = {i: failures.Slot(index=i, ip=n.ip, host="h%d" % i, node_id=n.node_id) for i, n in enumerate(nodes)}
         self.errors: Dict[int, BaseException] = {}
         self.results: Dict[int, ProcessResult] = {}
         self.first_step_at = None
@@ -143,8 +144,7 @@ def test_a_loss_is_recovered_on_the_survivors_with_a_typed_restart_record(script
 
 def test_without_restarts_a_loss_fails_naming_the_process(scripted):
     scripted.SCRIPT = [1]
-    job = JobController(tiny_config(address="10.0.0.1:6379", batch_size=48), spec=None,
-                        policy=FailurePolicy(max_restarts=0))
+    job = JobController(tiny_config(address="10.0.0.1:6379", batch_size=48), spec=None, policy=FailurePolicy(max_restarts=0))
     with pytest.raises(LostProcessError, match=r"JAX process 1 on host h1 .* died at step 7"):
         job.run()
     assert job.state is JobState.FAILED and scripted.made[0].killed
@@ -165,8 +165,9 @@ class ScriptedPolicy:
 def test_the_controller_does_what_the_policy_decides_wait_then_retry_on_its_count(scripted, monkeypatch):
     monkeypatch.setattr(controller_module, "REPLACEMENT_POLL_S", 0.01)
     scripted.SCRIPT = [0, "ok"]
-    policy = ScriptedPolicy(Decision(WAIT, "settle first"), Decision(WAIT, "a replacement may join"),
-                            Decision(RETRY, "on one", processes=1))
+    policy = ScriptedPolicy(
+        Decision(WAIT, "settle first"), Decision(WAIT, "a replacement may join"), Decision(RETRY, "on one", processes=1)
+    )
     job = JobController(tiny_config(address="10.0.0.1:6379", batch_size=48), spec=None, policy=policy)
     results = job.run()
     assert job.state is JobState.FINISHED and [len(g) for g in scripted.made] == [3, 1]

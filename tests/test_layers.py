@@ -7,6 +7,7 @@
 - the packages (and top-level modules) stand in ranks, PACKAGE_RANKS: each imports only from ranks below
   its own, so no two packages import each other, even through modules that do not form a circle.
 """
+
 from __future__ import annotations
 
 import ast
@@ -63,8 +64,7 @@ def _imports_of(path: str) -> Set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module in MODULES:
                 out.add(node.module)
-            out.update(f"{node.module}.{alias.name}" for alias in node.names
-                       if f"{node.module}.{alias.name}" in MODULES)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in MODULES)
     return out
 
 
@@ -130,8 +130,7 @@ def test_the_graph_sees_function_local_and_package_imports():
 
 def test_no_import_circle_in_the_package_or_scripts():
     circles = _cycles(GRAPH)
-    assert not circles, "import circles (each a group of modules that import each other): " + "; ".join(
-        " <-> ".join(c) for c in circles)
+    assert not circles, "import circles (each a group of modules that import each other): " + "; ".join(" <-> ".join(c) for c in circles)
 
 
 def _under(module: str, *packages: str) -> bool:
@@ -140,20 +139,23 @@ def _under(module: str, *packages: str) -> bool:
 
 LAYER_RULES = [
     # (who, must not import, why)
-    (("alpa_job.train", "alpa_job.engines"), ("alpa_job.inspect",),
-     "training writes the record; rendering it is the readers' job"),
-    (("alpa_job.record", "alpa_job.inspect"), ("alpa_job.engines", "alpa_job.train", "alpa_job.launch"),
-     "the record and its readers work anywhere, with no engine installed"),
-    (("alpa_job.cluster",), ("alpa_job.launch", "alpa_job.train", "alpa_job.engines.jax_engine",
-                             "alpa_job.engines.alpa_engine"),
-     "node-side tools run on bare nodes, before any job exists"),
+    (("alpa_job.train", "alpa_job.engines"), ("alpa_job.inspect",), "training writes the record; rendering it is the readers' job"),
+    (
+        ("alpa_job.record", "alpa_job.inspect"),
+        ("alpa_job.engines", "alpa_job.train", "alpa_job.launch"),
+        "the record and its readers work anywhere, with no engine installed",
+    ),
+    (
+        ("alpa_job.cluster",),
+        ("alpa_job.launch", "alpa_job.train", "alpa_job.engines.jax_engine", "alpa_job.engines.alpa_engine"),
+        "node-side tools run on bare nodes, before any job exists",
+    ),
 ]
 
 
 @pytest.mark.parametrize("who,forbidden,why", LAYER_RULES, ids=[r[0][0] for r in LAYER_RULES])
 def test_layer_rule(who, forbidden, why):
-    broken = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if _under(m, *who)
-                    for t in targets if _under(t, *forbidden))
+    broken = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if _under(m, *who) for t in targets if _under(t, *forbidden))
     assert not broken, f"{why}: " + "; ".join(broken)
 
 
@@ -203,8 +205,11 @@ def _package_edges(graph: Dict[str, Set[str]]) -> Dict[tuple, List[str]]:
 
 
 def _upward(edges: Dict[tuple, List[str]]) -> List[str]:
-    return sorted(f"{who} (rank {RANK[who]}) imports {what} (rank {RANK[what]}): {', '.join(sorted(why)[:3])}"
-                  for (who, what), why in edges.items() if RANK[what] >= RANK[who])
+    return sorted(
+        f"{who} (rank {RANK[who]}) imports {what} (rank {RANK[what]}): {', '.join(sorted(why)[:3])}"
+        for (who, what), why in edges.items()
+        if RANK[what] >= RANK[who]
+    )
 
 
 def test_every_package_has_a_rank():
@@ -220,8 +225,11 @@ def test_packages_import_only_from_lower_ranks():
 
 def test_the_rank_check_sees_a_package_circle_and_an_upward_import():
     # Two packages importing each other through modules that form no module circle, and one upward import.
-    graph = {"alpa_job.settings.validate": {"alpa_job.models.builders"}, "alpa_job.models.gpt": {"alpa_job.settings.catalog"},
-             "alpa_job.api": {"alpa_job.models.losses"}}
+    graph = {
+        "alpa_job.settings.validate": {"alpa_job.models.builders"},
+        "alpa_job.models.gpt": {"alpa_job.settings.catalog"},
+        "alpa_job.api": {"alpa_job.models.losses"},
+    }
     assert not _cycles(graph)
     found = _upward(_package_edges(graph))
     assert [line.split(" imports ")[0] for line in found] == ["api (rank 2)", "models (rank 4)", "settings (rank 4)"]

@@ -2,6 +2,7 @@
 own path, has the published parameter count; Llama 3.1's rotary frequency scaling matches the formula;
 a tied head is x @ embedding.T; bad rope settings are one line naming the fix. Shapes only
 (jax.eval_shape): nothing here allocates a multi-billion-parameter model."""
+
 from __future__ import annotations
 
 import math
@@ -141,22 +142,25 @@ def test_tied_model_has_no_head_and_its_logits_are_x_times_the_embedding_transpo
 
 
 def test_tied_head_computes_in_the_compute_dtype():
-    model = build(LlamaArgs(**{k: v for k, v in TINY.items() if k != "mlp_dim"}, tie_embeddings=True),
-                  jnp.bfloat16)
+    model = build(LlamaArgs(**{k: v for k, v in TINY.items() if k != "mlp_dim"}, tie_embeddings=True), jnp.bfloat16)
     tokens = jnp.zeros((1, 5), jnp.int32)  # seq_len + 1: the decoder reads the first 4 and predicts the last 4
     logits = jax.eval_shape(lambda: model.module.apply(model.module.init(jax.random.PRNGKey(0), tokens), tokens))
     assert logits.dtype == jnp.bfloat16 and logits.shape == (1, 4, 64)
 
 
 # ----------------------------------------------------------------------------- bad settings
-@pytest.mark.parametrize("change, fix", [
-    (dict(rope_scaling="yarn"), "rope_scaling='yarn' is not known; use none or llama3"),
-    (dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=4.0),
-     "rope_low_freq_factor=4.0 must be below rope_high_freq_factor=4.0; e.g. rope_low_freq_factor=1 "
-     "rope_high_freq_factor=4"),
-    (dict(rope_low_freq_factor=8.0), "must be below rope_high_freq_factor=4.0"),
-    (dict(rope_factor=0.0), "must be > 0; e.g. rope_factor=8"),
-])
+@pytest.mark.parametrize(
+    "change, fix",
+    [
+        (dict(rope_scaling="yarn"), "rope_scaling='yarn' is not known; use none or llama3"),
+        (
+            dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=4.0),
+            "rope_low_freq_factor=4.0 must be below rope_high_freq_factor=4.0; e.g. rope_low_freq_factor=1 rope_high_freq_factor=4",
+        ),
+        (dict(rope_low_freq_factor=8.0), "must be below rope_high_freq_factor=4.0"),
+        (dict(rope_factor=0.0), "must be > 0; e.g. rope_factor=8"),
+    ],
+)
 def test_bad_rope_settings_are_one_line_naming_the_fix(change, fix):
     with pytest.raises(ValueError) as err:
         build(LlamaArgs(**change), None)
@@ -166,8 +170,7 @@ def test_bad_rope_settings_are_one_line_naming_the_fix(change, fix):
 def test_a_files_model_args_change_its_bases_one_by_one(tmp_path):
     """llama2-13b names only the sizes that differ from llama2-7b: a base_config chain merges model_args
     key by key, as --config and --model-arg do on top of a preset."""
-    (tmp_path / "base.yaml").write_text("model: llama_example.model:build\nmodel_args: {vocab_size: 32000, "
-                                        "num_layers: 32}\n")
+    (tmp_path / "base.yaml").write_text("model: llama_example.model:build\nmodel_args: {vocab_size: 32000, num_layers: 32}\n")
     (tmp_path / "child.yaml").write_text("base_config: base\nmodel_args: {num_layers: 40}\n")
     assert load_preset("child", presets_dir=str(tmp_path))["model_args"] == {"vocab_size": 32000, "num_layers": 40}
 
@@ -195,8 +198,9 @@ def test_remat_keeps_the_parameters_and_numbers_and_fewer_residuals():
     results = {}
     for remat in ("none", "dots", "full"):
         model = build(LlamaArgs(**base, remat=remat), jnp.float32)
-        assert jax.tree_util.tree_structure(model.module.init(jax.random.PRNGKey(0), tokens)["params"]) == \
-            jax.tree_util.tree_structure(params)
+        assert jax.tree_util.tree_structure(model.module.init(jax.random.PRNGKey(0), tokens)["params"]) == jax.tree_util.tree_structure(
+            params
+        )
 
         def loss(p, model=model):
             return model.loss(model.module.apply({"params": p}, tokens), batch).mean()

@@ -1,5 +1,6 @@
 """The loop of hooks: each hook runs on its own cadence with one signature, sees the step it is at, and can
 read losses back or take its time out of the timing windows; the loop returns a typed result."""
+
 import time
 
 from helpers_train import tiny_config

@@ -3,6 +3,7 @@ an eval run's eval curve, a diverged run's curve, the learning rate against opta
 
 Runs are real (run_job in this process, tiny models on the 8 emulated CPU devices, `--address none`);
 the local-Ray path is checked on test_cli's default run."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,8 +45,7 @@ def test_event_files_hold_the_reports_losses_and_the_run(tmp_path):
     config = tiny_config(model="mlp", num_samples=320, batch_size=16, epochs=3)
     horizon = schedule_steps(config, 20)
     assert [s for s, _ in scalars["train/learning_rate"]] == list(range(1, 61))
-    assert all(close_to(v, learning_rate_at(config.learning_rate, horizon, s - 1))
-               for s, v in scalars["train/learning_rate"])
+    assert all(close_to(v, learning_rate_at(config.learning_rate, horizon, s - 1)) for s, v in scalars["train/learning_rate"])
     # One point per timing window after the first step (3 steps each: about 20 a run), as the report times them.
     windows = report.timing["steady_step"]["windows"]
     assert len(scalars["perf/step_time_s"]) == len(scalars["perf/samples_per_s"]) == windows >= 15
@@ -72,8 +72,18 @@ def test_an_eval_run_logs_eval_loss_perplexity_and_tokens_per_second(tmp_path):
     (np.arange(12000) * 5 % 64).astype(np.uint16).tofile(train)
     (np.arange(2000) * 5 % 64).astype(np.uint16).tofile(held)
     out = tmp_path / "run"
-    report = run(model="gpt", dataset="tokens", data_path=str(train), eval_data_path=str(held), eval_every=5,
-                 eval_batches=1, steps=10, batch_size=16, out=str(out), **GPT)
+    report = run(
+        model="gpt",
+        dataset="tokens",
+        data_path=str(train),
+        eval_data_path=str(held),
+        eval_every=5,
+        eval_batches=1,
+        steps=10,
+        batch_size=16,
+        out=str(out),
+        **GPT,
+    )
     scalars, _ = read_events(out / "tensorboard")
     assert [(p.step) for p in report.evals] == [5, 10]
     assert [s for s, _ in scalars["eval/loss"]] == [5, 10]
@@ -84,8 +94,9 @@ def test_an_eval_run_logs_eval_loss_perplexity_and_tokens_per_second(tmp_path):
         assert tokens == pytest.approx(samples * GPT["seq_len"], rel=1e-5)
     # TFLOP/s on MaxText's count (the GPT's causal attention at half) and on the full count, each window.
     assert len(scalars["perf/tflops_per_device"]) == len(scalars["perf/tflops_per_device_full"]) > 0
-    assert all(0 < mfu_count < full for (_, mfu_count), (_, full) in
-               zip(scalars["perf/tflops_per_device"], scalars["perf/tflops_per_device_full"]))
+    assert all(
+        0 < mfu_count < full for (_, mfu_count), (_, full) in zip(scalars["perf/tflops_per_device"], scalars["perf/tflops_per_device_full"])
+    )
 
 
 def test_a_diverged_run_keeps_its_curve_to_the_non_finite_loss(tmp_path):
@@ -95,8 +106,16 @@ def test_a_diverged_run_keeps_its_curve_to_the_non_finite_loss(tmp_path):
     from alpa_job.settings.config import JobConfig
 
     out = tmp_path / "run"
-    config = JobConfig(model="helpers_diverging:build", num_samples=1024, batch_size=16, steps=40, learning_rate=1.0,
-                       address="none", out=str(out), compile_cache="none").validated()
+    config = JobConfig(
+        model="helpers_diverging:build",
+        num_samples=1024,
+        batch_size=16,
+        steps=40,
+        learning_rate=1.0,
+        address="none",
+        out=str(out),
+        compile_cache="none",
+    ).validated()
     with pytest.raises(Diverged) as caught:
         run_job(resolve(config))
     scalars, texts = read_events(out / "tensorboard")
@@ -120,12 +139,18 @@ def test_learning_rate_at_is_the_optimizers_schedule():
 def test_track_without_its_package_is_one_line_before_ray(tmp_path):
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=REPO)
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "alpa_job", "train", "--address", "local", "--track", "wandb",
-                           "--out", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "alpa_job", "train", "--address", "local", "--track", "wandb", "--out", str(tmp_path / "run")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "error: --track wandb: the wandb package is not installed here; pip install wandb (or drop --track)"]
+        "error: --track wandb: the wandb package is not installed here; pip install wandb (or drop --track)"
+    ]
     assert not (tmp_path / "run").exists()  # refused before the run directory, before Ray
 
 
@@ -150,15 +175,24 @@ def test_track_mlflow_logs_the_same_losses_and_settings_offline(tmp_path, monkey
 def test_without_tensorboardx_the_run_says_so_and_trains(tmp_path):
     """The Alpa image may lack the writer: one line, the run goes on, the report names no folder."""
     out = tmp_path / "run"
-    script = ("import sys, runpy; sys.modules['tensorboardX'] = None; "  # None in sys.modules: the import fails
-              "sys.argv = ['alpa_job'] + sys.argv[1:]; runpy.run_module('alpa_job', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", script, "train", "--address", "none", "--steps", "2", "--hidden-dim",
-                           "32", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=REPO))
+    script = (
+        "import sys, runpy; sys.modules['tensorboardX'] = None; "  # None in sys.modules: the import fails
+        "sys.argv = ['alpa_job'] + sys.argv[1:]; runpy.run_module('alpa_job', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "train", "--address", "none", "--steps", "2", "--hidden-dim", "32", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if "TensorBoard" in x]
-    assert lines == ["[alpa_job] no TensorBoard event files: tensorboardX does not import (import of tensorboardX "
-                     "halted; None in sys.modules); pip install tensorboardX, or pass --no-tensorboard to silence "
-                     "this"], proc.stderr
+    assert lines == [
+        "[alpa_job] no TensorBoard event files: tensorboardX does not import (import of tensorboardX "
+        "halted; None in sys.modules); pip install tensorboardX, or pass --no-tensorboard to silence "
+        "this"
+    ], proc.stderr
     assert not (out / "tensorboard").exists()
     assert json.loads((out / "report.json").read_text())["tensorboard"] is None

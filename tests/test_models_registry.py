@@ -1,5 +1,6 @@
 """Models as a registry, presets as config files: lookup, errors with a did-you-mean, the override
 order (defaults -> preset and its bases -> --config -> flags), and every shipped preset."""
+
 from __future__ import annotations
 
 import json
@@ -43,18 +44,23 @@ def test_each_built_in_is_a_builder_of_the_public_api():
 def test_default_sizes_are_the_configs_defaults():
     defaults = JobConfig()
     declared = {name: {s.name: s.default for s in model_settings(name)} for name in BUILT_IN}
-    assert declared == {"mlp": {"hidden_dim": 256}, "wide_resnet": {"depth": 10, "width": 2},
-                        "gpt": {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256,
-                                "remat": "none"}}
+    assert declared == {
+        "mlp": {"hidden_dim": 256},
+        "wide_resnet": {"depth": 10, "width": 2},
+        "gpt": {"num_layers": 2, "d_model": 128, "num_heads": 4, "seq_len": 64, "vocab_size": 256, "remat": "none"},
+    }
     for name, sizes in declared.items():
         assert dict(model_values(defaults.replace(model=name))) == sizes
 
 
-@pytest.mark.parametrize("model, out_shape, input_key, batch_stats", [
-    ("mlp", (2, 32), "x", False),  # hidden_dim 32
-    ("wide_resnet", (2, 10), "image", True),  # 10 classes
-    ("gpt", (2, 16, 64), "tokens", False),  # seq_len 16 positions x vocab 64
-])
+@pytest.mark.parametrize(
+    "model, out_shape, input_key, batch_stats",
+    [
+        ("mlp", (2, 32), "x", False),  # hidden_dim 32
+        ("wide_resnet", (2, 10), "image", True),  # 10 classes
+        ("gpt", (2, 16, 64), "tokens", False),  # seq_len 16 positions x vocab 64
+    ],
+)
 def test_get_model_builds_the_spec(model, out_shape, input_key, batch_stats):
     import jax
     import jax.numpy as jnp
@@ -62,8 +68,9 @@ def test_get_model_builds_the_spec(model, out_shape, input_key, batch_stats):
     config = tiny_config(model)
     spec = get_model(config)
     assert (spec.name, spec.input_key, spec.has_batch_stats) == (model, input_key, batch_stats)
-    inputs = {"mlp": jnp.zeros((2, 32)), "wide_resnet": jnp.zeros((2, 32, 32, 3)),
-              "gpt": jnp.zeros((2, 17), jnp.int32)}[model]  # gpt's batch holds seq_len + 1 tokens
+    inputs = {"mlp": jnp.zeros((2, 32)), "wide_resnet": jnp.zeros((2, 32, 32, 3)), "gpt": jnp.zeros((2, 17), jnp.int32)}[
+        model
+    ]  # gpt's batch holds seq_len + 1 tokens
     kwargs = {"train": False} if spec.has_batch_stats else {}
     variables = spec.module.init(jax.random.PRNGKey(0), inputs, **kwargs)
     outputs = spec.module.apply(variables, inputs, **kwargs)
@@ -99,8 +106,11 @@ def test_layer_facts_for_the_alpa_engine():
     from alpa_job.models.gpt import DecoderBlock
     from alpa_job.models.wide_resnet import WideBlock
 
-    cases = [("mlp", {}, 4, nn.Dense), ("gpt", {"num_layers": 3}, 3, DecoderBlock),
-             ("wide_resnet", {"depth": 16}, 6, WideBlock)]  # 3 stages x 2 blocks
+    cases = [
+        ("mlp", {}, 4, nn.Dense),
+        ("gpt", {"num_layers": 3}, 3, DecoderBlock),
+        ("wide_resnet", {"depth": 16}, 6, WideBlock),
+    ]  # 3 stages x 2 blocks
     for model, sizes, layers, cls in cases:
         spec = get_model(tiny_config(model, **sizes))
         assert (spec.layer_count, spec.layer_class) == (layers, cls)
@@ -121,19 +131,24 @@ def test_the_alpa_engine_counts_pipeline_layers_from_the_model():
 def test_unknown_model_is_one_line_listing_the_names():
     with pytest.raises(KitError) as err:
         model_values(build_config({}, {"model": "resnet"}))
-    assert str(err.value) == ("--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt, or your own builder "
-                              "as PACKAGE.MODULE:FUNCTION (did you mean wide_resnet?)")
+    assert str(err.value) == (
+        "--model 'resnet' is not known; use one of: mlp, wide_resnet, gpt, or your own builder "
+        "as PACKAGE.MODULE:FUNCTION (did you mean wide_resnet?)"
+    )
     with pytest.raises(KitError) as err:
         builder_of("transformer")
-    assert str(err.value) == ("--model 'transformer' is not known; use one of: mlp, wide_resnet, gpt, or your own "
-                              "builder as PACKAGE.MODULE:FUNCTION")
+    assert str(err.value) == (
+        "--model 'transformer' is not known; use one of: mlp, wide_resnet, gpt, or your own builder as PACKAGE.MODULE:FUNCTION"
+    )
 
 
 def test_checking_a_model_name_does_not_import_jax():
     """The config validates --model before the runner decides whether to emulate CPU devices, which it
     does only while jax is not imported yet."""
-    code = ("import sys; from alpa_job.settings.config import build_config; build_config({'model': 'gpt'}, {}); "
-            "print('jax' in sys.modules, 'flax' in sys.modules)")
+    code = (
+        "import sys; from alpa_job.settings.config import build_config; build_config({'model': 'gpt'}, {}); "
+        "print('jax' in sys.modules, 'flax' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False"]
@@ -141,9 +156,18 @@ def test_checking_a_model_name_does_not_import_jax():
 
 # ----------------------------------------------------------------------------- presets
 def test_the_shipped_presets():
-    assert preset_names() == ["gpt-12l", "gpt-24l", "gpt-4b", "gpt-small",  # gpt-4b: added for fsdp
-                              "llama2-13b", "llama2-7b", "llama3-8b", "llama3.2-1b",  # test_llama_shapes.py
-                              "mlp-tutorial", "wide-resnet-16"]
+    assert preset_names() == [
+        "gpt-12l",
+        "gpt-24l",
+        "gpt-4b",
+        "gpt-small",  # gpt-4b: added for fsdp
+        "llama2-13b",
+        "llama2-7b",
+        "llama3-8b",
+        "llama3.2-1b",  # test_llama_shapes.py
+        "mlp-tutorial",
+        "wide-resnet-16",
+    ]
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -164,8 +188,16 @@ def test_gpt_24l_is_the_gpu_peer_model_through_its_base():
     config = build_config(values, {})
     sizes = model_values(config)
     # issue 16 / notes/gpu.md: GPT 24L d2048 h16 B8 S1024 V32768 bf16
-    assert (config.model, sizes["num_layers"], sizes["d_model"], sizes["num_heads"], sizes["seq_len"],
-            sizes["vocab_size"], config.batch_size, config.dtype) == ("gpt", 24, 2048, 16, 1024, 32768, 8, "bfloat16")
+    assert (
+        config.model,
+        sizes["num_layers"],
+        sizes["d_model"],
+        sizes["num_heads"],
+        sizes["seq_len"],
+        sizes["vocab_size"],
+        config.batch_size,
+        config.dtype,
+    ) == ("gpt", 24, 2048, 16, 1024, 32768, 8, "bfloat16")
     # num_heads, seq_len, vocab_size and dtype come from gpt-12l, the base it names.
     base = load_preset("gpt-12l")
     assert all(values["model_args"][k] == base["model_args"][k] for k in ("num_heads", "seq_len", "vocab_size"))
@@ -198,7 +230,9 @@ def test_base_config_chain_is_resolved_base_first(tmp_path):
     (tmp_path / "b.yaml").write_text("base-config: c\nnum_layers: 2\nd_model: 64\n")
     (tmp_path / "c.yaml").write_text("model: gpt\nnum_layers: 3\nd_model: 32\nseq_len: 8\n")
     assert load_preset("a", presets_dir=str(tmp_path), model_keys=SIZES) == {
-        "model": "gpt", "model_args": {"num_layers": 1, "d_model": 64, "seq_len": 8}}
+        "model": "gpt",
+        "model_args": {"num_layers": 1, "d_model": 64, "seq_len": 8},
+    }
     # A --config file may start from a shipped preset or from another file (relative to itself).
     (tmp_path / "job.yaml").write_text("base_config: gpt-small\nsteps: 5\n")
     (tmp_path / "sub").mkdir()
@@ -218,9 +252,11 @@ def test_a_base_config_loop_is_one_line(tmp_path):
 def test_unknown_preset_lists_presets_with_did_you_mean():
     with pytest.raises(KitError) as err:
         load_preset("gpt-25l")
-    assert str(err.value) == ("--preset 'gpt-25l' is not known; use one of: gpt-12l, gpt-24l, gpt-4b, gpt-small, "
-                              "llama2-13b, llama2-7b, llama3-8b, llama3.2-1b, mlp-tutorial, wide-resnet-16 "
-                              "(did you mean gpt-24l?)")
+    assert str(err.value) == (
+        "--preset 'gpt-25l' is not known; use one of: gpt-12l, gpt-24l, gpt-4b, gpt-small, "
+        "llama2-13b, llama2-7b, llama3-8b, llama3.2-1b, mlp-tutorial, wide-resnet-16 "
+        "(did you mean gpt-24l?)"
+    )
     with pytest.raises(KitError, match="--preset '../cluster/cluster' is not known"):
         load_preset("../cluster/cluster")  # only names, never paths out of the presets folder
 
@@ -234,8 +270,11 @@ def test_preset_with_an_unknown_key_names_the_key(tmp_path):
     assert "\n" not in message
     assert message.startswith("preset bad: unknown setting 'num_layer' (did you mean num_layers?); known: model,")
     (tmp_path / "orphan.yaml").write_text("base_config: nothere\n")
-    with pytest.raises(KitError, match=r"preset orphan: base_config 'nothere' is not known; use one of: bad, "
-                                       r"child, orphan"):
+    with pytest.raises(
+        KitError,
+        match=r"preset orphan: base_config 'nothere' is not known; use one of: bad, "
+        r"child, orphan",
+    ):
         load_preset("orphan", presets_dir=str(tmp_path))
 
 
@@ -250,15 +289,31 @@ def test_presets_ship_as_package_data():
 def _cli(*args, timeout=300):
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=REPO)
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_cli_preset_is_overridden_by_config_file_and_flags(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("d_model: 32\nseq_len: 16\nvocab_size: 64\nbatch_size: 16\n")
-    proc = _cli("train", "--preset", "gpt-small", "--config", str(job), "--num-layers", "1", "--batch-size", "8",
-                "--num-samples", "16", "--steps", "1", "--address", "none", "--out", str(tmp_path / "run"))
+    proc = _cli(
+        "train",
+        "--preset",
+        "gpt-small",
+        "--config",
+        str(job),
+        "--num-layers",
+        "1",
+        "--batch-size",
+        "8",
+        "--num-samples",
+        "16",
+        "--steps",
+        "1",
+        "--address",
+        "none",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = json.loads((tmp_path / "run" / "report.json").read_text())["config"]
     sizes = cfg["model_args"]
@@ -272,5 +327,4 @@ def test_cli_unknown_preset_is_one_line_and_exit_2():
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr
-    assert re.fullmatch(r"error: --preset 'gpt-2l' is not known; use one of: .*gpt-24l.* \(did you mean gpt-\d+l\?\)",
-                        lines[0]), lines[0]
+    assert re.fullmatch(r"error: --preset 'gpt-2l' is not known; use one of: .*gpt-24l.* \(did you mean gpt-\d+l\?\)", lines[0]), lines[0]

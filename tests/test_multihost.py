@@ -1,5 +1,6 @@
 """Training across hosts on the test bed: `ray job submit` from the head and from a worker, and the
 addresses the kit used (every JAX process's IP is its own host's; the coordinator is the head's)."""
+
 import json
 import time
 import uuid
@@ -27,11 +28,33 @@ def _job(ray_cluster, host: str, *train_flags: str):
     under `ray job submit`) writes the report there and the test reads it from outside."""
     out = Path("/tmp") / ("akt-multihost-%s-%s" % (host, uuid.uuid4().hex[:8]))
     p = ray_cluster.testbed.exec(
-        host, "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
-        ray_cluster.spec.ports["dashboard"]), "--",
-        "python", "-m", "alpa_job", "train", "--model", "mlp", "--steps", "5", "--devices", "2",
-        "--batch-size", "96", "--cluster-spec", str(ray_cluster.spec_path), "--out", str(out), *train_flags,
-        timeout=400, check=False)
+        host,
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        "http://%s:%d" % (ray_cluster.head_ip, ray_cluster.spec.ports["dashboard"]),
+        "--",
+        "python",
+        "-m",
+        "alpa_job",
+        "train",
+        "--model",
+        "mlp",
+        "--steps",
+        "5",
+        "--devices",
+        "2",
+        "--batch-size",
+        "96",
+        "--cluster-spec",
+        str(ray_cluster.spec_path),
+        "--out",
+        str(out),
+        *train_flags,
+        timeout=400,
+        check=False,
+    )
     return out, p
 
 
@@ -92,14 +115,18 @@ def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_
     The four others are timed, and
     every process takes process 0's times, so all train the one winner (processes on different programs
     would hang each other)."""
-    report, _, _ = _submit(ray_cluster, "head", "--strategy", "auto", "--auto-trial-steps", "1",
-                           "--compile-cache", "none")
+    report, _, _ = _submit(ray_cluster, "head", "--strategy", "auto", "--auto-trial-steps", "1", "--compile-cache", "none")
     table = report["search"]
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
     timed = [row for row in table if row["step_time_s"]]
     assert sorted((row["strategy"], tuple(row["mesh_shape"])) for row in table) == [
-        ("data", (6, 1)), ("fsdp", (6, 1)), ("hsdp", (3, 2)), ("pipeline", (3, 2)), ("pipeline-fsdp", (3, 2)),
-        ("tensor", (3, 2))], table
+        ("data", (6, 1)),
+        ("fsdp", (6, 1)),
+        ("hsdp", (3, 2)),
+        ("pipeline", (3, 2)),
+        ("pipeline-fsdp", (3, 2)),
+        ("tensor", (3, 2)),
+    ], table
     assert len(timed) == 4, table
     for pipeline in (row for row in table if row["strategy"].startswith("pipeline")):  # a stage a host, but
         assert "declares none" in pipeline["note"] and not pipeline["step_time_s"], pipeline  # no MLP blocks
@@ -114,10 +141,32 @@ def test_auto_on_copies_on_three_hosts_every_process_ranks_alike_and_trains_one_
     three train the same winner (a disagreement would hang the run, not fail it). One device a host keeps
     it to the two candidates that need no second device in a host (data, fsdp): what crosses processes is
     the same for two candidates as for four."""
-    report, _, _ = _submit(ray_cluster, "head", "--model", "gpt", "--num-layers", "6", "--d-model", "32",
-                           "--num-heads", "4", "--seq-len", "16", "--vocab-size", "64", "--strategy", "auto",
-                           "--auto-rank-on", "copies", "--auto-trial-steps", "1", "--compile-cache", "none",
-                           "--devices", "1")
+    report, _, _ = _submit(
+        ray_cluster,
+        "head",
+        "--model",
+        "gpt",
+        "--num-layers",
+        "6",
+        "--d-model",
+        "32",
+        "--num-heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--vocab-size",
+        "64",
+        "--strategy",
+        "auto",
+        "--auto-rank-on",
+        "copies",
+        "--auto-trial-steps",
+        "1",
+        "--compile-cache",
+        "none",
+        "--devices",
+        "1",
+    )
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
     timed = [row for row in report["search"] if row["step_time_s"]]
     assert len(timed) == 2 and all(row["predicted_from"] == [1, 3] for row in timed), report["search"]
@@ -157,8 +206,7 @@ def test_hsdp_on_three_hosts_shards_within_each_host_and_trains_as_data_does(ray
     assert network["hosts"] == 3 and 0 < network["collectives_across_hosts"] < network["collectives"], network
 
 
-GPT3 = ("--model", "gpt", "--num-layers", "3", "--d-model", "32", "--num-heads", "4", "--seq-len", "16",
-        "--vocab-size", "64")
+GPT3 = ("--model", "gpt", "--num-layers", "3", "--d-model", "32", "--num-heads", "4", "--seq-len", "16", "--vocab-size", "64")
 
 
 def test_pipeline_across_three_hosts_runs_a_stage_on_each_and_trains_as_data_does(ray_cluster):
@@ -218,8 +266,7 @@ def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ra
     stragglers = clean["stragglers"]
     assert stragglers["every"] == 5 and stragglers["measure"]["kind"] == "cpu time + run-queue wait"
     assert sorted(u["host"] for u in stragglers["units"]) == sorted(ray_cluster.testbed.ips)
-    print("clean run's own work a step, ms (each process's 50-step window at the end):",
-          stragglers["latest"]["work_ms"])
+    print("clean run's own work a step, ms (each process's 50-step window at the end):", stragglers["latest"]["work_ms"])
     # Nobody named (a window's total alone may pass 1.10 on this shared machine; the rule also asks for
     # three quarters of its rounds, which noise does not give).
     assert stragglers["events"] == [] and stragglers["slow_now"] == [], stragglers

@@ -5,6 +5,7 @@ run here printed are written inline, each beside the NCCL source line that print
 NVIDIA/nccl at commit 5067397c2676d5aed50042fc39e5c8ee96eb0027 (the prefix: src/debug.cc,
 "%s:%d:%d " hostname, pid, tid, then "[%d] NCCL INFO %s").
 """
+
 from __future__ import annotations
 
 import json
@@ -82,12 +83,21 @@ def test_ib_devices_oob_nodes_and_nvls():
     assert nccl_log.transports_line(s) == "NCCL 2.21.5: 16 channels NVLS, 2 NET/IB (mlx5_0:1/IB, mlx5_1:1/IB), 1 P2P, 2 nodes"
 
 
-@pytest.mark.parametrize("detail, kind", [
-    ("NET/Socket/0", "NET/Socket"), ("NET/Socket/0/Shared", "NET/Socket"),
-    ("NET/IB/0/GDRDMA", "NET/IB"), ("NET/IBext_v8/1/GDRDMA", "NET/IB"), ("NET/Libfabric/0", "NET/Libfabric"),
-    ("P2P/CUMEM", "P2P"), ("P2P/IPC", "P2P"), ("P2P/direct", "P2P"), ("P2P/indirect/1[1]", "P2P"),
-    ("SHM/direct", "SHM"),
-])
+@pytest.mark.parametrize(
+    "detail, kind",
+    [
+        ("NET/Socket/0", "NET/Socket"),
+        ("NET/Socket/0/Shared", "NET/Socket"),
+        ("NET/IB/0/GDRDMA", "NET/IB"),
+        ("NET/IBext_v8/1/GDRDMA", "NET/IB"),
+        ("NET/Libfabric/0", "NET/Libfabric"),
+        ("P2P/CUMEM", "P2P"),
+        ("P2P/IPC", "P2P"),
+        ("P2P/direct", "P2P"),
+        ("P2P/indirect/1[1]", "P2P"),
+        ("SHM/direct", "SHM"),
+    ],
+)
 def test_transport_kinds(detail, kind):
     assert nccl_log.transport_kind(detail) == kind
 
@@ -95,27 +105,33 @@ def test_transport_kinds(detail, kind):
 def test_shm_ipc_and_older_channel_format():
     # src/transport/shm.cc:116 "Channel %02d : %d[%d] -> %d[%d] via SHM/direct" (no connection index);
     # src/transport/p2p.cc:429 "via P2P/IPC%s%s"; NCCL before the connection index: "Channel 00 : 0[1b000] -> ...".
-    s = _parse("h:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via SHM/direct\n"
-               "h:1:1 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/IPC/read\n"
-               "h:1:1 [0] NCCL INFO Channel 00 : 0[1b000] -> 1[43000] via P2P/CUMEM\n"
-               "h:1:1 [0] NCCL INFO Channel 00/02 : 0 1\n")  # a ring, no transport
+    s = _parse(
+        "h:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via SHM/direct\n"
+        "h:1:1 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/IPC/read\n"
+        "h:1:1 [0] NCCL INFO Channel 00 : 0[1b000] -> 1[43000] via P2P/CUMEM\n"
+        "h:1:1 [0] NCCL INFO Channel 00/02 : 0 1\n"
+    )  # a ring, no transport
     assert s.channels() == {"SHM": 1, "P2P": 2}
 
 
 def test_ibext_plugin_and_ib_failures():
     # src/plugin/net.cc:208 "Failed to initialize NET plugin %s"; src/transport/net_ib/init.cc:470
     # "NET/IB : No device found."; the nccl-rdma-sharp plugin names itself IBext_v<N>.
-    s = _parse("a:7:7 [0] NCCL INFO Using network IBext_v8\n"
-               "a:7:7 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/IBext_v8/0/GDRDMA\n"
-               "b:8:8 [0] NCCL INFO NET/IB : No device found.\n"
-               "c:9:9 [0] NCCL INFO Failed to initialize NET plugin IB\n")
+    s = _parse(
+        "a:7:7 [0] NCCL INFO Using network IBext_v8\n"
+        "a:7:7 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/IBext_v8/0/GDRDMA\n"
+        "b:8:8 [0] NCCL INFO NET/IB : No device found.\n"
+        "c:9:9 [0] NCCL INFO Failed to initialize NET plugin IB\n"
+    )
     a, b, c = s.processes
     assert a.networks == ["IBext_v8"] and a.channels == {"NET/IB": 1}
     assert b.ib_no_device and b.ib_failed and c.ib_failed and not a.ib_failed
     # The SHARP plugin failing while NCCL's own IB works: IB is up.
-    fallback = _parse("d:1:1 [0] NCCL INFO Failed to initialize NET plugin IBext_v8\n"
-                      "d:1:1 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [RO]; OOB eth0:10.0.0.4<0>\n"
-                      "d:1:1 [0] NCCL INFO Using network IB\n")
+    fallback = _parse(
+        "d:1:1 [0] NCCL INFO Failed to initialize NET plugin IBext_v8\n"
+        "d:1:1 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [RO]; OOB eth0:10.0.0.4<0>\n"
+        "d:1:1 [0] NCCL INFO Using network IB\n"
+    )
     assert not fallback.processes[0].ib_failed
     assert "IB did not initialise" not in nccl_log.transports_line(fallback)
 
@@ -123,9 +139,11 @@ def test_ibext_plugin_and_ib_failures():
 def test_env_overrides_both_wordings():
     # src/misc/param.cc:100 "%s set by environment to %lld."; src/misc/socket.cc:201 "NCCL_SOCKET_IFNAME set to %s";
     # older NCCL (socket.cc:199) "NCCL_SOCKET_IFNAME set by environment to %s".
-    s = _parse("h:1:1 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n"
-               "h:1:1 [0] NCCL INFO NCCL_SOCKET_IFNAME set to eth0\n"
-               "g:2:2 [0] NCCL INFO NCCL_SOCKET_IFNAME set by environment to ib0\n")
+    s = _parse(
+        "h:1:1 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n"
+        "h:1:1 [0] NCCL INFO NCCL_SOCKET_IFNAME set to eth0\n"
+        "g:2:2 [0] NCCL INFO NCCL_SOCKET_IFNAME set by environment to ib0\n"
+    )
     assert s.processes[0].env == {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "eth0"}
     assert s.processes[1].env == {"NCCL_SOCKET_IFNAME": "ib0"}
 
@@ -133,12 +151,14 @@ def test_env_overrides_both_wordings():
 def test_prefixes_ray_timestamps_and_repeats():
     # Ray's log stream puts "(ACTOR pid=N, ip=IP)" first and folds repeats; NCCL_DEBUG_TIMESTAMP_FORMAT
     # puts "[%F %T] " before the hostname (src/debug.cc).
-    s = _parse("(JaxProcess pid=1589, ip=10.0.0.2) vm:1589:1646 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] "
-               "[send] via NET/Socket/0 [repeated 3x across cluster]\n"
-               "(JaxProcess pid=77) vm2:77:78 [1] NCCL INFO Using network Socket\n"
-               "[2026-11-28 20:28:24] vm3:5:6 [0] NCCL INFO NCCL version 2.28.9+cuda13.0\n"
-               "NCCL version 2.28.9+cuda13.0\n"  # the version line has no prefix (debug.cc: NCCL_LOG_VERSION)
-               "unrelated line\n")
+    s = _parse(
+        "(JaxProcess pid=1589, ip=10.0.0.2) vm:1589:1646 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] "
+        "[send] via NET/Socket/0 [repeated 3x across cluster]\n"
+        "(JaxProcess pid=77) vm2:77:78 [1] NCCL INFO Using network Socket\n"
+        "[2026-11-28 20:28:24] vm3:5:6 [0] NCCL INFO NCCL version 2.28.9+cuda13.0\n"
+        "NCCL version 2.28.9+cuda13.0\n"  # the version line has no prefix (debug.cc: NCCL_LOG_VERSION)
+        "unrelated line\n"
+    )
     assert [p.where for p in s.processes] == ["vm (10.0.0.2)", "vm2", "vm3"]
     assert s.processes[0].details == {"NET/Socket/0": 1} and s.processes[1].networks == ["Socket"]
     assert s.versions == ["2.28.9+cuda13.0"] and s.lines == 3
@@ -168,23 +188,28 @@ def test_real_log_on_ib_fell_back_to_sockets_on_loopback():
     assert len(found) == 2  # both processes are on host vm: one line per problem
     assert found[0].startswith("NCCL fell back to sockets on vm: IB did not initialise")
     assert "/dev/infiniband" in found[0] and "IPC_LOCK" in found[0] and "fabric ib" in found[0]
-    assert found[1] == ("NCCL uses sockets on the loopback interface lo on vm (NCCL_SOCKET_IFNAME=lo there): "
-                        "across hosts set NCCL_SOCKET_IFNAME to the cluster interface")
+    assert found[1] == (
+        "NCCL uses sockets on the loopback interface lo on vm (NCCL_SOCKET_IFNAME=lo there): "
+        "across hosts set NCCL_SOCKET_IFNAME to the cluster interface"
+    )
 
 
 def test_real_log_on_ethernet_only_the_loopback():
     found = nccl_log.verdicts(nccl_log.read_logs([SOCKETS_TWO_HOSTS]), "ethernet", host="10.0.0.2")
-    assert found == ["NCCL uses sockets on the loopback interface lo on 10.0.0.2 (NCCL_SOCKET_IFNAME=lo there): "
-                     "across hosts set NCCL_SOCKET_IFNAME to the cluster interface"]
+    assert found == [
+        "NCCL uses sockets on the loopback interface lo on 10.0.0.2 (NCCL_SOCKET_IFNAME=lo there): "
+        "across hosts set NCCL_SOCKET_IFNAME to the cluster interface"
+    ]
 
 
 def test_ib_disable_on_an_ib_cluster_names_the_variable():
-    s = _parse("h1:1:1 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n"
-               "h1:1:1 [0] NCCL INFO Using network Socket\n"
-               "h1:1:1 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>\n"
-               "h1:1:1 [0] NCCL INFO comm 0x1 rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0 MNNVL 0\n")
-    assert nccl_log.verdicts(s, "roce") == [
-        "NCCL_IB_DISABLE=1 is set on h1 while the cluster declares fabric roce: remove it"]
+    s = _parse(
+        "h1:1:1 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n"
+        "h1:1:1 [0] NCCL INFO Using network Socket\n"
+        "h1:1:1 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>\n"
+        "h1:1:1 [0] NCCL INFO comm 0x1 rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0 MNNVL 0\n"
+    )
+    assert nccl_log.verdicts(s, "roce") == ["NCCL_IB_DISABLE=1 is set on h1 while the cluster declares fabric roce: remove it"]
     assert nccl_log.verdicts(s, "ethernet") == []  # sockets on a real interface: the explicit choice
 
 
@@ -198,12 +223,14 @@ def test_no_verdict_within_one_node_or_on_ib():
     p2p = nccl_log.read_logs([P2P_ONE_HOST])
     assert nccl_log.transports_line(p2p) == "NCCL: 4 channels P2P"
     # SHM and NVLS within one node, NCCL's network Socket initialised but unused (nNodes 1):
-    one_node = _parse("h:1:1 [0] NCCL INFO Failed to initialize NET plugin IB\n"
-                      "h:1:1 [0] NCCL INFO Using network Socket\n"
-                      "h:1:1 [0] NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
-                      "h:1:1 [0] NCCL INFO comm 0x1 rank 0 nRanks 8 nNodes 1 localRanks 8 localRank 0 MNNVL 0\n"
-                      "h:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via SHM/direct\n"
-                      "h:1:1 [0] NCCL INFO 2 coll channels, 2 collnet channels, 16 nvls channels, 2 p2p channels\n")
+    one_node = _parse(
+        "h:1:1 [0] NCCL INFO Failed to initialize NET plugin IB\n"
+        "h:1:1 [0] NCCL INFO Using network Socket\n"
+        "h:1:1 [0] NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>\n"
+        "h:1:1 [0] NCCL INFO comm 0x1 rank 0 nRanks 8 nNodes 1 localRanks 8 localRank 0 MNNVL 0\n"
+        "h:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via SHM/direct\n"
+        "h:1:1 [0] NCCL INFO 2 coll channels, 2 collnet channels, 16 nvls channels, 2 p2p channels\n"
+    )
     for fabric in nccl_log.FABRICS:
         assert nccl_log.verdicts(p2p, fabric) == []
         assert nccl_log.verdicts(one_node, fabric) == []
@@ -211,16 +238,17 @@ def test_no_verdict_within_one_node_or_on_ib():
 
 
 def test_p2p_disabled_with_several_gpus_in_a_node():
-    s = _parse("h:1:1 [0] NCCL INFO NCCL_P2P_DISABLE set by environment to 1\n"
-               "h:1:1 [0] NCCL INFO comm 0x1 rank 0 nRanks 8 nNodes 1 localRanks 8 localRank 0 MNNVL 0\n")
+    s = _parse(
+        "h:1:1 [0] NCCL INFO NCCL_P2P_DISABLE set by environment to 1\n"
+        "h:1:1 [0] NCCL INFO comm 0x1 rank 0 nRanks 8 nNodes 1 localRanks 8 localRank 0 MNNVL 0\n"
+    )
     (found,) = nccl_log.verdicts(s, "ethernet")
     assert found.startswith("NCCL_P2P_DISABLE=1 is set on h, which has 8 GPUs")
 
 
 def test_hosts_with_the_same_problem_share_one_line():
     log = "".join("%s:1:1 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n" % h for h in ("a", "b", "a"))
-    assert nccl_log.verdicts(_parse(log), "ib") == [
-        "NCCL_IB_DISABLE=1 is set on a, b while the cluster declares fabric ib: remove it"]
+    assert nccl_log.verdicts(_parse(log), "ib") == ["NCCL_IB_DISABLE=1 is set on a, b while the cluster declares fabric ib: remove it"]
 
 
 def test_unknown_fabric_names_the_allowed_ones():
@@ -256,10 +284,10 @@ def test_doctor_nccl_log_without_nccl_lines_is_bad_input(tmp_path, capsys):
 
 @pytest.mark.skipif(not os.path.exists(PY39), reason="no Python 3.9 interpreter at " + PY39)
 def test_parses_on_python39():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from alpa_job.cluster.doctor import nccl_log as n; "
-            "s = n.read_logs([sys.argv[2]]); print(n.transports_line(s)); print(len(n.verdicts(s, 'ib')))")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from alpa_job.cluster.doctor import nccl_log as n; "
+        "s = n.read_logs([sys.argv[2]]); print(n.transports_line(s)); print(len(n.verdicts(s, 'ib')))"
+    )
     p = subprocess.run([PY39, "-c", code, REPO, SOCKETS_TWO_HOSTS], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split("\n")[:2] == ["NCCL 2.28.9: 16 channels NET/Socket (lo), 2 nodes; IB did not initialise", "2"]
-
-

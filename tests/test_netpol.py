@@ -1,4 +1,5 @@
 """alpa_job.cluster.netpol: the NetworkPolicy's member ports as an nftables ruleset (no test bed)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,9 +15,11 @@ MEMBERS = {"ray.io/cluster": "alpa"}
 
 
 def policy(*ingress, selector=MEMBERS):
-    return {"kind": "NetworkPolicy", "metadata": {"name": "p"},
-            "spec": {"podSelector": {"matchLabels": dict(selector)}, "policyTypes": ["Ingress"],
-                     "ingress": list(ingress)}}
+    return {
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "p"},
+        "spec": {"podSelector": {"matchLabels": dict(selector)}, "policyTypes": ["Ingress"], "ingress": list(ingress)},
+    }
 
 
 def rule(peers, *ports):

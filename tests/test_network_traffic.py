@@ -1,5 +1,6 @@
 """What a train step sends within a host and across hosts, read from its compiled HLO (record/traffic.py):
 the bytes each collective's replica groups put on the network for a given host layout, in the report."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ from helpers_train import job_config
 @pytest.fixture(scope="module")
 def compiled():
     """{strategy: (engine, its train step's HLO)} for the MLP on 8 emulated devices."""
-    config = job_config(model="mlp", hidden_dim=64, num_samples=32, batch_size=16, steps=1, address="none",
-                       compile_cache="none").validated()
+    config = job_config(
+        model="mlp", hidden_dim=64, num_samples=32, batch_size=16, steps=1, address="none", compile_cache="none"
+    ).validated()
     batch, _ = next(epoch_batches(synthetic(config), 16, "drop", 0, 0))
     out = {}
     for strategy, mesh in (("fsdp", (8, 1)), ("tensor", (4, 2))):
@@ -72,6 +74,14 @@ def test_tensor_on_two_hosts_sends_across_only_the_axis_the_hosts_split(compiled
 def test_the_report_line_names_both_links():
     from alpa_job.inspect.render import network_text
 
-    line = network_text({"hosts": 2, "within_host_bytes": 3 * 2 ** 20, "across_hosts_bytes": 2 ** 30,
-                         "collectives": 4, "collectives_across_hosts": 3, "groups_read": True})
+    line = network_text(
+        {
+            "hosts": 2,
+            "within_host_bytes": 3 * 2**20,
+            "across_hosts_bytes": 2**30,
+            "collectives": 4,
+            "collectives_across_hosts": 3,
+            "groups_read": True,
+        }
+    )
     assert line.startswith("1.0 GiB across hosts (3 of 4 collectives cross, 2 host(s)), 3.0 MiB within"), line

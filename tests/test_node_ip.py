@@ -1,4 +1,5 @@
 """Node IP selection: given address maps, this machine's real interfaces, with and without iproute2."""
+
 from __future__ import annotations
 
 import json
@@ -84,9 +85,15 @@ def _python(code_or_module_args, env=None, netns=None):
 def test_works_without_iproute2(tmp_path):
     """With no `ip` on PATH (slim images) the addresses come from the kernel directly."""
     env = dict(os.environ, PATH=str(tmp_path))  # an empty directory: no `ip` to find
-    done = _python(["-c", "import json; from alpa_job.cluster.node_ip import *; "
-                          "import shutil; assert shutil.which('ip') is None; "
-                          "print(json.dumps(local_ipv4_addresses()))"], env=env)
+    done = _python(
+        [
+            "-c",
+            "import json; from alpa_job.cluster.node_ip import *; "
+            "import shutil; assert shutil.which('ip') is None; "
+            "print(json.dumps(local_ipv4_addresses()))",
+        ],
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "127.0.0.1" in json.loads(done.stdout)["lo"]
 
@@ -115,15 +122,23 @@ def test_in_a_namespace_with_one_cluster_interface(tmp_path):
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         # A veth pair inside the namespace (no dummy module here); only eth0 gets an address.
-        for cmd in (["link", "add", "eth0", "type", "veth", "peer", "name", "eth1"], ["addr", "add", "10.99.0.1/24", "dev", "eth0"],
-                    ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
+        for cmd in (
+            ["link", "add", "eth0", "type", "veth", "peer", "name", "eth1"],
+            ["addr", "add", "10.99.0.1/24", "dev", "eth0"],
+            ["link", "set", "eth0", "up"],
+            ["link", "set", "lo", "up"],
+        ):
             subprocess.run(["ip", "-n", ns] + cmd, check=True)
         done = _python(["-m", "alpa_job.cluster.node_ip", "--cidr", "10.99.0.0/24"], netns=ns)
         assert (done.returncode, done.stdout) == (0, "10.99.0.1\n"), done.stderr
         no_ip = dict(os.environ, PATH=str(tmp_path))
         done = subprocess.run(
             [shutil.which("ip"), "netns", "exec", ns, sys.executable, "-m", "alpa_job.cluster.node_ip", "--list"],
-            cwd=REPO, capture_output=True, text=True, timeout=60, env=no_ip,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=no_ip,
         )
         assert json.loads(done.stdout) == {"eth0": ["10.99.0.1"], "lo": ["127.0.0.1"]}, done.stderr
     finally:

@@ -8,6 +8,7 @@ checkpoint killed mid-save (a leftover orbax tmp folder) never counts as the lat
 Test-bed part (slow, real host kills: the host's PID 1 is SIGKILLed, which takes every process of
 that host with it, its raylet and its JAX process included): 3 hosts x 2 devices, process 2 on w2.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,18 +50,25 @@ def test_view_not_settled_while_the_lost_node_is_listed_alive():
     assert not view_settled(nodes, LOST)
 
 
-@pytest.mark.parametrize("rows", [
-    [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False)],  # marked dead
-    [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2")],  # gone from the table
-    [_row("10.77.0.1", "n1"), _row("10.77.0.3", "n9")],  # its raylet came back under a new id
-])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False)],  # marked dead
+        [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2")],  # gone from the table
+        [_row("10.77.0.1", "n1"), _row("10.77.0.3", "n9")],  # its raylet came back under a new id
+    ],
+)
 def test_view_settled_once_the_lost_node_is_dead_or_gone(rows):
     assert view_settled(ray_api.parse_nodes(rows), LOST)
 
 
 def test_eligible_nodes_never_include_the_lost_node():
-    rows = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3"),  # n3: not yet marked
-            _row("10.77.0.4", "n4", cpus=0.0)]  # no CPU to spare
+    rows = [
+        _row("10.77.0.1", "n1"),
+        _row("10.77.0.2", "n2"),
+        _row("10.77.0.3", "n3"),  # n3: not yet marked
+        _row("10.77.0.4", "n4", cpus=0.0),
+    ]  # no CPU to spare
     chosen = eligible_nodes(ray_api.parse_nodes(rows), LOST)
     assert [n.ip for n in chosen] == ["10.77.0.1", "10.77.0.2"]
 
@@ -69,8 +77,7 @@ def test_a_replacement_node_at_the_lost_ip_is_used_once_the_lost_id_is_marked_de
     # w2's raylet restarted (a new id, n7) before Ray marked the old one (n3) dead: that IP is the stale view
     stale = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3"), _row("10.77.0.3", "n7")]
     assert [n.node_id for n in eligible_nodes(ray_api.parse_nodes(stale), LOST)] == ["n1", "n2"]
-    settled = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False),
-               _row("10.77.0.3", "n7")]
+    settled = [_row("10.77.0.1", "n1"), _row("10.77.0.2", "n2"), _row("10.77.0.3", "n3", alive=False), _row("10.77.0.3", "n7")]
     assert [n.node_id for n in eligible_nodes(ray_api.parse_nodes(settled), LOST)] == ["n1", "n2", "n7"]
 
 
@@ -99,8 +106,7 @@ def test_batch_that_does_not_divide_the_shrunk_data_axis_names_the_sizes():
 def test_trajectory_counts_each_step_once():
     epoch = plan_epoch(1000, 96, "drop")  # 10 full batches, 40 dropped per epoch
     # run from 0; the last attempt resumed from step 20 and ran 10 steps (20 -> 30)
-    steps, seen, dropped = trajectory_counts(10, 10 * 96, 0, run_start=0, resumed_from=20, epoch=epoch,
-                                             batch_size=96)
+    steps, seen, dropped = trajectory_counts(10, 10 * 96, 0, run_start=0, resumed_from=20, epoch=epoch, batch_size=96)
     assert steps == 30 and seen == 30 * 96 and dropped == 40 * 2  # epochs 1 and 2 ran to their end
     pad = plan_epoch(1000, 96, "pad")  # 11 steps: the 11th holds 40 real samples
     assert samples_in_steps(pad.steps, pad.full_batches, pad.remainder, "pad", 96, 0, 11) == (1000, 0)
@@ -122,8 +128,11 @@ def test_non_shared_out_names_the_host(tmp_path):
     for i in (0, 1):
         shared_out.write_probe(str(a), "t", i, "h%d" % i)
     shared_out.write_probe(str(b), "t", 2, "w2")
-    seen = {0: shared_out.missing_probes(str(a), "t", 3), 1: shared_out.missing_probes(str(a), "t", 3),
-            2: shared_out.missing_probes(str(b), "t", 3)}
+    seen = {
+        0: shared_out.missing_probes(str(a), "t", 3),
+        1: shared_out.missing_probes(str(a), "t", 3),
+        2: shared_out.missing_probes(str(b), "t", 3),
+    }
     with pytest.raises(KitError, match=r"not one shared directory: on host w2 \(process 2\)"):
         shared_out.check_shared("/x", seen, ["head", "w1", "w2"])
 
@@ -211,21 +220,38 @@ def kill_host(bed, name: str) -> float:
 
 
 # A user's model (the LLaMA example package, imported from its folder on PYTHONPATH on every host).
-LLAMA = ("--model", "llama_example.model:build", "--model-arg", "num_layers=6", "--model-arg", "d_model=32",
-         "--model-arg", "num_heads=4", "--model-arg", "num_kv_heads=2", "--model-arg", "seq_len=16",
-         "--model-arg", "vocab_size=64")
+LLAMA = (
+    "--model",
+    "llama_example.model:build",
+    "--model-arg",
+    "num_layers=6",
+    "--model-arg",
+    "d_model=32",
+    "--model-arg",
+    "num_heads=4",
+    "--model-arg",
+    "num_kv_heads=2",
+    "--model-arg",
+    "seq_len=16",
+    "--model-arg",
+    "vocab_size=64",
+)
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_PATH = os.pathsep.join([str(REPO), str(REPO / "examples" / "llama")])
 
 
-def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float = 420, kill=None, model=MLP,
-                  env=None):
+def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float = 420, kill=None, model=MLP, env=None):
     """Train from the head; kill `victim` once checkpoint KILL_AFTER_CHECKPOINT is complete.
     Returns (rc, stdout, stderr, kill wall time, seconds from the kill to the driver's exit)."""
     bed = cluster.testbed
     log = open(out.parent / (out.name + ".driver.log"), "w+")
-    p = bed.popen("head", *_train_argv(cluster, str(out), *extra, model=model), stdout=log, stderr=subprocess.STDOUT,
-                  env={"RAY_ADDRESS": cluster.address, **(env or {})})
+    p = bed.popen(
+        "head",
+        *_train_argv(cluster, str(out), *extra, model=model),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={"RAY_ADDRESS": cluster.address, **(env or {})},
+    )
     deadline = time.monotonic() + timeout
     killed_at = None
     try:
@@ -241,12 +267,8 @@ def _run_and_kill(cluster, out: Path, victim: str, *extra: str, timeout: float =
         log.seek(0)
         text = log.read()
         log.close()
-    assert killed_at is not None, f"the job ended before checkpoint {KILL_AFTER_CHECKPOINT} (rc {p.returncode}):\n" \
-                                  f"{text[-4000:]}"
+    assert killed_at is not None, f"the job ended before checkpoint {KILL_AFTER_CHECKPOINT} (rc {p.returncode}):\n{text[-4000:]}"
     return p.returncode, text, killed_at, ended - killed_at
-
-
-
 
 
 @pytest.mark.slow
@@ -259,9 +281,17 @@ def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
     cluster = _cluster(testbed_factory)
     out = _out("restart")
     (out / "trace").mkdir()
-    rc, text, killed_at, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1", "--strategy", "pipeline",
-                                           model=LLAMA, env={"PYTHONPATH": LLAMA_PATH,
-                                                             "ALPA_JOB_INPUT_TRACE": str(out / "trace")})
+    rc, text, killed_at, _ = _run_and_kill(
+        cluster,
+        out,
+        "w2",
+        "--max-restarts",
+        "1",
+        "--strategy",
+        "pipeline",
+        model=LLAMA,
+        env={"PYTHONPATH": LLAMA_PATH, "ALPA_JOB_INPUT_TRACE": str(out / "trace")},
+    )
     assert rc == 0, text[-5000:]
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["model"] == "llama_example.model:build"
@@ -277,7 +307,9 @@ def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
     assert r["processes_after"] == 2 and r["recover_seconds"] and r["recover_seconds"] > 0
     assert "lost JAX process 2 on host w2" in text
     assert report["mesh"]["shape"] == [2, 2] and [row["blocks"] for row in report["pipeline"]["layers"]] == [
-        ["layer_0", "layer_1", "layer_2"], ["layer_3", "layer_4", "layer_5"]]
+        ["layer_0", "layer_1", "layer_2"],
+        ["layer_3", "layer_4", "layer_5"],
+    ]
     _SAVED_ON_TWO_HOSTS.append(out)  # test_resume_on_more_hosts_than_saved continues it on 3
 
 
@@ -295,9 +327,9 @@ def _every_host_read_its_share_of_one_order(trace: Path, report: dict) -> None:
     for entry in seen:
         step, share = entry["step"], BATCH // entry["count"]
         b = step % per_epoch
-        expected = epoch_order(rows, 0, step // per_epoch)[b * BATCH:(b + 1) * BATCH]
+        expected = epoch_order(rows, 0, step // per_epoch)[b * BATCH : (b + 1) * BATCH]
         lo = entry["process"] * share
-        assert entry["rows"] == expected[lo:lo + share].tolist(), entry
+        assert entry["rows"] == expected[lo : lo + share].tolist(), entry
         counts.setdefault(entry["count"], set()).add(step)
     (r,) = report["restarts"]
     assert set(range(r["resumed_from_step"], STEPS)) <= counts[2]  # the survivors read the rest of the run
@@ -322,8 +354,13 @@ def test_worker_host_killed_without_restarts_fails_fast_naming_the_host(testbed_
     # --resume right away (issue 12 item 4): Ray may still list w2 as alive; the job waits for the settled
     # view, never places a process on w2, and continues on the 2 survivors from the last checkpoint.
     bed = cluster.testbed
-    p = bed.exec("head", *_train_argv(cluster, str(out), "--resume", steps=KILL_AFTER_CHECKPOINT + 20),
-                 timeout=400, check=False, env={"RAY_ADDRESS": cluster.address})
+    p = bed.exec(
+        "head",
+        *_train_argv(cluster, str(out), "--resume", steps=KILL_AFTER_CHECKPOINT + 20),
+        timeout=400,
+        check=False,
+        env={"RAY_ADDRESS": cluster.address},
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     report = json.loads((out / "report.json").read_text())
     assert sorted(x["host"] for x in report["processes"]) == ["head", "w1"]
@@ -343,8 +380,7 @@ def test_resume_on_more_hosts_than_saved(testbed_factory):
     out = _SAVED_ON_TWO_HOSTS[0]
     assert latest_complete_step(str(out / "checkpoints")) == STEPS
     argv = _train_argv(cluster, str(out), "--resume", "--strategy", "pipeline", steps=STEPS + 10, model=LLAMA)
-    p = cluster.testbed.exec("head", *argv, timeout=400, check=False,
-                             env={"RAY_ADDRESS": cluster.address, "PYTHONPATH": LLAMA_PATH})
+    p = cluster.testbed.exec("head", *argv, timeout=400, check=False, env={"RAY_ADDRESS": cluster.address, "PYTHONPATH": LLAMA_PATH})
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     report = json.loads((out / "report.json").read_text())
     assert report["summary"]["hosts"] == 3 and report["summary"]["devices"] == 6
@@ -364,8 +400,7 @@ def test_non_shared_out_is_refused_before_training(testbed_factory):
     bed.exec("w2", "mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(out))
     try:
         t0 = time.monotonic()
-        p = bed.exec("head", *_train_argv(cluster, str(out)), timeout=300, check=False,
-                     env={"RAY_ADDRESS": cluster.address})
+        p = bed.exec("head", *_train_argv(cluster, str(out)), timeout=300, check=False, env={"RAY_ADDRESS": cluster.address})
         seconds = time.monotonic() - t0
     finally:
         bed.exec("w2", "umount", str(out), check=False)
@@ -430,9 +465,14 @@ except ray.exceptions.RayActorError as err:
 print("EXPECT %s %s %d" % (socket.gethostname(), ray.get_runtime_context().get_node_id(), pid))
 ray.shutdown()
 """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                       cwd=str(Path(__file__).resolve().parent.parent),
-                       env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(Path(__file__).resolve().parent.parent),
+        env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"),
+    )
     msg = [x[4:] for x in p.stdout.splitlines() if x.startswith("MSG ")]
     expect = [x.split()[1:] for x in p.stdout.splitlines() if x.startswith("EXPECT ")]
     assert msg and expect, p.stdout[-2000:] + p.stderr[-3000:]
@@ -461,8 +501,7 @@ def test_resume_after_the_heads_ray_restarts(testbed_factory):
         return t
 
     log = open(out.parent / (out.name + ".driver.log"), "w+")
-    p = bed.popen("head", *_train_argv(cluster, str(out)), stdout=log, stderr=subprocess.STDOUT,
-                  env={"RAY_ADDRESS": cluster.address})
+    p = bed.popen("head", *_train_argv(cluster, str(out)), stdout=log, stderr=subprocess.STDOUT, env={"RAY_ADDRESS": cluster.address})
     deadline = time.monotonic() + 400
     try:
         while (latest_complete_step(str(out / "checkpoints")) or 0) < KILL_AFTER_CHECKPOINT:
@@ -481,10 +520,21 @@ def test_resume_after_the_heads_ray_restarts(testbed_factory):
     for host in bed.ips:
         bed.exec(host, "ray", "stop", "--force", timeout=120, check=False)
     bed.ray = None
-    testbed_ray.start_ray(bed, num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE, include_dashboard=True,
-                          timeout=RAY_FORM_TIMEOUT, ray_env=FAST_DEATH)
-    p2 = bed.exec("head", *_train_argv(cluster, str(out), "--resume", steps=saved + 10), timeout=400, check=False,
-                  env={"RAY_ADDRESS": cluster.address})
+    testbed_ray.start_ray(
+        bed,
+        num_cpus=RAY_NUM_CPUS,
+        object_store_memory=RAY_OBJECT_STORE,
+        include_dashboard=True,
+        timeout=RAY_FORM_TIMEOUT,
+        ray_env=FAST_DEATH,
+    )
+    p2 = bed.exec(
+        "head",
+        *_train_argv(cluster, str(out), "--resume", steps=saved + 10),
+        timeout=400,
+        check=False,
+        env={"RAY_ADDRESS": cluster.address},
+    )
     assert p2.returncode == 0, (p2.stdout + p2.stderr)[-5000:]
     report = json.loads((out / "report.json").read_text())
     assert report["resumed_from_step"] == saved and report["steps"] == 10 and report["summary"]["hosts"] == 3
@@ -511,15 +561,20 @@ def test_a_replacement_node_joining_within_restart_wait_is_used(testbed_factory)
         bed.exec("w2", "ray", "stop", "--force", timeout=120, check=False)  # inside w2 only
 
         def start_again():
-            argv = ray_start_args(cluster.spec, "worker", cluster.node_ips["w2"], head_ip=cluster.head_ip,
-                                  num_cpus=RAY_NUM_CPUS, object_store_memory=RAY_OBJECT_STORE)
+            argv = ray_start_args(
+                cluster.spec,
+                "worker",
+                cluster.node_ips["w2"],
+                head_ip=cluster.head_ip,
+                num_cpus=RAY_NUM_CPUS,
+                object_store_memory=RAY_OBJECT_STORE,
+            )
             bed.exec("w2", *argv, timeout=180, check=False)
 
         threading.Thread(target=start_again, daemon=True).start()
         return t
 
-    rc, text, _, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1", "--restart-wait", "150",
-                                   kill=restart_w2_ray, timeout=600)
+    rc, text, _, _ = _run_and_kill(cluster, out, "w2", "--max-restarts", "1", "--restart-wait", "150", kill=restart_w2_ray, timeout=600)
     assert rc == 0, text[-5000:]
     report = json.loads((out / "report.json").read_text())
     (r,) = report["restarts"]

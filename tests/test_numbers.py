@@ -1,6 +1,7 @@
 """Numbers that mean something: non-finite settings refused, a diverged run stopped and reported as such,
 report.json strict JSON, memory checked before work, --devices within what the host can emulate (and
 batch advice that never fails), a warning when no checkpoint will be written, a current progress loss."""
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ from helpers_cli import REPO, run_cli
 
 def strict_load(text: str):
     """json.loads that refuses NaN / Infinity, as every non-Python JSON reader does."""
+
     def refuse(token):
         raise ValueError(f"not JSON: {token}")
 
@@ -39,13 +41,16 @@ def error_lines(stderr: str):
 
 
 # ---------------------------------------------------------------------------- settings
-@pytest.mark.parametrize("args, yaml_text, flag", [
-    (["--learning-rate", "nan"], None, "--learning-rate"),
-    (["--learning-rate", "inf"], None, "--learning-rate"),
-    (["--restart-wait=-inf"], None, "--restart-wait"),
-    ([], "learning_rate: .inf\n", "--learning-rate"),
-    ([], "memory_limit_gb: .nan\nstrategy: auto\n", "--memory-limit-gb"),
-])
+@pytest.mark.parametrize(
+    "args, yaml_text, flag",
+    [
+        (["--learning-rate", "nan"], None, "--learning-rate"),
+        (["--learning-rate", "inf"], None, "--learning-rate"),
+        (["--restart-wait=-inf"], None, "--restart-wait"),
+        ([], "learning_rate: .inf\n", "--learning-rate"),
+        ([], "memory_limit_gb: .nan\nstrategy: auto\n", "--memory-limit-gb"),
+    ],
+)
 def test_non_finite_settings_are_refused(tmp_path, args, yaml_text, flag):
     if yaml_text is not None:
         (tmp_path / "c.yaml").write_text(yaml_text)
@@ -71,8 +76,20 @@ def test_finite_check_covers_a_models_own_float_setting():
 # ---------------------------------------------------------------------------- diverged
 # tests/helpers_diverging.py: Adam moves a scalar by ~lr a step and the loss is NaN once it passes 3.0; at
 # lr 1 with this warmup that is step 16 (the tests read the step from the error, not from here).
-DIVERGING = ["--model", "helpers_diverging:build", "--num-samples", "1024", "--batch-size", "16", "--steps", "40",
-             "--learning-rate", "1", "--compile-cache", "none"]
+DIVERGING = [
+    "--model",
+    "helpers_diverging:build",
+    "--num-samples",
+    "1024",
+    "--batch-size",
+    "16",
+    "--steps",
+    "40",
+    "--learning-rate",
+    "1",
+    "--compile-cache",
+    "none",
+]
 TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
 
 
@@ -84,8 +101,7 @@ def _diverged_step(error: str) -> int:
 
 def test_a_diverged_run_stops_reports_diverged_and_names_the_last_good_checkpoint(tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("train", "--address", "none", "--out", str(out), "--checkpoint-every", "2", *DIVERGING,
-                   timeout=300, env=TESTS_ON_PATH)
+    proc = run_cli("train", "--address", "none", "--out", str(out), "--checkpoint-every", "2", *DIVERGING, timeout=300, env=TESTS_ON_PATH)
     assert proc.returncode == 1, proc.stderr
     (error,) = error_lines(proc.stderr)
     step = _diverged_step(error)
@@ -93,9 +109,9 @@ def test_a_diverged_run_stops_reports_diverged_and_names_the_last_good_checkpoin
     # The report is strict JSON (the non-finite loss is null), valid against the schema, and says why.
     report = strict_load((out / "report.json").read_text())
     assert_valid_report(report)
-    assert report["status"] == "diverged" and report["error"] == error[len("error: "):]
+    assert report["status"] == "diverged" and report["error"] == error[len("error: ") :]
     losses = report["losses"]
-    assert losses[step - 1] is None and all(isinstance(x, float) and math.isfinite(x) for x in losses[:step - 1])
+    assert losses[step - 1] is None and all(isinstance(x, float) and math.isfinite(x) for x in losses[: step - 1])
     window = max(1, min(10, 40 // 20))  # timing.window_size: losses are read back once a window
     assert len(losses) <= step + window and report["steps"] < step + window  # stopped within one window
     # No checkpoint holds a state past the non-finite loss; the newest one before it is the one named.
@@ -109,14 +125,22 @@ def test_a_diverged_run_without_checkpoints_says_so(tmp_path):
     from alpa_job.models import resolve
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    config = JobConfig(model="helpers_diverging:build", num_samples=1024, batch_size=16, steps=40, learning_rate=1.0,
-                       address="none", out=str(tmp_path / "run"), compile_cache="none").validated()
+    config = JobConfig(
+        model="helpers_diverging:build",
+        num_samples=1024,
+        batch_size=16,
+        steps=40,
+        learning_rate=1.0,
+        address="none",
+        out=str(tmp_path / "run"),
+        compile_cache="none",
+    ).validated()
     with pytest.raises(Diverged) as caught:
         run_in_process(resolve(config))
     err = caught.value
     assert err.exit_code == 1 and err.checkpoint_step is None and "no checkpoint was saved before it" in str(err)
     assert len(err.losses) >= err.step and not math.isfinite(err.losses[err.step - 1])
-    assert all(math.isfinite(x) for x in err.losses[:err.step - 1])
+    assert all(math.isfinite(x) for x in err.losses[: err.step - 1])
 
 
 @pytest.mark.slow
@@ -158,8 +182,24 @@ def test_a_state_too_big_for_host_ram_fails_before_any_allocation(tmp_path):
     seconds, while the process stays small (nothing was allocated, nothing compiled)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     started = time.monotonic()
-    proc = run_cli("train", "--address", "none", "--out", str(tmp_path / "run"), "--model", "gpt", "--d-model",
-                   "16384", "--num-heads", "16", "--num-layers", "8", "--steps", "1", timeout=120)
+    proc = run_cli(
+        "train",
+        "--address",
+        "none",
+        "--out",
+        str(tmp_path / "run"),
+        "--model",
+        "gpt",
+        "--d-model",
+        "16384",
+        "--num-heads",
+        "16",
+        "--num-layers",
+        "8",
+        "--steps",
+        "1",
+        timeout=120,
+    )
     took = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr
     (error,) = error_lines(proc.stderr)
@@ -187,18 +227,23 @@ def test_memory_budget_on_a_gpu_keeps_the_presets_that_fit_an_h100():
     h100 = [_Gpu(int(0.75 * 79.1 * 2**30))]  # JAX's default share of an H100's memory
     # GPT 24L, one H100: XLA's estimate = the measured peak, 35.18 GB (bench/RESULTS.md): it trains.
     memory_fit.check_step_fits({"peak_estimate_bytes": int(35.18e9)}, "data", (1, 1), devices=h100)
-    with pytest.raises(KitError, match=r"needs 70.00 GB per device .* JAX may take 63.70 GB of one NVIDIA H100 "
-                                       r"80GB HBM3, of which 90% \(57.33 GB\) counts as usable; .*"
-                                       r"XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .* a smaller --batch-size"):
+    with pytest.raises(
+        KitError,
+        match=r"needs 70.00 GB per device .* JAX may take 63.70 GB of one NVIDIA H100 "
+        r"80GB HBM3, of which 90% \(57.33 GB\) counts as usable; .*"
+        r"XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 .* a smaller --batch-size",
+    ):
         memory_fit.check_step_fits({"peak_estimate_bytes": int(70e9)}, "data", (1, 1), devices=h100)
     # gpt-4b on two H100s, fsdp with --remat mlp-weights: XLA's estimate was 58.72 GB; a policy that keeps less
     # is the first way out (--remat weights measured 56.39 GB there).
     stronger = models.stronger_remat(tiny_config("gpt", remat="mlp-weights"))
     assert stronger == ("weights", "dots", "full")
-    with pytest.raises(KitError, match=r"needs 58.72 GB per device .*; use --remat weights / dots / full \(keeps "
-                                       r"fewer activations\), --strategy tensor"):
-        memory_fit.check_step_fits({"peak_estimate_bytes": int(58.72e9)}, "fsdp", (2, 1), devices=h100,
-                                   stronger_remat=stronger)
+    with pytest.raises(
+        KitError,
+        match=r"needs 58.72 GB per device .*; use --remat weights / dots / full \(keeps "
+        r"fewer activations\), --strategy tensor",
+    ):
+        memory_fit.check_step_fits({"peak_estimate_bytes": int(58.72e9)}, "fsdp", (2, 1), devices=h100, stronger_remat=stronger)
     assert models.stronger_remat(tiny_config("gpt", remat="full")) == () == models.stronger_remat(tiny_config("mlp"))
 
 
@@ -225,12 +270,15 @@ def test_devices_beyond_what_the_host_can_emulate_are_refused_before_ray(tmp_pat
     assert f"use --devices {cap} or fewer" in error and time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("settings", [
-    dict(devices=64, batch_size=250),  # 192 or 256
-    dict(devices=64, batch_size=40, num_samples=50),  # no multiple of 64 fits 50 samples: fewer devices
-    dict(devices=48, batch_size=40, num_samples=100, strategy="tensor", model_parallel=2),
-    dict(devices=24, batch_size=100, num_samples=110),  # 96 fits, 120 would not
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(devices=64, batch_size=250),  # 192 or 256
+        dict(devices=64, batch_size=40, num_samples=50),  # no multiple of 64 fits 50 samples: fewer devices
+        dict(devices=48, batch_size=40, num_samples=100, strategy="tensor", model_parallel=2),
+        dict(devices=24, batch_size=100, num_samples=110),  # 96 fits, 120 would not
+    ],
+)
 def test_batch_advice_never_suggests_a_setting_that_then_fails(settings):
     config = JobConfig(address="none", **settings).validated()
     with pytest.raises(KitError) as caught:
@@ -245,11 +293,27 @@ def test_batch_advice_never_suggests_a_setting_that_then_fails(settings):
 # ---------------------------------------------------------------------------- checkpoints that never come
 def test_a_checkpoint_interval_beyond_the_run_warns_and_the_report_keeps_it(tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("train", "--address", "none", "--out", str(out), "--checkpoint-every", "100", "--steps", "3",
-                   "--hidden-dim", "32", "--compile-cache", "none", timeout=300)
+    proc = run_cli(
+        "train",
+        "--address",
+        "none",
+        "--out",
+        str(out),
+        "--checkpoint-every",
+        "100",
+        "--steps",
+        "3",
+        "--hidden-dim",
+        "32",
+        "--compile-cache",
+        "none",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
-    warning = ("warning: --checkpoint-every 100 never saves: this run ends at step 3; pass --checkpoint-every 3 "
-               "or less (or more --steps) to keep a checkpoint")
+    warning = (
+        "warning: --checkpoint-every 100 never saves: this run ends at step 3; pass --checkpoint-every 3 "
+        "or less (or more --steps) to keep a checkpoint"
+    )
     assert warning in proc.stderr
     report = strict_load((out / "report.json").read_text())
     assert report["notes"] == [warning] and not os.listdir(out / "checkpoints")

@@ -1,5 +1,6 @@
 """A multi-process run's own network in its report: NCCL's transports read from each process's own log (real
 lines of two H200 processes held to sockets), the verdicts for the declared fabric, and the report's line."""
+
 from __future__ import annotations
 
 import shutil
@@ -40,8 +41,7 @@ def test_a_process_reads_its_own_nccl_lines_and_says_when_ib_was_declared(tmp_pa
     assert not any("fell back" in v for v in calm["verdicts"])
 
     record = RunRecord(engine="jax", strategy="data")
-    record.network_measured = {"backend": "gpu", "devices": 2, "processes": 2, "bytes": 32 << 20,
-                               "seconds": 0.0224, "bus_gbps": 11.98}
+    record.network_measured = {"backend": "gpu", "devices": 2, "processes": 2, "bytes": 32 << 20, "seconds": 0.0224, "bus_gbps": 11.98}
     record.process.nccl = nccl
     record.processes = [record.process]
     from alpa_job.inspect.render import measured_network_text

@@ -1,6 +1,7 @@
 """Pipeline stages in the JAX engine (`--strategy pipeline`): the repeated blocks cut into stages over the
 mesh's `stage` axis, GPipe's schedule over micro-batches. Same numbers as `data` on the same global batch;
 one line for what cannot be pipelined; the report says where each block runs."""
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,16 @@ def gpt_data():
     return _losses(tiny_config("gpt", **GPT4), "data", (8, 1))[0]
 
 
-@pytest.mark.parametrize("strategy, mesh, micro, repeats", [
-    ("pipeline", (2, 4), 4, 1), ("pipeline", (4, 2), 2, 1), ("pipeline-fsdp", (2, 4), 4, 1), ("pipeline", (2, 4), 2, 2),
-    ("pipeline", (2, 4), 4, 2)])
+@pytest.mark.parametrize(
+    "strategy, mesh, micro, repeats",
+    [
+        ("pipeline", (2, 4), 4, 1),
+        ("pipeline", (4, 2), 2, 1),
+        ("pipeline-fsdp", (2, 4), 4, 1),
+        ("pipeline", (2, 4), 2, 2),
+        ("pipeline", (2, 4), 4, 2),
+    ],
+)
 def test_a_pipelined_gpt_computes_the_losses_data_does(gpt_data, strategy, mesh, micro, repeats):
     """2 stages x data 4 (two blocks a stage, 4 micro-batches) and 4 stages x data 2 (one block a stage),
     2 x 4 with each stage's state split over its 4 devices (pipeline-fsdp), and the circular schedule (each
@@ -66,7 +74,8 @@ def test_a_pipelined_gpt_computes_the_losses_data_does(gpt_data, strategy, mesh,
         assert described["bubble_fraction"] == round(1 / (2 * micro + 1), 4)
         assert pipeline_text(described) == (
             f"2 stages x {micro} micro-batches (circular, bubble {1 / (2 * micro + 1):.0%}): stage 0: DecoderBlock_0 "
-            "+ DecoderBlock_2 on process(es) 0; stage 1: DecoderBlock_1 + DecoderBlock_3 on process(es) 0")
+            "+ DecoderBlock_2 on process(es) 0; stage 1: DecoderBlock_1 + DecoderBlock_3 on process(es) 0"
+        )
         specs = {leaf.sharding.spec[:2] for leaf in jax.tree_util.tree_leaves(state.params["pipeline_blocks"])}
         assert specs == {(None, "stage")}, specs
     if strategy == "pipeline-fsdp":  # the stage's devices hold a quarter of its state each, or close to it
@@ -87,9 +96,38 @@ def test_the_blocks_stay_on_their_stage_and_the_report_says_where(tmp_path):
     """The stacked blocks (and their optimizer state) are split over stages, the shell is whole; the
     report names each stage's blocks and processes and the bubble, as do inspect and the mesh picture."""
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "alpa_job", "train", "--model", "gpt", "--num-layers", "4", "--d-model", "32",
-            "--num-heads", "4", "--seq-len", "16", "--vocab-size", "64", "--strategy", "pipeline", "--devices", "8",
-            "--batch-size", "32", "--micro-batches", "4", "--steps", "3", "--address", "none", "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--model",
+        "gpt",
+        "--num-layers",
+        "4",
+        "--d-model",
+        "32",
+        "--num-heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--vocab-size",
+        "64",
+        "--strategy",
+        "pipeline",
+        "--devices",
+        "8",
+        "--batch-size",
+        "32",
+        "--micro-batches",
+        "4",
+        "--steps",
+        "3",
+        "--address",
+        "none",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -97,8 +135,7 @@ def test_the_blocks_stay_on_their_stage_and_the_report_says_where(tmp_path):
     pipeline = report["pipeline"]
     assert pipeline["stages"] == 2 and pipeline["micro_batches"] == 4 and pipeline["schedule"] == "gpipe"
     assert pipeline["bubble_fraction"] == pytest.approx(1 / 5)
-    assert [row["blocks"] for row in pipeline["layers"]] == [["DecoderBlock_0", "DecoderBlock_1"],
-                                                              ["DecoderBlock_2", "DecoderBlock_3"]]
+    assert [row["blocks"] for row in pipeline["layers"]] == [["DecoderBlock_0", "DecoderBlock_1"], ["DecoderBlock_2", "DecoderBlock_3"]]
     by_path = {leaf["path"]: leaf for leaf in report["params"]}
     blocks = [leaf for path, leaf in by_path.items() if path.startswith("params/pipeline_blocks/")]
     shell = [leaf for path, leaf in by_path.items() if path.startswith("params/") and "pipeline_blocks" not in path]
@@ -114,10 +151,18 @@ def test_a_users_model_pipelines_through_its_declared_blocks():
     """The LLaMA example (a user's package) declares repeated_blocks: its pipelined losses equal data's."""
     sys.path.insert(0, str(REPO / "examples" / "llama"))
     try:
-        args = {"num_layers": "2", "d_model": "32", "num_heads": "4", "num_kv_heads": "2", "seq_len": "16",
-                "vocab_size": "64"}
-        config = JobConfig(model="llama_example.model:build", model_args=args, batch_size=16, num_samples=64,
-                           epochs=1, address="none", devices=8, learning_rate=3e-3, micro_batches=2).validated()
+        args = {"num_layers": "2", "d_model": "32", "num_heads": "4", "num_kv_heads": "2", "seq_len": "16", "vocab_size": "64"}
+        config = JobConfig(
+            model="llama_example.model:build",
+            model_args=args,
+            batch_size=16,
+            num_samples=64,
+            epochs=1,
+            address="none",
+            devices=8,
+            learning_rate=3e-3,
+            micro_batches=2,
+        ).validated()
         data, *_ = _losses(config, "data", (8, 1), steps=5)
         pipelined, *_ = _losses(config, "pipeline", (2, 4), steps=5)
     finally:
@@ -137,24 +182,51 @@ def test_stage_counts_default_to_one_per_host_and_refuse_idle_devices():
         pipeline.mesh_shape(6, devices_per_process=2, stages=2)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "mlp"], "--model mlp declares none: set repeated_blocks"),
-    (["--num-layers", "3"], "--pipeline-stages 2 does not split --model gpt's 3 repeated blocks evenly; use one of: 3"),
-    (["--micro-batches", "3"], "does not split into 3 micro-batches on each of the pipeline's 4 data-parallel slot(s)"),
-    (["--pipeline-stages", "3"], "--pipeline-stages 3 does not divide the 8 devices"),
-    (["--pipeline-repeats", "3"], "--pipeline-repeats 3 x 2 stages does not split --model gpt's 4 repeated blocks "
-                                  "into equal chunks; use one of: 2"),
-    (["--pipeline-repeats", "2", "--micro-batches", "1"], "needs at least a micro-batch a stage: --micro-batches 1"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--model", "mlp"], "--model mlp declares none: set repeated_blocks"),
+        (["--num-layers", "3"], "--pipeline-stages 2 does not split --model gpt's 3 repeated blocks evenly; use one of: 3"),
+        (["--micro-batches", "3"], "does not split into 3 micro-batches on each of the pipeline's 4 data-parallel slot(s)"),
+        (["--pipeline-stages", "3"], "--pipeline-stages 3 does not divide the 8 devices"),
+        (
+            ["--pipeline-repeats", "3"],
+            "--pipeline-repeats 3 x 2 stages does not split --model gpt's 4 repeated blocks into equal chunks; use one of: 2",
+        ),
+        (["--pipeline-repeats", "2", "--micro-batches", "1"], "needs at least a micro-batch a stage: --micro-batches 1"),
+    ],
+)
 def test_what_cannot_be_pipelined_is_one_line_exit_2(tmp_path, argv, words):
-    base = ["--model", "gpt", "--num-layers", "4", "--d-model", "32", "--num-heads", "4", "--seq-len", "16",
-            "--vocab-size", "64"]
+    base = ["--model", "gpt", "--num-layers", "4", "--d-model", "32", "--num-heads", "4", "--seq-len", "16", "--vocab-size", "64"]
     if argv[:2] == ["--model", "mlp"]:
         base = []
-    p = subprocess.run([sys.executable, "-m", "alpa_job", "train", *base, *argv, "--strategy", "pipeline",
-                        "--devices", "8", "--batch-size", "32", "--steps", "1", "--address", "none",
-                        "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "alpa_job",
+            "train",
+            *base,
+            *argv,
+            "--strategy",
+            "pipeline",
+            "--devices",
+            "8",
+            "--batch-size",
+            "32",
+            "--steps",
+            "1",
+            "--address",
+            "none",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and err and words in err[-1], p.stderr[-2000:]
     assert "Traceback" not in p.stderr
@@ -163,11 +235,45 @@ def test_what_cannot_be_pipelined_is_one_line_exit_2(tmp_path, argv, words):
 def test_a_pipelined_run_resumes_from_its_checkpoint_to_the_same_losses(tmp_path):
     """Checkpoints hold the stacked blocks split over stages; --resume continues to the losses of a run
     that never stopped."""
+
     def train(out, steps, *extra):
-        argv = [sys.executable, "-m", "alpa_job", "train", "--model", "gpt", "--num-layers", "2", "--d-model", "32",
-                "--num-heads", "4", "--seq-len", "16", "--vocab-size", "64", "--strategy", "pipeline",
-                "--devices", "8", "--batch-size", "16", "--micro-batches", "2", "--num-samples", "64",
-                "--checkpoint-every", "2", "--steps", str(steps), "--address", "none", "--out", str(out), *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "alpa_job",
+            "train",
+            "--model",
+            "gpt",
+            "--num-layers",
+            "2",
+            "--d-model",
+            "32",
+            "--num-heads",
+            "4",
+            "--seq-len",
+            "16",
+            "--vocab-size",
+            "64",
+            "--strategy",
+            "pipeline",
+            "--devices",
+            "8",
+            "--batch-size",
+            "16",
+            "--micro-batches",
+            "2",
+            "--num-samples",
+            "64",
+            "--checkpoint-every",
+            "2",
+            "--steps",
+            str(steps),
+            "--address",
+            "none",
+            "--out",
+            str(out),
+            *extra,
+        ]
         p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads((out / "report.json").read_text())

@@ -8,6 +8,7 @@ real module names; the profile dict is written exactly as Alpa writes it (`np.sa
 the `Profile result saved to:` line printed), found, converted, and read back with the exact
 `pickle.load` that AutoStageOption(cached_profile_result=...) performs.
 """
+
 import json
 import os
 import pickle
@@ -24,16 +25,25 @@ from alpa_job.errors import KitError
 REPO = Path(__file__).resolve().parent.parent
 VENV39_PY = REPO / ".venv39" / "bin" / "python"
 
-SEED_DP = (None, [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], [(1, 2), (1, 2)], [(1, 2), (1, 2)],
-           [{"force_batch_dim_to_mesh_dim": 0}, {"force_batch_dim_to_mesh_dim": 0}])
+SEED_DP = (
+    None,
+    [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]],
+    [(1, 2), (1, 2)],
+    [(1, 2), (1, 2)],
+    [{"force_batch_dim_to_mesh_dim": 0}, {"force_batch_dim_to_mesh_dim": 0}],
+)
 
 
 def _key_inputs(**over):
-    base = dict(config={"model": "wide_resnet", "model_args": {"depth": 16, "width": 2}, "dtype": "float32"},
-                batch_signature=(("image", (64, 32, 32, 3), "float32"), ("label", (64,), "int32")),
-                num_nodes=2, devices_per_node=2, device_kind="GTX_1080_Ti",
-                versions={"alpa": "0.2.3", "jax": "0.3.22", "jaxlib": "0.3.22+cuda113.cudnn820"},
-                method={"strategy": "pipeshard-auto", "micro_batches": 16, "layer_num": 16})
+    base = dict(
+        config={"model": "wide_resnet", "model_args": {"depth": 16, "width": 2}, "dtype": "float32"},
+        batch_signature=(("image", (64, 32, 32, 3), "float32"), ("label", (64,), "int32")),
+        num_nodes=2,
+        devices_per_node=2,
+        device_kind="GTX_1080_Ti",
+        versions={"alpa": "0.2.3", "jax": "0.3.22", "jaxlib": "0.3.22+cuda113.cudnn820"},
+        method={"strategy": "pipeshard-auto", "micro_batches": 16, "layer_num": 16},
+    )
     base.update(over)
     return pc.plan_key_inputs(**base)
 
@@ -53,8 +63,10 @@ def test_key_is_stable_and_covers_model_batch_cluster_versions():
 
 
 def test_profile_file_from_log_and_cwd(tmp_path):
-    assert pc.profile_file_from_log("x\nProfile result saved to: profile-results-2022-11-14-13-52-04.npy\n") == \
-        "profile-results-2022-11-14-13-52-04.npy"
+    assert (
+        pc.profile_file_from_log("x\nProfile result saved to: profile-results-2022-11-14-13-52-04.npy\n")
+        == "profile-results-2022-11-14-13-52-04.npy"
+    )
     assert pc.profile_file_from_log("nothing") is None
     np.save(tmp_path / "profile-results-2022-11-14-13-52-04.npy", {"a": 1})
     assert pc.find_profile_file("", str(tmp_path)).endswith("13-52-04.npy")  # fallback: newest in cwd
@@ -201,8 +213,7 @@ def test_round_trip_with_real_alpa_classes(tmp_path):
     env["PYTHONPATH"] = str(REPO)
     script = tmp_path / "real_alpa_cache.py"
     script.write_text(textwrap.dedent(REAL_ALPA_SCRIPT))
-    r = subprocess.run([str(VENV39_PY), str(script), str(tmp_path)], cwd=str(REPO), env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([str(VENV39_PY), str(script), str(tmp_path)], cwd=str(REPO), env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.split("JSON", 1)[1])
     assert out["raw_ok"] is False  # the .npy Alpa writes is not what its pickle.load reads

@@ -2,6 +2,7 @@
 
 All on CPU: real JAX on 8 emulated devices (subprocesses), the real plan command, the shipped calibration file.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,18 +21,39 @@ from alpa_job.planner.run_worker import compile_in_worker
 from alpa_job.record.plan_record import load_plan_schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_GPT = {"model": "gpt", "num_layers": 2, "d_model": 64, "num_heads": 4, "seq_len": 32, "vocab_size": 256,
-            "batch_size": 16, "num_samples": 16, "dataset": "synthetic", "compile_cache": "none"}
+TINY_GPT = {
+    "model": "gpt",
+    "num_layers": 2,
+    "d_model": 64,
+    "num_heads": 4,
+    "seq_len": 32,
+    "vocab_size": 256,
+    "batch_size": 16,
+    "num_samples": 16,
+    "dataset": "synthetic",
+    "compile_cache": "none",
+}
 
 
 def test_state_bytes_collectives_and_flops_equal_a_real_engine_on_8_devices():
     """Per strategy: the planner's state bytes = what device 0 really holds after init_state; its collective
     counts = the real engine's compiled HLO's; its FLOPs = the engine's."""
-    request = {"preset": None, "config": None, "devices": 8, "gpus_per_node": 4, "cli_values": TINY_GPT,
-               "candidates": [["data", [8, 1]], ["fsdp", [8, 1]], ["tensor", [4, 2]], ["tensor", [2, 4]]]}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "planner_engine_check.py"), json.dumps(request)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO})
+    request = {
+        "preset": None,
+        "config": None,
+        "devices": 8,
+        "gpus_per_node": 4,
+        "cli_values": TINY_GPT,
+        "candidates": [["data", [8, 1]], ["fsdp", [8, 1]], ["tensor", [4, 2]], ["tensor", [2, 4]]],
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "planner_engine_check.py"), json.dumps(request)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert len(result) == 4
@@ -49,8 +71,12 @@ def test_replica_group_formats_and_traffic_split():
     assert traffic.replica_groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert traffic.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, x"
-    assert traffic.replica_groups(mesh, 8) == [[0, 1], [4, 5], [2, 3], [6, 7]] or \
-        sorted(map(sorted, traffic.replica_groups(mesh, 8))) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert traffic.replica_groups(mesh, 8) == [[0, 1], [4, 5], [2, 3], [6, 7]] or sorted(map(sorted, traffic.replica_groups(mesh, 8))) == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
     assert traffic.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # 8 devices, 4 a node: a group inside a node uses NVLink only; one device a node uses the network only.
     inside = traffic.traffic("all-reduce", 1000, [[0, 1, 2, 3], [4, 5, 6, 7]], 8, 4)
@@ -90,8 +116,7 @@ def test_calibration_predicts_every_measured_run_within_20_percent_and_the_same_
 
 
 def test_communication_longer_than_compute_is_exposed_whatever_the_factor():
-    constants = estimate.Constants(efficiency=0.5, comm_factor={"fsdp": 0.05}, default_comm_factor=0.5,
-                                   temp_ratio=1.0, fitted_from=[])
+    constants = estimate.Constants(efficiency=0.5, comm_factor={"fsdp": 0.05}, default_comm_factor=0.5, temp_ratio=1.0, fitted_from=[])
     gpu = gpus.CATALOGUE["h100"]
     compute_s = 1e15 / (gpu.peak_flops * 0.5)
     network = {"all-gather": {"nvlink_bytes": 0.0, "network_bytes": 2 * compute_s * 1e9}}  # 2x compute at 1 GB/s
@@ -111,10 +136,10 @@ def test_calibration_cpu_block_is_current():
     fresh, stored = cpu_features(row), entry["cpu"]
     assert fresh["flops_per_step"] == stored["flops_per_step"]
     assert fresh["state_bytes_per_device"] == stored["state_bytes_per_device"]
-    assert {k: v["count"] for k, v in fresh["collectives"].items()} == \
-        {k: v["count"] for k, v in stored["collectives"].items()}
-    assert abs(fresh["memory"]["temp_size_in_bytes"] - stored["memory"]["temp_size_in_bytes"]) <= \
-        0.02 * stored["memory"]["temp_size_in_bytes"]
+    assert {k: v["count"] for k, v in fresh["collectives"].items()} == {k: v["count"] for k, v in stored["collectives"].items()}
+    assert (
+        abs(fresh["memory"]["temp_size_in_bytes"] - stored["memory"]["temp_size_in_bytes"]) <= 0.02 * stored["memory"]["temp_size_in_bytes"]
+    )
 
 
 def _doctor_result_over_loopback(path):
@@ -137,10 +162,30 @@ def _doctor_result_over_loopback(path):
 def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     out = tmp_path / "plan"
     median = _doctor_result_over_loopback(tmp_path / "doctor.json")
-    proc = subprocess.run([sys.executable, "-m", "alpa_job", "plan", "--preset", "gpt-small", "--nodes", "2",
-                           "--gpus-per-node", "4", "--num-layers", "2", "--out", str(out),
-                           "--network-from", str(tmp_path / "doctor.json")],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "alpa_job",
+            "plan",
+            "--preset",
+            "gpt-small",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--num-layers",
+            "2",
+            "--out",
+            str(out),
+            "--network-from",
+            str(tmp_path / "doctor.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((out / "plan.json").read_text())
     # the measured link, shared by a node's 4 GPUs, is the plan's network figure, and it says so
@@ -151,9 +196,14 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     jsonschema.validate(plan, load_plan_schema())
     rows = plan["candidates"]
     assert {(r["strategy"], tuple(r["mesh_shape"])) for r in rows} == {
-        ("data", (8, 1)), ("fsdp", (8, 1)), ("tensor", (4, 2)), ("tensor", (2, 4)),  # model axis inside a node
+        ("data", (8, 1)),
+        ("fsdp", (8, 1)),
+        ("tensor", (4, 2)),
+        ("tensor", (2, 4)),  # model axis inside a node
         ("hsdp", (2, 4)),  # two-level: nodes x their GPUs
-        ("pipeline", (2, 4)), ("pipeline-fsdp", (2, 4))}  # a stage a node, data / fsdp over its GPUs
+        ("pipeline", (2, 4)),
+        ("pipeline-fsdp", (2, 4)),
+    }  # a stage a node, data / fsdp over its GPUs
     ranked = sorted((r for r in rows if r["rank"]), key=lambda r: r["rank"])
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     assert plan["best"] is not None and plan["candidates"][plan["best"]]["rank"] == 1
@@ -170,8 +220,9 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     pipeline = by[("pipeline", (2, 4))]
     assert pipeline["axes"] == {"stage": "across nodes", "data": "inside a node"}
     assert pipeline["collectives"]["collective-permute"]["network_bytes"] > 0
-    assert 0 < pipeline["collectives"]["all-reduce"]["network_bytes"] < \
-        by[("data", (8, 1))]["collectives"]["all-reduce"]["network_bytes"] / 2
+    assert (
+        0 < pipeline["collectives"]["all-reduce"]["network_bytes"] < by[("data", (8, 1))]["collectives"]["all-reduce"]["network_bytes"] / 2
+    )
     assert pipeline["flops_per_step"] > by[("data", (8, 1))]["flops_per_step"]
     # fsdp within a stage: a quarter of the state a GPU, its gathers inside a node
     split = by[("pipeline-fsdp", (2, 4))]
@@ -183,19 +234,22 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     assert "rank" in proc.stdout and "plan.html" in proc.stdout
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--gpu", "h10"], "(did you mean h100?)"),
-    (["--gpu", "l40s", "--gpu-memory-gb", "48"], "--gpu-tflops, --nvlink-gbps"),
-    (["--strategy", "data", "--batch-size", "3"], "not divisible by the data axis of any candidate"),
-    (["--gpu-tflops", "-1"], "--gpu-tflops must be > 0"),
-    (["--model-parallel", "3"], "--model-parallel 3 does not divide"),
-    (["--nodes", "0"], "must be >= 1"),
-    (["--network-gbps", "0"], "--network-gbps must be > 0"),
-    (["--strategy", "pipeline", "--nodes", "1"], "pipeline several nodes (a stage a node)"),
-    (["--network-from", "/nonexistent/doctor.json"], "cannot read it"),
-    (["--network-from", "{tmp}/plain.json"], "holds no link measurements: run the doctor with --network"),
-    (["--network-from", "{tmp}/plain.json", "--network-gbps", "10"], "both set the network figure; keep one"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--gpu", "h10"], "(did you mean h100?)"),
+        (["--gpu", "l40s", "--gpu-memory-gb", "48"], "--gpu-tflops, --nvlink-gbps"),
+        (["--strategy", "data", "--batch-size", "3"], "not divisible by the data axis of any candidate"),
+        (["--gpu-tflops", "-1"], "--gpu-tflops must be > 0"),
+        (["--model-parallel", "3"], "--model-parallel 3 does not divide"),
+        (["--nodes", "0"], "must be >= 1"),
+        (["--network-gbps", "0"], "--network-gbps must be > 0"),
+        (["--strategy", "pipeline", "--nodes", "1"], "pipeline several nodes (a stage a node)"),
+        (["--network-from", "/nonexistent/doctor.json"], "cannot read it"),
+        (["--network-from", "{tmp}/plain.json"], "holds no link measurements: run the doctor with --network"),
+        (["--network-from", "{tmp}/plain.json", "--network-gbps", "10"], "both set the network figure; keep one"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
     (tmp_path / "plain.json").write_text(json.dumps({"ok": True, "checks": []}))  # a doctor run without --network
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -219,8 +273,7 @@ def test_prefilter_drops_what_cannot_fit_or_is_slow():
 
     example = {"tokens": np.zeros((16, 33), np.int32), "mask": np.ones((16,), np.float32)}
     candidates = auto_candidates(8)
-    kept, dropped = drop_candidates(config, None, example, candidates, budget_bytes=10 ** 12, nodes=2,
-                                    gpus_per_node=4)
+    kept, dropped = drop_candidates(config, None, example, candidates, budget_bytes=10**12, nodes=2, gpus_per_node=4)
     assert kept and len(kept) + len(dropped) == len(candidates)
     assert all("planner: predicted" in d["note"] for d in dropped)
     tight, dropped_tight = drop_candidates(config, None, example, candidates, budget_bytes=1, nodes=2, gpus_per_node=4)
@@ -236,6 +289,10 @@ def test_plan_schema_matches_the_record_and_shares_the_report_leaf():
     schema = load_plan_schema()
     assert schema["$defs"]["leaf"]["properties"] == load_schema()["$defs"]["leaf"]["properties"]
     assert set(schema["required"]) == {f.name for f in dataclasses.fields(plan_record.PlanRecord)}
-    for name, cls in (("candidate", plan_record.PlanCandidate), ("cluster", plan_record.PlanCluster),
-                      ("gpu", plan_record.PlanGpu), ("collective", plan_record.PlanCollective)):
+    for name, cls in (
+        ("candidate", plan_record.PlanCandidate),
+        ("cluster", plan_record.PlanCluster),
+        ("gpu", plan_record.PlanGpu),
+        ("collective", plan_record.PlanCollective),
+    ):
         assert set(schema["$defs"][name]["properties"]) == {f.name for f in dataclasses.fields(cls)}, name

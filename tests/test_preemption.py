@@ -5,6 +5,7 @@ losses of a run that was never stopped.
 CPU, in-process (`--address none`) and the agreement protocol with real threads; the Ray path runs on
 the test bed (test_preemption_testbed.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,14 +27,35 @@ from helpers_train import signal_at_step, tiny_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200
 # The tiny MLP of helpers_train.tiny_config, as flags: the in-test run and the CLI's train the same.
-TINY = ("--address", "none", "--hidden-dim", "32", "--num-samples", "64", "--batch-size", "16", "--epochs", "100",
-        "--learning-rate", "3e-3", "--compile-cache", "none", "--steps", str(STEPS))
+TINY = (
+    "--address",
+    "none",
+    "--hidden-dim",
+    "32",
+    "--num-samples",
+    "64",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "100",
+    "--learning-rate",
+    "3e-3",
+    "--compile-cache",
+    "none",
+    "--steps",
+    str(STEPS),
+)
 
 
 def _cli(*args, cwd):
-    return subprocess.Popen([sys.executable, "-m", "alpa_job", "train", *TINY, *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "alpa_job", "train", *TINY, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO, RAY_USAGE_STATS_ENABLED="0"),
+    )
 
 
 def test_sigterm_saves_the_step_reached_and_resume_auto_continues_with_the_same_losses(tmp_path):
@@ -41,8 +63,7 @@ def test_sigterm_saves_the_step_reached_and_resume_auto_continues_with_the_same_
     straight = run_in_process(tiny_config(steps=STEPS, epochs=100, compile_cache="none", out=str(tmp_path / "a")))
 
     # First start: --resume auto on an empty --out starts fresh; no --checkpoint-every multiple is reached.
-    proc = _cli("--resume", "auto", "--checkpoint-every", "1000", "--progress-every", "1", "--out", str(out),
-                cwd=tmp_path)
+    proc = _cli("--resume", "auto", "--checkpoint-every", "1000", "--progress-every", "1", "--out", str(out), cwd=tmp_path)
     stderr = signal_at_step(proc, 5, signal.SIGTERM)
     assert proc.returncode == EXIT_PREEMPTED == 75, stderr[-3000:]
     assert "--resume auto: no complete checkpoint" in stderr and "starting fresh" in stderr
@@ -104,8 +125,9 @@ def _processes(count, total, pace):
 
 
 def _driver(points):
-    return agree(lambda at: [p.propose(at) for p in points], lambda at: [p.confirm(at) for p in points],
-                 furthest=max(p.step or 0 for p in points))
+    return agree(
+        lambda at: [p.propose(at) for p in points], lambda at: [p.confirm(at) for p in points], furthest=max(p.step or 0 for p in points)
+    )
 
 
 def test_processes_at_different_steps_all_stop_at_the_one_agreed_step():
@@ -194,8 +216,9 @@ def test_the_systemd_unit_runs_resume_auto_and_gives_sigterm_time_for_a_save():
 
     from helpers_ansible import Render
 
-    unit = Render("process", role="head", kit_role="alpa_train", alpa_train_args=["--model", "gpt"],
-                  alpa_train_stop_timeout_s=240).template_file("alpa-kit-train.service.j2")
+    unit = Render(
+        "process", role="head", kit_role="alpa_train", alpa_train_args=["--model", "gpt"], alpa_train_stop_timeout_s=240
+    ).template_file("alpa-kit-train.service.j2")
     lines = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
     argv = shlex.split(lines["ExecStart"])
     assert argv[:4] == ["/opt/alpa-kit/venv/bin/python", "-m", "alpa_job", "train"]

@@ -11,6 +11,7 @@ The bed is test_node_loss.py's (one 3-host Ray cluster shared by the test-bed te
 uninterrupted reference run is trained once per session on it: CPU XLA on the same devices and the same
 process layout gives the same losses bit for bit.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,15 +39,42 @@ BATCH = 96  # divides 3 hosts x 2 devices
 # No --checkpoint-every multiple is reached: the checkpoint the resume uses is the preemption's own save.
 # The MLP is node loss's (helpers_node_loss.MLP: steps of about a tenth of a second, so a stop sent through
 # `ray job stop` still lands seconds before the last step).
-ARGS = ("--model", "mlp", "--hidden-dim", "256", "--devices", "2", "--batch-size", str(BATCH),
-        "--checkpoint-every", "1000", "--progress-every", "1", "--resume", "auto")
+ARGS = (
+    "--model",
+    "mlp",
+    "--hidden-dim",
+    "256",
+    "--devices",
+    "2",
+    "--batch-size",
+    str(BATCH),
+    "--checkpoint-every",
+    "1000",
+    "--progress-every",
+    "1",
+    "--resume",
+    "auto",
+)
 STEP_LINE = re.compile(r"\[train\] step (\d+)/")
 RUN_TIMEOUT = 300
 
 
 def _argv(cluster, out: Path, steps: int = STEPS):
-    return ["python", "-m", "alpa_job", "train", *ARGS, "--steps", str(steps), "--address", cluster.address,
-            "--cluster-spec", str(cluster.spec_path), "--out", str(out)]
+    return [
+        "python",
+        "-m",
+        "alpa_job",
+        "train",
+        *ARGS,
+        "--steps",
+        str(steps),
+        "--address",
+        cluster.address,
+        "--cluster-spec",
+        str(cluster.spec_path),
+        "--out",
+        str(out),
+    ]
 
 
 def _out(name: str) -> Path:
@@ -69,8 +97,7 @@ def _reference_losses(cluster) -> list:
     """The losses of the same run never stopped (trained once per session)."""
     if "losses" not in _REFERENCE:
         out = _out("reference")
-        p = cluster.testbed.exec("head", *_argv(cluster, out), timeout=RUN_TIMEOUT, check=False,
-                                 env={"RAY_ADDRESS": cluster.address})
+        p = cluster.testbed.exec("head", *_argv(cluster, out), timeout=RUN_TIMEOUT, check=False, env={"RAY_ADDRESS": cluster.address})
         assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
         report = _report(out)
         assert report["status"] == "ok" and report["steps"] == STEPS and report["summary"]["hosts"] == 3
@@ -147,8 +174,7 @@ def _assert_preempted(out: Path, reference: list, seen: int) -> int:
 
 def _assert_resumes(cluster, out: Path, stop: int, reference: list) -> None:
     """The same command again continues from S to the end, with the uninterrupted run's losses."""
-    p = cluster.testbed.exec("head", *_argv(cluster, out), timeout=RUN_TIMEOUT, check=False,
-                             env={"RAY_ADDRESS": cluster.address})
+    p = cluster.testbed.exec("head", *_argv(cluster, out), timeout=RUN_TIMEOUT, check=False, env={"RAY_ADDRESS": cluster.address})
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     report = _report(out)
     assert report["status"] == "ok" and report["resumed_from_step"] == stop and report["stopped_at_step"] is None
@@ -161,8 +187,7 @@ def test_sigterm_to_the_driver_stops_every_host_at_one_step_and_resume_auto_cont
     reference = _reference_losses(cluster)
     out = _out("sigterm")
     log = open(out.parent / (out.name + ".driver.log"), "w+")
-    p = cluster.testbed.popen("head", *_argv(cluster, out), stdout=log, stderr=subprocess.STDOUT,
-                              env={"RAY_ADDRESS": cluster.address})
+    p = cluster.testbed.popen("head", *_argv(cluster, out), stdout=log, stderr=subprocess.STDOUT, env={"RAY_ADDRESS": cluster.address})
     try:
         driver = _driver_pid(p)
         seen = _wait_for_step(out, lambda: p.poll() is None)
@@ -195,8 +220,7 @@ STOP_WAIT_S = 120  # RAY_JOB_STOP_WAIT_TIME_S: Ray SIGKILLs the driver this long
 def _jobs(cluster, *argv, timeout: float = 120):
     """`ray job ...` on the head against the dashboard's job API."""
     address = "http://%s:%d" % (cluster.head_ip, cluster.spec.ports["dashboard"])
-    return cluster.testbed.exec("head", "ray", "job", argv[0], "--address", address, *argv[1:], timeout=timeout,
-                                check=False)
+    return cluster.testbed.exec("head", "ray", "job", argv[0], "--address", address, *argv[1:], timeout=timeout, check=False)
 
 
 def test_ray_job_stop_preempts_a_submitted_run_at_one_step(testbed_factory):
@@ -209,10 +233,10 @@ def test_ray_job_stop_preempts_a_submitted_run_at_one_step(testbed_factory):
     out = _out("jobstop")
     job = "preempt-" + uuid.uuid4().hex[:8]
     env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}})
-    submitted = _jobs(cluster, "submit", "--submission-id", job, "--no-wait", "--runtime-env-json", env, "--",
-                      *_argv(cluster, out))
+    submitted = _jobs(cluster, "submit", "--submission-id", job, "--no-wait", "--runtime-env-json", env, "--", *_argv(cluster, out))
     assert submitted.returncode == 0, (submitted.stdout + submitted.stderr)[-3000:]
     try:
+
         def alive():
             status = _jobs(cluster, "status", job).stdout
             return not any(x in status for x in ("failed", "succeeded", "was stopped"))

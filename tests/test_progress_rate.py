@@ -2,6 +2,7 @@
 are the steady state the report gives (samples per step over the median timed window), measured where the
 steps run. A run with an eval every few steps is the case that used to read low: samples over the wall time
 since the loop began counted every eval (and the first step) as training."""
+
 from __future__ import annotations
 
 import json
@@ -26,19 +27,53 @@ def test_progress_rate_through_ray_is_the_reports_steady_rate(tmp_path):
     train, held = _tokens(tmp_path / "train.bin", 40000), _tokens(tmp_path / "eval.bin", 8000)
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "alpa_job", "train", "--address", "local", "--model", "gpt", "--num-layers", "1",
-         "--d-model", "32", "--seq-len", "16", "--vocab-size", "64", "--batch-size", "16", "--dataset", "tokens",
-         "--data-path", train, "--eval-data-path", held, "--eval-every", "5", "--eval-batches", "20",
-         "--steps", "60", "--progress-every", "10", "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0").items()
-             if k != "RAY_ADDRESS"})
+        [
+            sys.executable,
+            "-m",
+            "alpa_job",
+            "train",
+            "--address",
+            "local",
+            "--model",
+            "gpt",
+            "--num-layers",
+            "1",
+            "--d-model",
+            "32",
+            "--seq-len",
+            "16",
+            "--vocab-size",
+            "64",
+            "--batch-size",
+            "16",
+            "--dataset",
+            "tokens",
+            "--data-path",
+            train,
+            "--eval-data-path",
+            held,
+            "--eval-every",
+            "5",
+            "--eval-batches",
+            "20",
+            "--steps",
+            "60",
+            "--progress-every",
+            "10",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0").items() if k != "RAY_ADDRESS"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "joined local Ray" in proc.stderr  # process 0 trained in a Ray actor: its events crossed to the driver
     report = json.loads((out / "report.json").read_text())
     steady = report["timing"]["steady_step"]
-    assert steady["samples_per_s"] == pytest.approx(report["samples_seen"] / report["steps"] / steady["median_s"],
-                                                    rel=1e-3)
+    assert steady["samples_per_s"] == pytest.approx(report["samples_seen"] / report["steps"] / steady["median_s"], rel=1e-3)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("[train] step")]
     assert len(lines) == 6 and lines[-1].startswith("[train] step 60/60  loss ") and lines[-1].endswith("ETA 0 s")
     shown = float(re.search(r"  ([\d,]+) samples/s", lines[-1]).group(1).replace(",", ""))

@@ -14,6 +14,7 @@ run in a second venv, `.venv39-models`, on the closest installable stack
 flax 0.6.2 itself (Alpa's pin) fails on `nn.initializers.zeros_init`, which it does not have.
 Skips when no Python 3.9 is found (pyenv's 3.9.18 on the CI machines).
 """
+
 from __future__ import annotations
 
 import glob
@@ -32,10 +33,23 @@ VENV = os.path.join(REPO, ".venv39-ray21")
 LOCK = os.path.join(REPO, "requirements", "image-alpa.txt")
 PIP_LOCK = os.path.join(REPO, "requirements", "image-alpa-pip.txt")
 # Test tools for Python 3.9 (requirements/dev.txt's pytest needs >= 3.10).
-PYTEST_PINS = ["pytest==8.3.5", "pluggy==1.5.0", "iniconfig==2.1.0", "exceptiongroup==1.3.0",
-               "tomli==2.2.1", "pytest-timeout==2.4.0"]  # packaging, typing-extensions: from the lock
-NO_JAX_TESTS = ["tests/test_cluster_spec.py", "tests/test_ray_start.py", "tests/test_node_ip.py",
-                "tests/test_firewall.py", "tests/test_alpa_dump.py", "tests/test_hlo.py", "tests/test_ray_api.py"]
+PYTEST_PINS = [
+    "pytest==8.3.5",
+    "pluggy==1.5.0",
+    "iniconfig==2.1.0",
+    "exceptiongroup==1.3.0",
+    "tomli==2.2.1",
+    "pytest-timeout==2.4.0",
+]  # packaging, typing-extensions: from the lock
+NO_JAX_TESTS = [
+    "tests/test_cluster_spec.py",
+    "tests/test_ray_start.py",
+    "tests/test_node_ip.py",
+    "tests/test_firewall.py",
+    "tests/test_alpa_dump.py",
+    "tests/test_hlo.py",
+    "tests/test_ray_api.py",
+]
 JAXLIB_STANDIN = "0.3.22+cuda113.cudnn820"
 MODELS_VENV = os.path.join(REPO, ".venv39-models")
 MODELS_PINS = os.path.join(REPO, "docker", "alpa", "requirements-py39-models.txt")
@@ -44,8 +58,7 @@ MODELS_PINS = os.path.join(REPO, "docker", "alpa", "requirements-py39-models.txt
 def find_python39():
     root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
     for cand in [shutil.which("python3.9")] + sorted(glob.glob(os.path.join(root, "versions", "3.9*", "bin", "python3.9"))):
-        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 9)"],
-                                   capture_output=True).returncode == 0:
+        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 9)"], capture_output=True).returncode == 0:
             return cand
     return None
 
@@ -60,13 +73,16 @@ def _pip(py, *args, timeout=1200):
 
 def _standin_jaxlib(py):
     """dist-info only: tells pip that Alpa's jaxlib is there (nothing can import it)."""
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     info = os.path.join(site, "jaxlib-%s.dist-info" % JAXLIB_STANDIN)
     os.makedirs(info, exist_ok=True)
     with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: jaxlib\nVersion: %s\nRequires-Dist: scipy (>=1.5)\n"
-                "Requires-Dist: numpy (>=1.20)\nSummary: metadata-only stand-in for Alpa's CUDA jaxlib\n" % JAXLIB_STANDIN)
+        f.write(
+            "Metadata-Version: 2.1\nName: jaxlib\nVersion: %s\nRequires-Dist: scipy (>=1.5)\n"
+            "Requires-Dist: numpy (>=1.20)\nSummary: metadata-only stand-in for Alpa's CUDA jaxlib\n" % JAXLIB_STANDIN
+        )
     with open(os.path.join(info, "INSTALLER"), "w") as f:
         f.write("alpa-cluster-kit-test\n")
     with open(os.path.join(info, "RECORD"), "w") as f:
@@ -97,9 +113,17 @@ def test_alpa_image_lock_is_consistent(py39):
     """`pip check` over the Alpa image's lock + Alpa's jaxlib (stand-in): what the image build runs."""
     result = subprocess.run([py39, "-m", "pip", "check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    versions = subprocess.run([py39, "-c", "import importlib.metadata as m; print(' '.join(m.version(p) for p in "
-                               "('ray', 'alpa', 'jax', 'flax', 'chex', 'optax', 'numpy')))"],
-                              capture_output=True, text=True, check=True).stdout.split()
+    versions = subprocess.run(
+        [
+            py39,
+            "-c",
+            "import importlib.metadata as m; print(' '.join(m.version(p) for p in "
+            "('ray', 'alpa', 'jax', 'flax', 'chex', 'optax', 'numpy')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     from alpa_job.cluster.spec import load_spec
 
     v = load_spec().versions
@@ -109,8 +133,14 @@ def test_alpa_image_lock_is_consistent(py39):
 def test_non_engine_tests_pass_on_py39_ray21(py39):
     env = {k: val for k, val in os.environ.items() if not k.startswith("PYTEST")}
     # addopts replaced: pyproject's run the suite with pytest-xdist, which this venv has no need of.
-    result = subprocess.run([py39, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider", "-m", "not testbed",
-                             *NO_JAX_TESTS], cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
+    result = subprocess.run(
+        [py39, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider", "-m", "not testbed", *NO_JAX_TESTS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+    )
     tail = result.stdout[-6000:] + result.stderr[-3000:]
     assert result.returncode == 0, tail
     assert " passed" in result.stdout, tail
@@ -185,9 +215,29 @@ def py39_models():
 def test_models_train_on_py39(py39_models, model, tmp_path):
     """Every model, in-process on 2 emulated devices, on Python 3.9 with jax 0.4.13 / flax 0.7.2."""
     env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    result = subprocess.run([py39_models, "-m", "alpa_job", "train", "--model", model, "--steps", "3",
-                             "--address", "none", "--devices", "2", "--out", str(tmp_path / "run")],
-                            capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    result = subprocess.run(
+        [
+            py39_models,
+            "-m",
+            "alpa_job",
+            "train",
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--address",
+            "none",
+            "--devices",
+            "2",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "3 steps, 1 compile" in result.stdout + result.stderr
 
@@ -214,8 +264,17 @@ def test_old_jax_that_cannot_join_processes_is_refused_not_split(py39_models, tm
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([py39_models, "-c", _JOIN, "127.0.0.1:%d" % port, str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path)) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [py39_models, "-c", _JOIN, "127.0.0.1:%d" % port, str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(tmp_path),
+        )
+        for i in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for out, err in outs:
         assert "KITERROR jax 0.4.13 on cpu did not join the 2 JAX processes" in out, out + err[-2000:]

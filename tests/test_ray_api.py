@@ -3,6 +3,7 @@
 Runs on the Alpa image's stack too (test_py39_stack runs the non-testbed tests under Ray 2.1.0), so the
 real-Ray tests here read both Ray dialects' node rows from a real cluster.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,11 +34,16 @@ def test_gcs_address_comes_from_the_spec(spec, tmp_path):
     assert ray_api.gcs_address(load_spec(str(path)), "10.0.0.1") == "10.0.0.1:6390"
 
 
-@pytest.mark.parametrize("given, want", [
-    ("10.0.0.1:7000", "10.0.0.1:7000"),
-    ("10.0.0.1", "10.0.0.1:6390"),  # a bare host: the spec's GCS port
-    (" auto ", "auto"), ("local", "local"), ("ray://head:10001", "ray://head:10001"),
-])
+@pytest.mark.parametrize(
+    "given, want",
+    [
+        ("10.0.0.1:7000", "10.0.0.1:7000"),
+        ("10.0.0.1", "10.0.0.1:6390"),  # a bare host: the spec's GCS port
+        (" auto ", "auto"),
+        ("local", "local"),
+        ("ray://head:10001", "ray://head:10001"),
+    ],
+)
 def test_normalize_address(tmp_path, given, want):
     path = tmp_path / "c.yaml"
     path.write_text("ports: {gcs: 6390}\n")
@@ -52,11 +58,14 @@ def test_normalize_address_defaults_to_ray_address_then_default(monkeypatch, spe
     assert ray_api.normalize_address(None, spec) == "10.0.0.9:6379"
 
 
-@pytest.mark.parametrize("given, message", [
-    ("http://10.0.0.1:8265", "is the dashboard/jobs URL; submit with `ray job submit --address http://10.0.0.1:8265"),
-    ("10.0.0.1:gcs", "is not HOST:PORT"),
-    ("10.0.0.1:70000", "is not HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("http://10.0.0.1:8265", "is the dashboard/jobs URL; submit with `ray job submit --address http://10.0.0.1:8265"),
+        ("10.0.0.1:gcs", "is not HOST:PORT"),
+        ("10.0.0.1:70000", "is not HOST:PORT"),
+    ],
+)
 def test_normalize_address_refuses_with_the_fix(spec, given, message):
     with pytest.raises(KitError, match=message.replace("?", r"\?").replace("(", r"\(")) as err:
         ray_api.normalize_address(given, spec)
@@ -84,8 +93,7 @@ def test_join_to_a_non_ray_port_fails_within_the_deadline_naming_it():
     address = "127.0.0.1:%d" % server.getsockname()[1]
     try:
         start = time.monotonic()
-        p = subprocess.run([sys.executable, "-c", JOIN, address, "3"], cwd=REPO, capture_output=True, text=True,
-                           timeout=60)
+        p = subprocess.run([sys.executable, "-c", JOIN, address, "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
         took = time.monotonic() - start
     finally:
         server.close()
@@ -111,24 +119,37 @@ def test_join_to_a_closed_port_fails_fast_naming_it():
 # What ray.nodes() returns on Ray 2.1.0 (no head marker) and on current Ray (the head's
 # node:__internal_head__), trimmed to the fields the kit reads; the state API's row; a dashboard-style
 # lower-case "alive".
-ROW_RAY21 = {"NodeID": "a1", "Alive": True, "NodeManagerAddress": "10.0.0.1",
-             "Resources": {"CPU": 8.0, "node:10.0.0.1": 1.0}}
-ROW_RAY2X_HEAD = {"NodeID": "b2", "Alive": True, "NodeManagerAddress": "10.0.0.2",
-                  "Resources": {"CPU": 4.0, "GPU": 2.0, "node:10.0.0.2": 1.0, "node:__internal_head__": 1.0}}
+ROW_RAY21 = {"NodeID": "a1", "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0, "node:10.0.0.1": 1.0}}
+ROW_RAY2X_HEAD = {
+    "NodeID": "b2",
+    "Alive": True,
+    "NodeManagerAddress": "10.0.0.2",
+    "Resources": {"CPU": 4.0, "GPU": 2.0, "node:10.0.0.2": 1.0, "node:__internal_head__": 1.0},
+}
 ROW_DEAD = {"NodeID": "c3", "Alive": False, "NodeManagerAddress": "10.0.0.3", "Resources": {"CPU": 4.0}}
 ROW_LOWER = {"NodeID": "d4", "alive": True, "NodeManagerAddress": "10.0.0.4", "Resources": {"GPU": 8.0}}
-ROW_STATE = {"node_id": "e5", "node_ip": "10.0.0.5", "state": "ALIVE", "is_head_node": False,
-             "resources_total": {"CPU": 2.0}}
+ROW_STATE = {"node_id": "e5", "node_ip": "10.0.0.5", "state": "ALIVE", "is_head_node": False, "resources_total": {"CPU": 2.0}}
 ROW_STATE_DEAD = {"node_id": "f6", "node_ip": "10.0.0.6", "state": "DEAD", "resources_total": {}}
 
 
 def test_parse_node_reads_every_dialect():
-    got = {n.ip: n for n in ray_api.parse_nodes([ROW_RAY21, ROW_RAY2X_HEAD, ROW_DEAD, ROW_LOWER, ROW_STATE,
-                                                  ROW_STATE_DEAD])}
+    got = {n.ip: n for n in ray_api.parse_nodes([ROW_RAY21, ROW_RAY2X_HEAD, ROW_DEAD, ROW_LOWER, ROW_STATE, ROW_STATE_DEAD])}
     assert {ip: n.alive for ip, n in got.items()} == {
-        "10.0.0.1": True, "10.0.0.2": True, "10.0.0.3": False, "10.0.0.4": True, "10.0.0.5": True, "10.0.0.6": False}
+        "10.0.0.1": True,
+        "10.0.0.2": True,
+        "10.0.0.3": False,
+        "10.0.0.4": True,
+        "10.0.0.5": True,
+        "10.0.0.6": False,
+    }
     assert {ip: n.is_head for ip, n in got.items()} == {
-        "10.0.0.1": None, "10.0.0.2": True, "10.0.0.3": None, "10.0.0.4": None, "10.0.0.5": False, "10.0.0.6": None}
+        "10.0.0.1": None,
+        "10.0.0.2": True,
+        "10.0.0.3": None,
+        "10.0.0.4": None,
+        "10.0.0.5": False,
+        "10.0.0.6": None,
+    }
     assert (got["10.0.0.2"].gpus(), got["10.0.0.4"].gpus(), got["10.0.0.5"].cpus()) == (2.0, 8.0, 2.0)
     assert [n.node_id for n in got.values()] == ["a1", "b2", "c3", "d4", "e5", "f6"]
 

@@ -1,4 +1,5 @@
 """`ray start` rendering: exact argv per role and Ray version, refusals, the CLI, and Ray's own parser."""
+
 from __future__ import annotations
 
 import shlex
@@ -24,8 +25,14 @@ PINNED = [
     "--metrics-export-port=8080",
 ]
 HEAD = [
-    "ray", "start", "--head", "--node-ip-address=10.0.0.1", "--port=6379",
-    "--dashboard-host=0.0.0.0", "--dashboard-port=8265", "--ray-client-server-port=10001",
+    "ray",
+    "start",
+    "--head",
+    "--node-ip-address=10.0.0.1",
+    "--port=6379",
+    "--dashboard-host=0.0.0.0",
+    "--dashboard-port=8265",
+    "--ray-client-server-port=10001",
 ]
 WORKER = ["ray", "start", "--address=10.0.0.1:6379", "--node-ip-address=10.0.0.2"]
 
@@ -51,15 +58,21 @@ def test_worker_argv_ray_2_1(spec):
 
 
 def test_default_version_is_the_specs_modern_ray(spec):
-    assert ray_start_args(spec, "head", "10.0.0.1") == ray_start_args(
-        spec, "head", "10.0.0.1", ray_version=spec.versions["ray_modern"]
-    )
+    assert ray_start_args(spec, "head", "10.0.0.1") == ray_start_args(spec, "head", "10.0.0.1", ray_version=spec.versions["ray_modern"])
 
 
 @pytest.mark.parametrize(
     "version, has_flag",
-    [("2.1.0", False), ("2.7.2", False), ("2.8.0", True), ("2.8.0rc1", True), ("2.10.0", True),
-     ("2.60.0", True), ("3.0.0.dev0", True), ("2.9", True)],
+    [
+        ("2.1.0", False),
+        ("2.7.2", False),
+        ("2.8.0", True),
+        ("2.8.0rc1", True),
+        ("2.10.0", True),
+        ("2.60.0", True),
+        ("3.0.0.dev0", True),
+        ("2.9", True),
+    ],
 )
 def test_runtime_env_agent_flag_follows_the_version_numerically(spec, version, has_flag):
     args = ray_start_args(spec, "worker", "10.0.0.2", head_ip="10.0.0.1", ray_version=version)
@@ -76,11 +89,22 @@ def test_parse_ray_version():
 
 def test_resources_dashboard_and_block(spec):
     args = ray_start_args(
-        spec, "head", "10.0.0.1", ray_version="2.60.0", num_cpus=4, num_gpus=8,
-        object_store_memory=200_000_000, include_dashboard=False, block=True,
+        spec,
+        "head",
+        "10.0.0.1",
+        ray_version="2.60.0",
+        num_cpus=4,
+        num_gpus=8,
+        object_store_memory=200_000_000,
+        include_dashboard=False,
+        block=True,
     )
     assert args[-5:] == [
-        "--num-cpus=4", "--num-gpus=8", "--object-store-memory=200000000", "--include-dashboard=false", "--block",
+        "--num-cpus=4",
+        "--num-gpus=8",
+        "--object-store-memory=200000000",
+        "--include-dashboard=false",
+        "--block",
     ]
     assert not any(a.startswith(("--dashboard-host", "--dashboard-port")) for a in args)
 
@@ -119,7 +143,10 @@ def test_command_is_the_shell_quoted_argv(spec):
 def _cli(*argv):
     return subprocess.run(
         [sys.executable, "-m", "alpa_job.cluster.ray_start", *argv],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -146,8 +173,14 @@ def test_installed_rays_own_parser_accepts_the_argv(spec, role):
     from ray.scripts.scripts import start
 
     args = ray_start_args(
-        spec, role, "10.0.0.2" if role == "worker" else "10.0.0.1", head_ip="10.0.0.1",
-        ray_version=ray.__version__, num_cpus=2, object_store_memory=100_000_000, block=True,
+        spec,
+        role,
+        "10.0.0.2" if role == "worker" else "10.0.0.1",
+        head_ip="10.0.0.1",
+        ray_version=ray.__version__,
+        num_cpus=2,
+        object_store_memory=100_000_000,
+        block=True,
     )
     context = start.make_context("start", args[2:])
     assert context.params["node_manager_port"] == 8076

@@ -1,4 +1,5 @@
 """The repository's promises to a newcomer: the layout, README's two commands, CI running them."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,7 @@ def test_top_level_layout():
 
 def test_readme_has_exactly_two_setup_commands():
     setup = [c for c in readme_commands() if c.startswith("scripts/setup")]
-    assert setup == ["scripts/setup && .venv/bin/python -m alpa_job",
-                     "scripts/setup --test && .venv/bin/python -m pytest"]
+    assert setup == ["scripts/setup && .venv/bin/python -m alpa_job", "scripts/setup --test && .venv/bin/python -m pytest"]
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
@@ -44,7 +44,6 @@ def test_package_code_has_no_py310_only_syntax():
             path = os.path.join(root, name)
             source = _read(path)
             tree = ast.parse(source, feature_version=(3, 9))  # raises on 3.10+ syntax
-            uses_annotations = any(isinstance(n, (ast.AnnAssign, ast.arg)) and getattr(n, "annotation", None)
-                                   for n in ast.walk(tree))
+            uses_annotations = any(isinstance(n, (ast.AnnAssign, ast.arg)) and getattr(n, "annotation", None) for n in ast.walk(tree))
             if uses_annotations and "|" in source:
                 assert "from __future__ import annotations" in source, f"{path}: X | Y annotations need it on 3.9"

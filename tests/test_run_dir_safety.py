@@ -2,6 +2,7 @@
 
 Everything here is real: CLI runs in subprocesses (tiny MLP, CPU), a real lock held by a live run, real
 orbax checkpoints damaged on disk, a real full disk (a small tmpfs mounted over OUT/checkpoints; root)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,15 +23,30 @@ from alpa_job.train import disk_full, rundir, run_lock
 from alpa_job.train.checkpoint_files import FILES, latest_complete_step, scan, verify_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--address", "none", "--hidden-dim", "32", "--num-samples", "64", "--batch-size", "16", "--epochs", "10",
-        "--progress-every", "1", "--compile-cache", "none"]
+TINY = [
+    "--address",
+    "none",
+    "--hidden-dim",
+    "32",
+    "--num-samples",
+    "64",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "10",
+    "--progress-every",
+    "1",
+    "--compile-cache",
+    "none",
+]
 
 
 def cli(*args, timeout=240):
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=REPO)
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "alpa_job", "train", *TINY, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "alpa_job", "train", *TINY, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def losses(out) -> list:
@@ -48,8 +64,13 @@ def dead_pid() -> int:
 def test_a_second_run_into_a_live_out_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=REPO)
-    first = subprocess.Popen([sys.executable, "-m", "alpa_job", "train", *TINY, "--steps", "100000", "--out", str(out)],
-                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "alpa_job", "train", *TINY, "--steps", "100000", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         lock = out / run_lock.LOCK
@@ -88,16 +109,25 @@ def test_stale_locks_are_judged_by_pid_here_and_by_heartbeat_elsewhere(tmp_path,
     assert not lock.exists()
 
     gone = dead_pid()
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": gone, "pid_ns": run_lock._pid_namespace(),
-                                "started": "earlier", "run_id": "x", "heartbeat": time.time()}))
+    lock.write_text(
+        json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": gone,
+                "pid_ns": run_lock._pid_namespace(),
+                "started": "earlier",
+                "run_id": "x",
+                "heartbeat": time.time(),
+            }
+        )
+    )
     taken = run_lock.RunLock.take(str(tmp_path))
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     taken.release()
     assert f"PID {gone} (started earlier) is not running" in capsys.readouterr().err
 
     # Another host's run (a shared filesystem): its PID means nothing here, its heartbeat stopped long ago.
-    lock.write_text(json.dumps({"host": "other-host", "pid": 1, "started": "earlier", "run_id": "y",
-                                "heartbeat": time.time() - 3600}))
+    lock.write_text(json.dumps({"host": "other-host", "pid": 1, "started": "earlier", "run_id": "y", "heartbeat": time.time() - 3600}))
     taken = run_lock.RunLock.take(str(tmp_path))
     taken.release()
     assert "host other-host PID 1 (started earlier): no heartbeat for 3600 s" in capsys.readouterr().err
@@ -111,8 +141,9 @@ def test_another_runs_reports_are_replaced_only_with_overwrite(tmp_path):
     (out / "train.log").write_text("the earlier run\n")
     refused = cli("--steps", "1", "--out", str(out), timeout=60)
     assert refused.returncode == 2
-    assert refused.stderr.strip() == (f"error: --out {out} holds another run's report (report.json, train.log); "
-                                      "pass --overwrite to replace it, or another --out")
+    assert refused.stderr.strip() == (
+        f"error: --out {out} holds another run's report (report.json, train.log); pass --overwrite to replace it, or another --out"
+    )
     assert json.loads((out / "report.json").read_text())["steps"] == 7
     assert not (out / run_lock.LOCK).exists()  # a refused run leaves nothing behind
 
@@ -120,8 +151,12 @@ def test_another_runs_reports_are_replaced_only_with_overwrite(tmp_path):
 # ----------------------------------------------------------------------------- damaged checkpoints
 def _state_array_file(step_dir):
     """The largest array file of a checkpoint's train state (OCDBT data under state/)."""
-    files = [os.path.join(root, name) for root, _dirs, names in os.walk(step_dir / "state") for name in names
-             if os.sep + "d" + os.sep in os.path.join(root, name) + os.sep and root.endswith("d")]
+    files = [
+        os.path.join(root, name)
+        for root, _dirs, names in os.walk(step_dir / "state")
+        for name in names
+        if os.sep + "d" + os.sep in os.path.join(root, name) + os.sep and root.endswith("d")
+    ]
     return max(files, key=os.path.getsize)
 
 
@@ -169,8 +204,8 @@ def test_resume_skips_damaged_checkpoints_names_them_and_continues_the_same_loss
     behind = cli("--steps", "6", "--checkpoint-every", "2", "--resume", "--out", str(out))
     assert behind.returncode == 2, behind.stderr
     assert behind.stderr.strip().splitlines()[-1] == (
-        f"error: --resume: the checkpoint in {out} is at step 8, already past --steps 6; pass --steps above 8 "
-        "to train on"), behind.stderr
+        f"error: --resume: the checkpoint in {out} is at step 8, already past --steps 6; pass --steps above 8 to train on"
+    ), behind.stderr
     assert scan(str(ckpt))[0][0] == 8 and "Traceback" not in behind.stderr
 
 
@@ -204,8 +239,7 @@ def small_disk(tmp_path):
     def make(name, size):
         where = tmp_path / name / "checkpoints"
         where.mkdir(parents=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                              capture_output=True, text=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True)
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root")
         mounted.append(where)
@@ -224,7 +258,7 @@ def _stopped_cleanly(proc, out):
     assert error.startswith("error: checkpoint at step ") and f"no space left in {out / 'checkpoints'}" in error
     assert not [n for n in os.listdir(out / "checkpoints") if "orbax-checkpoint-tmp" in n]
     report = json.loads((out / "report.json").read_text())
-    assert report["status"] == "failed" and report["error"] == error[len("error: "):]
+    assert report["status"] == "failed" and report["error"] == error[len("error: ") :]
     return error
 
 

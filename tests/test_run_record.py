@@ -1,6 +1,7 @@
 """The typed run record: every report any path writes validates against the shipped JSON Schema
 (alpa_job/record/report.schema.json), report.json round-trips through RunRecord, old reports
 still load, and `inspect DUMP_DIR` carries memory and stages."""
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,7 @@ def train_runs(tmp_path_factory):
     from alpa_job.launch.runner import run_job
 
     runs = {}
-    for name, overrides in (("data", {}), ("fsdp", {}), ("tensor", {"model_parallel": 2}), ("auto", {}),
-                            ("ckpt", {"checkpoint_every": 1})):
+    for name, overrides in (("data", {}), ("fsdp", {}), ("tensor", {"model_parallel": 2}), ("auto", {}), ("ckpt", {"checkpoint_every": 1})):
         out = str(tmp_path_factory.mktemp(f"run-{name}"))
         strategy = "data" if name == "ckpt" else name
         run_job(tiny_config("mlp", steps=2, strategy=strategy, out=out, auto_trial_steps=1, **overrides))
@@ -101,8 +101,10 @@ def test_inspect_dump_dir_report_validates(name):
 
 def _fixture_gib(name):
     """The total_allocation_size numbers of a fixture's *.mem_usage.txt files, in stage order."""
-    paths = sorted(glob.glob(os.path.join(FIXTURES, name, "*.mem_usage.txt")),
-                   key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)])
+    paths = sorted(
+        glob.glob(os.path.join(FIXTURES, name, "*.mem_usage.txt")),
+        key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)],
+    )
     return [float(open(p).read().split(":")[1].split()[0]) for p in paths]
 
 
@@ -191,22 +193,24 @@ class _LiveAlpaEngine:
     def plan(self):
         from alpa_job.record.alpa_live import dump_from_placement_specs
 
-        return dump_from_placement_specs(self.executable.get_input_placement_specs(),
-                                         self.executable.get_output_placement_specs()).plan
+        return dump_from_placement_specs(self.executable.get_input_placement_specs(), self.executable.get_output_placement_specs()).plan
 
     def topology(self):
-        return {"mesh": {"shape": [2, 2], "axes": ["node", "gpu"]},
-                "process": {"id": 0, "count": 1, "local_devices": []},
-                "devices": {"count": 4, "platform": "gpu", "kind": "A100"}}
+        return {
+            "mesh": {"shape": [2, 2], "axes": ["node", "gpu"]},
+            "process": {"id": 0, "count": 1, "local_devices": []},
+            "devices": {"count": 4, "platform": "gpu", "kind": "A100"},
+        }
 
     def extra_report(self):
         from alpa_job.record.alpa_live import stage_layout
 
-        dp_result = (None, [[0, 1], [2, 3]], [(1, 2), (1, 2)], [(2,), (2,)],
-                     [{"force_batch_dim_to_mesh_dim": 0}] * 2)
-        return {"alpa_method": {"strategy": "pipeshard-auto", "micro_batches": 2, "layer_num": 4},
-                "stages": stage_layout(dp_result, self.stage_memory),
-                "plan_cache": {"dir": "/tmp/plans", "key": "abc", "decision": "miss", "key_inputs": {}}}
+        dp_result = (None, [[0, 1], [2, 3]], [(1, 2), (1, 2)], [(2,), (2,)], [{"force_batch_dim_to_mesh_dim": 0}] * 2)
+        return {
+            "alpa_method": {"strategy": "pipeshard-auto", "micro_batches": 2, "layer_num": 4},
+            "stages": stage_layout(dp_result, self.stage_memory),
+            "plan_cache": {"dir": "/tmp/plans", "key": "abc", "decision": "miss", "key_inputs": {}},
+        }
 
 
 @pytest.mark.parametrize("readable", [True, False], ids=["measured", "workers-unreadable"])
@@ -217,8 +221,15 @@ def test_live_alpa_plan_report_validates(readable, tmp_path):
 
     config = tiny_config("mlp", engine="alpa", strategy="pipeshard-auto", out=str(tmp_path))
     engine = _LiveAlpaEngine(_FixtureExecutable(os.path.join(FIXTURES, "pipeshard_zero")), readable)
-    loop = {"steps": 2, "samples_seen": 32, "samples_dropped": 0, "loop_seconds": 0.5, "step_time_s": 0.25,
-            "throughput": 64.0, "losses": [2.0, 1.5]}
+    loop = {
+        "steps": 2,
+        "samples_seen": 32,
+        "samples_dropped": 0,
+        "loop_seconds": 0.5,
+        "step_time_s": 0.25,
+        "throughput": 64.0,
+        "losses": [2.0, 1.5],
+    }
     result = _result(config, engine, None, 0, 0, 1.25, loop)
     assert isinstance(result, ProcessResult)
     record = build_report(config, [result], address="local")
@@ -258,11 +269,14 @@ def test_old_report_without_schema_version_loads(train_runs, tmp_path):
     assert printed["input"] is None and printed["evals"] == [] and printed["processes"][0]["rows_read"] is None
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(schema_version=99), "schema_version 99 is newer than this kit reads"),
-    (lambda d: d.pop("engine"), "not a run report"),
-    (lambda d: d.update(params=[{"path": "x"}]), "does not match schema_version 1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.update(schema_version=99), "schema_version 99 is newer than this kit reads"),
+        (lambda d: d.pop("engine"), "not a run report"),
+        (lambda d: d.update(params=[{"path": "x"}]), "does not match schema_version 1"),
+    ],
+)
 def test_unreadable_report_is_a_one_line_error(train_runs, tmp_path, change, message):
     data = _report(train_runs["data"])
     change(data)
@@ -274,14 +288,17 @@ def test_unreadable_report_is_a_one_line_error(train_runs, tmp_path, change, mes
         RunRecord.from_dict(data)
 
 
-@pytest.mark.parametrize("where, mutate", [
-    ("params/0", lambda d: d["params"][0].update(owner="me")),  # an extra key in a leaf row
-    ("processes/0", lambda d: d["processes"][0].update(rank=0)),  # ... in a process row
-    ("params/0", lambda d: d["params"][0].pop("strategy")),  # a missing key
-    ("params/0/strategy", lambda d: d["params"][0].update(strategy="FSDP")),  # an unknown label
-    ("memory/peak_estimate_bytes", lambda d: d["memory"].update(peak_estimate_bytes="12 MB")),  # a wrong type
-    ("<root>", lambda d: d.update(extra_field=1)),  # a new top-level key nobody declared
-])
+@pytest.mark.parametrize(
+    "where, mutate",
+    [
+        ("params/0", lambda d: d["params"][0].update(owner="me")),  # an extra key in a leaf row
+        ("processes/0", lambda d: d["processes"][0].update(rank=0)),  # ... in a process row
+        ("params/0", lambda d: d["params"][0].pop("strategy")),  # a missing key
+        ("params/0/strategy", lambda d: d["params"][0].update(strategy="FSDP")),  # an unknown label
+        ("memory/peak_estimate_bytes", lambda d: d["memory"].update(peak_estimate_bytes="12 MB")),  # a wrong type
+        ("<root>", lambda d: d.update(extra_field=1)),  # a new top-level key nobody declared
+    ],
+)
 def test_schema_catches_drift(train_runs, where, mutate):
     data = copy.deepcopy(_report(train_runs["data"]))
     mutate(data)
@@ -289,18 +306,40 @@ def test_schema_catches_drift(train_runs, where, mutate):
     assert errors and any(e.startswith(where + ":") for e in errors), errors
 
 
-SCHEMA_DEFS = {"meshShape": rec.MeshShape, "meshRecord": rec.MeshRecord, "leaf": rec.Leaf,
-               "collective": rec.Collective, "memory": rec.MemoryRecord, "stage": rec.StageRecord,
-               "process": rec.ProcessInfo, "devices": rec.DeviceInfo, "searchCandidate": rec.SearchCandidate,
-               "summary": rec.Summary, "restart": rec.RestartRecord, "input": rec.InputRecord,
-               "evalPoint": rec.EvalPoint}
+SCHEMA_DEFS = {
+    "meshShape": rec.MeshShape,
+    "meshRecord": rec.MeshRecord,
+    "leaf": rec.Leaf,
+    "collective": rec.Collective,
+    "memory": rec.MemoryRecord,
+    "stage": rec.StageRecord,
+    "process": rec.ProcessInfo,
+    "devices": rec.DeviceInfo,
+    "searchCandidate": rec.SearchCandidate,
+    "summary": rec.Summary,
+    "restart": rec.RestartRecord,
+    "input": rec.InputRecord,
+    "evalPoint": rec.EvalPoint,
+}
 
 # Keys added to schema_version 1 after reports were already written: declared, but optional, so a report
 # from before them still validates as it is on disk (the kit writes them always: the record's to_dict).
-ADDED_LATER = {"<root>": {"input", "evals", "notes", "stopped_at_step", "tensorboard", "compiler_options",
-                        "network_traffic", "pipeline", "network_measured", "stragglers"},
-               "process": {"rows_read", "bytes_read", "stopped_at_step", "nccl"},
-               "searchCandidate": {"predicted_from", "copy_step_time_s", "whole_compile_s"}}
+ADDED_LATER = {
+    "<root>": {
+        "input",
+        "evals",
+        "notes",
+        "stopped_at_step",
+        "tensorboard",
+        "compiler_options",
+        "network_traffic",
+        "pipeline",
+        "network_measured",
+        "stragglers",
+    },
+    "process": {"rows_read", "bytes_read", "stopped_at_step", "nccl"},
+    "searchCandidate": {"predicted_from", "copy_step_time_s", "whole_compile_s"},
+}
 
 
 def test_schema_and_dataclasses_name_the_same_fields():

@@ -1,6 +1,7 @@
 """The settings catalogue is the one list: JobConfig's fields, the train flags and their --help, the
 coercion of file values (from JobConfig's real type hints) and the checks all come from it, and a
 model's own sizes come from the model's jax-free declaration."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- coercion of file values
-@pytest.mark.parametrize("hint, value, expected", [
-    (int, "12", 12), (int, 16.0, 16), (int, 3, 3),
-    (float, 8, 8.0), (float, "1e-3", 1e-3),
-    (str, 123, "123"), (str, "runs/a", "runs/a"),
-    (bool, "yes", True), (bool, "off", False), (bool, 1, True), (bool, True, True),
-    (Optional[int], None, None), (Optional[int], "5", 5), (Optional[float], 2, 2.0), (Optional[str], 7, "7"),
-])
+@pytest.mark.parametrize(
+    "hint, value, expected",
+    [
+        (int, "12", 12),
+        (int, 16.0, 16),
+        (int, 3, 3),
+        (float, 8, 8.0),
+        (float, "1e-3", 1e-3),
+        (str, 123, "123"),
+        (str, "runs/a", "runs/a"),
+        (bool, "yes", True),
+        (bool, "off", False),
+        (bool, 1, True),
+        (bool, True, True),
+        (Optional[int], None, None),
+        (Optional[int], "5", 5),
+        (Optional[float], 2, 2.0),
+        (Optional[str], 7, "7"),
+    ],
+)
 def test_coercion_of_each_type(hint, value, expected):
     got = coerce("x", value, hint)
     assert got == expected and type(got) is type(expected)
@@ -40,17 +54,19 @@ def test_coercion_reads_jobconfigs_real_type_hints():
     hints = typing.get_type_hints(JobConfig)
     assert hints["steps"] == Optional[int] and hints["learning_rate"] is float and hints["resume"] is bool
     assert {plain_type(h) for h in hints.values()} <= {int, float, str, bool, ModelArgs}
-    config = build_config({"batch_size": "32", "learning_rate": 1, "resume": "false", "steps": 4.0,
-                           "restart_wait": "0"}, {})
+    config = build_config({"batch_size": "32", "learning_rate": 1, "resume": "false", "steps": 4.0, "restart_wait": "0"}, {})
     assert (config.batch_size, config.learning_rate, config.resume, config.steps) == (32, 1.0, False, 4)
     assert type(config.learning_rate) is float and type(config.steps) is int
 
 
-@pytest.mark.parametrize("text, message", [
-    ("steps: abc\n", "setting steps: 'abc' is not a valid int"),
-    ("batch-size: 2.5\n", "setting batch_size: 2.5 is not a valid int"),
-    ("learning_rate: fast\n", "setting learning_rate: 'fast' is not a valid float"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("steps: abc\n", "setting steps: 'abc' is not a valid int"),
+        ("batch-size: 2.5\n", "setting batch_size: 2.5 is not a valid int"),
+        ("learning_rate: fast\n", "setting learning_rate: 'fast' is not a valid float"),
+    ],
+)
 def test_a_wrong_type_in_yaml_is_one_line_naming_the_key_and_the_type(tmp_path, text, message):
     job = tmp_path / "job.yaml"
     job.write_text(text)
@@ -101,8 +117,11 @@ def test_each_model_declares_its_own_settings():
     from alpa_job.models import BUILT_IN, builder_of, model_settings, model_values
 
     fields = {name: tuple(s.name for s in model_settings(name)) for name in BUILT_IN}
-    assert fields == {"mlp": ("hidden_dim",), "wide_resnet": ("depth", "width"),
-                      "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "remat")}
+    assert fields == {
+        "mlp": ("hidden_dim",),
+        "wide_resnet": ("depth", "width"),
+        "gpt": ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size", "remat"),
+    }
     assert [(s.model, s.name) for s in size_settings()] == [(n, f) for n in BUILT_IN for f in fields[n]]
     for name in BUILT_IN:
         declared = model_settings(name)
@@ -140,17 +159,19 @@ def test_a_models_settings_appear_in_help_under_its_group_with_its_name():
 
 
 def test_help_and_the_checks_before_ray_import_no_engine():
-    code = ("import sys, contextlib, io\n"
-            "from alpa_job.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try:\n"
-            "        main(['train', '--help'])\n"
-            "    except SystemExit:\n"
-            "        pass\n"
-            "from alpa_job.settings.config import build_config\n"
-            "from alpa_job.models import model_values\n"
-            "model_values(build_config({'model': 'gpt', 'model_args': {'num_heads': 2}}, {}))\n"
-            "print(sorted(m for m in ('jax', 'flax', 'ray') if m in sys.modules))")
+    code = (
+        "import sys, contextlib, io\n"
+        "from alpa_job.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main(['train', '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "from alpa_job.settings.config import build_config\n"
+        "from alpa_job.models import model_values\n"
+        "model_values(build_config({'model': 'gpt', 'model_args': {'num_heads': 2}}, {}))\n"
+        "print(sorted(m for m in ('jax', 'flax', 'ray') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -173,6 +194,5 @@ def test_the_step_stores_key_and_the_alpa_plan_key_read_the_catalogue():
 
     assert set(executable_store.NOT_IN_STEP) == {s.name for s in catalog.SETTINGS if not s.decides_step}
     assert {"out", "resume", "max_restarts", "seed", "steps"} <= set(executable_store.NOT_IN_STEP)
-    assert {"model", "model_args", "strategy", "dtype", "batch_size", "learning_rate"}.isdisjoint(
-        executable_store.NOT_IN_STEP)
+    assert {"model", "model_args", "strategy", "dtype", "batch_size", "learning_rate"}.isdisjoint(executable_store.NOT_IN_STEP)
     assert set(plan_cache.MODEL_FIELDS) == {"model", "model_args", "dtype"}

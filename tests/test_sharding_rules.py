@@ -1,4 +1,5 @@
 """Sharding as data: the batch's mesh axis comes from the strategy's record, as the parameters' do."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,7 @@ from helpers_train import job_config
 
 
 def _mlp_engine(strategy: str, mesh_shape):
-    config = job_config(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none",
-                       compile_cache="none").validated()
+    config = job_config(model="mlp", hidden_dim=16, num_samples=16, batch_size=8, steps=1, address="none", compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     return JaxEngine(config, get_model(config), batch, strategy, mesh_shape)
 
@@ -36,8 +36,9 @@ def test_rules_without_a_batch_rule_are_refused_naming_the_fix():
 
 def test_the_engine_reads_the_batch_rule(monkeypatch):
     # A strategy whose rules put the batch on "model": the engine's batch sharding must follow the data.
-    monkeypatch.setitem(strategies.STRATEGIES, "tensor",
-                        dataclasses.replace(strategies.TENSOR, param_rules=[(BATCH, "model"), (MLP, "data")]))
+    monkeypatch.setitem(
+        strategies.STRATEGIES, "tensor", dataclasses.replace(strategies.TENSOR, param_rules=[(BATCH, "model"), (MLP, "data")])
+    )
     engine = _mlp_engine("tensor", (2, 4))
     assert engine.batch_sharding.spec == PartitionSpec("model")
     assert _mlp_engine("data", (8, 1)).batch_sharding.spec == PartitionSpec("data")
@@ -47,6 +48,7 @@ def test_tensor_keeps_its_default_model_axis_inside_one_process():
     """Each process reads only its own batch rows, so tensor's default model axis divides one process's
     devices: 3 hosts x 2 GPUs get 3x2 (2x3 would need rows another process read); one process keeps the
     largest of 4, 3, 2 that divides all its devices; an explicit --model-parallel is taken as given."""
+
     def mesh_shape_for(name, devices, model_parallel=0, devices_per_process=None):
         return strategies.get(name).mesh_shape(devices, model_parallel, devices_per_process)
 
@@ -68,8 +70,11 @@ def test_the_driver_refuses_a_tensor_model_axis_across_processes_before_any_acto
     def config(batch_size=96, **overrides):
         return JobConfig(model="mlp", batch_size=batch_size, steps=1, address="none", **overrides).validated()
 
-    with pytest.raises(KitError, match=r"data-parallel size 2 does not give each of the 3 processes its own rows.*"
-                                       r"--model-parallel that divides one process's 2 devices"):
+    with pytest.raises(
+        KitError,
+        match=r"data-parallel size 2 does not give each of the 3 processes its own rows.*"
+        r"--model-parallel that divides one process's 2 devices",
+    ):
         check_divisibility(config(strategy="tensor", model_parallel=3), 6, devices_per_process=2)
     check_divisibility(config(strategy="tensor"), 6, devices_per_process=2)  # default: 3x2
     check_divisibility(config(strategy="data", batch_size=100), 5, devices_per_process=2)  # nodes of 2, 2 and 1
@@ -90,7 +95,8 @@ def test_no_jax_strategy_is_special_cased_by_name_outside_its_record():
             path = os.path.join(root, name)
             if not name.endswith(".py") or path in (strategies.__file__, os.path.join(package, "engines", "alpa_engine.py")):
                 continue
-            found += [f"{os.path.relpath(path, package)}:{n}: {line.strip()}"
-                      for n, line in enumerate(open(path), 1) if branch.search(line)]
+            found += [
+                f"{os.path.relpath(path, package)}:{n}: {line.strip()}" for n, line in enumerate(open(path), 1) if branch.search(line)
+            ]
     assert found == [], "\n".join(found)
     assert re.search(branch, 'if config.strategy == "tensor":')  # the check sees the shape it forbids

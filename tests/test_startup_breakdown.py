@@ -1,14 +1,26 @@
 """Where a run's start-up went (alpa_job/record/startup.py): the phases of the thread that trains, in order,
 add up to the time from the process's start to its first step; the work beside them is listed apart."""
+
 from __future__ import annotations
 
 import pytest
 
 from alpa_job.record.startup import STARTUP_SEQUENCE, startup_breakdown, startup_text
 
-PHASES = {"before_train": 1.1, "startup": 0.4, "abstract_state": 0.25, "open_devices": 0.02,
-          "setup_and_compile": 2.6, "compile": 1.5, "init_compile": 0.5, "init_run_ahead": 0.3,
-          "init_or_restore": 0.04, "first_step": 0.5, "to_first_step": 3.3, "process_to_first_step": 4.4}
+PHASES = {
+    "before_train": 1.1,
+    "startup": 0.4,
+    "abstract_state": 0.25,
+    "open_devices": 0.02,
+    "setup_and_compile": 2.6,
+    "compile": 1.5,
+    "init_compile": 0.5,
+    "init_run_ahead": 0.3,
+    "init_or_restore": 0.04,
+    "first_step": 0.5,
+    "to_first_step": 3.3,
+    "process_to_first_step": 4.4,
+}
 
 
 def test_the_sequence_adds_up_to_the_time_to_the_first_step():

@@ -1,6 +1,7 @@
 """The state initialiser by parts (engines/state_init.py): the whole model's tree, names, shapes,
 logical axes and shardings, a fresh random draw per block, and a compile that does not grow with
 the layer count (issue 16, item 2)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,19 @@ from helpers_train import job_config
 
 
 def _gpt(num_layers: int = 3):
-    config = job_config(model="gpt", num_layers=num_layers, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
-                       num_samples=8, batch_size=8, steps=1, address="none", compile_cache="none").validated()
+    config = job_config(
+        model="gpt",
+        num_layers=num_layers,
+        d_model=64,
+        num_heads=4,
+        seq_len=32,
+        vocab_size=128,
+        num_samples=8,
+        batch_size=8,
+        steps=1,
+        address="none",
+        compile_cache="none",
+    ).validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     return config, get_model(config), batch
 
@@ -107,8 +119,7 @@ def test_state_is_created_already_sharded_on_the_mesh():
 
 @pytest.mark.parametrize("name", ["mlp", "wide_resnet"])
 def test_models_without_parts_initialise_whole(name):
-    config = JobConfig(model=name, num_samples=8, batch_size=8, steps=1, address="none",
-                       compile_cache="none").validated()
+    config = JobConfig(model=name, num_samples=8, batch_size=8, steps=1, address="none", compile_cache="none").validated()
     batch, _ = next(epoch_batches(synthetic(config), 8, "drop", 0, 0))
     engine = JaxEngine(config, get_model(config), batch, "data", (8, 1))
     assert engine._initializer.parts is None

@@ -1,5 +1,6 @@
 """Several devices: the profile of chosen steps, activations pinned by api.constrain, and fsdp's
 outer-dimension split - on emulated CPU devices, through the real engine and CLI."""
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,40 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(tmp_path, *extra, expect_ok=True):
-    cmd = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--model", "gpt", "--num-layers", "2",
-           "--d-model", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "128", "--devices", "2",
-           "--num-samples", "32", "--batch-size", "8", "--steps", "6", "--compile-cache", "none",
-           "--out", str(tmp_path / "run"), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                          timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--address",
+        "none",
+        "--model",
+        "gpt",
+        "--num-layers",
+        "2",
+        "--d-model",
+        "64",
+        "--num-heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--vocab-size",
+        "128",
+        "--devices",
+        "2",
+        "--num-samples",
+        "32",
+        "--batch-size",
+        "8",
+        "--steps",
+        "6",
+        "--compile-cache",
+        "none",
+        "--out",
+        str(tmp_path / "run"),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=300)
     if expect_ok:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -85,8 +114,8 @@ def test_fsdp_splits_the_outermost_named_dimension():
 
 def test_fsdp_combines_its_collectives_unless_the_user_set_the_threshold():
     options = xla_options.compiler_options("fsdp", xla_flags="")
-    assert options["xla_gpu_all_gather_combine_threshold_bytes"] >= 2 ** 28
-    assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] >= 2 ** 28
+    assert options["xla_gpu_all_gather_combine_threshold_bytes"] >= 2**28
+    assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] >= 2**28
     assert xla_options.compiler_options("data", xla_flags="") == options  # its sharded update gathers too
     assert xla_options.compiler_options("tensor", xla_flags="") == {}
     mine = xla_options.compiler_options("fsdp", xla_flags="--xla_gpu_all_gather_combine_threshold_bytes=1 --xla_foo")
@@ -101,7 +130,8 @@ def test_constrain_is_the_identity_outside_an_engine():
 def test_fsdp_gathers_parameters_not_activations():
     """Under fsdp no collective moves more than the largest parameter (fp32): activations stay split by
     rows, parameters are gathered to them (the model's api.constrain calls pin that)."""
-    code = r"""
+    code = (
+        r"""
 import os, sys, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"; os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, %r)
@@ -120,7 +150,9 @@ stats = engine.compile_step()
 largest = max(int(np.prod(l.shape)) * 4 for l in jax.tree_util.tree_leaves(engine.abstract_state.params))
 print(json.dumps({"largest_param": largest,
                   "collectives": [[k, b] for k, _, b in collective_instances(stats.hlo_texts[0])]}))
-""" % REPO
+"""
+        % REPO
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -195,7 +227,8 @@ def test_remat_weights_keeps_activations_but_not_the_weights_bf16_copies():
 def test_remat_weights_gathers_each_weight_again_under_fsdp():
     """Under fsdp, `weights` turns the forward's one all-gather per weight into two (forward and backward),
     `mlp-weights` only the MLP's, and no matmul is run again: the compiled step on 2 CPU devices shows it."""
-    code = r"""
+    code = (
+        r"""
 import os, re, sys, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"; os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, %r)
@@ -215,7 +248,9 @@ for remat in ("none", "mlp-weights", "weights"):
     counts[remat] = sum(1 for kind, _, _ in collective_instances(hlo) if kind == "all-gather")
     counts[remat + " dots"] = len(re.findall(r"= [a-z0-9\[\]{},]+ dot\(", hlo))
 print(json.dumps(counts))
-""" % REPO
+"""
+        % REPO
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -238,12 +273,12 @@ def test_data_shards_its_update_and_trains_the_same_numbers(tmp_path):
 
     def layout(report, prefix):
         return {leaf["strategy"] for leaf in report["params"] if leaf["path"].startswith(prefix) and leaf["shape"]}
+
     assert layout(reports["sharded"], "params/") == {"ZeRO"}
     assert layout(reports["sharded"], "opt_state/") == {"ZeRO"}
     assert layout(reports["replicated"], "params/") == layout(reports["replicated"], "opt_state/") == {"DP"}
     assert reports["replicated"]["collectives"]["all-gather"]["count"] == 0
-    whole_fp32 = sum(leaf["bytes_per_device"] for leaf in reports["replicated"]["params"]
-                     if leaf["path"].startswith("params/"))
+    whole_fp32 = sum(leaf["bytes_per_device"] for leaf in reports["replicated"]["params"] if leaf["path"].startswith("params/"))
     # Every parameter gathered whole. (A bf16 model's narrower gather cannot show here: the CPU backend
     # widens bf16 collectives to f32. tests/test_weight_reads.py checks what the step gathers instead.)
     assert reports["sharded"]["collectives"]["all-gather"]["bytes"] >= whole_fp32

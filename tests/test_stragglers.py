@@ -1,5 +1,6 @@
 """The straggler judge on rounds of numbers (the test bed names a real slowed host: test_multihost): who is
 named, when, on what evidence, and what the log, progress line, inspect and the report's schema say."""
+
 import pytest
 from helpers_report import assert_valid_report, record_with_input
 
@@ -27,12 +28,10 @@ def feed(j, rounds, work, inputs=(0.001, 0.001, 0.001), step_s=0.05, first=1):
 def test_a_device_slower_in_every_round_is_named_when_the_window_fills_and_cleared_when_it_recovers():
     j = judge()
     events = feed(j, 10, [0.010, 0.012, 0.010])
-    assert [(e["event"], e["process"], e["host"], e["what"], e["step"]) for e in events] == \
-        [("slow", 1, "w1", "devices", 50)]
+    assert [(e["event"], e["process"], e["host"], e["what"], e["step"]) for e in events] == [("slow", 1, "w1", "devices", 50)]
     assert events[0]["slower_by"] == pytest.approx(0.2) and events[0]["steps"] == [1, 50]
     assert j.named_now() == ["process 1 on w1 +20%"]
-    assert describe(events[0]) == ("straggler: process 1 (host w1): its own work takes 20 % longer than the "
-                                   "others' median over steps 1-50")
+    assert describe(events[0]) == ("straggler: process 1 (host w1): its own work takes 20 % longer than the others' median over steps 1-50")
     events = feed(j, 10, [0.010, 0.010, 0.010], first=11)
     assert [(e["event"], e["process"]) for e in events] == [("recovered", 1)] and j.named_now() == []
 

@@ -1,5 +1,6 @@
 """The suite's own layout (tests/conftest.py, tests/fixtures_testbed.py): which modules share the test-bed
 lane and in what order, and when a bed is taken down. Read from the code; no bed is built."""
+
 from __future__ import annotations
 
 import glob

@@ -1,4 +1,5 @@
 """The multi-host test bed itself (scripts/testbed, tests/fixtures_testbed.py): isolation, routing, teardown, Ray."""
+
 import errno
 import json
 import os
@@ -33,8 +34,7 @@ print(json.dumps({
 def test_host_commands_never_inherit_the_callers_ray_auth_mode():
     """An in-process ray.init() leaves RAY_AUTH_MODE=token in the caller's environment; a driver run in an
     auth-off bed with it gets actors that die on start (CI saw exactly that). The bed pins the mode."""
-    leftover = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH="/root/.ray/auth_token",
-                    RAY_ADDRESS="10.0.0.9:6379")
+    leftover = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH="/root/.ray/auth_token", RAY_ADDRESS="10.0.0.9:6379")
     env = testbed_lib.python_env(leftover)
     assert env["RAY_AUTH_MODE"] == "disabled"
     assert "RAY_AUTH_TOKEN_PATH" not in env and "RAY_ADDRESS" not in env
@@ -210,8 +210,10 @@ def test_cli_up_ray_with_auth_and_doctor_then_down_stops_ray(testbed, tmp_path):
     prefix = f"{PREFIX}98"  # clear of the fixtures' PREFIX, PREFIX1, PREFIX2, ... beds
     state = tmp_path / "bed"
     base = [sys.executable, str(CLI), "--prefix", prefix, "--state-dir", str(state)]
-    run = lambda *a, timeout=300: subprocess.run(base + list(a), capture_output=True, text=True,  # noqa: E731
-                                                 timeout=timeout, cwd=str(REPO))
+
+    def run(*a, timeout=300):
+        return subprocess.run(base + list(a), capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+
     pids = set()
     try:
         up = run("up", "--hosts", "2", "--ray", "--auth", "--no-dashboard", "--doctor")
@@ -226,8 +228,7 @@ def test_cli_up_ray_with_auth_and_doctor_then_down_stops_ray(testbed, tmp_path):
 
         ok = run("exec", "w1", "--", "python", "-c", _AUTH_CLIENT, ray["address"], timeout=120)
         assert "nodes 2" in ok.stdout, ok.stdout + ok.stderr[-2000:]
-        wrong = run("exec", "w1", "--", "env", "RAY_AUTH_TOKEN=" + "0" * 64, "python", "-c", _AUTH_CLIENT,
-                    ray["address"], timeout=120)
+        wrong = run("exec", "w1", "--", "env", "RAY_AUTH_TOKEN=" + "0" * 64, "python", "-c", _AUTH_CLIENT, ray["address"], timeout=120)
         assert "refused" in wrong.stdout and "nodes" not in wrong.stdout, wrong.stdout + wrong.stderr[-2000:]
 
         for ns in (f"{prefix}-head", f"{prefix}-w1"):

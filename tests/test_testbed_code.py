@@ -5,6 +5,7 @@
 - no module reaches into the test bed's private names (``hosts._x``, ``from kit_testbed.ray_layer import
   _x``, ``bed._x`` for a private member of its classes): what others need is public and documented.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,8 +28,7 @@ def _package_files() -> List[str]:
 
 
 # Every module of the package (a new one is checked without being listed here).
-TESTBED_MODULES = tuple(f"{PACKAGE}.{os.path.basename(p)[: -len('.py')]}" for p in _package_files()
-                        if not p.endswith("__init__.py"))
+TESTBED_MODULES = tuple(f"{PACKAGE}.{os.path.basename(p)[: -len('.py')]}" for p in _package_files() if not p.endswith("__init__.py"))
 
 
 def _testbed_files() -> List[str]:
@@ -49,8 +49,9 @@ def _python_files() -> List[str]:
         root = os.path.join(REPO, folder)
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
             path = os.path.join(root, name)
-            if name.endswith(".py") or (os.path.isfile(path) and open(path, errors="replace").readline()
-                                        .startswith("#!/usr/bin/env python")):
+            if name.endswith(".py") or (
+                os.path.isfile(path) and open(path, errors="replace").readline().startswith("#!/usr/bin/env python")
+            ):
                 found.append(path)
     return found
 
@@ -68,7 +69,7 @@ def long_functions(source: str, limit: int = MAX_LINES) -> List[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1
             first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            around = lines[max(0, first - 2):node.lineno]
+            around = lines[max(0, first - 2) : node.lineno]
             if length > limit and not any("# long:" in line for line in around):
                 out.append(f"{node.name} (line {node.lineno}, {length} lines)")
     return out
@@ -85,8 +86,9 @@ def _private_members(tree: ast.Module) -> Set[str]:
         for node in ast.walk(cls):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(node.name):
                 out.add(node.name)
-            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                  and node.value.id == "self" and _is_private(node.attr)):
+            elif (
+                isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" and _is_private(node.attr)
+            ):
                 out.add(node.attr)
     return out
 
@@ -94,8 +96,11 @@ def _private_members(tree: ast.Module) -> Set[str]:
 def _own_names(tree: ast.Module) -> Set[str]:
     """Names a file defines itself (its own private helpers may share a name with the test bed's)."""
     out = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    out |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-            and n.value.id == "self" and isinstance(n.ctx, ast.Store)}
+    out |= {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ast.Store)
+    }
     return out
 
 
@@ -106,15 +111,13 @@ def private_uses(tree: ast.Module, module: str, members: Dict[str, Set[str]]) ->
         if isinstance(node, ast.Import):
             aliases.update({a.asname or a.name: a.name for a in node.names if a.name in TESTBED_MODULES})
         elif isinstance(node, ast.ImportFrom) and node.module == PACKAGE:  # from kit_testbed import hosts as tb
-            aliases.update({a.asname or a.name: f"{PACKAGE}.{a.name}" for a in node.names
-                            if f"{PACKAGE}.{a.name}" in TESTBED_MODULES})
+            aliases.update({a.asname or a.name: f"{PACKAGE}.{a.name}" for a in node.names if f"{PACKAGE}.{a.name}" in TESTBED_MODULES})
     others = {m: names for m, names in members.items() if m != module}
     foreign = set().union(*others.values()) - _own_names(tree) if others else set()
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module in TESTBED_MODULES and node.module != module:
-            out += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names
-                    if _is_private(a.name)]
+            out += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names if _is_private(a.name)]
         elif isinstance(node, ast.Attribute) and _is_private(node.attr):
             owner = aliases.get(node.value.id) if isinstance(node.value, ast.Name) else None
             if owner and owner != module:
@@ -133,19 +136,23 @@ def test_the_checks_can_fail():
     assert long_functions(f"def f():\n{body}\n") == [f"f (line 1, {MAX_LINES + 1} lines)"]
     assert long_functions(f"# long: one table, read top to bottom\ndef f():\n{body}\n") == []
     members = {"kit_testbed.hosts": {"_save"}}
-    tree = ast.parse("from kit_testbed import hosts as tb\nfrom kit_testbed.ray_layer import _kill\n"
-                     "tb._wait(1)\nbed._save()\ntb.wait_for(1)\n")
+    tree = ast.parse(
+        "from kit_testbed import hosts as tb\nfrom kit_testbed.ray_layer import _kill\ntb._wait(1)\nbed._save()\ntb.wait_for(1)\n"
+    )
     assert private_uses(tree, "user", members) == [
-        "line 2: from kit_testbed.ray_layer import _kill", "line 3: kit_testbed.hosts._wait",
-        "line 4: ._save (a private member of the test bed's classes)"]
+        "line 2: from kit_testbed.ray_layer import _kill",
+        "line 3: kit_testbed.hosts._wait",
+        "line 4: ._save (a private member of the test bed's classes)",
+    ]
     assert private_uses(ast.parse("class A:\n    def _save(self): pass\nA()._save()\n"), "user", members) == []
 
 
 def test_no_long_function_without_a_reason():
     too_long = {os.path.relpath(p, REPO): long_functions(open(p).read()) for p in _testbed_files()}
     too_long = {p: fns for p, fns in too_long.items() if fns}
-    assert not too_long, (f"functions over {MAX_LINES} lines: split them into named steps, or say why not "
-                          f"in a `# long:` comment above the def: {too_long}")
+    assert not too_long, (
+        f"functions over {MAX_LINES} lines: split them into named steps, or say why not in a `# long:` comment above the def: {too_long}"
+    )
 
 
 def test_no_module_uses_the_test_beds_private_names():

@@ -1,6 +1,7 @@
 """A user's site on the test bed (scripts/kit_testbed/site_layer.py, fixture ``site_bed``):
 a controller outside the cluster CIDR that reaches every node, a real dockerd in every node that
 pulls the kit's CPU image from the registry on the controller, and a teardown that leaves nothing."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -42,8 +43,7 @@ def test_controller_reaches_every_node_from_outside_the_cluster_cidr(site_bed):
     for host in ("ctl", "head"):
         p = bed.exec(host, "ip", "route", "get", "192.0.2.2", check=False)
         assert p.returncode != 0 and "unreachable" in p.stderr.lower()
-    rtr = subprocess.run(["ip", "-n", f"{bed.prefix}-rtr", "route", "show", "default"], capture_output=True,
-                         text=True, timeout=10)
+    rtr = subprocess.run(["ip", "-n", f"{bed.prefix}-rtr", "route", "show", "default"], capture_output=True, text=True, timeout=10)
     assert rtr.returncode == 0 and rtr.stdout.strip() == ""
 
 
@@ -61,8 +61,17 @@ def test_every_dockerd_pulls_the_pushed_image_from_the_controllers_registry(site
         assert info["Name"] == node and site_bed.registry in json.dumps(info["RegistryConfig"])
         site_bed.docker(node, "pull", "-q", site_bed.image, timeout=600)
         try:
-            return site_bed.docker(node, "run", "--rm", "--network", "host", site_bed.image, "python", "-c",
-                                   "import socket, ray; print(socket.gethostname(), ray.__version__)").stdout.split()
+            return site_bed.docker(
+                node,
+                "run",
+                "--rm",
+                "--network",
+                "host",
+                site_bed.image,
+                "python",
+                "-c",
+                "import socket, ray; print(socket.gethostname(), ray.__version__)",
+            ).stdout.split()
         finally:  # leave the session's site as it was: nothing pulled (site.yml's pull must do the work)
             site_bed.docker(node, "rmi", "-f", site_bed.image, check=False)
 
@@ -89,8 +98,10 @@ def test_cli_site_down_stops_every_daemon_and_leaves_no_mount(testbed, tmp_path)
     prefix = f"{PREFIX}99"
     state = tmp_path / "bed"
     base = [sys.executable, str(CLI), "--prefix", prefix, "--state-dir", str(state)]
-    run = lambda *a, timeout=120: subprocess.run(base + list(a), capture_output=True, text=True,  # noqa: E731
-                                                 timeout=timeout, cwd=str(REPO))
+
+    def run(*a, timeout=120):
+        return subprocess.run(base + list(a), capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+
     pids = []
     try:
         up = run("up", "--hosts", "2", "--site", "--docker", "--registry")
@@ -105,9 +116,16 @@ def test_cli_site_down_stops_every_daemon_and_leaves_no_mount(testbed, tmp_path)
         containers = 0
         if base_tar.exists():
             sock = site["docker"]["w1"]["socket"]
-            p = run("exec", "w1", "--", "sh", "-c",
-                    f"{testbed_site.DOCKER_CLI} -H {sock} import {base_tar} t/base:1 >/dev/null && "
-                    f"{testbed_site.DOCKER_CLI} -H {sock} run -d --network host t/base:1 sleep 4242424", timeout=300)
+            p = run(
+                "exec",
+                "w1",
+                "--",
+                "sh",
+                "-c",
+                f"{testbed_site.DOCKER_CLI} -H {sock} import {base_tar} t/base:1 >/dev/null && "
+                f"{testbed_site.DOCKER_CLI} -H {sock} run -d --network host t/base:1 sleep 4242424",
+                timeout=300,
+            )
             assert p.returncode == 0, p.stderr
             containers = 1
             testbed_lib.wait_for(lambda: _live_sleep(), 20, "the container's sleep")
@@ -129,8 +147,7 @@ def test_cli_site_down_stops_every_daemon_and_leaves_no_mount(testbed, tmp_path)
 
 
 def _live_sleep():
-    return [int(d) for d in os.listdir("/proc") if d.isdigit() and b"sleep\x004242424" in _cmd(d)
-            and testbed_lib.pid_alive(int(d))]
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and b"sleep\x004242424" in _cmd(d) and testbed_lib.pid_alive(int(d))]
 
 
 def _cmd(pid):

@@ -1,5 +1,6 @@
 """The core training loop on emulated CPU devices, in-process (no Ray): models, strategies,
 fixed-shape batching, auto search, checkpoints."""
+
 from __future__ import annotations
 
 import jax
@@ -175,12 +176,12 @@ def test_checkpoint_round_trips_exactly(tmp_path):
 def test_resume_continues_to_the_same_result(tmp_path):
     straight = run_in_process(tiny_config("mlp", steps=6, epochs=10, out=str(tmp_path / "a")), return_state=True)
     run_in_process(tiny_config("mlp", steps=4, epochs=10, checkpoint_every=2, out=str(tmp_path / "b")))
-    resumed = run_in_process(tiny_config("mlp", steps=6, epochs=10, checkpoint_every=2, resume=True,
-                                         out=str(tmp_path / "b")), return_state=True)
+    resumed = run_in_process(
+        tiny_config("mlp", steps=6, epochs=10, checkpoint_every=2, resume=True, out=str(tmp_path / "b")), return_state=True
+    )
     assert resumed.resumed_from_step == 4 and resumed.steps == 2
     assert resumed.losses == straight.losses[4:]
-    for a, b in zip(jax.tree_util.tree_leaves(straight.final_state.params),
-                    jax.tree_util.tree_leaves(resumed.final_state.params)):
+    for a, b in zip(jax.tree_util.tree_leaves(straight.final_state.params), jax.tree_util.tree_leaves(resumed.final_state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

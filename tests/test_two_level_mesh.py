@@ -1,6 +1,7 @@
 """Two-level meshes: `hsdp` shards the state over one host's devices and replicates it across hosts, so
 its per-layer gathers and reduce-scatters stay on the host's links and only the gradients' reduction
 crosses the network. Eight emulated CPU devices stand for two hosts of four (the mesh's rows are hosts)."""
+
 from __future__ import annotations
 
 import jax

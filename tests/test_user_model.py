@@ -1,6 +1,7 @@
 """A model from outside the kit: a real package's builder (`--model PACKAGE.MODULE:FUNCTION`, or an
 installed entry point `--model NAME`), its settings from `--model-arg KEY=VALUE` / YAML `model_args:`
 typed by its own declaration, trained end to end; every mistake a one-line error with exit 2."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,7 @@ from alpa_job.setting import ModelArgs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "usermodels"
 
-NET = '''
+NET = """
 from __future__ import annotations
 
 import dataclasses
@@ -107,16 +108,16 @@ def build_deep(*, dtype, width: int = 8, layers: int = 6, noise: float = 0.1):
 
 def build_bad_depth(*, dtype, width: int = 8):
     return dataclasses.replace(build(Args(width), dtype), depth_setting="depth")
-'''
+"""
 
-BROKEN = '''
+BROKEN = """
 import not_a_real_dependency_of_the_kit  # noqa: F401
-'''
+"""
 
-ENTRY_POINTS = f'''
+ENTRY_POINTS = f"""
 [alpa_job.models]
 tiny = {PACKAGE}.net:build
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +140,28 @@ def packages(tmp_path_factory):
 def _cli(packages, *args, timeout=300):
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=f"{packages}{os.pathsep}{REPO}")
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "alpa_job", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _train(packages, out, *args):
-    return _cli(packages, "train", "--steps", "2", "--address", "none", "--num-samples", "64", "--batch-size", "16",
-                "--compile-cache", "none", "-q", "--out", str(out), *args)
+    return _cli(
+        packages,
+        "train",
+        "--steps",
+        "2",
+        "--address",
+        "none",
+        "--num-samples",
+        "64",
+        "--batch-size",
+        "16",
+        "--compile-cache",
+        "none",
+        "-q",
+        "--out",
+        str(out),
+        *args,
+    )
 
 
 def _report(out):
@@ -154,8 +170,18 @@ def _report(out):
 
 # ----------------------------------------------------------------------------- trained end to end
 def test_a_dataclass_builder_trains_from_the_command_line(packages, tmp_path):
-    proc = _train(packages, tmp_path / "run", "--model", f"{PACKAGE}.net:build", "--model-arg", "width=32",
-                  "--model-arg", "layers=2", "--strategy", "fsdp")
+    proc = _train(
+        packages,
+        tmp_path / "run",
+        "--model",
+        f"{PACKAGE}.net:build",
+        "--model-arg",
+        "width=32",
+        "--model-arg",
+        "layers=2",
+        "--strategy",
+        "fsdp",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _report(tmp_path / "run")
     assert report["config"]["model"] == f"{PACKAGE}.net:build"
@@ -170,9 +196,26 @@ def test_a_dataclass_builder_trains_from_the_command_line(packages, tmp_path):
 def test_plan_takes_a_users_builder_and_its_model_args(packages, tmp_path):
     """`plan --model PKG.MODULE:FN --model-arg K=V` plans that model with those args (it used to end in a
     traceback reading the flags' KEY=VALUE texts as a mapping)."""
-    proc = _cli(packages, "plan", "--model", f"{PACKAGE}.net:build", "--model-arg", "width=32",
-                "--model-arg", "layers=2", "--nodes", "1", "--gpus-per-node", "2", "--strategy", "data",
-                "--batch-size", "16", "--out", str(tmp_path / "plan"))
+    proc = _cli(
+        packages,
+        "plan",
+        "--model",
+        f"{PACKAGE}.net:build",
+        "--model-arg",
+        "width=32",
+        "--model-arg",
+        "layers=2",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--strategy",
+        "data",
+        "--batch-size",
+        "16",
+        "--out",
+        str(tmp_path / "plan"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["settings"]["model_args"] == {"width": 32, "layers": 2, "noise": 0.1}  # typed, as train records
@@ -182,8 +225,7 @@ def test_plan_takes_a_users_builder_and_its_model_args(packages, tmp_path):
 def test_small_parameters_without_axis_names_stay_whole_under_fsdp_with_a_note(packages, tmp_path):
     """A model whose weights name no logical axes but are small (16 x 64: 4 KiB) trains under fsdp: they stay
     whole on every device, and the report says which."""
-    proc = _train(packages, tmp_path / "run", "--model", f"{PACKAGE}.net:build_no_axes", "--model-arg", "width=16",
-                  "--strategy", "fsdp")
+    proc = _train(packages, tmp_path / "run", "--model", f"{PACKAGE}.net:build_no_axes", "--model-arg", "width=16", "--strategy", "fsdp")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _report(tmp_path / "run")
     (note,) = [n for n in report["notes"] if "name no logical axes" in n]
@@ -208,8 +250,10 @@ def test_an_installed_entry_point_is_a_model_name(packages, tmp_path):
     assert "installed: tiny" in " ".join(helped.stdout.split())
     typo = _cli(packages, "train", "--model", "tinny")
     assert typo.returncode == 2
-    assert typo.stderr.strip() == ("error: --model 'tinny' is not known; use one of: mlp, wide_resnet, gpt, tiny, or "
-                                   "your own builder as PACKAGE.MODULE:FUNCTION (did you mean tiny?)")
+    assert typo.stderr.strip() == (
+        "error: --model 'tinny' is not known; use one of: mlp, wide_resnet, gpt, tiny, or "
+        "your own builder as PACKAGE.MODULE:FUNCTION (did you mean tiny?)"
+    )
 
 
 def test_the_in_process_runner_trains_a_user_model(packages, tmp_path, monkeypatch):
@@ -217,9 +261,19 @@ def test_the_in_process_runner_trains_a_user_model(packages, tmp_path, monkeypat
 
     monkeypatch.syspath_prepend(packages)
     try:
-        config = build_config({}, {"model": f"{PACKAGE}.net:build_kw", "model_args": ["width=8"], "steps": 2,
-                                   "num_samples": 32, "batch_size": 16, "address": "none", "compile_cache": "none",
-                                   "out": str(tmp_path / "run")})
+        config = build_config(
+            {},
+            {
+                "model": f"{PACKAGE}.net:build_kw",
+                "model_args": ["width=8"],
+                "steps": 2,
+                "num_samples": 32,
+                "batch_size": 16,
+                "address": "none",
+                "compile_cache": "none",
+                "out": str(tmp_path / "run"),
+            },
+        )
         record, _paths = run_job(config)
         assert record.steps == 2 and record.compiles == 1
         assert dict(record.config["model_args"]) == {"width": 8, "layers": 1, "noise": 0.1}
@@ -233,10 +287,22 @@ def test_auto_ranks_a_user_model_on_copies_built_from_its_depth_setting(packages
 
     monkeypatch.syspath_prepend(packages)
     try:
-        config = build_config({}, {"model": f"{PACKAGE}.net:build_deep", "model_args": ["layers=8"], "steps": 2,
-                                   "num_samples": 32, "batch_size": 16, "address": "none", "compile_cache": "none",
-                                   "strategy": "auto", "auto_rank_on": "copies", "auto_trial_steps": 1,
-                                   "out": str(tmp_path / "run")})
+        config = build_config(
+            {},
+            {
+                "model": f"{PACKAGE}.net:build_deep",
+                "model_args": ["layers=8"],
+                "steps": 2,
+                "num_samples": 32,
+                "batch_size": 16,
+                "address": "none",
+                "compile_cache": "none",
+                "strategy": "auto",
+                "auto_rank_on": "copies",
+                "auto_trial_steps": 1,
+                "out": str(tmp_path / "run"),
+            },
+        )
         record, _paths = run_job(config)
         timed = [r for r in record.search if r.step_time_s]
         assert timed and all(r.predicted_from == [1, 3] and "for 8 layers" in r.note for r in timed)
@@ -253,8 +319,10 @@ def test_checkpoints_resume_a_user_model_only_with_its_settings(packages, tmp_pa
     assert first.returncode == 0, first.stderr[-3000:]
     other = _train(packages, out, *model, "--model-arg", "width=16", "--resume", "--steps", "4")
     assert other.returncode == 2
-    assert other.stderr.strip() == (f"error: --resume: the checkpoint in {out} is of another model: --model-arg "
-                                    "width=8 (now 16); resume with the same model settings or use another --out")
+    assert other.stderr.strip() == (
+        f"error: --resume: the checkpoint in {out} is of another model: --model-arg "
+        "width=8 (now 16); resume with the same model settings or use another --out"
+    )
     same = _train(packages, out, *model, "--model-arg", "width=8", "--resume", "--steps", "4")
     assert same.returncode == 0, same.stderr[-3000:]
     assert _report(out)["resumed_from_step"] == 2 and _report(out)["steps"] == 2
@@ -262,44 +330,71 @@ def test_checkpoints_resume_a_user_model_only_with_its_settings(packages, tmp_pa
 
 # ----------------------------------------------------------------------------- bad input
 BAD = [
-    (["--model", "nothere.net:build"],
-     r"--model nothere.net:build: cannot import nothere.net \(No module named 'nothere'\); install its package or "
-     r"put the folder that holds it on PYTHONPATH .*"),
-    (["--model", f"{PACKAGE}.broken:build"],
-     rf"--model {PACKAGE}.broken:build: importing {PACKAGE}.broken failed: No module named "
-     r"'not_a_real_dependency_of_the_kit'; install what it imports"),
-    (["--model", f"{PACKAGE}.net:buld"],
-     rf"--model {PACKAGE}.net:buld: {PACKAGE}.net has no buld \(did you mean build\?\); its functions: build, .*"),
-    (["--model", f"{PACKAGE}.net:build_module"],
-     rf"--model {PACKAGE}.net:build_module returned the flax module Net, not an alpa_job.api.Model; wrap it: .*"),
-    (["--model", f"{PACKAGE}.net:build_untyped"],
-     r".*build_untyped's parameter 'config' has no type hint or default; declare its settings as a dataclass .*"),
-    (["--model", f"{PACKAGE}.net:build", "--model-arg", "widht=3"],
-     rf"--model-arg widht: --model {PACKAGE}.net:build has no setting 'widht' \(did you mean width\?\); its "
-     r"settings: width, layers, noise"),
+    (
+        ["--model", "nothere.net:build"],
+        r"--model nothere.net:build: cannot import nothere.net \(No module named 'nothere'\); install its package or "
+        r"put the folder that holds it on PYTHONPATH .*",
+    ),
+    (
+        ["--model", f"{PACKAGE}.broken:build"],
+        rf"--model {PACKAGE}.broken:build: importing {PACKAGE}.broken failed: No module named "
+        r"'not_a_real_dependency_of_the_kit'; install what it imports",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:buld"],
+        rf"--model {PACKAGE}.net:buld: {PACKAGE}.net has no buld \(did you mean build\?\); its functions: build, .*",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build_module"],
+        rf"--model {PACKAGE}.net:build_module returned the flax module Net, not an alpa_job.api.Model; wrap it: .*",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build_untyped"],
+        r".*build_untyped's parameter 'config' has no type hint or default; declare its settings as a dataclass .*",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build", "--model-arg", "widht=3"],
+        rf"--model-arg widht: --model {PACKAGE}.net:build has no setting 'widht' \(did you mean width\?\); its "
+        r"settings: width, layers, noise",
+    ),
     (["--model", f"{PACKAGE}.net:build", "--model-arg", "width=wide"], r"--model-arg width: 'wide' is not a valid int"),
-    (["--model", f"{PACKAGE}.net:build", "--model-arg", "layers=0"],
-     r"--model-arg layers must be a positive integer, got 0"),
-    (["--model", f"{PACKAGE}.net:build", "--model-arg", "shape=3"],
-     r"--model-arg shape: .* declares it as Tuple\[int, int\], which --model-arg cannot give; .*"),
-    (["--model", f"{PACKAGE}.net:build_needs"],
-     rf"--model {PACKAGE}.net:build_needs needs --model-arg width=<int> \(declared without a default\)"),
-    (["--model", f"{PACKAGE}.net:build", "--model-arg", "width"],
-     r"--model-arg 'width' is not KEY=VALUE; write e.g. --model-arg num_layers=4"),
-    (["--model", f"{PACKAGE}.net:build_no_axes", "--strategy", "tensor"],
-     r"--strategy tensor splits parameters by their logical axes, and --model .*build_no_axes's parameter "
-     r"Dense_0/kernel \(shape \(512, 2048\), 4\.0 MiB\) carries none; wrap its initializer with "
-     r"alpa_job.api.logical.*\(parameters under 1\.0 MiB may go unnamed: they stay whole on every device\)"),
-    (["--model", f"{PACKAGE}.net:build_scalar_loss"],
-     r"--model .*build_scalar_loss: its loss returns shape \(\) for a batch of 16 rows; return one loss per "
-     r"example, shape \(16,\).*"),
-    (["--model", f"{PACKAGE}.net:build", "--num-layers", "2"],
-     r"--num-layers does nothing here: it sizes --model gpt, and --model .* takes its settings as --model-arg.*"),
-    (["--model", f"{PACKAGE}.net:build_bad_depth"],
-     r"--model .*build_bad_depth: its Model's depth_setting 'depth' is not one of its int settings \(width\); "
-     r"name the setting that counts its repeated layers, or drop depth_setting"),
-    (["--model", "gpt", "--model-arg", "num_layer=2"],
-     r"--model-arg num_layer: --model gpt has no setting 'num_layer' \(did you mean num_layers\?\); .*"),
+    (["--model", f"{PACKAGE}.net:build", "--model-arg", "layers=0"], r"--model-arg layers must be a positive integer, got 0"),
+    (
+        ["--model", f"{PACKAGE}.net:build", "--model-arg", "shape=3"],
+        r"--model-arg shape: .* declares it as Tuple\[int, int\], which --model-arg cannot give; .*",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build_needs"],
+        rf"--model {PACKAGE}.net:build_needs needs --model-arg width=<int> \(declared without a default\)",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build", "--model-arg", "width"],
+        r"--model-arg 'width' is not KEY=VALUE; write e.g. --model-arg num_layers=4",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build_no_axes", "--strategy", "tensor"],
+        r"--strategy tensor splits parameters by their logical axes, and --model .*build_no_axes's parameter "
+        r"Dense_0/kernel \(shape \(512, 2048\), 4\.0 MiB\) carries none; wrap its initializer with "
+        r"alpa_job.api.logical.*\(parameters under 1\.0 MiB may go unnamed: they stay whole on every device\)",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build_scalar_loss"],
+        r"--model .*build_scalar_loss: its loss returns shape \(\) for a batch of 16 rows; return one loss per "
+        r"example, shape \(16,\).*",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build", "--num-layers", "2"],
+        r"--num-layers does nothing here: it sizes --model gpt, and --model .* takes its settings as --model-arg.*",
+    ),
+    (
+        ["--model", f"{PACKAGE}.net:build_bad_depth"],
+        r"--model .*build_bad_depth: its Model's depth_setting 'depth' is not one of its int settings \(width\); "
+        r"name the setting that counts its repeated layers, or drop depth_setting",
+    ),
+    (
+        ["--model", "gpt", "--model-arg", "num_layer=2"],
+        r"--model-arg num_layer: --model gpt has no setting 'num_layer' \(did you mean num_layers\?\); .*",
+    ),
 ]
 
 
@@ -318,8 +413,7 @@ def test_bad_input_is_one_line_and_exit_2(packages, tmp_path, args, message):
 
 # ----------------------------------------------------------------------------- the setting itself
 def test_model_args_are_frozen_picklable_and_json():
-    config = build_config({"model": f"{PACKAGE}.net:build", "model_args": {"width": 8}},
-                          {"model_args": ["layers=2"]})
+    config = build_config({"model": f"{PACKAGE}.net:build", "model_args": {"width": 8}}, {"model_args": ["layers=2"]})
     assert config.model_args == {"width": 8, "layers": "2"}  # typed by the builder's declaration, in the driver
     with pytest.raises(TypeError):
         config.model_args["width"] = 4
@@ -338,9 +432,11 @@ def test_a_built_in_takes_its_sizes_as_model_args_too():
 def test_naming_a_builder_imports_nothing_before_the_run():
     """The config checks `--model PACKAGE.MODULE:FUNCTION` by its form; the builder's module (and jax with
     it) is imported by the runner, which sets the CPU devices first."""
-    code = ("import sys; from alpa_job.settings.config import build_config; "
-            "build_config({'model': 'nothere.net:build', 'model_args': {'a': 1}}, {}); "
-            "print('jax' in sys.modules, 'nothere' in sys.modules)")
+    code = (
+        "import sys; from alpa_job.settings.config import build_config; "
+        "build_config({'model': 'nothere.net:build', 'model_args': {'a': 1}}, {}); "
+        "print('jax' in sys.modules, 'nothere' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False"]
@@ -401,17 +497,38 @@ def test_a_declaration_is_read_from_a_dataclass_or_typed_keywords():
         builders.typed_args(dataclass_builder, {"tied": "maybe"})
 
 
-@pytest.mark.parametrize("builder, strategy, message", [
-    ("build_no_axes", "tensor", r"--strategy tensor splits parameters by their logical axes, .* carries none; .*"),
-    ("build_scalar_loss", "data", r"--model .*build_scalar_loss: its loss returns shape \(\) for a batch of \d+ rows.*"),
-], ids=["no-logical-axes", "scalar-loss"])
+@pytest.mark.parametrize(
+    "builder, strategy, message",
+    [
+        ("build_no_axes", "tensor", r"--strategy tensor splits parameters by their logical axes, .* carries none; .*"),
+        ("build_scalar_loss", "data", r"--model .*build_scalar_loss: its loss returns shape \(\) for a batch of \d+ rows.*"),
+    ],
+    ids=["no-logical-axes", "scalar-loss"],
+)
 def test_a_model_bound_for_ray_is_checked_before_ray_starts(packages, tmp_path, builder, strategy, message):
     # On Ray the engine builds inside the JAX processes; the driver checks the same on abstract shapes
     # first, so the mistake is one line and no Ray (nor run directory) is ever started.
     out = tmp_path / "run"
-    proc = _cli(packages, "train", "--address", "local", "--model", f"{PACKAGE}.net:{builder}", "--strategy",
-                strategy, "--steps", "2", "--num-samples", "64", "--batch-size", "16", "--compile-cache", "none",
-                "--out", str(out))
+    proc = _cli(
+        packages,
+        "train",
+        "--address",
+        "local",
+        "--model",
+        f"{PACKAGE}.net:{builder}",
+        "--strategy",
+        strategy,
+        "--steps",
+        "2",
+        "--num-samples",
+        "64",
+        "--batch-size",
+        "16",
+        "--compile-cache",
+        "none",
+        "--out",
+        str(out),
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and re.fullmatch("error: " + message, lines[0]), proc.stderr[-3000:]

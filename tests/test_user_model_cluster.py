@@ -4,6 +4,7 @@
 package). No host can import the package from its own Python path, so a run that trains on all three
 proves the job's runtime env reached every node's JAX process (the kit's actors add their own env vars
 to it, never replace it)."""
+
 import json
 import os
 import shutil
@@ -25,8 +26,14 @@ STEPS = 3
 
 
 # A Hugging Face checkpoint of TINY_LLAMA's shapes, shipped in the working directory beside the package.
-HF_TINY = {"hidden_size": 32, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "vocab_size": 64, "rms_norm_eps": 1e-6}
+HF_TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "rms_norm_eps": 1e-6,
+}
 
 
 def _source_on_the_head_only(ray_cluster) -> Path:
@@ -63,17 +70,48 @@ def _unpacked_on_every_host(ray_cluster, kind: str):
 
 def _train_command(ray_cluster, out: Path):
     model_args = [x for arg in TINY_LLAMA for x in ("--model-arg", arg)]
-    return ["python", "-m", "alpa_job", "train", "--model", BUILDER, *model_args,
-            "--steps", str(STEPS), "--devices", "2", "--batch-size", "12", "--num-samples", "48",
-            "--compile-cache", "none", "--cluster-spec", str(ray_cluster.spec_path), "--out", str(out)]
+    return [
+        "python",
+        "-m",
+        "alpa_job",
+        "train",
+        "--model",
+        BUILDER,
+        *model_args,
+        "--steps",
+        str(STEPS),
+        "--devices",
+        "2",
+        "--batch-size",
+        "12",
+        "--num-samples",
+        "48",
+        "--compile-cache",
+        "none",
+        "--cluster-spec",
+        str(ray_cluster.spec_path),
+        "--out",
+        str(out),
+    ]
 
 
 def _run_job(ray_cluster, tag: str, ray_args, entrypoint):
     """`ray job submit` from the head; `entrypoint(out)` is the command after `--`. Returns (out, process)."""
     bed = ray_cluster.testbed
     out = Path("/tmp") / ("akt-usermodel-%s-%s" % (tag, uuid.uuid4().hex[:8]))  # /tmp is shared by every host
-    p = bed.exec("head", "ray", "job", "submit", "--address", "http://%s:%d" % (ray_cluster.head_ip,
-                 ray_cluster.spec.ports["dashboard"]), *ray_args, "--", *entrypoint(out), timeout=500, check=False)
+    p = bed.exec(
+        "head",
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        "http://%s:%d" % (ray_cluster.head_ip, ray_cluster.spec.ports["dashboard"]),
+        *ray_args,
+        "--",
+        *entrypoint(out),
+        timeout=500,
+        check=False,
+    )
     return out, p
 
 
@@ -107,8 +145,9 @@ def test_working_dir_reaches_every_nodes_process_and_a_fine_tune_starts_from_its
     this machine alone gets from the same checkpoint."""
     _not_importable_on_any_host(ray_cluster)
     source = _source_on_the_head_only(ray_cluster)
-    out, p = _run_job(ray_cluster, "workdir", ["--working-dir", str(source)],
-                      lambda out: _train_command(ray_cluster, out) + ["--init-from", "hf:hf-tiny"])
+    out, p = _run_job(
+        ray_cluster, "workdir", ["--working-dir", str(source)], lambda out: _train_command(ray_cluster, out) + ["--init-from", "hf:hf-tiny"]
+    )
     assert p.returncode == 0, "ray job submit failed:\n%s\n%s" % (p.stdout[-6000:], p.stderr[-3000:])
     report = json.loads((out / "report.json").read_text())
     assert_valid_report(report)
@@ -119,9 +158,14 @@ def test_working_dir_reaches_every_nodes_process_and_a_fine_tune_starts_from_its
     alone = tmp_path / "alone"
     local = _train_command(ray_cluster, alone)[3:]  # after `python -m alpa_job`
     local = [a for a in local if a != "--cluster-spec" and a != str(ray_cluster.spec_path)]
-    q = run_cli(*local, "--address", "none", "--init-from", "hf:%s" % (ray_cluster.testbed.ray_dir("head") /
-                "akt-user-src" / "llama" / "hf-tiny"), env={"PYTHONPATH": "%s:%s" % (REPO, LLAMA_DIR),
-                                                              "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    q = run_cli(
+        *local,
+        "--address",
+        "none",
+        "--init-from",
+        "hf:%s" % (ray_cluster.testbed.ray_dir("head") / "akt-user-src" / "llama" / "hf-tiny"),
+        env={"PYTHONPATH": "%s:%s" % (REPO, LLAMA_DIR), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
     assert q.returncode == 0, q.stderr[-3000:]
     first = json.loads((alone / "report.json").read_text())["summary"]["loss_first"]
     assert report["summary"]["loss_first"] == pytest.approx(first, rel=1e-5), (report["summary"], first)

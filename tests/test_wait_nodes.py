@@ -1,4 +1,5 @@
 """`python -m alpa_job.cluster.wait_nodes`: answers within its deadline, both ways."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,13 @@ from helpers_cli import REPO, silent_listener
 def test_times_out_with_exit_4_and_reports_what_is_alive():
     """A one-node local Ray never reaches 2 nodes: exit 4 after ~the deadline, not a hang."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "alpa_job.cluster.wait_nodes", "--count", "2", "--timeout", "2",
-                           "--address", "local"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "alpa_job.cluster.wait_nodes", "--count", "2", "--timeout", "2", "--address", "local"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert time.monotonic() - start < 90
     report = json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
@@ -27,8 +33,13 @@ def test_the_join_itself_is_bounded_by_the_timeout():
     address = "127.0.0.1:%d" % server.getsockname()[1]
     try:
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "alpa_job.cluster.wait_nodes", "--count", "1", "--timeout", "3",
-                               "--address", address], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "alpa_job.cluster.wait_nodes", "--count", "1", "--timeout", "3", "--address", address],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         took = time.monotonic() - start
     finally:
         server.close()

@@ -8,6 +8,7 @@ Slow part: a JAX process SIGSTOPped on a local Ray (one node) is named by the wa
 3-host test bed: tests/test_watchdog_testbed.py (a module of its own, so that this one stays out of the
 suite's test-bed lane).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,21 +31,25 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _python(code: str, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(cwd), env=env)
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=str(cwd), env=env
+    )
 
 
 # ============================================================================ CPU: bounded exits
 def test_the_exit_deadline_ends_a_process_held_by_a_thread_that_never_ends(tmp_path):
     t0 = time.monotonic()
-    p = _python("""
+    p = _python(
+        """
         import threading
         from alpa_job.shutdown import exit_within
         threading.Thread(target=threading.Event().wait, name="waits-forever").start()  # non-daemon
         exit_within(3, deadline_s=1.0)
-    """, timeout=60, cwd=tmp_path)
+    """,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert p.returncode == 3, p.stderr
     assert time.monotonic() - t0 < 30
     lines = [x for x in p.stderr.splitlines() if "exiting without waiting" in x]
@@ -52,13 +57,17 @@ def test_the_exit_deadline_ends_a_process_held_by_a_thread_that_never_ends(tmp_p
 
 
 def test_a_healthy_exit_is_not_cut_short(tmp_path):
-    p = _python("""
+    p = _python(
+        """
         import atexit, threading, time
         from alpa_job.shutdown import exit_within
         threading.Thread(target=time.sleep, args=(0.5,), name="short").start()
         atexit.register(lambda: print("atexit ran", flush=True))
         exit_within(0, deadline_s=20.0)
-    """, timeout=60, cwd=tmp_path)
+    """,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0 and "atexit ran" in p.stdout and "exiting without" not in p.stderr, p.stderr
 
 
@@ -87,8 +96,11 @@ BROKEN_SAVE = """
 
 @pytest.mark.parametrize("how", ["close", "abandon"])
 def test_a_checkpoint_save_that_cannot_finish_does_not_hold_the_exit(tmp_path, how):
-    end = ("ck.abandon()" if how == "abandon" else
-           "try:\n        ck.close()\n    except KitError as err:\n        print('error: ' + str(err), flush=True)")
+    end = (
+        "ck.abandon()"
+        if how == "abandon"
+        else "try:\n        ck.close()\n    except KitError as err:\n        print('error: ' + str(err), flush=True)"
+    )
     t0 = time.monotonic()
     p = _python(BROKEN_SAVE % end, timeout=120, cwd=tmp_path)  # the hang lasted 10 minutes
     seconds = time.monotonic() - t0
@@ -128,6 +140,7 @@ def _local_signal(sig):
             return True
         except ProcessLookupError:
             return False
+
     return send
 
 
@@ -136,9 +149,30 @@ def test_a_stopped_process_on_a_local_ray_is_named_by_the_watchdog(tmp_path):
     """One node, one JAX process (a Ray actor): SIGSTOP it; the watchdog names it within --hang-timeout
     plus a few seconds, the job fails with exit 1 and the report says it hung."""
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "alpa_job", "train", "--address", "local", "--hidden-dim", "32", "--steps", "5000",
-            "--num-samples", "6400", "--batch-size", "16", "--devices", "2", "--checkpoint-every", "10",
-            "--hang-timeout", "10", "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "alpa_job",
+        "train",
+        "--address",
+        "local",
+        "--hidden-dim",
+        "32",
+        "--steps",
+        "5000",
+        "--num-samples",
+        "6400",
+        "--batch-size",
+        "16",
+        "--devices",
+        "2",
+        "--checkpoint-every",
+        "10",
+        "--hang-timeout",
+        "10",
+        "--out",
+        str(out),
+    ]
     started = []
 
     def popen(a, **kw):
@@ -160,9 +194,16 @@ def test_a_stopped_process_on_a_local_ray_is_named_by_the_watchdog(tmp_path):
         assert len(pids) == 1, pids
         return pids[0]
 
-    rc, text, seconds, _pid, _gone = _stop_and_wait(argv, out, find_victim, _local_signal(signal.SIGSTOP),
-                                                    _local_signal(signal.SIGCONT), _local_signal(0),
-                                                    after_checkpoint=100, popen=popen)
+    rc, text, seconds, _pid, _gone = _stop_and_wait(
+        argv,
+        out,
+        find_victim,
+        _local_signal(signal.SIGSTOP),
+        _local_signal(signal.SIGCONT),
+        _local_signal(0),
+        after_checkpoint=100,
+        popen=popen,
+    )
     assert rc == 1, text[-4000:]
     assert seconds < 10 + 25, f"{seconds:.0f} s from the stop to the exit:\n{text[-3000:]}"
     line = [x for x in text.splitlines() if x.startswith("error: JAX process 0") and "hung at step" in x]

@@ -3,6 +3,7 @@ SIGSTOPped on w1 is named by the watchdog (--hang-timeout), the job restarts fro
 3 hosts (the stopped actor is killed) and trains on; stopped again with no restart left, it fails within
 --hang-timeout plus a few seconds naming it. The CPU part and the local-Ray case: tests/test_watchdog.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,16 @@ def test_a_stopped_process_on_the_test_bed_is_named_the_job_restarts_then_fails_
     # 60 steps: the second stop, after the restarted run's first checkpoint, still finds 20 steps to stop in.
     argv = _train_argv(cluster, str(out), "--hang-timeout", str(hang), "--max-restarts", "1", steps=60)
     rc, text, seconds, victims, gone = _stop_and_wait(
-        argv, out, find_victim, signal_in_w1("STOP"), signal_in_w1("CONT"), signal_in_w1("0"), timeout=500,
+        argv,
+        out,
+        find_victim,
+        signal_in_w1("STOP"),
+        signal_in_w1("CONT"),
+        signal_in_w1("0"),
+        timeout=500,
         again_after_steps=EVERY,
-        popen=lambda a, **kw: bed.popen("head", *a, env={"RAY_ADDRESS": cluster.address}, **kw))
+        popen=lambda a, **kw: bed.popen("head", *a, env={"RAY_ADDRESS": cluster.address}, **kw),
+    )
     assert "Traceback" not in text, text[-5000:]
     named = [x for x in text.splitlines() if "JAX process 1 on host w1" in x and "hung" in x]
     assert len(named) >= 2 and all(cluster.node_ips["w1"] in x and "stopped, frozen" in x for x in named), text[-5000:]

@@ -1,5 +1,6 @@
 """weight_reads: the dtype data parallelism's sharded update gathers each parameter in is the one the model
 reads it in, found in the loss's jaxpr; anything the reader does not follow keeps full precision."""
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,20 @@ BF16, F32 = np.dtype("bfloat16"), np.dtype("float32")
 
 
 def _gpt(dtype):
-    config = job_config(model="gpt", dtype=dtype, address="none", num_layers=2, d_model=64, num_heads=4, seq_len=32,
-                       vocab_size=128, batch_size=8, num_samples=8, steps=2, compile_cache="none").validated()
+    config = job_config(
+        model="gpt",
+        dtype=dtype,
+        address="none",
+        num_layers=2,
+        d_model=64,
+        num_heads=4,
+        seq_len=32,
+        vocab_size=128,
+        batch_size=8,
+        num_samples=8,
+        steps=2,
+        compile_cache="none",
+    ).validated()
     batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     return config, get_model(config), batch
 
@@ -73,11 +86,13 @@ class _Toy:
         @jax.custom_jvp
         def opaque(w):
             return w.astype(jnp.bfloat16)
+
         opaque.defjvp(lambda primals, tangents: (opaque(*primals), tangents[0].astype(jnp.bfloat16)))
         y = y + opaque(params["custom_jvp"])
 
         def body(carry, w):
             return carry + x @ w.astype(jnp.bfloat16), None
+
         y, _ = jax.lax.scan(body, y, params["scanned"])
         y = y + params["cast_to_f16"].astype(jnp.float16).astype(jnp.bfloat16)  # another narrow dtype
         return jnp.mean(y.astype(jnp.float32)), params["returned"]  # a parameter handed out: read whole
@@ -90,8 +105,15 @@ def test_only_reads_that_are_all_casts_to_the_compute_dtype_narrow_the_gather():
     batch = {"x": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16)}
     dtypes = weight_reads.gather_dtypes(_Toy, params, None, batch, "bfloat16")
     assert {n: np.dtype(d).name for n, d in dtypes.items()} == {
-        "cast": "bfloat16", "in_checkpoint": "bfloat16", "in_jit": "bfloat16", "scanned": "bfloat16",
-        "sin": "float32", "custom_jvp": "float32", "cast_to_f16": "float32", "returned": "float32"}
+        "cast": "bfloat16",
+        "in_checkpoint": "bfloat16",
+        "in_jit": "bfloat16",
+        "scanned": "bfloat16",
+        "sin": "float32",
+        "custom_jvp": "float32",
+        "cast_to_f16": "float32",
+        "returned": "float32",
+    }
 
 
 def test_gathering_the_cast_gives_the_loss_and_gradients_of_the_full_precision_weights():
@@ -102,9 +124,13 @@ def test_gathering_the_cast_gives_the_loss_and_gradients_of_the_full_precision_w
     x = jnp.asarray(rng.normal(size=(4, 4)), jnp.bfloat16)
 
     def loss(p):
-        y = x @ p["cast"].astype(jnp.bfloat16) + jax.checkpoint(lambda w: x @ w.astype(jnp.bfloat16))(
-            p["in_checkpoint"]) + jax.jit(lambda w: w.astype(jnp.bfloat16))(p["in_jit"])
+        y = (
+            x @ p["cast"].astype(jnp.bfloat16)
+            + jax.checkpoint(lambda w: x @ w.astype(jnp.bfloat16))(p["in_checkpoint"])
+            + jax.jit(lambda w: w.astype(jnp.bfloat16))(p["in_jit"])
+        )
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
     dtypes = weight_reads.gather_dtypes(_LossOnly(loss), params, None, {}, "bfloat16")
     cast = jax.tree_util.tree_map(lambda p, d: p.astype(d), params, dtypes)
     full_loss, full_grads = jax.value_and_grad(loss)(params)

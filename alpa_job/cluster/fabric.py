@@ -4,6 +4,7 @@ Declared once, rendered everywhere: `nccl_env()` is the NCCL environment every r
 containers and processes, the KubeRay pods), and tests hold each of them to it. Sockets are a choice
 too: `fabric: ethernet` renders NCCL_IB_DISABLE=1, so NCCL never probes for an HCA it was not given.
 """
+
 from __future__ import annotations
 
 import re
@@ -74,8 +75,7 @@ def network_from_dict(raw: Any, source: str) -> NetworkSpec:
 
 def _gbps(value: Any, source: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise KitError("%s: network.gbps is %r; declare each node's link in Gbit/s (a number, 0 = unknown)"
-                       % (source, value))
+        raise KitError("%s: network.gbps is %r; declare each node's link in Gbit/s (a number, 0 = unknown)" % (source, value))
     return value
 
 
@@ -86,11 +86,11 @@ def _ib_hca(value: Any, fabric: str, source: str) -> str:
         return value
     # A value NCCL would never read is refused rather than left to look as if it did something.
     if fabric not in RDMA_FABRICS:
-        raise KitError('%s: network.ib_hca is set but fabric is %s (sockets); set fabric to ib or roce, or '
-                       'ib_hca to ""' % (source, fabric))
+        raise KitError('%s: network.ib_hca is set but fabric is %s (sockets); set fabric to ib or roce, or ib_hca to ""' % (source, fabric))
     if not _HCA_LIST.fullmatch(value):
-        raise KitError("%s: network.ib_hca %r is not an NCCL_IB_HCA list; write [^|=]device[:port],... such as "
-                       "mlx5_0:1,mlx5_1:1" % (source, value))
+        raise KitError(
+            "%s: network.ib_hca %r is not an NCCL_IB_HCA list; write [^|=]device[:port],... such as mlx5_0:1,mlx5_1:1" % (source, value)
+        )
     return value
 
 
@@ -98,10 +98,9 @@ def _gid_index(value: Any, fabric: str, source: str) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise KitError("%s: network.ib_gid_index is %r; use a GID index (a whole number >= 0) or null"
-                       % (source, value))
+        raise KitError("%s: network.ib_gid_index is %r; use a GID index (a whole number >= 0) or null" % (source, value))
     if fabric != "roce":
-        raise KitError("%s: network.ib_gid_index applies to RoCE only and fabric is %s; set fabric to roce, or "
-                       "ib_gid_index to null" % (source, fabric))
+        raise KitError(
+            "%s: network.ib_gid_index applies to RoCE only and fabric is %s; set fabric to roce, or ib_gid_index to null" % (source, fabric)
+        )
     return value
-

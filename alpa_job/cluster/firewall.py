@@ -12,6 +12,7 @@ refused: `nft list set inet alpa_kit rejected_tcp`.
 
 CLI: python -m alpa_job.cluster.firewall --node-ip X --members A,B,C --role worker [--spec FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,7 @@ def render_nftables(
 
     out = [
         "#!/usr/sbin/nft -f",
-        "# alpa-cluster-kit firewall for %s %s, rendered from %s." % (
-            role, node_ip, source or "the cluster spec (%s)" % spec.source),
+        "# alpa-cluster-kit firewall for %s %s, rendered from %s." % (role, node_ip, source or "the cluster spec (%s)" % spec.source),
         "# Do not edit: re-render it. Loading it replaces table inet %s and touches nothing else." % table,
         "table inet %s {}" % table,  # create it if absent, so the delete below never fails ...
         "delete table inet %s" % table,  # ... and the new table replaces the old one atomically
@@ -80,8 +80,7 @@ def render_nftables(
         "\tset accepted_tcp { type inet_service; flags dynamic; size %d; counter; }" % _PORT_SET_SIZE,
         "\tset rejected_tcp { type inet_service; flags dynamic; size %d; counter; }" % _PORT_SET_SIZE,
         "\tset rejected_udp { type inet_service; flags dynamic; size %d; counter; }" % _PORT_SET_SIZE,
-        "\tset rejected_tcp_from { type ipv4_addr . inet_service; flags dynamic; size %d; counter; }"
-        % _PORT_SET_SIZE,
+        "\tset rejected_tcp_from { type ipv4_addr . inet_service; flags dynamic; size %d; counter; }" % _PORT_SET_SIZE,
         "",
         "\tchain input {",
         "\t\ttype filter hook input priority filter; policy accept;",
@@ -92,11 +91,8 @@ def render_nftables(
         '\t\tudp sport 67 udp dport 68 accept comment "dhcp client"',
         '\t\tudp sport 547 udp dport 546 accept comment "dhcpv6 client"',
     ]
-    for span in (spec.member_tcp_ports(role) if member_ports is None else member_ports):
-        out.append(
-            '\t\tip saddr @members tcp dport %s add @accepted_tcp { tcp dport } accept comment "%s"'
-            % (span.text(), span.name)
-        )
+    for span in spec.member_tcp_ports(role) if member_ports is None else member_ports:
+        out.append('\t\tip saddr @members tcp dport %s add @accepted_tcp { tcp dport } accept comment "%s"' % (span.text(), span.name))
     if admin_ports:
         ports = _port_set(admin_ports)
         comment = "admin: %s" % ", ".join(s.name for s in admin_ports)
@@ -108,8 +104,7 @@ def render_nftables(
         # A separate rule: `ip saddr` only matches IPv4, and the reject below must catch IPv6 too.
         "\t\tmeta nfproto ipv4 meta l4proto tcp add @rejected_tcp_from { ip saddr . tcp dport }",
         '\t\tmeta l4proto tcp add @rejected_tcp { tcp dport } counter reject with tcp reset comment "not planned"',
-        '\t\tmeta l4proto udp add @rejected_udp { udp dport } counter reject with icmpx port-unreachable '
-        'comment "not planned"',
+        '\t\tmeta l4proto udp add @rejected_udp { udp dport } counter reject with icmpx port-unreachable comment "not planned"',
         "\t}",
         "}",
         "",
@@ -142,8 +137,7 @@ def _port_set(spans: List[PortSpan]) -> str:
 
 
 def _cluster_ip(spec: ClusterSpec, ip: str, what: str) -> str:
-    return spec.cluster_ipv4(ip, what, "list the members' cluster IPv4 addresses",
-                             "list the nodes' cluster addresses or fix cluster_cidr")
+    return spec.cluster_ipv4(ip, what, "list the members' cluster IPv4 addresses", "list the nodes' cluster addresses or fix cluster_cidr")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -19,6 +19,7 @@ k8s/raycluster.yaml can be compared with `alpa_job.cluster.ray_start` and run on
 Not modelled (ValueError if used): the group-level `resources` / `labels` fields, custom accelerators
 (TPU, Neuron), autoscaler's `--no-monitor`, GCS fault tolerance, TLS.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,11 +39,22 @@ KEEP_FALSE = ("log-color", "include-dashboard", "include-log-monitor")
 
 _MIG = re.compile(r"nvidia\.com/mig-\d+g\.\d+gb$")
 _SUFFIX = {
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": Decimal(1),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
 }
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)(?:([eE][+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$")
 _VAR_REF = re.compile(r"\$\$|\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
@@ -64,8 +76,7 @@ def head_service_fqdn(cluster_name: str, namespace: str = "default", domain: str
     return "%s-head-svc.%s.svc.%s" % (cluster_name, namespace, domain)
 
 
-def complete_params(group: Mapping[str, Any], role: str, head_address: str = "",
-                    head_port: str = DEFAULT_GCS_PORT) -> Dict[str, str]:
+def complete_params(group: Mapping[str, Any], role: str, head_address: str = "", head_port: str = DEFAULT_GCS_PORT) -> Dict[str, str]:
     """The group's rayStartParams with what KubeRay adds (address, dashboard-host, metrics, block, listen
     port, num-cpus, memory, num-gpus). `head_address` is the host workers join (for workers only)."""
     if role not in ("head", "worker"):
@@ -111,9 +122,15 @@ def ray_start_string(params: Mapping[str, str], role: str) -> str:
     return ("ray start --head %s" if role == "head" else "ray start %s") % flags
 
 
-def container_args(group: Mapping[str, Any], role: str, cluster_name: str, namespace: str = "default",
-                   pod_ip: Optional[str] = None, head_address: Optional[str] = None,
-                   head_port: str = DEFAULT_GCS_PORT) -> str:
+def container_args(
+    group: Mapping[str, Any],
+    role: str,
+    cluster_name: str,
+    namespace: str = "default",
+    pod_ip: Optional[str] = None,
+    head_address: Optional[str] = None,
+    head_port: str = DEFAULT_GCS_PORT,
+) -> str:
     """The Ray container's single bash argument as the pod runs it (after Kubernetes' `$(VAR)` expansion).
 
     `head_address` defaults to the head Service's FQDN; pass an IP to compare with a bare-metal node.
@@ -125,9 +142,15 @@ def container_args(group: Mapping[str, Any], role: str, cluster_name: str, names
     return expand_env_refs(command, container_env(group, pod_ip))
 
 
-def ray_start_argv(group: Mapping[str, Any], role: str, cluster_name: str = "alpa", namespace: str = "default",
-                   pod_ip: Optional[str] = None, head_address: Optional[str] = None,
-                   head_group: Optional[Mapping[str, Any]] = None) -> List[str]:
+def ray_start_argv(
+    group: Mapping[str, Any],
+    role: str,
+    cluster_name: str = "alpa",
+    namespace: str = "default",
+    pod_ip: Optional[str] = None,
+    head_address: Optional[str] = None,
+    head_group: Optional[Mapping[str, Any]] = None,
+) -> List[str]:
     """`ray start ...` as an argv list (bash word splitting of KubeRay's command, ulimit dropped).
 
     For workers pass the `head_group` so its `port` param (the GCS port KubeRay puts in --address) is used.
@@ -135,13 +158,13 @@ def ray_start_argv(group: Mapping[str, Any], role: str, cluster_name: str = "alp
     head_port = DEFAULT_GCS_PORT
     if head_group is not None:
         head_port = _param_string("port", (head_group.get("rayStartParams") or {}).get("port", DEFAULT_GCS_PORT))
-    command = container_args(group, role, cluster_name, namespace, pod_ip=pod_ip, head_address=head_address,
-                             head_port=head_port)
-    return shlex.split(command[len(ULIMIT_PREFIX):])
+    command = container_args(group, role, cluster_name, namespace, pod_ip=pod_ip, head_address=head_address, head_port=head_port)
+    return shlex.split(command[len(ULIMIT_PREFIX) :])
 
 
-def cluster_argvs(raycluster: Mapping[str, Any], pod_ips: Mapping[str, str], namespace: str = "default",
-                  head_address: Optional[str] = None) -> Dict[str, List[str]]:
+def cluster_argvs(
+    raycluster: Mapping[str, Any], pod_ips: Mapping[str, str], namespace: str = "default", head_address: Optional[str] = None
+) -> Dict[str, List[str]]:
     """argv per group of a RayCluster object ("head" and each worker groupName), given a pod IP per group."""
     spec = raycluster["spec"]
     name = raycluster["metadata"]["name"]
@@ -149,8 +172,13 @@ def cluster_argvs(raycluster: Mapping[str, Any], pod_ips: Mapping[str, str], nam
     out = {"head": ray_start_argv(head, "head", name, namespace, pod_ip=pod_ips.get("head"))}
     for group in spec.get("workerGroupSpecs") or []:
         out[group["groupName"]] = ray_start_argv(
-            group, "worker", name, namespace, pod_ip=pod_ips.get(group["groupName"]),
-            head_address=head_address, head_group=head,
+            group,
+            "worker",
+            name,
+            namespace,
+            pod_ip=pod_ips.get(group["groupName"]),
+            head_address=head_address,
+            head_group=head,
         )
     return out
 
@@ -174,16 +202,18 @@ def container_env(group: Mapping[str, Any], pod_ip: Optional[str] = None) -> Dic
 
 def expand_env_refs(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' expansion of `$(VAR)` in command/args: unknown references stay as written, `$$` is `$`."""
+
     def repl(match: "re.Match[str]") -> str:
         if match.group(0) == "$$":
             return "$"
         name = match.group(1)
         return env[name] if name in env else match.group(0)
+
     return _VAR_REF.sub(repl, text)
 
 
 def _param_string(key: Any, value: Any) -> str:
     if not isinstance(value, str):
         # The CRD types rayStartParams as map[string]string: an unquoted 8076 is refused by the API server.
-        raise ValueError("rayStartParams[%r] must be a string (quote it: \"%s\")" % (key, value))
+        raise ValueError('rayStartParams[%r] must be a string (quote it: "%s")' % (key, value))
     return value

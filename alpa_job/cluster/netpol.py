@@ -10,6 +10,7 @@ TCP reset. The same rules hold on every pod (the policy does not tell head from 
 Rules for other peers (admin namespaces, RayJob submitter pods, ipBlocks) have no host equivalent here
 and are left out: they only ever admit non-members. Named ports and non-TCP protocols are refused.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -72,16 +73,17 @@ def member_port_spans(policy: Mapping[str, Any]) -> List[PortSpan]:
             spans.add((port, end))
     if not spans:
         raise KitError("%s: no ingress rule admits the cluster's own pods %s" % (name, members))
-    return [PortSpan("%s %s" % (name, lo if lo == hi else "%d-%d" % (lo, hi)), lo, hi)
-            for lo, hi in sorted(spans)]
+    return [PortSpan("%s %s" % (name, lo if lo == hi else "%d-%d" % (lo, hi)), lo, hi) for lo, hi in sorted(spans)]
 
 
-def render_policy_nftables(policy: Mapping[str, Any], spec: ClusterSpec, node_ip: str,
-                           member_ips: Iterable[str], table: str = "alpa_kit") -> str:
+def render_policy_nftables(
+    policy: Mapping[str, Any], spec: ClusterSpec, node_ip: str, member_ips: Iterable[str], table: str = "alpa_kit"
+) -> str:
     """The nft script for one node: the policy's member ports from `member_ips`, a TCP reset for the rest.
 
     `spec` supplies the cluster CIDR the IPs are checked against (and admin_cidrs, normally empty here).
     """
     name = (policy.get("metadata") or {}).get("name", "networkpolicy")
-    return render_nftables(spec, node_ip, member_ips, "worker", table=table,
-                           member_ports=member_port_spans(policy), source="NetworkPolicy %s" % name)
+    return render_nftables(
+        spec, node_ip, member_ips, "worker", table=table, member_ports=member_port_spans(policy), source="NetworkPolicy %s" % name
+    )

@@ -4,6 +4,7 @@ chose, read from NCCL's own INFO lines, which each process has NCCL write to a f
 
 The doctor (`doctor --network`) runs the same all-reduce in processes of its own.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,7 @@ def ask_nccl_for_its_log() -> Optional[str]:
     where the user set NCCL_DEBUG (their choice of output is left alone)."""
     if os.environ.get("NCCL_DEBUG"):
         return None
-    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET",
-                      NCCL_DEBUG_FILE=NCCL_FILE_PREFIX + ".%h.%p.log")
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=NCCL_FILE_PREFIX + ".%h.%p.log")
     return own_nccl_log()
 
 
@@ -53,18 +53,25 @@ def time_all_reduce(nbytes: int, repeats: int) -> Dict[str, Any]:
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("all",))
     per_device = max(1, nbytes // 4)
-    x = jax.make_array_from_callback((len(devices) * per_device,), NamedSharding(mesh, PartitionSpec("all")),
-                                     lambda where: np.ones((per_device,), np.float32))
-    summed = jax.jit(shard_map()(lambda a: jax.lax.psum(a, "all"), mesh=mesh, in_specs=PartitionSpec("all"),
-                                  out_specs=PartitionSpec("all")))
+    x = jax.make_array_from_callback(
+        (len(devices) * per_device,), NamedSharding(mesh, PartitionSpec("all")), lambda where: np.ones((per_device,), np.float32)
+    )
+    summed = jax.jit(
+        shard_map()(lambda a: jax.lax.psum(a, "all"), mesh=mesh, in_specs=PartitionSpec("all"), out_specs=PartitionSpec("all"))
+    )
     summed(x).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         summed(x).block_until_ready()
         times.append(time.perf_counter() - start)
-    result = {"backend": jax.default_backend(), "devices": len(devices), "processes": jax.process_count(),
-              "bytes": per_device * 4, "seconds": round(statistics.median(times), 6)}
+    result = {
+        "backend": jax.default_backend(),
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "bytes": per_device * 4,
+        "seconds": round(statistics.median(times), 6),
+    }
     result["bus_gbps"] = bus_gbps(result)
     return result
 

@@ -7,6 +7,7 @@ cluster_cidr, and an ambiguous or empty match is an error rather than a guess.
 
 CLI: python -m alpa_job.cluster.node_ip [--cidr 10.0.0.0/8 | --spec FILE] [--list]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,7 @@ def local_ipv4_addresses() -> Dict[str, List[str]]:
 def _addresses_from_iproute2() -> Optional[Dict[str, List[str]]]:
     """Parse `ip -j -4 addr show`; None if this `ip` cannot produce JSON (very old iproute2)."""
     try:
-        out = subprocess.run(
-            ["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
+        out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10, check=True).stdout
         links = json.loads(out or "[]")
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
@@ -112,10 +111,9 @@ def select_node_ip(cidr: str, addresses: Optional[Mapping[str, Sequence[str]]] =
     if len(inside) > 1:
         raise KitError(
             "several interfaces of this host have an address in cluster CIDR %s (%s); pick one by "
-            "narrowing cluster_cidr in your cluster spec to the network your nodes share"
-            % (network, _describe(inside))
+            "narrowing cluster_cidr in your cluster spec to the network your nodes share" % (network, _describe(inside))
         )
-    (iface, ips), = inside.items()
+    ((iface, ips),) = inside.items()
     if len(ips) > 1:
         raise KitError(
             "interface %s has several addresses in cluster CIDR %s (%s); pick one by narrowing "

@@ -18,6 +18,7 @@ helpers, so each fact is written once:
 
 Imports on the Alpa image's stack (Python 3.9, ray 2.1.0): standard library at module level, ray when used.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,9 @@ def split_address(address: str, spec=None) -> Tuple[str, int]:
     """(host, port) of HOST:PORT, or a KitError naming the form expected."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise KitError("--address %r is not HOST:PORT; use local, auto, or the head's GCS address like 10.0.0.1:%d"
-                       % (address, _gcs_port(spec)))
+        raise KitError(
+            "--address %r is not HOST:PORT; use local, auto, or the head's GCS address like 10.0.0.1:%d" % (address, _gcs_port(spec))
+        )
     return host, int(port)
 
 
@@ -68,8 +70,10 @@ def normalize_address(address: Optional[str], spec=None, default: str = AUTO) ->
     if address in (AUTO, LOCAL) or address.startswith("ray://"):
         return address
     if address.startswith(("http://", "https://")):
-        raise KitError("--address %s is the dashboard/jobs URL; submit with `ray job submit --address %s -- python "
-                       "-m alpa_job ...` or pass the GCS address HOST:%d" % (address, address, _gcs_port(spec)))
+        raise KitError(
+            "--address %s is the dashboard/jobs URL; submit with `ray job submit --address %s -- python "
+            "-m alpa_job ...` or pass the GCS address HOST:%d" % (address, address, _gcs_port(spec))
+        )
     if ":" not in address and spec is not None:
         return gcs_address(spec, address)
     split_address(address, spec)
@@ -83,17 +87,20 @@ def check_reachable(address: str, timeout_s: float = TCP_CHECK_TIMEOUT_S) -> Non
         with socket.create_connection((host, port), timeout=timeout_s):
             pass
     except socket.timeout:
-        raise KitError("Ray GCS at %s did not answer within %.0f s; check that the head is up and that port %d is "
-                       "open to this host (python -m alpa_job doctor)" % (address, timeout_s, port),
-                       EXIT_TIMEOUT) from None
+        raise KitError(
+            "Ray GCS at %s did not answer within %.0f s; check that the head is up and that port %d is "
+            "open to this host (python -m alpa_job doctor)" % (address, timeout_s, port),
+            EXIT_TIMEOUT,
+        ) from None
     except OSError as err:
-        raise KitError("cannot reach Ray GCS at %s (%s); start the head (ray start --head) or fix --address"
-                       % (address, err.strerror or err), EXIT_TIMEOUT) from None
+        raise KitError(
+            "cannot reach Ray GCS at %s (%s); start the head (ray start --head) or fix --address" % (address, err.strerror or err),
+            EXIT_TIMEOUT,
+        ) from None
 
 
 # ---- joining -------------------------------------------------------------------------------------
-def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, check_timeout_s: float = TCP_CHECK_TIMEOUT_S,
-             **init_kwargs: Any) -> str:
+def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, check_timeout_s: float = TCP_CHECK_TIMEOUT_S, **init_kwargs: Any) -> str:
     """`ray.init(address=...)` that returns or fails within `timeout_s`; returns what was joined.
 
     `address`: HOST:PORT (TCP-checked first: a refused or silent port fails in seconds), "auto",
@@ -124,13 +131,17 @@ def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, check_timeout_s: f
     worker.start()
     worker.join(max(0.1, deadline - time.monotonic()))
     if worker.is_alive():
-        raise KitError("Ray at %s did not accept this driver within %.0f s (something answers there, but not a Ray "
-                       "GCS that lets it join); pass the head's GCS address (ray start --head --port) and run python "
-                       "-m alpa_job doctor" % (address, timeout_s), EXIT_TIMEOUT)
+        raise KitError(
+            "Ray at %s did not accept this driver within %.0f s (something answers there, but not a Ray "
+            "GCS that lets it join); pass the head's GCS address (ray start --head --port) and run python "
+            "-m alpa_job doctor" % (address, timeout_s),
+            EXIT_TIMEOUT,
+        )
     err = outcome.get("error")
     if isinstance(err, ConnectionError):
-        raise KitError("cannot join Ray at %s (%s); start a cluster (ray start --head) or fix --address"
-                       % (address, _first_line(err)), EXIT_TIMEOUT) from None
+        raise KitError(
+            "cannot join Ray at %s (%s); start a cluster (ray start --head) or fix --address" % (address, _first_line(err)), EXIT_TIMEOUT
+        ) from None
     if err is not None:
         raise err
     return "Ray cluster at %s" % address
@@ -177,9 +188,14 @@ def parse_node(row: Any) -> RayNode:
     is_head = _field(row, "is_head_node")
     if is_head is None and HEAD_MARKER in resources:
         is_head = True
-    return RayNode(ip=str(_field(row, "NodeManagerAddress", "node_ip", "node_manager_address") or ""),
-                   node_id=str(_field(row, "NodeID", "node_id") or ""), alive=bool(alive),
-                   resources=resources, is_head=None if is_head is None else bool(is_head), row=row)
+    return RayNode(
+        ip=str(_field(row, "NodeManagerAddress", "node_ip", "node_manager_address") or ""),
+        node_id=str(_field(row, "NodeID", "node_id") or ""),
+        alive=bool(alive),
+        resources=resources,
+        is_head=None if is_head is None else bool(is_head),
+        row=row,
+    )
 
 
 def parse_nodes(rows: Iterable[Any]) -> List[RayNode]:

@@ -9,6 +9,7 @@ CLI (Ansible and the test bed call it):
     python -m alpa_job.cluster.ray_start --role head --node-ip 10.0.0.1
     python -m alpa_job.cluster.ray_start --role worker --node-ip 10.0.0.2 --head-ip 10.0.0.1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,9 +63,7 @@ def ray_start_args(
     args = ["ray", "start"]
     if role == "head":
         if head_ip is not None and _member_ip(spec, head_ip, "head IP") != node_ip:
-            raise KitError(
-                "head IP %s differs from this head's node IP %s; drop --head-ip on the head" % (head_ip, node_ip)
-            )
+            raise KitError("head IP %s differs from this head's node IP %s; drop --head-ip on the head" % (head_ip, node_ip))
         args += ["--head", "--node-ip-address=%s" % node_ip, "--port=%d" % ports["gcs"]]
         if include_dashboard:
             # Bind on all interfaces: `ray job submit` reaches the jobs API from other nodes; the
@@ -108,9 +107,12 @@ def ray_start_command(spec: ClusterSpec, role: str, node_ip: str, **kwargs) -> s
 
 def _member_ip(spec: ClusterSpec, ip: str, what: str) -> str:
     return spec.cluster_ipv4(
-        ip, what, "pass this node's cluster IPv4 address",
+        ip,
+        what,
+        "pass this node's cluster IPv4 address",
         "use the node's address on the cluster network (python -m alpa_job.cluster.node_ip prints it) "
-        "or fix cluster_cidr in your cluster spec")
+        "or fix cluster_cidr in your cluster spec",
+    )
 
 
 def _count(value: int, name: str) -> int:

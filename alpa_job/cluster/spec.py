@@ -7,6 +7,7 @@ Override order: the package's cluster.yaml, then the user's file (the `path` arg
 ALPA_KIT_CLUSTER_SPEC environment variable), deep-merged: only the keys the user sets change, and a
 key the defaults do not have is refused (a typo must not silently leave a default in place).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -25,8 +26,16 @@ SPEC_ENV_VAR = "ALPA_KIT_CLUSTER_SPEC"
 
 # Names the renderers use by name; the package defaults must define them (a user cannot remove keys).
 REQUIRED_PORTS = (
-    "ssh", "gcs", "dashboard", "client", "node_manager", "object_manager",
-    "dashboard_agent_grpc", "runtime_env_agent", "metrics_export", "dashboard_agent_listen",
+    "ssh",
+    "gcs",
+    "dashboard",
+    "client",
+    "node_manager",
+    "object_manager",
+    "dashboard_agent_grpc",
+    "runtime_env_agent",
+    "metrics_export",
+    "dashboard_agent_listen",
 )
 REQUIRED_RANGES = ("ray_workers", "xla_grpc", "ephemeral")
 REQUIRED_VERSIONS = ("ray_legacy", "ray_modern")
@@ -94,10 +103,7 @@ class ClusterSpec:
         if name in self.ranges:
             lo, hi = self.ranges[name]
             return PortSpan(name, lo, hi, False)
-        raise KitError(
-            "no port or range named %r in the cluster spec; known: %s"
-            % (name, ", ".join(list(self.ports) + list(self.ranges)))
-        )
+        raise KitError("no port or range named %r in the cluster spec; known: %s" % (name, ", ".join(list(self.ports) + list(self.ranges))))
 
     def member_tcp_ports(self, role: Optional[str] = None) -> List[PortSpan]:
         """Every TCP port and range cluster members must reach on a node, lowest first.
@@ -177,25 +183,14 @@ def spec_from_dict(raw: Mapping[str, Any], source: str = "a cluster spec") -> Cl
     missing = [k for k in _TOP_LEVEL_KEYS if k not in raw]
     unknown = [k for k in raw if k not in _TOP_LEVEL_KEYS]
     if unknown:
-        raise KitError(
-            "%s: unknown key(s) %s; allowed keys: %s"
-            % (source, ", ".join(unknown), ", ".join(_TOP_LEVEL_KEYS))
-        )
+        raise KitError("%s: unknown key(s) %s; allowed keys: %s" % (source, ", ".join(unknown), ", ".join(_TOP_LEVEL_KEYS)))
     if missing:
         raise KitError("%s: missing key(s) %s; add them" % (source, ", ".join(missing)))
 
     cluster_cidr = _ipv4_cidr(raw["cluster_cidr"], "cluster_cidr", source)
-    admin_cidrs = tuple(
-        _any_cidr(c, "admin_cidrs", source) for c in _list(raw["admin_cidrs"], "admin_cidrs", source)
-    )
-    ports = {
-        name: _port(value, "ports.%s" % name, source)
-        for name, value in _mapping(raw["ports"], "ports", source).items()
-    }
-    ranges = {
-        name: _range(value, "ranges.%s" % name, source)
-        for name, value in _mapping(raw["ranges"], "ranges", source).items()
-    }
+    admin_cidrs = tuple(_any_cidr(c, "admin_cidrs", source) for c in _list(raw["admin_cidrs"], "admin_cidrs", source))
+    ports = {name: _port(value, "ports.%s" % name, source) for name, value in _mapping(raw["ports"], "ports", source).items()}
+    ranges = {name: _range(value, "ranges.%s" % name, source) for name, value in _mapping(raw["ranges"], "ranges", source).items()}
     _require(ports, REQUIRED_PORTS, "ports", source)
     _require(ranges, REQUIRED_RANGES, "ranges", source)
     admin_ports = tuple(_list(raw["admin_ports"], "admin_ports", source))
@@ -208,18 +203,14 @@ def spec_from_dict(raw: Mapping[str, Any], source: str = "a cluster spec") -> Cl
     head_only = tuple(_list(raw["head_only_ports"], "head_only_ports", source))
     for name in head_only:
         if name not in ports:
-            raise KitError(
-                "%s: head_only_ports names %r, which is no port; use names from: %s"
-                % (source, name, ", ".join(ports))
-            )
+            raise KitError("%s: head_only_ports names %r, which is no port; use names from: %s" % (source, name, ", ".join(ports)))
     _refuse_overlaps(ports, ranges, source)
     coordinator = _port(raw["jax_coordinator_port"], "jax_coordinator_port", source)
     xla_lo, xla_hi = ranges["xla_grpc"]
     if not xla_lo <= coordinator <= xla_hi:
         raise KitError(
             "%s: jax_coordinator_port %d lies outside range xla_grpc %d-%d; set it to a port inside "
-            "that range (only that range is opened between members for it)"
-            % (source, coordinator, xla_lo, xla_hi)
+            "that range (only that range is opened between members for it)" % (source, coordinator, xla_lo, xla_hi)
         )
     versions = _str_mapping(raw["versions"], "versions", source)
     _require(versions, REQUIRED_VERSIONS, "versions", source)
@@ -276,7 +267,7 @@ def _refuse_overlaps(ports: Mapping[str, int], ranges: Mapping[str, Tuple[int, i
     """Two plan entries sharing a port means two daemons fight for it (or a range hands it out)."""
     spans = [PortSpan(n, p, p) for n, p in ports.items()] + [PortSpan(n, lo, hi) for n, (lo, hi) in ranges.items()]
     for i, a in enumerate(spans):
-        for b in spans[i + 1:]:
+        for b in spans[i + 1 :]:
             if not a.overlaps(b):
                 continue
             if not a.is_range and not b.is_range:

@@ -8,6 +8,7 @@ join: https://github.com/alpa-projects/alpa/issues/722). Bring-up (test bed, ben
 prints JSON {"alive": [ips], "resources": {ip: {...}}} and exits 0 once `count` nodes are alive,
 4 (EXIT_TIMEOUT) when the deadline passes first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     nodes = wait_for_alive(args.count, max(0.0, args.timeout - (time.monotonic() - start)))
     print(json.dumps({"alive": [n.ip for n in nodes], "resources": {n.ip: dict(n.resources) for n in nodes}}))
     if len(nodes) < args.count:
-        print(f"error: only {len(nodes)} of {args.count} Ray nodes alive after {args.timeout:.0f} s; run "
-              "python -m alpa_job doctor and read the missing nodes' /tmp/ray/session_latest/logs/raylet.out",
-              file=sys.stderr)
+        print(
+            f"error: only {len(nodes)} of {args.count} Ray nodes alive after {args.timeout:.0f} s; run "
+            "python -m alpa_job doctor and read the missing nodes' /tmp/ray/session_latest/logs/raylet.out",
+            file=sys.stderr,
+        )
         return EXIT_TIMEOUT
     return EXIT_OK
 

@@ -6,6 +6,7 @@ node's `ray start` environment put on its path (a real package skew the node's j
 node's value is kept last via Ray's ${VAR} expansion (Ray >= 2.6). Older Ray (the Alpa image's
 2.1.0) keeps "${PYTHONPATH}" literally: a path that does not exist, harmless.
 """
+
 from __future__ import annotations
 
 import os

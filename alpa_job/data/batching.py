@@ -7,6 +7,7 @@ Alpa's "automatically slicing layers with existing physical meshes is not suppor
 (https://github.com/alpa-projects/alpa/issues/776): a new shape means a new compile, and with
 Alpa's auto search a second search.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ def plan_epoch(num_samples: int, batch_size: int, policy: str) -> EpochPlan:
     full, rest = divmod(num_samples, batch_size)
     plan = EpochPlan(full, rest, policy)
     if plan.steps == 0:
-        raise KitError(f"--batch-size {batch_size} is larger than the dataset ({num_samples} samples) and "
-                       f"--drop-remainder drops it all; use a batch size <= {num_samples} or --pad-remainder")
+        raise KitError(
+            f"--batch-size {batch_size} is larger than the dataset ({num_samples} samples) and "
+            f"--drop-remainder drops it all; use a batch size <= {num_samples} or --pad-remainder"
+        )
     return plan
 
 
@@ -48,7 +51,7 @@ def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     """Epoch `epoch`'s row order: a permutation fixed by (seed, epoch) alone, so the global sample order
     is the same for every engine and any number of processes (4 bytes a row where that fits)."""
     order = np.random.default_rng([seed, epoch]).permutation(num_rows)
-    return order.astype(np.uint32) if num_rows < 2 ** 32 else order
+    return order.astype(np.uint32) if num_rows < 2**32 else order
 
 
 def fixed_shape(rows: Dict[str, np.ndarray], size: int, real: int) -> Dict[str, np.ndarray]:
@@ -61,11 +64,10 @@ def fixed_shape(rows: Dict[str, np.ndarray], size: int, real: int) -> Dict[str, 
     return {**rows, "mask": mask}
 
 
-def epoch_batches(dataset: Dataset, batch_size: int, policy: str, seed: int, epoch: int
-                  ) -> Iterator[Tuple[Dict[str, np.ndarray], int]]:
+def epoch_batches(dataset: Dataset, batch_size: int, policy: str, seed: int, epoch: int) -> Iterator[Tuple[Dict[str, np.ndarray], int]]:
     """Yield (batch, real_rows) for one epoch of an in-memory dataset, in `epoch_order`."""
     plan = plan_epoch(dataset.num_samples, batch_size, policy)
     order = epoch_order(dataset.num_samples, seed, epoch)
     for step in range(plan.steps):
-        idx = order[step * batch_size:(step + 1) * batch_size]
+        idx = order[step * batch_size : (step + 1) * batch_size]
         yield fixed_shape({k: v[idx] for k, v in dataset.arrays.items()}, batch_size, len(idx)), len(idx)

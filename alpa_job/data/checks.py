@@ -3,6 +3,7 @@
 Cheap reads only (file sizes, a sample of token ids, one record): a wrong dataset is a one-line error
 in seconds, before a cluster is joined, and never a full scan of a large corpus.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,10 @@ def check_input(config, engine: str = "jax") -> None:
     """Every input mistake the config and the files show, as a KitError naming the fix."""
     _check_eval_flags(config)
     if engine == "alpa" and config.dataset in GRAIN_ONLY:
-        raise KitError(f"--dataset {config.dataset} needs Grain and ArrayRecord, which the Alpa image's Python 3.9 "
-                       "cannot install; use --engine jax, or --dataset tokens|npz with --engine alpa")
+        raise KitError(
+            f"--dataset {config.dataset} needs Grain and ArrayRecord, which the Alpa image's Python 3.9 "
+            "cannot install; use --engine jax, or --dataset tokens|npz with --engine alpa"
+        )
     if config.dataset not in FILE_DATASETS:
         return
     for split in (TRAIN, EVAL):
@@ -59,8 +62,10 @@ def check_input(config, engine: str = "jax") -> None:
 
 def _check_eval_flags(config) -> None:
     if config.eval_data_path and config.dataset not in FILE_DATASETS:
-        raise KitError(f"--eval-data-path: --dataset {config.dataset} has no eval split in files; use --dataset "
-                       f"{'|'.join(FILE_DATASETS)} or drop --eval-data-path")
+        raise KitError(
+            f"--eval-data-path: --dataset {config.dataset} has no eval split in files; use --dataset "
+            f"{'|'.join(FILE_DATASETS)} or drop --eval-data-path"
+        )
     if not config.eval_data_path and (config.eval_every or config.eval_batches):
         flag = "--eval-every" if config.eval_every else "--eval-batches"
         raise KitError(f"{flag} needs eval data: add --eval-data-path PATH (in --dataset's format) or drop {flag}")
@@ -88,19 +93,22 @@ def _check_tokens(config, split: str) -> None:
     window = token_window(config)
     source = TokenWindows(expand_paths(split_path(config, split), path_flag(split)), config.token_dtype, window)
     if len(source) < config.batch_size and split == TRAIN:
-        raise KitError(f"{path_flag(split)}: {source.tokens:,} tokens make {len(source)} windows of {window}, fewer "
-                       f"than one global batch ({config.batch_size}); add data or lower --batch-size/--seq-len")
+        raise KitError(
+            f"{path_flag(split)}: {source.tokens:,} tokens make {len(source)} windows of {window}, fewer "
+            f"than one global batch ({config.batch_size}); add data or lower --batch-size/--seq-len"
+        )
     if not len(source):
-        raise KitError(f"{path_flag(split)}: {source.tokens:,} tokens make no window of {window} tokens; "
-                       "add data or lower --seq-len")
+        raise KitError(f"{path_flag(split)}: {source.tokens:,} tokens make no window of {window} tokens; add data or lower --seq-len")
     vocab = model_setting(config, "vocab_size")
     for path in source.paths:
         _check_sidecar(path, config.token_dtype, vocab)
     if vocab:
         top = source.sample_max_id()
         if top >= int(vocab):
-            raise KitError(f"{path_flag(split)}: token id {top} (max id in a sample) is >= --vocab-size {vocab}; "
-                           f"use --vocab-size {top + 1} or more (the tokenizer's vocabulary), or check --token-dtype")
+            raise KitError(
+                f"{path_flag(split)}: token id {top} (max id in a sample) is >= --vocab-size {vocab}; "
+                f"use --vocab-size {top + 1} or more (the tokenizer's vocabulary), or check --token-dtype"
+            )
 
 
 def _check_sidecar(path: str, dtype: str, vocab) -> None:
@@ -117,8 +125,10 @@ def _check_sidecar(path: str, dtype: str, vocab) -> None:
     if made.get("dtype") and made["dtype"] != dtype:
         raise KitError(f"{path} holds {made['dtype']} ids (says {sidecar_path(path)}); use --token-dtype {made['dtype']}")
     if vocab and made.get("vocab_size") and int(made["vocab_size"]) > int(vocab):
-        raise KitError(f"{path} was tokenized with a {made['vocab_size']}-token vocabulary ({made.get('tokenizer')}), "
-                       f"more than --vocab-size {vocab}; use --vocab-size {made['vocab_size']} or more")
+        raise KitError(
+            f"{path} was tokenized with a {made['vocab_size']}-token vocabulary ({made.get('tokenizer')}), "
+            f"more than --vocab-size {vocab}; use --vocab-size {made['vocab_size']} or more"
+        )
 
 
 def _check_records(config, split: str) -> None:
@@ -149,6 +159,8 @@ def _check_fields(config, fields: set, split: str) -> None:
         return
     field = model_input_field(config.model)
     if field not in fields:
-        raise KitError(f"{path_flag(split)}: the data's fields are {', '.join(sorted(fields))}, and --model "
-                       f"{config.model} reads {field!r}; give the data a {field!r} field or pick a model that reads "
-                       "one of those")
+        raise KitError(
+            f"{path_flag(split)}: the data's fields are {', '.join(sorted(fields))}, and --model "
+            f"{config.model} reads {field!r}; give the data a {field!r} field or pick a model that reads "
+            "one of those"
+        )

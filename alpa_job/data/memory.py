@@ -1,4 +1,5 @@
 """Datasets held whole in memory: synthetic (from the model), CIFAR-10's python batches, .npz files."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,12 +39,13 @@ def cifar10_batch_files(data_dir: str) -> List[str]:
     """The CIFAR-10 training batch files present in `data_dir` (names), or a one-line error saying what to fix.
     The driver's pre-Ray check (validate.py) and the loader share it."""
     if not data_dir or not os.path.isdir(data_dir):
-        raise KitError(f"--data-dir {data_dir!r} is not a folder; point it at the extracted "
-                       "cifar-10-batches-py folder (data_batch_1..5)")
+        raise KitError(f"--data-dir {data_dir!r} is not a folder; point it at the extracted cifar-10-batches-py folder (data_batch_1..5)")
     present = [f for f in CIFAR10_TRAIN_FILES if os.path.isfile(os.path.join(data_dir, f))]
     if not present:
-        raise KitError(f"--data-dir {data_dir} holds no CIFAR-10 batches (expected {', '.join(CIFAR10_TRAIN_FILES)}); "
-                       "extract cifar-10-python.tar.gz there")
+        raise KitError(
+            f"--data-dir {data_dir} holds no CIFAR-10 batches (expected {', '.join(CIFAR10_TRAIN_FILES)}); "
+            "extract cifar-10-python.tar.gz there"
+        )
     return present
 
 
@@ -59,8 +61,7 @@ def load_cifar10(data_dir: str) -> Dataset:
             data = np.asarray(entry[b"data"], np.uint8).reshape(-1, 3, 32, 32)
             labels.append(np.asarray(entry[b"labels"], np.int32))
         except (KeyError, ValueError, pickle.UnpicklingError, EOFError) as err:
-            raise KitError(f"{path} is not a CIFAR-10 python batch ({type(err).__name__}); "
-                           "re-extract cifar-10-python.tar.gz") from None
+            raise KitError(f"{path} is not a CIFAR-10 python batch ({type(err).__name__}); re-extract cifar-10-python.tar.gz") from None
         images.append(data.transpose(0, 2, 3, 1))
     x = np.concatenate(images).astype(np.float32) / 255.0
     x = (x - x.mean(axis=(0, 1, 2))) / x.std(axis=(0, 1, 2))
@@ -78,6 +79,5 @@ def load_npz(path: str) -> Dataset:
         raise KitError(f"{path} holds no arrays; write your fields with numpy.savez(path, x=..., y=...)")
     rows = {name: len(a) if a.ndim else 0 for name, a in arrays.items()}
     if len(set(rows.values())) != 1:
-        raise KitError(f"{path}: its arrays have different row counts ({rows}); every field needs one row "
-                       "per example")
+        raise KitError(f"{path}: its arrays have different row counts ({rows}); every field needs one row per example")
     return Dataset(arrays)

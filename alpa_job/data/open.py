@@ -1,4 +1,5 @@
 """Which row source a job reads: `--dataset` and its paths, for the train or the eval split."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -28,8 +29,10 @@ def token_window(config) -> int:
     """seq_len + 1 tokens a row: the model reads the first seq_len and predicts the last seq_len."""
     seq_len = model_setting(config, "seq_len")
     if not seq_len:
-        raise KitError(f"--dataset tokens: --model {config.model} declares no seq_len setting, so the kit cannot "
-                       "cut token windows; add seq_len to its builder's settings or use --dataset array_record")
+        raise KitError(
+            f"--dataset tokens: --model {config.model} declares no seq_len setting, so the kit cannot "
+            "cut token windows; add seq_len to its builder's settings or use --dataset array_record"
+        )
     return int(seq_len) + 1
 
 
@@ -55,8 +58,9 @@ def open_source(config, split: str = TRAIN, model=None) -> RowSource:
         from alpa_job.data.tokens import TokenWindows, expand_paths
 
         vocab = model_setting(config, "vocab_size")
-        return TokenWindows(expand_paths(path, path_flag(split)), config.token_dtype, token_window(config),
-                            vocab_size=int(vocab) if vocab else None)
+        return TokenWindows(
+            expand_paths(path, path_flag(split)), config.token_dtype, token_window(config), vocab_size=int(vocab) if vocab else None
+        )
     if kind == "array_record":
         from alpa_job.data.records import RecordSource
         from alpa_job.data.tokens import expand_paths
@@ -78,8 +82,10 @@ def open_train(config, model=None):
     example = InputStream(source, epoch, config.batch_size, config.seed, 1).local_batch(0)
     if model is not None and model.input_key not in example:
         fields = ", ".join(sorted(k for k in example if k != "mask"))
-        raise KitError(f"--dataset {config.dataset} gives the field(s) {fields}, and --model {config.model} reads "
-                       f"{model.input_key!r}; give the data that field or change the model's input_field")
+        raise KitError(
+            f"--dataset {config.dataset} gives the field(s) {fields}, and --model {config.model} reads "
+            f"{model.input_key!r}; give the data that field or change the model's input_field"
+        )
     return source, epoch, example
 
 
@@ -92,6 +98,8 @@ def _model_dataset(config, model, path: str, split: str):
         raise KitError(f"--dataset model: --model {config.model} provides no dataset (dataset=None in its api.Model)")
     dataset = model.dataset(path, split)
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise KitError(f"--dataset model: --model {config.model}'s dataset() returned {type(dataset).__name__}; "
-                       "return a grain.MapDataset (random access: the kit shuffles, shards and resumes by index)")
+        raise KitError(
+            f"--dataset model: --model {config.model}'s dataset() returned {type(dataset).__name__}; "
+            "return a grain.MapDataset (random access: the kit shuffles, shards and resumes by index)"
+        )
     return dataset

@@ -11,6 +11,7 @@ whose state (`get_state` / `set_state`) is the position in that stream and is sa
 checkpoint. Where Grain is not installed (the Alpa image's Python 3.9) the same batches come from a
 plain iterator in the training thread (`pipeline` says which).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,11 +58,20 @@ class StreamSpec:
 class InputStream:
     """This process's batches for global steps [0, total_steps): iterate with `batches(start_step)`."""
 
-    def __init__(self, source: RowSource, epoch: EpochPlan, batch_size: int, seed: int, total_steps: int,
-                 shard: Shard = Shard(), shuffle: bool = True, threads: int = 2, prefetch: int = 4):
+    def __init__(
+        self,
+        source: RowSource,
+        epoch: EpochPlan,
+        batch_size: int,
+        seed: int,
+        total_steps: int,
+        shard: Shard = Shard(),
+        shuffle: bool = True,
+        threads: int = 2,
+        prefetch: int = 4,
+    ):
         if batch_size % shard.count:
-            raise KitError(f"--batch-size {batch_size} does not split over {shard.count} processes; "
-                           f"use a multiple of {shard.count}")
+            raise KitError(f"--batch-size {batch_size} does not split over {shard.count} processes; use a multiple of {shard.count}")
         self.source, self.epoch, self.shard = source, epoch, shard
         self.spec = StreamSpec(len(source), batch_size, epoch.steps, seed, shuffle)
         self.total_steps = total_steps
@@ -97,8 +107,15 @@ class InputStream:
         folder = os.environ.get(TRACE_ENV)
         if not folder or not self.spec.shuffle:  # the eval split is not traced
             return
-        line = json.dumps({"step": step, "process": self.shard.index, "count": self.shard.count,
-                           "host": socket.gethostname(), "rows": [int(i) for i in indices]})
+        line = json.dumps(
+            {
+                "step": step,
+                "process": self.shard.index,
+                "count": self.shard.count,
+                "host": socket.gethostname(),
+                "rows": [int(i) for i in indices],
+            }
+        )
         path = os.path.join(folder, f"input-{socket.gethostname()}-{os.getpid()}.jsonl")
         with self._orders_lock, open(path, "a") as handle:
             handle.write(line + "\n")
@@ -150,12 +167,16 @@ class InputStream:
         now = self.spec.fingerprint()
         changed = [f"{k} {before[k]} -> {now[k]}" for k in now if k in before and before[k] != now[k]]
         if changed:
-            raise KitError(f"--resume: the checkpoint's data stream differs ({', '.join(changed)}); "
-                           "resume with the same data, --batch-size and --seed, or start a new --out")
+            raise KitError(
+                f"--resume: the checkpoint's data stream differs ({', '.join(changed)}); "
+                "resume with the same data, --batch-size and --seed, or start a new --out"
+            )
         saved_next = saved.get("grain", {}).get("next_index")
         if saved_next is not None and saved_next != step:
-            raise KitError(f"--resume: the checkpoint's data position ({saved_next}) is not its step ({step}); "
-                           "the checkpoint is damaged: resume from an earlier one or start a new --out")
+            raise KitError(
+                f"--resume: the checkpoint's data position ({saved_next}) is not its step ({step}); "
+                "the checkpoint is damaged: resume from an earlier one or start a new --out"
+            )
 
 
 def _grain():

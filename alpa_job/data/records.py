@@ -5,6 +5,7 @@ the model package's `decode(record_bytes) -> {field: array}` turns it into array
 decoder reads records written by `write_records` (a msgpack map of field -> array, flax's
 serialization: self-describing, no schema file), for `{"tokens"}` or `{"image", "label"}` examples.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, List, Optional
@@ -57,8 +58,9 @@ class RecordSource(RowSource):
             try:
                 reader = ArrayRecordReader(path)
             except Exception as err:  # noqa: BLE001 - the reader raises bare RuntimeErrors/ValueErrors
-                raise KitError(f"{path} is not an ArrayRecord file ({_first_line(err)}); "
-                               "write it with array_record's ArrayRecordWriter") from None
+                raise KitError(
+                    f"{path} is not an ArrayRecord file ({_first_line(err)}); write it with array_record's ArrayRecordWriter"
+                ) from None
             counts.append(reader.num_records())
             reader.close()
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -81,8 +83,10 @@ class RecordSource(RowSource):
         for row, index in zip(rows, indices):
             if row.keys() != fields:
                 path, at = self.locate(int(index))
-                raise KitError(f"{path} record {at} has fields {sorted(row)}, record 0 of the batch has "
-                               f"{sorted(fields)}; every record needs the same fields")
+                raise KitError(
+                    f"{path} record {at} has fields {sorted(row)}, record 0 of the batch has "
+                    f"{sorted(fields)}; every record needs the same fields"
+                )
         return {k: np.stack([row[k] for row in rows]) for k in fields}
 
     def _decode_one(self, record: bytes, index: int) -> Dict[str, np.ndarray]:
@@ -90,8 +94,10 @@ class RecordSource(RowSource):
             return self.decode(record)
         except Exception as err:  # noqa: BLE001 - a user's decoder may raise anything: name the record
             path, at = self.locate(index)
-            raise KitError(f"{path} record {at} does not decode ({type(err).__name__}: {_first_line(err)}); "
-                           "fix the record or the model's decode function") from None
+            raise KitError(
+                f"{path} record {at} does not decode ({type(err).__name__}: {_first_line(err)}); "
+                "fix the record or the model's decode function"
+            ) from None
 
 
 def _first_line(err: BaseException) -> str:

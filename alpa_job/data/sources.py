@@ -4,6 +4,7 @@ A source is what Grain calls a random-access data source (`len` and `[i]`), plus
 many rows at once as one array per field, so a batch is one vectorised gather, not a stack of
 per-row dicts. Every source counts the rows and bytes it served (the report's input numbers).
 """
+
 from __future__ import annotations
 
 import threading

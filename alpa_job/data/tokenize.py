@@ -8,6 +8,7 @@ Memory stays bounded by the chunk size, whatever the corpus: a file is read and 
 only where no token of the tokenizer's split pattern can straddle the cut (see `_cut_point`), so the
 ids are the same as encoding the whole file at once.
 """
+
 from __future__ import annotations
 
 import glob
@@ -44,8 +45,7 @@ def expand_inputs(inputs: List[str]) -> List[str]:
                 raise KitError(f"no file matches {item!r}; check the pattern (quote it so the shell leaves it to us)")
             files += matches
         elif os.path.isdir(item):
-            texts = sorted(os.path.join(item, n) for n in os.listdir(item)
-                           if n.endswith(".txt") and os.path.isfile(os.path.join(item, n)))
+            texts = sorted(os.path.join(item, n) for n in os.listdir(item) if n.endswith(".txt") and os.path.isfile(os.path.join(item, n)))
             if not texts:
                 raise KitError(f"folder {item} holds no *.txt file; pass the files (or a glob) to tokenize")
             files += texts
@@ -65,13 +65,21 @@ def choose_dtype(vocab_size: int, dtype: Optional[str]) -> str:
     if dtype not in DTYPES:
         raise KitError(f"--token-dtype {dtype!r} is not known; use uint16 or uint32")
     if dtype == "uint16" and vocab_size > 1 << 16:
-        raise KitError(f"--token-dtype uint16 holds ids below 65536, but the vocabulary has {vocab_size:,}; "
-                       "use --token-dtype uint32 (or leave it out)")
+        raise KitError(
+            f"--token-dtype uint16 holds ids below 65536, but the vocabulary has {vocab_size:,}; use --token-dtype uint32 (or leave it out)"
+        )
     return dtype
 
 
-def tokenize_files(inputs: List[str], out: str, tokenizer: str = "bytes", dtype: Optional[str] = None,
-                   eot: bool = True, progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> Dict:
+def tokenize_files(
+    inputs: List[str],
+    out: str,
+    tokenizer: str = "bytes",
+    dtype: Optional[str] = None,
+    eot: bool = True,
+    progress: bool = True,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Dict:
     """Encode `inputs` (files, folders, globs) into `out` and its sidecar; returns the sidecar's numbers.
     Nothing appears under `out` unless every file was encoded."""
     files = expand_inputs(inputs)
@@ -88,10 +96,19 @@ def tokenize_files(inputs: List[str], out: str, tokenizer: str = "bytes", dtype:
             counts = _encode_all(files, coder, np.dtype(dtype).newbyteorder("<"), eot, sink, progress, chunk_bytes)
         if counts["tokens"] == 0:
             raise KitError(f"the inputs hold no text ({len(files)} empty file(s)); pass files with text")
-        summary = dict(format=FORMAT, tokenizer=coder.name, vocab_size=coder.vocab_size, dtype=dtype,
-                       eot=coder.eot if eot else None, files=len(files), documents=counts["documents"],
-                       tokens=counts["tokens"], bytes=counts["tokens"] * np.dtype(dtype).itemsize,
-                       text_bytes=counts["text_bytes"], max_id=counts["max_id"])
+        summary = dict(
+            format=FORMAT,
+            tokenizer=coder.name,
+            vocab_size=coder.vocab_size,
+            dtype=dtype,
+            eot=coder.eot if eot else None,
+            files=len(files),
+            documents=counts["documents"],
+            tokens=counts["tokens"],
+            bytes=counts["tokens"] * np.dtype(dtype).itemsize,
+            text_bytes=counts["text_bytes"],
+            max_id=counts["max_id"],
+        )
         _publish(partial, out, summary)
     except BaseException:
         _remove(partial)
@@ -99,8 +116,7 @@ def tokenize_files(inputs: List[str], out: str, tokenizer: str = "bytes", dtype:
     return summary
 
 
-def _encode_all(files: List[str], coder: Tokenizer, dtype: np.dtype, eot: bool, sink, progress: bool,
-                chunk_bytes: int) -> Dict:
+def _encode_all(files: List[str], coder: Tokenizer, dtype: np.dtype, eot: bool, sink, progress: bool, chunk_bytes: int) -> Dict:
     counts = dict(documents=0, tokens=0, text_bytes=0, max_id=-1)
     shown = _Shown(len(files)) if progress else None
     end = np.asarray([coder.eot], dtype) if eot and coder.eot is not None else None
@@ -199,8 +215,9 @@ def _decode(raw: bytes, path: str, offset: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise KitError(f"{path} is not UTF-8 text: byte {offset + err.start} is 0x{raw[err.start]:02x}; "
-                       "convert it (iconv -t UTF-8) or leave it out") from None
+        raise KitError(
+            f"{path} is not UTF-8 text: byte {offset + err.start} is 0x{raw[err.start]:02x}; convert it (iconv -t UTF-8) or leave it out"
+        ) from None
 
 
 def _cut_point(data: bytes, start: int) -> int:
@@ -233,7 +250,7 @@ def _char_before(data: bytes, end: int) -> str:
 
 
 def _char_at(data: bytes, start: int) -> str:
-    return data[start:start + 4].decode("utf-8", errors="replace")[:1]
+    return data[start : start + 4].decode("utf-8", errors="replace")[:1]
 
 
 # ============================================================================ progress
@@ -252,7 +269,6 @@ class _Shown:
             return
         if self.bar is None:
             self.bar = Progress("tokenize", self.total, unit="file")
-        self.bar.update(files_done - self.files_done, tokens=f"{counts['tokens']:,}",
-                        text=f"{counts['text_bytes'] / 1e6:,.1f}MB")
+        self.bar.update(files_done - self.files_done, tokens=f"{counts['tokens']:,}", text=f"{counts['text_bytes'] / 1e6:,.1f}MB")
         self.files_done = files_done
         self.last = now

@@ -9,6 +9,7 @@
 
 tiktoken is imported only when one of its tokenizers is asked for.
 """
+
 from __future__ import annotations
 
 import base64
@@ -49,7 +50,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == "bytes":
         return Tokenizer("bytes", 257, 256, _utf8_bytes)
     if spec.startswith("tiktoken:"):
-        return _tiktoken_named(spec, spec[len("tiktoken:"):])
+        return _tiktoken_named(spec, spec[len("tiktoken:") :])
     if spec.endswith(".tiktoken"):
         return _tiktoken_file(spec)
     raise KitError(f"unknown tokenizer {spec!r}{did_you_mean(spec, ['bytes', 'tiktoken:gpt2'])}; use {CHOICES}")
@@ -73,16 +74,14 @@ def _from_encoding(spec: str, encoding) -> Tokenizer:
     # encode_ordinary: an "<|endoftext|>" inside a document is text, not a document end. The batch
     # form encodes its texts on several threads (tiktoken's core releases the GIL).
     threads = max(1, min(16, os.cpu_count() or 1))
-    return Tokenizer(spec, encoding.n_vocab, eot,
-                     functools.partial(encoding.encode_ordinary_batch, num_threads=threads))
+    return Tokenizer(spec, encoding.n_vocab, eot, functools.partial(encoding.encode_ordinary_batch, num_threads=threads))
 
 
 def _tiktoken_named(spec: str, name: str) -> Tokenizer:
     tiktoken = _tiktoken_module(spec)
     names = tiktoken.list_encoding_names()
     if name not in names:
-        raise KitError(f"tiktoken has no encoding {name!r}{did_you_mean(name, names)}; use one of: "
-                       f"{', '.join(names)}")
+        raise KitError(f"tiktoken has no encoding {name!r}{did_you_mean(name, names)}; use one of: {', '.join(names)}")
     try:
         with _cache_only():
             encoding = tiktoken.get_encoding(name)
@@ -128,11 +127,16 @@ def _tiktoken_cache_dir() -> str:
 
 def _not_cached_message(name: str, url: str) -> str:
     folder = _tiktoken_cache_dir()
-    where = (f"tiktoken's cache {folder} has no {hashlib.sha1(url.encode()).hexdigest()} (the file of {url})"
-             if folder else "tiktoken's cache is off (TIKTOKEN_CACHE_DIR is empty)")
-    return (f"tokenizer tiktoken:{name} is not available offline: {where}; on a machine with internet run "
-            f"TIKTOKEN_CACHE_DIR=DIR python -c \"import tiktoken; tiktoken.get_encoding('{name}')\", "
-            f"copy DIR here and set TIKTOKEN_CACHE_DIR=DIR, or pass --tokenizer PATH.tiktoken (a local ranks file)")
+    where = (
+        f"tiktoken's cache {folder} has no {hashlib.sha1(url.encode()).hexdigest()} (the file of {url})"
+        if folder
+        else "tiktoken's cache is off (TIKTOKEN_CACHE_DIR is empty)"
+    )
+    return (
+        f"tokenizer tiktoken:{name} is not available offline: {where}; on a machine with internet run "
+        f"TIKTOKEN_CACHE_DIR=DIR python -c \"import tiktoken; tiktoken.get_encoding('{name}')\", "
+        f"copy DIR here and set TIKTOKEN_CACHE_DIR=DIR, or pass --tokenizer PATH.tiktoken (a local ranks file)"
+    )
 
 
 def _tiktoken_file(path: str) -> Tokenizer:
@@ -141,12 +145,18 @@ def _tiktoken_file(path: str) -> Tokenizer:
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         # tiktoken's BPE starts from single bytes: text with a byte it has no rank for cannot be encoded.
-        raise KitError(f"{path} has no rank for {len(missing)} of the 256 single bytes (first: {missing[0]}); "
-                       "a BPE ranks file starts with every single byte")
+        raise KitError(
+            f"{path} has no rank for {len(missing)} of the 256 single bytes (first: {missing[0]}); "
+            "a BPE ranks file starts with every single byte"
+        )
     if len(set(ranks.values())) != len(ranks):
         raise KitError(f"{path} gives two tokens the same rank; a BPE ranks file numbers each token once")
-    encoding = tiktoken.Encoding(os.path.basename(path)[: -len(".tiktoken")], pat_str=GPT2_PAT_STR,
-                                 mergeable_ranks=ranks, special_tokens={ENDOFTEXT: max(ranks.values()) + 1})
+    encoding = tiktoken.Encoding(
+        os.path.basename(path)[: -len(".tiktoken")],
+        pat_str=GPT2_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: max(ranks.values()) + 1},
+    )
     return _from_encoding(path, encoding)
 
 
@@ -155,8 +165,7 @@ def read_ranks(path: str) -> Dict[bytes, int]:
     tiktoken.load.load_tiktoken_bpe, which keeps a copy of a local file in its cache under a key made
     of the path alone and returns that copy from then on: an edited file would load stale."""
     if not os.path.isfile(path):
-        raise KitError(f"tokenizer file {path} does not exist; pass a tiktoken ranks file "
-                       "(BASE64TOKEN RANK per line) or --tokenizer bytes")
+        raise KitError(f"tokenizer file {path} does not exist; pass a tiktoken ranks file (BASE64TOKEN RANK per line) or --tokenizer bytes")
     ranks: Dict[bytes, int] = {}
     with open(path, "rb") as handle:
         for number, line in enumerate(handle, 1):
@@ -166,8 +175,9 @@ def read_ranks(path: str) -> Dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except (ValueError, binascii.Error):
-                raise KitError(f"{path} line {number} is not 'BASE64TOKEN RANK' (a tiktoken ranks file); "
-                               "fix or regenerate the file") from None
+                raise KitError(
+                    f"{path} line {number} is not 'BASE64TOKEN RANK' (a tiktoken ranks file); fix or regenerate the file"
+                ) from None
     if not ranks:
         raise KitError(f"{path} holds no ranks; pass a tiktoken ranks file (BASE64TOKEN RANK per line)")
     return ranks

@@ -10,6 +10,7 @@ corpus larger than its memory keeps a flat resident size instead of mapping the 
 range dropped is widened to the kernel's fault-around block: a read fault maps the cached pages
 around the one touched too, and dropping only the window's own pages would leave those mapped.
 """
+
 from __future__ import annotations
 
 import glob
@@ -36,13 +37,13 @@ VOCAB_SAMPLE_CHUNKS = 16
 def expand_paths(pattern: str, flag: str) -> List[str]:
     """A path or a glob -> the files, sorted; a folder means every file in it."""
     if os.path.isdir(pattern):
-        paths = sorted(os.path.join(pattern, n) for n in os.listdir(pattern)
-                       if os.path.isfile(os.path.join(pattern, n)) and not n.endswith(".json"))
+        paths = sorted(
+            os.path.join(pattern, n) for n in os.listdir(pattern) if os.path.isfile(os.path.join(pattern, n)) and not n.endswith(".json")
+        )
     else:
         paths = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
     if not paths:
-        what = "is an empty folder" if os.path.isdir(pattern) else (
-            "matches no file" if glob.has_magic(pattern) else "does not exist")
+        what = "is an empty folder" if os.path.isdir(pattern) else ("matches no file" if glob.has_magic(pattern) else "does not exist")
         raise KitError(f"{flag} {pattern} {what}; point it at your data file(s) (a path or a quoted glob)")
     return paths
 
@@ -50,8 +51,7 @@ def expand_paths(pattern: str, flag: str) -> List[str]:
 class TokenWindows(RowSource):
     """Windows of `window` tokens (seq_len + 1) over one or more token files, as field `field`."""
 
-    def __init__(self, paths: List[str], dtype: str, window: int, field: str = "tokens",
-                 vocab_size: Optional[int] = None):
+    def __init__(self, paths: List[str], dtype: str, window: int, field: str = "tokens", vocab_size: Optional[int] = None):
         super().__init__()
         self.paths, self.dtype, self.window, self.field = paths, np.dtype(dtype), window, field
         self.vocab_size = vocab_size
@@ -72,8 +72,7 @@ class TokenWindows(RowSource):
         return int(self._starts[-1])
 
     def describe(self) -> str:
-        return (f"tokens: {len(self.paths)} file(s), {self.tokens:,} {self.dtype.name} tokens, "
-                f"{len(self):,} windows of {self.window}")
+        return f"tokens: {len(self.paths)} file(s), {self.tokens:,} {self.dtype.name} tokens, {len(self):,} windows of {self.window}"
 
     def locate(self, index: int) -> Tuple[str, int]:
         """(file, token offset) of window `index`: where a bad id is named."""
@@ -87,7 +86,7 @@ class TokenWindows(RowSource):
         for row, (index, f) in enumerate(zip(indices, files)):
             mapped, view = self._maps[f]
             start = (int(index) - int(self._starts[f])) * step
-            out[row] = view[start:start + self.window]
+            out[row] = view[start : start + self.window]
             _drop_pages(mapped, start * self.dtype.itemsize, self.window * self.dtype.itemsize)
         if self.vocab_size is not None and len(out):
             self._check_ids(out, indices)
@@ -99,8 +98,10 @@ class TokenWindows(RowSource):
         if top >= self.vocab_size:
             row = int(np.argmax(rows.max(axis=1)))
             path, offset = self.locate(int(indices[row]))
-            raise KitError(f"{path}: token id {top} near token {offset} is >= --vocab-size {self.vocab_size}; "
-                           "raise --vocab-size to the tokenizer's vocabulary or re-tokenize")
+            raise KitError(
+                f"{path}: token id {top} near token {offset} is >= --vocab-size {self.vocab_size}; "
+                "raise --vocab-size to the tokenizer's vocabulary or re-tokenize"
+            )
 
     def sample_max_id(self, budget: int = VOCAB_SAMPLE_TOKENS) -> int:
         """The largest id in `budget` tokens read at evenly spaced places (start-up: no full scan)."""
@@ -112,7 +113,7 @@ class TokenWindows(RowSource):
             share = max(budget * len(view) // max(self.tokens, 1), chunk)
             places = max(share // chunk, 1)
             for start in np.linspace(0, max(len(view) - chunk, 0), places).astype(np.int64):
-                top = max(top, int(view[start:start + chunk].max()))
+                top = max(top, int(view[start : start + chunk].max()))
                 _drop_pages(mapped, int(start) * self.dtype.itemsize, chunk * self.dtype.itemsize)
         return top
 
@@ -122,8 +123,10 @@ def token_count(path: str, dtype: np.dtype) -> int:
     size = os.path.getsize(path)
     if size % dtype.itemsize:
         other = "uint16" if dtype.itemsize == 4 else "uint32"
-        hint = (f"it is not a {dtype.name} token file (its size is not a multiple of {dtype.itemsize}); "
-                f"check --token-dtype (try {other}) or re-write the file")
+        hint = (
+            f"it is not a {dtype.name} token file (its size is not a multiple of {dtype.itemsize}); "
+            f"check --token-dtype (try {other}) or re-write the file"
+        )
         raise KitError(f"{path}: {size} bytes: {hint}")
     return size // dtype.itemsize
 

@@ -3,6 +3,7 @@
 Engine packages (jax, alpa) are imported only inside the engine modules, so choosing an engine
 here costs nothing on a machine that lacks one of them.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,6 +27,7 @@ def resolve_engine(requested: str) -> str:
                 return "jax"
         return "jax"
     if requested == "alpa" and not alpa_available():
-        raise KitError("--engine alpa: the alpa package is not installed here; run inside the kit's "
-                       "Alpa image (docker/alpa) or use --engine jax")
+        raise KitError(
+            "--engine alpa: the alpa package is not installed here; run inside the kit's Alpa image (docker/alpa) or use --engine jax"
+        )
     return requested

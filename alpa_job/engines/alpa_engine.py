@@ -15,6 +15,7 @@ placement. `AlpaEngine` implements engines.base.Engine, so the one loop (train/l
 ragged policy, progress, timing, statistics) exactly as it drives the JAX engine; this module keeps
 what only Alpa has: the session (guards, alpa.init), pipeline boundaries, the plan cache, the dump.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,9 +44,11 @@ def model_layer_count(config) -> int:
 
     count = build_model(config)[0].layer_count
     if not count:
-        raise KitError(f"--model {config.model} declares no layer_count; Alpa's pipelines split a model at its "
-                       "repeated layers: set layer_count and layer_class in its api.Model, or use --strategy data "
-                       "or shard")
+        raise KitError(
+            f"--model {config.model} declares no layer_count; Alpa's pipelines split a model at its "
+            "repeated layers: set layer_count and layer_class in its api.Model, or use --strategy data "
+            "or shard"
+        )
     return count
 
 
@@ -53,8 +56,7 @@ def boundary_after(num_layers: int, num_stages: int) -> List[int]:
     """0-based layer indices after which to call mark_pipeline_boundary (num_stages - 1 of them),
     splitting num_layers as evenly as possible by count."""
     if num_stages < 1 or num_stages > num_layers:
-        raise KitError(f"--pipeline-stages {num_stages} does not fit a model of {num_layers} layers; "
-                       f"use 1..{num_layers}")
+        raise KitError(f"--pipeline-stages {num_stages} does not fit a model of {num_layers} layers; use 1..{num_layers}")
     return [(num_layers * s) // num_stages - 1 for s in range(1, num_stages)]
 
 
@@ -69,8 +71,7 @@ def method_settings(config, num_nodes: int, devices_per_node: int) -> Dict[str, 
     """The parallel method as plain data (also part of the plan-cache key)."""
     strategy = config.strategy
     if strategy not in ALPA_METHODS:
-        raise KitError(f"--strategy {strategy!r} is not an Alpa method; with --engine alpa use one of: "
-                       f"{', '.join(ALPA_METHODS)}")
+        raise KitError(f"--strategy {strategy!r} is not an Alpa method; with --engine alpa use one of: {', '.join(ALPA_METHODS)}")
     devices = num_nodes * devices_per_node
     layers = model_layer_count(config)
     micro = config.micro_batches or 1
@@ -80,8 +81,10 @@ def method_settings(config, num_nodes: int, devices_per_node: int) -> Dict[str, 
     if strategy == "pipeshard-manual":
         stages = config.pipeline_stages or default_stages(num_nodes, devices, layers)
         if devices % stages:
-            raise KitError(f"--pipeline-stages {stages} does not divide the {devices} GPUs "
-                           f"({num_nodes} node(s) x {devices_per_node}); use a divisor of {devices}")
+            raise KitError(
+                f"--pipeline-stages {stages} does not divide the {devices} GPUs "
+                f"({num_nodes} node(s) x {devices_per_node}); use a divisor of {devices}"
+            )
         out.update(stages=stages, boundaries=boundary_after(layers, stages))
     elif strategy == "pipeshard-auto":
         out.update(layer_num=config.pipeline_layers or layers)
@@ -89,14 +92,14 @@ def method_settings(config, num_nodes: int, devices_per_node: int) -> Dict[str, 
 
 
 # ----------------------------------------------------------------------------- joining
-def join_cluster(address: Optional[str], xla_env: Dict[str, str], spec=None,
-                 timeout_s: float = ray_api.JOIN_TIMEOUT_S) -> str:
+def join_cluster(address: Optional[str], xla_env: Dict[str, str], spec=None, timeout_s: float = ray_api.JOIN_TIMEOUT_S) -> str:
     """Join Ray for Alpa (bounded, ray_api.join_ray): never Ray Client; the XLA port range reaches
     every worker via the runtime_env. No address / "local": a local Ray with this machine's GPUs."""
     guards.refuse_ray_client(address)
     address = ray_api.normalize_address(address or ray_api.LOCAL, spec, default=ray_api.LOCAL)
-    return ray_api.join_ray(address, timeout_s, runtime_env={"env_vars": guards.ray_env_vars(xla_env)},
-                            namespace="alpa_default_space", log_to_driver=True)
+    return ray_api.join_ray(
+        address, timeout_s, runtime_env={"env_vars": guards.ray_env_vars(xla_env)}, namespace="alpa_default_space", log_to_driver=True
+    )
 
 
 # ----------------------------------------------------------------------------- the step
@@ -139,8 +142,10 @@ def _layer_class(config):
 
     layer_class = build_model(config)[0].layer_class
     if layer_class is None:
-        raise KitError(f"--model {config.model} declares no layer_class; Alpa's pipelines mark a boundary after "
-                       "its layers' calls: set layer_class (the repeated flax class) in its api.Model")
+        raise KitError(
+            f"--model {config.model} declares no layer_class; Alpa's pipelines mark a boundary after "
+            "its layers' calls: set layer_class (the repeated flax class) in its api.Model"
+        )
     return layer_class
 
 
@@ -181,14 +186,18 @@ def build_method(settings: Dict[str, Any], cached_plan: Optional[Dict[str, Any]]
     if strategy == "shard":
         return alpa.ShardParallel(num_micro_batches=micro if micro > 1 else None)
     if strategy == "pipeshard-manual":
-        return alpa.PipeshardParallel(num_micro_batches=micro, layer_option=alpa.ManualLayerOption(),
-                                      stage_option=alpa.UniformStageOption(num_stages=settings["stages"]))
+        return alpa.PipeshardParallel(
+            num_micro_batches=micro,
+            layer_option=alpa.ManualLayerOption(),
+            stage_option=alpa.UniformStageOption(num_stages=settings["stages"]),
+        )
     layer_option = alpa.AutoLayerOption(layer_num=settings["layer_num"])
     if cached_plan is not None:
         stage_option = alpa.ManualStageOption(**cache_lib.manual_stage_kwargs(cached_plan))
     else:
-        stage_option = alpa.AutoStageOption(submesh_physical_shape_space="power_of_two",
-                                            submesh_logical_shape_space="single_node_model_parallel")
+        stage_option = alpa.AutoStageOption(
+            submesh_physical_shape_space="power_of_two", submesh_logical_shape_space="single_node_model_parallel"
+        )
     return alpa.PipeshardParallel(num_micro_batches=micro, layer_option=layer_option, stage_option=stage_option)
 
 
@@ -257,8 +266,7 @@ class AlpaEngine(Engine):
     name = "alpa"
     checkpoints = False  # the state lives in Alpa's DistributedArrays; orbax does not save those
 
-    def __init__(self, config, model, example_batch: Dict[str, Any], cluster: AlpaCluster,
-                 schedule_steps: Optional[int] = None):
+    def __init__(self, config, model, example_batch: Dict[str, Any], cluster: AlpaCluster, schedule_steps: Optional[int] = None):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         self.config, self.model, self.cluster = config, model, cluster
         self._schedule_steps = schedule_steps if schedule_steps is not None else config.steps
@@ -282,6 +290,7 @@ class AlpaEngine(Engine):
     @classmethod
     def factory(cls, cluster: AlpaCluster):
         """train.train_process's `build_engine`: construct and compile on `cluster`."""
+
         def build(config, model, data):
             from alpa_job.engines.optimizer import schedule_steps
 
@@ -300,8 +309,9 @@ class AlpaEngine(Engine):
         init_kwargs = {"train": False} if model.has_batch_stats else {}
         sample = {k: jnp.asarray(v) for k, v in self._example.items()}
         variables = model.module.init(jax.random.PRNGKey(seed), sample[model.input_key], **init_kwargs)
-        return _train_state_cls().create(apply_fn=model.module.apply, params=variables["params"],
-                                         tx=self._tx(), batch_stats=variables.get("batch_stats"))
+        return _train_state_cls().create(
+            apply_fn=model.module.apply, params=variables["params"], tx=self._tx(), batch_stats=variables.get("batch_stats")
+        )
 
     def _tx(self):
         from alpa_job.engines.optimizer import default_optimizer
@@ -335,16 +345,19 @@ class AlpaEngine(Engine):
         method = build_method(self.settings, cached_plan)
         self._guard = guards.SearchGuard(self.strategy == "pipeshard-auto" and cached_plan is None)
         self._initial_state = self._init(self.config.seed)
-        self._train_step = alpa.parallelize(make_train_step(self.model), method=method, batch_argnums=(1,),
-                                            donate_argnums=(0,))
-        boundaries = (pipeline_boundaries(_layer_class(self.config), self.settings["boundaries"],
-                                          model_layer_count(self.config))
-                      if self.strategy == "pipeshard-manual" else contextlib.nullcontext())
+        self._train_step = alpa.parallelize(make_train_step(self.model), method=method, batch_argnums=(1,), donate_argnums=(0,))
+        boundaries = (
+            pipeline_boundaries(_layer_class(self.config), self.settings["boundaries"], model_layer_count(self.config))
+            if self.strategy == "pipeshard-manual"
+            else contextlib.nullcontext()
+        )
         self._guard.check(self._signature)
         search_started = time.time()
         start = time.perf_counter()
-        with timed(f"compiling train step ({self.config.model}, alpa {self.strategy}, "
-                   f"{self.cluster.num_nodes} node(s) x {self.cluster.per_node} GPU)"):
+        with timed(
+            f"compiling train step ({self.config.model}, alpa {self.strategy}, "
+            f"{self.cluster.num_nodes} node(s) x {self.cluster.per_node} GPU)"
+        ):
             with cache_lib.tee_stdout() as captured, boundaries:
                 executable = self._train_step.get_executable(self._initial_state, self._example)
         self.stats.compile_seconds = time.perf_counter() - start
@@ -368,15 +381,25 @@ class AlpaEngine(Engine):
             note(f"--plan-cache is used only by --strategy pipeshard-auto; ignored for {self.strategy}")
             return None
         self._cache = cache_lib.PlanCache(config.plan_cache)
-        self._key_inputs = cache_lib.plan_key_inputs(config.as_dict(), self._signature, self.cluster.num_nodes,
-                                                     self.cluster.per_node, self.cluster.gpu_kind, versions.collect(),
-                                                     self.settings)
+        self._key_inputs = cache_lib.plan_key_inputs(
+            config.as_dict(),
+            self._signature,
+            self.cluster.num_nodes,
+            self.cluster.per_node,
+            self.cluster.gpu_kind,
+            versions.collect(),
+            self.settings,
+        )
         self._key = cache_lib.plan_key(self._key_inputs)
         entry = self._cache.lookup(self._key)
         decision = "hit" if entry else "miss"
         print(cache_lib.decision_line(self._key, decision, config.plan_cache), flush=True)
-        self.cache_info = {"dir": os.path.abspath(config.plan_cache), "key": self._key, "decision": decision,
-                           "key_inputs": self._key_inputs}
+        self.cache_info = {
+            "dir": os.path.abspath(config.plan_cache),
+            "key": self._key,
+            "decision": decision,
+            "key_inputs": self._key_inputs,
+        }
         return entry["plan"] if entry else None
 
     def _keep_stage_plan(self, cached_plan: Optional[Dict[str, Any]], stdout: str, search_started: float) -> None:
@@ -385,17 +408,25 @@ class AlpaEngine(Engine):
 
         self._dp_result = tuple(get_last_dp_result())
         if cached_plan is not None:
-            self._dp_result = (None, cached_plan["forward_stage_layer_ids"], cached_plan["submesh_physical_shapes"],
-                               cached_plan["submesh_logical_shapes"], cached_plan["submesh_autosharding_option_dicts"])
+            self._dp_result = (
+                None,
+                cached_plan["forward_stage_layer_ids"],
+                cached_plan["submesh_physical_shapes"],
+                cached_plan["submesh_logical_shapes"],
+                cached_plan["submesh_autosharding_option_dicts"],
+            )
         elif self.cache_info is not None:
             profile = cache_lib.find_profile_file(stdout, os.getcwd(), since=search_started)
-            entry = self._cache.save(self._key, self._key_inputs, self._dp_result, profile,
-                                     extra={"search_seconds": round(self.stats.compile_seconds, 1)})
+            entry = self._cache.save(
+                self._key, self._key_inputs, self._dp_result, profile, extra={"search_seconds": round(self.stats.compile_seconds, 1)}
+            )
             self.cache_info.update(decision="saved", profile=entry.get("profile_path"), profile_source=profile)
             print(cache_lib.decision_line(self._key, "saved", self.config.plan_cache), flush=True)
             if profile is None:
-                note("Alpa's profile-results-*.npy was not found (no 'Profile result saved to:' line, "
-                     "none in the driver's cwd); the plan is saved without the profile")
+                note(
+                    "Alpa's profile-results-*.npy was not found (no 'Profile result saved to:' line, "
+                    "none in the driver's cwd); the plan is saved without the profile"
+                )
 
     def read_executable(self, executable) -> None:
         """HLO texts and memory (per pipeline stage where it has stages) from a compiled executable,
@@ -442,14 +473,15 @@ class AlpaEngine(Engine):
         from alpa_job.record.alpa_live import dump_from_placement_specs
 
         executable = self.executable
-        return dump_from_placement_specs(executable.get_input_placement_specs(),
-                                         executable.get_output_placement_specs()).plan
+        return dump_from_placement_specs(executable.get_input_placement_specs(), executable.get_output_placement_specs()).plan
 
     def topology(self) -> Dict[str, Any]:
         c = self.cluster
-        return {"mesh": {"shape": [c.num_nodes, c.per_node], "axes": ["node", "gpu"]},
-                "process": {"id": 0, "count": 1, "local_devices": []},  # the driver drives every node
-                "devices": {"count": c.num_nodes * c.per_node, "platform": "gpu", "kind": c.gpu_kind}}
+        return {
+            "mesh": {"shape": [c.num_nodes, c.per_node], "axes": ["node", "gpu"]},
+            "process": {"id": 0, "count": 1, "local_devices": []},  # the driver drives every node
+            "devices": {"count": c.num_nodes * c.per_node, "platform": "gpu", "kind": c.gpu_kind},
+        }
 
     def eval_loss(self, state, batch: Dict[str, Any]) -> Optional[float]:
         sums = self.eval_sums(state, batch)
@@ -466,30 +498,28 @@ class AlpaEngine(Engine):
             if getattr(self, "_eval_step", None) is None:
                 train_step = self._train_step
                 follow = alpa.FollowParallel(
-                    train_step, num_micro_batches=self.settings["micro_batches"],
-                    get_input_placement_specs=lambda: train_step.get_last_executable().get_input_placement_specs())
-                self._eval_step = alpa.parallelize(make_eval_step(self.model), method=follow, batch_argnums=(1,),
-                                                   donate_argnums=())
+                    train_step,
+                    num_micro_batches=self.settings["micro_batches"],
+                    get_input_placement_specs=lambda: train_step.get_last_executable().get_input_placement_specs(),
+                )
+                self._eval_step = alpa.parallelize(make_eval_step(self.model), method=follow, batch_argnums=(1,), donate_argnums=())
             return self._eval_step(state, batch)
         except Exception as err:  # noqa: BLE001 - eval is a report extra; the training result stands
-            note(f"evaluation with FollowParallel failed ({type(err).__name__}: {err}); "
-                 "report has no eval_loss")
+            note(f"evaluation with FollowParallel failed ({type(err).__name__}: {err}); report has no eval_loss")
             return None
 
     def finish(self, out_dir: str) -> None:
         """Alpa's dump_debug_info under OUT/alpa_dump (what `inspect DUMP_DIR` reads)."""
         executable = self.executable
         try:
-            guards.safe_dump_debug_info(executable.dump_debug_info, os.path.join(out_dir, "alpa_dump"),
-                                        _mesh_hosts(executable))
+            guards.safe_dump_debug_info(executable.dump_debug_info, os.path.join(out_dir, "alpa_dump"), _mesh_hosts(executable))
         except KitError as err:
             note(str(err))
 
     def extra_report(self) -> Dict[str, Any]:
         from alpa_job.record.alpa_live import stage_layout
 
-        return {"alpa_method": self.settings, "stages": stage_layout(self._dp_result, self._stage_memory),
-                "plan_cache": self.cache_info}
+        return {"alpa_method": self.settings, "stages": stage_layout(self._dp_result, self._stage_memory), "plan_cache": self.cache_info}
 
 
 def _gpu_kind(nodes: List[ray_api.RayNode]) -> Optional[str]:

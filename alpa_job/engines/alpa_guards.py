@@ -15,6 +15,7 @@ Alpa's reports of these: https://github.com/alpa-projects/alpa/issues/701 (errno
 https://github.com/alpa-projects/alpa/issues/886 (Ray Client),
 https://github.com/alpa-projects/alpa/issues/776 (second search).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,15 +43,17 @@ def _version_tuple(text: str) -> Tuple[int, ...]:
 def check_alpa_version(version: Optional[str]) -> Tuple[int, ...]:
     """Refuse a missing or too old alpa; returns the parsed version."""
     if not version:
-        raise KitError("--engine alpa: the alpa package is not installed here; run inside the kit's Alpa "
-                       "image (alpa==0.2.3) or use --engine jax")
+        raise KitError(
+            "--engine alpa: the alpa package is not installed here; run inside the kit's Alpa image (alpa==0.2.3) or use --engine jax"
+        )
     parsed = _version_tuple(version)
     if not parsed or parsed < MIN_ALPA:
         raise KitError(
             f"alpa {version} is too old: alpa < 0.2.3 binds each node's XLA gRPC server to the HEAD's IP, so "
             "every ProfileWorker/mesh on another node fails with errno 99 'Cannot assign requested address' -> "
             "'Failed to start RPC server' (Alpa issue #701, fixed in 0.2.3 by PR #803); install alpa==0.2.3 "
-            "(the kit's Alpa image) on every node")
+            "(the kit's Alpa image) on every node"
+        )
     return parsed
 
 
@@ -62,8 +65,9 @@ def installed_alpa_version() -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- ports
-def apply_xla_port_env(xla_env: Mapping[str, str], environ: Optional[MutableMapping[str, str]] = None,
-                       global_config: Any = None) -> Tuple[int, int]:
+def apply_xla_port_env(
+    xla_env: Mapping[str, str], environ: Optional[MutableMapping[str, str]] = None, global_config: Any = None
+) -> Tuple[int, int]:
     """Put Alpa's XLA gRPC port range in the environment (and alpa.global_config when given).
 
     Must run BEFORE `import alpa` in the driver (global_env reads the env at import) and the same
@@ -75,8 +79,9 @@ def apply_xla_port_env(xla_env: Mapping[str, str], environ: Optional[MutableMapp
     except (KeyError, ValueError) as err:
         raise KitError(f"cluster spec gives no valid XLA port range ({err}); set ranges.xla_grpc") from None
     if not 1024 < start < end <= 65536:
-        raise KitError(f"XLA port range {start}-{end} is not valid (need 1024 < START < END <= 65536); "
-                       "fix ranges.xla_grpc in the cluster spec")
+        raise KitError(
+            f"XLA port range {start}-{end} is not valid (need 1024 < START < END <= 65536); fix ranges.xla_grpc in the cluster spec"
+        )
     env = os.environ if environ is None else environ
     env["XLA_SERVER_PORT_START"] = str(start)
     env["XLA_SERVER_PORT_END"] = str(end)
@@ -93,8 +98,10 @@ def ray_env_vars(xla_env: Mapping[str, str]) -> Dict[str, str]:
 # ----------------------------------------------------------------------------- cluster
 def refuse_ray_client(address: Optional[str]) -> None:
     if address and address.startswith("ray://"):
-        raise KitError("Alpa does not work over Ray Client (ray://, Alpa issue #886); run the driver on a cluster "
-                       "node: ray job submit --address http://HEAD:8265 -- python -m alpa_job ...")
+        raise KitError(
+            "Alpa does not work over Ray Client (ray://, Alpa issue #886); run the driver on a cluster "
+            "node: ray job submit --address http://HEAD:8265 -- python -m alpa_job ..."
+        )
 
 
 def cluster_shape(nodes: Iterable[Mapping[str, Any]]) -> Tuple[int, int]:
@@ -102,20 +109,26 @@ def cluster_shape(nodes: Iterable[Mapping[str, Any]]) -> Tuple[int, int]:
     skipped, as Alpa does). Every GPU node must have the same GPU count (Alpa's meshes are uniform)."""
     counts = [int(n.gpus()) for n in ray_api.alive_nodes(nodes) if n.gpus() >= 1]
     if not counts:
-        raise KitError("no alive Ray node has a GPU: Alpa runs only on NVIDIA GPU nodes (start each GPU node with "
-                       "`ray start ... --num-gpus N`, check with `ray status`), or use --engine jax")
+        raise KitError(
+            "no alive Ray node has a GPU: Alpa runs only on NVIDIA GPU nodes (start each GPU node with "
+            "`ray start ... --num-gpus N`, check with `ray status`), or use --engine jax"
+        )
     if len(set(counts)) > 1:
-        raise KitError(f"GPU nodes have different GPU counts {sorted(counts)}; Alpa needs the same number on every "
-                       f"node: start each with --num-gpus {min(counts)}")
+        raise KitError(
+            f"GPU nodes have different GPU counts {sorted(counts)}; Alpa needs the same number on every "
+            f"node: start each with --num-gpus {min(counts)}"
+        )
     return len(counts), counts[0]
 
 
 def check_driver_on_cluster(driver_ip: str, nodes: Iterable[Mapping[str, Any]]) -> None:
     ips = sorted({n.ip for n in ray_api.alive_nodes(nodes)})
     if driver_ip not in ips:
-        raise KitError(f"the driver runs on {driver_ip}, which is not a node of the Ray cluster ({', '.join(ips)}); "
-                       "Alpa's driver must run on a cluster node: ray job submit --address http://HEAD:8265 -- "
-                       "python -m alpa_job train --engine alpa ...")
+        raise KitError(
+            f"the driver runs on {driver_ip}, which is not a node of the Ray cluster ({', '.join(ips)}); "
+            "Alpa's driver must run on a cluster node: ray job submit --address http://HEAD:8265 -- "
+            "python -m alpa_job train --engine alpa ..."
+        )
 
 
 # ----------------------------------------------------------------------------- second search
@@ -166,7 +179,8 @@ class SearchGuard:
             "its meshes exist (NotImplementedError 'automatically slicing layers with existing physical meshes', "
             "Alpa issue #776). Keep one batch shape (--drop-remainder or --pad-remainder, the same --batch-size for "
             "every step), or reuse the first search: rerun with --plan-cache DIR (the saved plan is used as a "
-            "ManualStageOption), or use --strategy pipeshard-manual")
+            "ManualStageOption), or use --strategy pipeshard-manual"
+        )
 
 
 # ----------------------------------------------------------------------------- dump_debug_info
@@ -197,11 +211,13 @@ def explain_dump_failure(err: BaseException, hosts: Sequence[str] = ()) -> Optio
     ip, pattern = _worker_log_hint(err)
     where = ip or (", ".join(hosts) if hosts else "the GPU node(s) of the mesh")
     return KitError(
-        "dump_debug_info failed with " + ("KeyError" if is_key else "\"no attribute 'compiled'\"") +
-        ": the worker-side executable of this stage was never built on the mesh's worker (a compile error, "
+        "dump_debug_info failed with "
+        + ("KeyError" if is_key else "\"no attribute 'compiled'\"")
+        + ": the worker-side executable of this stage was never built on the mesh's worker (a compile error, "
         "out of memory, a device-count assert, or missing ptxas/NCCL on that node), so its id was never stored. "
         f"The real error is in the Ray worker log on {where}: {pattern} "
-        f"(e.g. ssh {ip or '<node>'} 'grep -l -E \"Error|Traceback\" {pattern}')")
+        f"(e.g. ssh {ip or '<node>'} 'grep -l -E \"Error|Traceback\" {pattern}')"
+    )
 
 
 def safe_dump_debug_info(dump: Callable[[str], Any], folder: str, hosts: Sequence[str] = ()) -> Any:

@@ -11,6 +11,7 @@ memory are predicted from them, and only the predicted winner compiles whole. Th
 table of every candidate goes in the report, and the result is kept beside the compile cache, so a
 second identical run trains its winner straight away.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -55,8 +56,9 @@ def device_memory_budget(limit_gb: Optional[float]) -> int:
 Prefilter = Callable[[List[Tuple[str, Tuple[int, int]]], int], List[Dict[str, Any]]]
 
 
-def search(config, model, example_batch, batches, schedule_steps: Optional[int] = None,
-           prefilter: Optional[Prefilter] = None) -> Tuple[JaxEngine, List[Dict[str, object]]]:
+def search(
+    config, model, example_batch, batches, schedule_steps: Optional[int] = None, prefilter: Optional[Prefilter] = None
+) -> Tuple[JaxEngine, List[Dict[str, object]]]:
     """Return the fastest fitting engine (compiled) and the table of every candidate.
     `schedule_steps`: the learning-rate schedule's horizon (JaxEngine)."""
     budget = device_memory_budget(config.memory_limit_gb)
@@ -81,26 +83,31 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
         ranked = _ranked([(row, engine) for row, engine in engines if row["fits"]])
         best = ranked[0][1] if ranked else None
     else:
-        phase(f"[auto] timing each candidate on copies of the model with "
-              f"{' and '.join(map(str, shallow_ranking.DEPTHS))} of its {copies.full_depth} layers")
-        predicted, background = _rank_on_copies(config, copies, engines, example_batch, schedule_steps, budget,
-                                                batches)
+        phase(
+            f"[auto] timing each candidate on copies of the model with "
+            f"{' and '.join(map(str, shallow_ranking.DEPTHS))} of its {copies.full_depth} layers"
+        )
+        predicted, background = _rank_on_copies(config, copies, engines, example_batch, schedule_steps, budget, batches)
         fastest_first = _ranked(predicted)
         # Every process decides on process 0's peaks, as on its times: a different winner would hang the run.
-        peaks = _agreed([float("inf") if row["peak_bytes_per_device"] is None else float(row["peak_bytes_per_device"])
-                         for row, _ in fastest_first])
+        peaks = _agreed(
+            [float("inf") if row["peak_bytes_per_device"] is None else float(row["peak_bytes_per_device"]) for row, _ in fastest_first]
+        )
         ranked = shallow_ranking.least_memory_among_ties(fastest_first, peaks)
         memory_decided = bool(ranked) and ranked[0] is not fastest_first[0]
         if memory_decided:
-            ranked[0][0]["note"] += (f"; chosen over the fastest prediction ({_name(fastest_first[0][0])}, within "
-                                     f"{shallow_ranking.TIE:.0%}): it needs less memory")
+            ranked[0][0]["note"] += (
+                f"; chosen over the fastest prediction ({_name(fastest_first[0][0])}, within "
+                f"{shallow_ranking.TIE:.0%}): it needs less memory"
+            )
         ranking_s = time.perf_counter() - started
         best = _compile_whole_winner(ranked, budget, background)
         if best is not None:
             best.stats.setup_phases["auto_ranking_on_copies"] = ranking_s
     if best is None:
-        raise KitError("--strategy auto: no candidate fits (see the notes above); lower --batch-size or the "
-                       "model size, or raise --memory-limit-gb")
+        raise KitError(
+            "--strategy auto: no candidate fits (see the notes above); lower --batch-size or the model size, or raise --memory-limit-gb"
+        )
     best_time = next(row["step_time_s"] for row, engine in ranked if engine is best)
     best.stats.setup_phases["auto_search"] = time.perf_counter() - started
     for row in table:
@@ -111,10 +118,18 @@ def search(config, model, example_batch, batches, schedule_steps: Optional[int] 
     if memory_decided:
         why = f"the least memory of the {how}steps within {shallow_ranking.TIE:.0%} of the fastest ({best_time * 1e3:.2f} ms)"
     others = [r for r in by_time if not r["chosen"]]
-    runner_up = (f"; {'fastest' if memory_decided else 'next'} {others[0]['strategy']} "
-                 f"{tuple(others[0]['mesh_shape'])} at {others[0]['step_time_s'] * 1e3:.2f} ms") if others else ""
-    phase(f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: {why} of the {len(by_time)} "
-          f"candidate(s) that fit, out of {len(table)}{runner_up}")
+    runner_up = (
+        (
+            f"; {'fastest' if memory_decided else 'next'} {others[0]['strategy']} "
+            f"{tuple(others[0]['mesh_shape'])} at {others[0]['step_time_s'] * 1e3:.2f} ms"
+        )
+        if others
+        else ""
+    )
+    phase(
+        f"[auto] chose {best.strategy} on mesh {tuple(best.mesh.devices.shape)}: {why} of the {len(by_time)} "
+        f"candidate(s) that fit, out of {len(table)}{runner_up}"
+    )
     if saved is not None:
         best.keep_step()
         saved.save(table)
@@ -136,9 +151,9 @@ def _time_whole(engines: List[Tuple[dict, JaxEngine]], config, batches, budget: 
     timed_bar.close()
 
 
-def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[dict, JaxEngine]], example_batch,
-                    schedule_steps, budget: int, batches
-                    ) -> Tuple[List[Tuple[dict, JaxEngine]], Optional[WholeCompile]]:
+def _rank_on_copies(
+    config, copies: shallow_ranking.Copies, engines: List[Tuple[dict, JaxEngine]], example_batch, schedule_steps, budget: int, batches
+) -> Tuple[List[Tuple[dict, JaxEngine]], Optional[WholeCompile]]:
     """Compile and time each candidate's shallow copies; its row gets the whole model's predicted step time
     and peak. Returns the candidates predicted to fit, with their whole-model engines, and the whole compile
     of the likeliest winner (_likeliest_first), started in the background once its first copy compiled."""
@@ -148,12 +163,10 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
         if engine.pipeline is not None:
             # Each stage holds whole blocks, so a copy would need a multiple of the stages in layers; the
             # copies' depths are fixed for every candidate alike, so a pipeline is ranked whole only.
-            row["note"] = (f"not ranked on copies: a pipeline of {row['mesh_shape'][0]} stages is timed only whole "
-                           "(--auto-rank-on whole)")
+            row["note"] = f"not ranked on copies: a pipeline of {row['mesh_shape'][0]} stages is timed only whole (--auto-rank-on whole)"
             continue
         try:
-            shallow = shallow_ranking.copy_engines(copies, row["strategy"], tuple(row["mesh_shape"]), example_batch,
-                                                   schedule_steps)
+            shallow = shallow_ranking.copy_engines(copies, row["strategy"], tuple(row["mesh_shape"]), example_batch, schedule_steps)
         except KitError as err:
             row["note"] = str(err)
             continue
@@ -183,18 +196,21 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
         if groups and not groups[0][0]["note"] and not groups[0][2][-1][0]["note"]:
             background = WholeCompile(groups[0][1], after=likeliest_lowered)
 
-    _compile_together(list(deeper), workers, compile_schedule(deeper, workers, jax.devices()[0].platform),
-                      initialised={id(source[1])} if source else set(), after_first=start_likeliest)
+    _compile_together(
+        list(deeper),
+        workers,
+        compile_schedule(deeper, workers, jax.devices()[0].platform),
+        initialised={id(source[1])} if source else set(),
+        after_first=start_likeliest,
+    )
     lowered.result()  # done before any copy is timed: lowering would take the GIL from the timed steps
     likeliest_lowered.result()
     every_process.wait("alpa_job_auto_deeper_copies_compiled")  # their first programs spanning processes follow
     template = next((copy.init_state(config.seed) for part, copy in deeper if not part["note"]), None)
-    times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config,
-                         batches, budget)
+    times = _time_copies([p for p in deeper if not p[0]["note"]], shallow_ranking.DEPTHS[-1], template, config, batches, budget)
     _compile_together(list(shallower), workers, [(shallower, workers)], initialised=set())
     every_process.wait("alpa_job_auto_shallower_copies_compiled")
-    times.update(_time_copies([p for p in shallower if not p[0]["note"]], shallow_ranking.DEPTHS[0], template,
-                              config, batches, budget))
+    times.update(_time_copies([p for p in shallower if not p[0]["note"]], shallow_ranking.DEPTHS[0], template, config, batches, budget))
     del template
     fitting = []
     for row, engine, group in groups:
@@ -206,8 +222,7 @@ def _rank_on_copies(config, copies: shallow_ranking.Copies, engines: List[Tuple[
         row["compile_s"] = round(sum(part["compile_s"] for part, _ in group), 3)
         row["predicted_from"] = list(shallow_ranking.DEPTHS)
         peaks = [part["peak_bytes_per_device"] for part, _ in group]
-        row["peak_bytes_per_device"] = (None if None in peaks
-                                        else int(shallow_ranking.extrapolate(peaks, copies.full_depth)))
+        row["peak_bytes_per_device"] = None if None in peaks else int(shallow_ranking.extrapolate(peaks, copies.full_depth))
         peak = row["peak_bytes_per_device"]
         row["fits"] = peak is None or peak <= budget
         if not row["fits"]:
@@ -230,16 +245,14 @@ def _likeliest_first(engines: List[Tuple[dict, JaxEngine]]) -> List[Tuple[dict, 
     return sorted(engines, key=lambda pair: (pair[1].state_bytes_per_device, pair[1].mesh.devices.shape[1]))
 
 
-def _time_copies(parts: List[Tuple[dict, JaxEngine]], depth: int, template, config, batches,
-                 budget: int) -> Dict[int, float]:
+def _time_copies(parts: List[Tuple[dict, JaxEngine]], depth: int, template, config, batches, budget: int) -> Dict[int, float]:
     """{id(copy's row): its step time} for the copies (of `depth` layers) whose XLA memory estimate fits,
     timed together, each from `template` (shallow_ranking.time_interleaved)."""
     fitting = [(p, c) for p, c in parts if p["peak_bytes_per_device"] is None or p["peak_bytes_per_device"] <= budget]
     if not fitting or template is None:
         return {}
     bar = Progress("auto search: timing copies", 1, unit="depth")
-    times = _agreed(shallow_ranking.time_interleaved([c for _, c in fitting], template, config.seed, batches,
-                                                     config.auto_trial_steps))
+    times = _agreed(shallow_ranking.time_interleaved([c for _, c in fitting], template, config.seed, batches, config.auto_trial_steps))
     bar.update(1, depth=depth, step_ms=" ".join(f"{t * 1e3:.2f}" for t in times))
     bar.close()
     return {id(p): t for (p, _), t in zip(fitting, times)}
@@ -251,8 +264,10 @@ class WholeCompile:
 
     def __init__(self, engine: JaxEngine, after: Optional[concurrent.futures.Future] = None):
         self.engine = engine
-        phase(f"[auto] compiling {engine.strategy} on mesh {tuple(engine.mesh.devices.shape)} whole in the "
-              "background, the likeliest winner, while the copies rank")
+        phase(
+            f"[auto] compiling {engine.strategy} on mesh {tuple(engine.mesh.devices.shape)} whole in the "
+            "background, the likeliest winner, while the copies rank"
+        )
 
         def compile_after():
             if after is not None:
@@ -264,16 +279,15 @@ class WholeCompile:
         pool.shutdown(wait=False)
 
 
-def _compile_whole_winner(ranked: List[Tuple[dict, JaxEngine]], budget: int,
-                          background: Optional[WholeCompile] = None) -> Optional[JaxEngine]:
+def _compile_whole_winner(
+    ranked: List[Tuple[dict, JaxEngine]], budget: int, background: Optional[WholeCompile] = None
+) -> Optional[JaxEngine]:
     """The fastest predicted candidate compiled whole (the step store keeps it, as a fixed run's), or the
     background compile when it is that one; one whose whole step turns out not to fit gives way to the next."""
     for row, engine in ranked:
         try:
-            with timed(f"compiling train step ({engine.strategy}, mesh {engine.mesh.devices.shape}, the "
-                       "predicted fastest)"):
-                stats = (background.future.result() if background is not None and background.engine is engine
-                         else engine.compile())
+            with timed(f"compiling train step ({engine.strategy}, mesh {engine.mesh.devices.shape}, the predicted fastest)"):
+                stats = background.future.result() if background is not None and background.engine is engine else engine.compile()
         except KitError as err:
             row["fits"], row["note"] = False, f"{row['note']}; compiled whole: {err}"
             continue
@@ -304,8 +318,17 @@ def _ranked(timed: List[Tuple[dict, JaxEngine]]) -> List[Tuple[dict, JaxEngine]]
 
 
 def _row(strategy: str, mesh: Tuple[int, int]) -> Dict[str, object]:
-    return {"strategy": strategy, "mesh_shape": list(mesh), "fits": None, "peak_bytes_per_device": None,
-            "compile_s": None, "step_time_s": None, "chosen": False, "note": "", "predicted_from": None}
+    return {
+        "strategy": strategy,
+        "mesh_shape": list(mesh),
+        "fits": None,
+        "peak_bytes_per_device": None,
+        "compile_s": None,
+        "step_time_s": None,
+        "chosen": False,
+        "note": "",
+        "predicted_from": None,
+    }
 
 
 def _name(row: Dict[str, object]) -> str:
@@ -337,8 +360,7 @@ def _build_abstract(config, model, example_batch, schedule_steps, budget: int, t
         if row["note"]:
             continue
         try:
-            engine = JaxEngine(config, model, example_batch, row["strategy"], tuple(row["mesh_shape"]),
-                               schedule_steps=schedule_steps)
+            engine = JaxEngine(config, model, example_batch, row["strategy"], tuple(row["mesh_shape"]), schedule_steps=schedule_steps)
         except KitError as err:
             row["note"] = str(err)
             continue
@@ -360,9 +382,13 @@ def compile_schedule(engines: list, workers: int, platform: str) -> List[Tuple[l
     return [(engines[:1], 1), (engines[1:], workers)]
 
 
-def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,
-                      schedule: Optional[List[Tuple[list, int]]] = None, initialised: Optional[set] = None,
-                      after_first: Optional[Callable[[], None]] = None) -> None:
+def _compile_together(
+    engines: List[Tuple[dict, JaxEngine]],
+    workers: int,
+    schedule: Optional[List[Tuple[list, int]]] = None,
+    initialised: Optional[set] = None,
+    after_first: Optional[Callable[[], None]] = None,
+) -> None:
     """Compile the candidates' steps in `schedule`'s order (default: compile_schedule's); a failure becomes
     that candidate's note. `initialised`: ids of the only engines whose initialiser compiles (default: all).
     `after_first`: called once the schedule's first group has compiled."""
@@ -370,8 +396,11 @@ def _compile_together(engines: List[Tuple[dict, JaxEngine]], workers: int,
     schedule = schedule or compile_schedule(engines, workers, jax.devices()[0].platform)
     for index, (group, at_once) in enumerate(schedule):
         with concurrent.futures.ThreadPoolExecutor(max(at_once, 1), thread_name_prefix="auto-compile") as pool:
-            futures = {pool.submit(engine.compile_step, initialised is None or id(engine) in initialised):
-                       (row, engine) for row, engine in group if not row["note"]}
+            futures = {
+                pool.submit(engine.compile_step, initialised is None or id(engine) in initialised): (row, engine)
+                for row, engine in group
+                if not row["note"]
+            }
             if index + 1 < len(schedule):  # lowering (Python) overlaps this group's XLA compiles
                 _lower_ahead(schedule[index + 1][0])
             for future in concurrent.futures.as_completed(futures):
@@ -419,10 +448,8 @@ def _time_steps(engine: JaxEngine, config, batches) -> float:
 
 def _rebuild_winner(config, model, example_batch, schedule_steps, table, path: str):
     row = next(r for r in table if r.get("chosen"))
-    phase(f"[auto] reusing the search in {path}: {row['strategy']} on mesh {tuple(row['mesh_shape'])} "
-          "(delete the file to search again)")
-    engine = JaxEngine(config, model, example_batch, row["strategy"], tuple(row["mesh_shape"]),
-                       schedule_steps=schedule_steps)
+    phase(f"[auto] reusing the search in {path}: {row['strategy']} on mesh {tuple(row['mesh_shape'])} (delete the file to search again)")
+    engine = JaxEngine(config, model, example_batch, row["strategy"], tuple(row["mesh_shape"]), schedule_steps=schedule_steps)
     engine.compile()
     for r in table:
         r["note"] = (r.get("note") or "") + (" " if r.get("note") else "") + "(from the saved search)"
@@ -443,8 +470,12 @@ class SavedSearch:
             return None
         example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
         key = step_key(config, schedule_steps, "auto", make_mesh(candidates[0][1]), example)
-        key.update(candidates=[[s, list(m)] for s, m in candidates], budget=budget,
-                   trial_steps=config.auto_trial_steps, rank_on=getattr(config, "auto_rank_on", "copies"))
+        key.update(
+            candidates=[[s, list(m)] for s, m in candidates],
+            budget=budget,
+            trial_steps=config.auto_trial_steps,
+            rank_on=getattr(config, "auto_rank_on", "copies"),
+        )
         return cls(os.path.join(directory, SEARCH_DIR, key_digest(key) + ".json"))
 
     def load(self) -> Optional[List[Dict[str, Any]]]:

@@ -9,6 +9,7 @@ evaluation, the loop statistics and the result.
 
 Python 3.9 and engine-free: nothing here imports jax or alpa (the Alpa image imports this too).
 """
+
 from __future__ import annotations
 
 import abc
@@ -59,8 +60,10 @@ class CompileStats:
 def check_supported(config, engine: Any) -> None:
     """Refuse flags an engine (class or instance) cannot honour, before any time is spent."""
     if (config.checkpoint_every or config.resume) and not getattr(engine, "checkpoints", True):
-        raise KitError(f"--checkpoint-every/--resume: the {getattr(engine, 'name', '?')} engine does not checkpoint "
-                       "(its state lives in the engine's own distributed arrays); drop the flags or use --engine jax")
+        raise KitError(
+            f"--checkpoint-every/--resume: the {getattr(engine, 'name', '?')} engine does not checkpoint "
+            "(its state lives in the engine's own distributed arrays); drop the flags or use --engine jax"
+        )
 
 
 class EngineRunner(abc.ABC):

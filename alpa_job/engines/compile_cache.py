@@ -11,6 +11,7 @@ a load, so a rerun of the same job reaches its first step several times sooner.
 
 `resolve` is plain Python (the CLI and config may call it); `enable` imports jax.
 """
+
 from __future__ import annotations
 
 import contextlib

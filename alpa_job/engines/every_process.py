@@ -6,6 +6,7 @@ DEADLINE_EXCEEDED. Waiting here first moves every process to the rendezvous toge
 coordination service's barrier (no collective, so no Gloo); a process that never arrives is the
 watchdog's and the driver's to name, so the timeout is long.
 """
+
 from __future__ import annotations
 
 import jax

@@ -18,6 +18,7 @@ written for another key or by an older kit can match) and compiled without writi
 One process only (a multi-process step is one program over every process's devices: those runs
 use JAX's cache). Entries live in `<compile cache>/alpa_job-steps/<key>.{xla,json}`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,14 @@ FOLDER = "alpa_job-steps"
 # the schedule's horizon (from epochs, steps and num_samples) is keyed on its own. Every other setting,
 # a new one included, is in the key.
 NOT_IN_STEP = catalog.NOT_IN_STEP
-JAX_OPTIONS = ("jax_enable_x64", "jax_default_prng_impl", "jax_default_matmul_precision",
-               "jax_threefry_partitionable", "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")
+JAX_OPTIONS = (
+    "jax_enable_x64",
+    "jax_default_prng_impl",
+    "jax_default_matmul_precision",
+    "jax_threefry_partitionable",
+    "jax_numpy_rank_promotion",
+    "jax_use_shardy_partitioner",
+)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,8 +79,12 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
         "strategy": strategy,
         "mesh": {"shape": list(mesh.devices.shape), "axes": list(mesh.axis_names), "ids": [d.id for d in devices]},
         "batch": {k: [list(v.shape), str(v.dtype)] for k, v in sorted(example.items())},
-        "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind,
-                    "platform_version": getattr(backend, "platform_version", None), "count": jax.device_count()},
+        "devices": {
+            "platform": devices[0].platform,
+            "kind": devices[0].device_kind,
+            "platform_version": getattr(backend, "platform_version", None),
+            "count": jax.device_count(),
+        },
         "versions": versions.collect(),  # python, jax, jaxlib, flax, optax, numpy, CUDA, NCCL, ...
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_"))},
         "jax_options": {name: str(getattr(jax.config, name, None)) for name in JAX_OPTIONS},
@@ -131,8 +142,7 @@ class StepStore:
                 payload = f.read()
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), extra
         except Exception as error:  # noqa: BLE001 - any unusable entry: drop it and compile
-            note(f"stored step {self.path}.xla could not be loaded ({type(error).__name__}: {error}); "
-                 "deleting it and compiling")
+            note(f"stored step {self.path}.xla could not be loaded ({type(error).__name__}: {error}); deleting it and compiling")
             self.remove()
             return None
 
@@ -155,8 +165,7 @@ class StepStore:
         try:
             payload, _, _ = serialize_executable.serialize(compiled)
             os.makedirs(self.folder, exist_ok=True)
-            for suffix, data, mode in ((".xla", payload, "wb"),
-                                       (".json", strict_json.dumps({**extra, "key": self.key}, default=str), "w")):
+            for suffix, data, mode in ((".xla", payload, "wb"), (".json", strict_json.dumps({**extra, "key": self.key}, default=str), "w")):
                 tmp = f"{self.path}{suffix}.{os.getpid()}.tmp"
                 with open(tmp, mode) as f:
                     f.write(data)

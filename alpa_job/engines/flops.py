@@ -22,6 +22,7 @@ unknown, so its body counts once; a cond counts its costliest branch. A shard_ma
 program, so it counts once per device of its manual mesh axes: what all the devices compute, which for a
 pipeline includes the ticks a stage idles in (its bubble), as the devices do run them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,8 +113,7 @@ def _is_attention_product(eqn) -> bool:
         return False
     lhs_free, rhs_free = _free_sizes(lhs, lhs_contract, lhs_batch), _free_sizes(rhs, rhs_contract, rhs_batch)
     makes_scores = bool(lhs_free & rhs_free)
-    reads_scores = (any(lhs[i] in lhs_free for i in lhs_contract)
-                    or any(rhs[i] in rhs_free for i in rhs_contract))
+    reads_scores = any(lhs[i] in lhs_free for i in lhs_contract) or any(rhs[i] in rhs_free for i in rhs_contract)
     return makes_scores or reads_scores
 
 

@@ -12,6 +12,7 @@ incoming gradient is quantised to e5m2 and multiplied with the forward's fp8 ope
 (half the bytes of bf16 copies). On a CPU the same arithmetic runs emulated: the numbers of fp8 training, not its
 speed.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -54,10 +55,12 @@ def _fp8_dot_bwd(dimension_numbers, saved, g):
 
     q_lhs, s_lhs, q_rhs, s_rhs, lhs_kind, rhs_kind = saved
     q_g, s_g = quantize(g, E5M2)  # e5m2's range: gradients span more decades than activations
-    d_lhs = dot_general_transpose_lhs(q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=None,
-                                      preferred_element_type=lhs_kind.dtype)
-    d_rhs = dot_general_transpose_rhs(q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=None,
-                                      preferred_element_type=rhs_kind.dtype)
+    d_lhs = dot_general_transpose_lhs(
+        q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=None, preferred_element_type=lhs_kind.dtype
+    )
+    d_rhs = dot_general_transpose_rhs(
+        q_g, q_lhs, q_rhs, dimension_numbers=dimension_numbers, precision=None, preferred_element_type=rhs_kind.dtype
+    )
     return (d_lhs * (s_g * s_rhs).astype(lhs_kind.dtype), d_rhs * (s_g * s_lhs).astype(rhs_kind.dtype))
 
 

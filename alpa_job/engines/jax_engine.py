@@ -4,6 +4,7 @@ The train step is lowered and compiled ahead of time for the one batch shape the
 produces, and every step calls that compiled executable: a batch of another shape raises instead
 of silently recompiling (the failure mode behind https://github.com/alpa-projects/alpa/issues/776).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -65,8 +66,10 @@ def make_mesh(mesh_shape: Tuple[int, int], axis_names: Tuple[str, str] = MESH_AX
     devices = jax.devices()
     need = mesh_shape[0] * mesh_shape[1]
     if need != len(devices):
-        raise KitError(f"mesh {mesh_shape} needs {need} devices but {len(devices)} are visible; "
-                       f"use --devices {need} or a mesh that multiplies to {len(devices)}")
+        raise KitError(
+            f"mesh {mesh_shape} needs {need} devices but {len(devices)} are visible; "
+            f"use --devices {need} or a mesh that multiplies to {len(devices)}"
+        )
     return Mesh(np.asarray(devices).reshape(mesh_shape), axis_names)
 
 
@@ -77,8 +80,15 @@ class JaxEngine(Engine):
     # The state must fit this process's devices; a planner compiling for GPUs it does not have says no.
     check_memory = True
 
-    def __init__(self, config, model: ModelSpec, example_batch: Dict[str, np.ndarray], strategy: str,
-                 mesh_shape: Tuple[int, int], schedule_steps: Optional[int] = None):
+    def __init__(
+        self,
+        config,
+        model: ModelSpec,
+        example_batch: Dict[str, np.ndarray],
+        strategy: str,
+        mesh_shape: Tuple[int, int],
+        schedule_steps: Optional[int] = None,
+    ):
         """`schedule_steps`: the learning-rate schedule's horizon (optimizer.schedule_steps; default: --steps)."""
         super().__init__(strategy)
         self.stats = StepStats()
@@ -91,8 +101,7 @@ class JaxEngine(Engine):
         self.activation_rules = self.strategy_record.activation_rules
         self.compiler_options = xla_options.compiler_options(strategy)  # the step's, in the report too
         # Before anything compiles: a second identical run loads the executables (compile_cache.py).
-        self.stats.compile_cache_dir = compile_cache.enable(
-            compile_cache.resolve(getattr(config, "compile_cache", None)))
+        self.stats.compile_cache_dir = compile_cache.enable(compile_cache.resolve(getattr(config, "compile_cache", None)))
         self._example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in example_batch.items()}
         self.batch_axis = batch_mesh_axis(self.rules)
         self._check_batch_divisible(example_batch)
@@ -113,17 +122,21 @@ class JaxEngine(Engine):
         if self.pipeline is not None:
             self.pipeline.place(jax.tree_util.tree_map(lambda s: s.spec, self.state_sharding.params))
         self._abstract_state = jax.tree_util.tree_map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding)
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding
+        )
         if self.check_memory:
             memory_fit.check_state_fits(self._abstract_state, strategy, mesh_shape)  # before anything allocates
         if self.pipeline is None:
-            self._notes = model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed,
-                                                          self._example)
+            self._notes = model_checks.check_against_step(model, strategy, self.logical_specs.params, unboxed, self._example)
         else:  # the checks run the model, which takes its parameters as it names them
             self._own_params = self._initializer.abstract_model_params()  # boxed; the initialiser's too
             self._notes = model_checks.check_against_step(
-                model, strategy, nn.get_partition_spec(self._own_params),
-                unboxed.replace(params=nn.meta.unbox(self._own_params)), self._example)
+                model,
+                strategy,
+                nn.get_partition_spec(self._own_params),
+                unboxed.replace(params=nn.meta.unbox(self._own_params)),
+                self._example,
+            )
         self.stats.setup_phases["abstract_state"] = time.perf_counter() - start
         self._compiled = None
         self._init_compiled: Optional[concurrent.futures.Future] = None
@@ -143,19 +156,28 @@ class JaxEngine(Engine):
 
         unsupported = fp8.unsupported_gpu(devices)
         if unsupported:
-            raise KitError(f"--precision fp8 needs fp8 tensor cores (compute capability 8.9 or later: Ada, Hopper), "
-                           f"and this run has {unsupported}; drop --precision fp8")
+            raise KitError(
+                f"--precision fp8 needs fp8 tensor cores (compute capability 8.9 or later: Ada, Hopper), "
+                f"and this run has {unsupported}; drop --precision fp8"
+            )
         if all(d.platform == "cpu" for d in devices):
-            return ["--precision fp8 on CPU devices: the products are rounded to fp8 as on a GPU (the numbers of fp8 "
-                    "training), but run emulated, no faster than bf16"]
+            return [
+                "--precision fp8 on CPU devices: the products are rounded to fp8 as on a GPU (the numbers of fp8 "
+                "training), but run emulated, no faster than bf16"
+            ]
         return []
 
     # ----- pipeline stages (engines/pipeline.py) ------------------------------------------------
     def _pipeline(self, config, model):
         from alpa_job.engines.pipeline import Pipeline
 
-        return Pipeline(model, self.mesh, strategies.micro_batches(config.micro_batches, self.mesh.shape["stage"]),
-                        self._example, repeats=config.pipeline_repeats)
+        return Pipeline(
+            model,
+            self.mesh,
+            strategies.micro_batches(config.micro_batches, self.mesh.shape["stage"]),
+            self._example,
+            repeats=config.pipeline_repeats,
+        )
 
     def _make_pipelined_state(self, params, batch_stats):
         return self._make_state(self.pipeline.stack(params), batch_stats)
@@ -164,8 +186,7 @@ class JaxEngine(Engine):
         """The initialiser's pieces make a pipeline's parameters in the model's own layout, whole on every
         device; the state's first step stacks the blocks and splits them over the stages."""
         whole = NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
-                                      nn.meta.unbox(self._own_params))
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), nn.meta.unbox(self._own_params))
 
     # ----- state -------------------------------------------------------------------------------
     def _state_sharding(self, strategy: str, config, unboxed):
@@ -177,16 +198,21 @@ class JaxEngine(Engine):
         if update_like is not None:
             sharding = sharding.replace(
                 params=self._split_as(update_like, self.logical_specs.params, unboxed.params),
-                opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state))
+                opt_state=self._split_as(update_like, self.logical_specs.opt_state, unboxed.opt_state),
+            )
         return sharding
 
     def _split_as(self, strategy: str, logical_specs, leaves):
         """Each leaf's NamedSharding on this mesh, as `strategy`'s rules split it."""
         split = strategies.get(strategy)
         return jax.tree_util.tree_map(
-            lambda logical, leaf: NamedSharding(self.mesh, resolve_spec(
-                logical, leaf.shape, split.param_rules, self.mesh, split.major_dimension_first)),
-            logical_specs, leaves, is_leaf=lambda x: isinstance(x, PartitionSpec))
+            lambda logical, leaf: NamedSharding(
+                self.mesh, resolve_spec(logical, leaf.shape, split.param_rules, self.mesh, split.major_dimension_first)
+            ),
+            logical_specs,
+            leaves,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
 
     @property
     def abstract_state(self):
@@ -214,8 +240,7 @@ class JaxEngine(Engine):
         if not self.initialise_replicated:
             return self.abstract_state
         whole = NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
-                                      self.abstract_state)
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), self.abstract_state)
 
     def init_state(self, seed: int) -> TrainState:
         """The state, created on the devices already sharded (the initialiser compiled by compile()); the one
@@ -275,8 +300,7 @@ class JaxEngine(Engine):
 
         def compile_init():
             start = time.perf_counter()
-            self._initializer.lower(self._initialised_layout(),
-                                    None if self.pipeline is None else self._model_layout_to_make())
+            self._initializer.lower(self._initialised_layout(), None if self.pipeline is None else self._model_layout_to_make())
             self._initializer.compile()
             self.stats.init_compile_seconds = round(time.perf_counter() - start, 3)
             if self._seed_ahead is not None:
@@ -315,8 +339,9 @@ class JaxEngine(Engine):
         matmuls hide it."""
         if self._gather_dtypes is None:
             abstract = self.abstract_state
-            self._gather_dtypes = weight_reads.gather_dtypes(self.model, abstract.params, abstract.batch_stats,
-                                                             self._example, self.config.dtype)
+            self._gather_dtypes = weight_reads.gather_dtypes(
+                self.model, abstract.params, abstract.batch_stats, self._example, self.config.dtype
+            )
         cast = jax.tree_util.tree_map(lambda p, dtype: p.astype(dtype), params, self._gather_dtypes)
         # Cast each device's share before the gather: left to itself XLA gathers the fp32 weights and fuses
         # the cast into the matmuls that read them, twice the bytes. jax 0.4.13 has no public barrier.
@@ -336,8 +361,12 @@ class JaxEngine(Engine):
         if self._init_compiled is None:
             self._start_init_compile()
         stats = self._compile_step()
-        memory_fit.check_step_fits(stats.memory, self.strategy, self.mesh.devices.shape,  # before the first step
-                                   stronger_remat=models.stronger_remat(self.config))
+        memory_fit.check_step_fits(
+            stats.memory,
+            self.strategy,
+            self.mesh.devices.shape,  # before the first step
+            stronger_remat=models.stronger_remat(self.config),
+        )
         self._store_step()
         return stats
 
@@ -362,8 +391,7 @@ class JaxEngine(Engine):
         for path, abstract in wanted:  # each abstract leaf carries this engine's sharding for it
             leaf = source.get(jax.tree_util.keystr(path))
             if leaf is None or leaf.shape != abstract.shape or leaf.dtype != abstract.dtype:
-                raise ValueError(f"the given state has no {abstract.dtype}{list(abstract.shape)} at "
-                                 f"{jax.tree_util.keystr(path)}")
+                raise ValueError(f"the given state has no {abstract.dtype}{list(abstract.shape)} at {jax.tree_util.keystr(path)}")
             # A copy even where the shardings match: each engine's step donates (deletes) the state it is given.
             moved.append(jax.device_put(leaf, abstract.sharding, may_alias=False))
         return jax.tree_util.tree_structure(self.abstract_state).unflatten(moved)
@@ -372,8 +400,14 @@ class JaxEngine(Engine):
         abstract_batch = self._abstract_batch()
         start = time.perf_counter()
         store = self._step_store() if use_store else None
-        loaded = store.load(jax.tree_util.tree_structure(((self.abstract_state, abstract_batch), {})),
-                            jax.tree_util.tree_structure((self.abstract_state, 0.0))) if store else None
+        loaded = (
+            store.load(
+                jax.tree_util.tree_structure(((self.abstract_state, abstract_batch), {})),
+                jax.tree_util.tree_structure((self.abstract_state, 0.0)),
+            )
+            if store
+            else None
+        )
         if loaded is not None:  # a previous identical run's step: no tracing, lowering or compiling
             self._compiled, saved = loaded
             self._jitted = self._compiled
@@ -414,8 +448,7 @@ class JaxEngine(Engine):
         self.stats.compile_seconds += time.perf_counter() - start
 
     def _abstract_batch(self) -> Dict[str, jax.ShapeDtypeStruct]:
-        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
-                for k, v in self._example.items()}
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in self._example.items()}
 
     def _step_name(self, store: Optional[StepStore] = None) -> str:
         """The step store's name for this step wherever a store could keep it, auto's candidates
@@ -426,13 +459,15 @@ class JaxEngine(Engine):
 
     def _lower(self, name: str, abstract_batch):
         options = {"compiler_options": self.compiler_options} if self.compiler_options else {}
-        jitted = jax.jit(_named(self._train_step, name),
-                         in_shardings=(self.state_sharding, self.batch_sharding),
-                         out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
-                         donate_argnums=(0,), **options)
+        jitted = jax.jit(
+            _named(self._train_step, name),
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, NamedSharding(self.mesh, PartitionSpec())),
+            donate_argnums=(0,),
+            **options,
+        )
         with self.activation_layout():
-            lowered, count = _lower_and_count(jitted, self.model.causal_attention, self.abstract_state,
-                                              abstract_batch)
+            lowered, count = _lower_and_count(jitted, self.model.causal_attention, self.abstract_state, abstract_batch)
         self.stats.flops_per_step = count.total if count else None
         self.stats.causal_attention_flops_per_step = count.causal_attention if count else None
         return jitted, lowered
@@ -445,8 +480,7 @@ class JaxEngine(Engine):
         """The step store for this engine's step key, built once (the key hashes the kit's source)."""
         if not self.stats.compile_cache_dir or not StepStore.supported():
             return None
-        return StepStore(self.stats.compile_cache_dir,
-                         step_key(self.config, self._horizon, self.strategy, self.mesh, self._example))
+        return StepStore(self.stats.compile_cache_dir, step_key(self.config, self._horizon, self.strategy, self.mesh, self._example))
 
     def keep_step(self) -> None:
         """Put the step compiled by compile_step() in the step store (auto search's winner), so an
@@ -458,9 +492,13 @@ class JaxEngine(Engine):
 
     def _store_step(self) -> None:
         if self._store is not None:
-            self._store.save_in_background(self._compiled, {
-                "flops_per_step": self.stats.flops_per_step,
-                "causal_attention_flops_per_step": self.stats.causal_attention_flops_per_step})
+            self._store.save_in_background(
+                self._compiled,
+                {
+                    "flops_per_step": self.stats.flops_per_step,
+                    "causal_attention_flops_per_step": self.stats.causal_attention_flops_per_step,
+                },
+            )
 
     def finish(self, out_dir: str) -> None:
         if self._store is not None:
@@ -486,17 +524,18 @@ class JaxEngine(Engine):
         for key, expected in self._example.items():
             shape = batch[key].shape
             if shape[1:] != expected.shape[1:] or shape[0] not in (global_rows, global_rows // processes):
-                raise KitError(f"batch field {key!r} has shape {shape}, the step was compiled for "
-                               f"{expected.shape}; a new shape means a second compile - keep batches fixed-size "
-                               "(--drop-remainder or --pad-remainder)")
+                raise KitError(
+                    f"batch field {key!r} has shape {shape}, the step was compiled for "
+                    f"{expected.shape}; a new shape means a second compile - keep batches fixed-size "
+                    "(--drop-remainder or --pad-remainder)"
+                )
         if processes == 1:
             return jax.device_put(batch, self.batch_sharding)
         if rows == global_rows:
             local = global_rows // processes
             lo = jax.process_index() * local
-            batch = {k: v[lo:lo + local] for k, v in batch.items()}
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, self._example[k].shape)
-                for k, v in batch.items()}
+            batch = {k: v[lo : lo + local] for k, v in batch.items()}
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, self._example[k].shape) for k, v in batch.items()}
 
     def eval_sums(self, state: TrainState, batch: Dict[str, jax.Array]):
         """(loss sum, real rows) of a placed batch, in inference mode; compiled once, on first use."""
@@ -514,6 +553,7 @@ class JaxEngine(Engine):
         """While tracing: activations a model names with api.constrain are pinned to this strategy's
         layout (its record's activation_rules), resolved like the parameters' (resolve_spec); under
         --precision fp8 the products of api.dot_general run in fp8 (engines/fp8.py)."""
+
         def pin(x, axes):
             spec = resolve_spec(PartitionSpec(*axes), x.shape, self.activation_rules, self.mesh)
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -536,8 +576,10 @@ class JaxEngine(Engine):
             api._ACTIVATION_LAYOUT.reset(token)
             api._MATMUL.reset(matmul_token)
         if matmul is not None and not products:
-            raise KitError(f"--precision fp8: --model {self.model.name} has no dense layer whose product the kit can "
-                           "run in fp8; give its layers dot_general=alpa_job.api.dot_general, or drop --precision fp8")
+            raise KitError(
+                f"--precision fp8: --model {self.model.name} has no dense layer whose product the kit can "
+                "run in fp8; give its layers dot_general=alpa_job.api.dot_general, or drop --precision fp8"
+            )
 
     def step(self, state: TrainState, batch: Dict[str, jax.Array]):
         if self._compiled is None:
@@ -570,29 +612,24 @@ class JaxEngine(Engine):
         # A pipeline reads its rows split over every device, and computes each data-parallel slot's rows on
         # all its stages: the plan shows the latter, so the blocks' split over stages reads as model parallel.
         computed = self.batch_sharding if self.pipeline is None else NamedSharding(self.mesh, PartitionSpec("data"))
-        batch = jax_program.plan_leaves(self._example, jax.tree_util.tree_map(lambda _: computed, self._example),
-                                        self.mesh, prefix="batch")
+        batch = jax_program.plan_leaves(self._example, jax.tree_util.tree_map(lambda _: computed, self._example), self.mesh, prefix="batch")
         return jax_program.build_plan(self.mesh, leaves, batch)
 
     def topology(self) -> Dict[str, Any]:
         return {
             "mesh": {"shape": list(self.mesh.devices.shape), "axes": list(self.mesh.axis_names)},
-            "process": {"id": jax.process_index(), "count": jax.process_count(),
-                        "local_devices": [str(d) for d in jax.local_devices()]},
-            "devices": {"count": jax.device_count(), "platform": jax.devices()[0].platform,
-                        "kind": jax.devices()[0].device_kind},
+            "process": {"id": jax.process_index(), "count": jax.process_count(), "local_devices": [str(d) for d in jax.local_devices()]},
+            "devices": {"count": jax.device_count(), "platform": jax.devices()[0].platform, "kind": jax.devices()[0].device_kind},
         }
 
     def notes(self) -> List[str]:
         return list(self._notes) + self._precision_notes
 
     def extra_report(self) -> Dict[str, Any]:
-        out = {"search": self.search_table, "compiler_options": self.compiler_options or None,
-               "network_traffic": self.network_traffic()}
+        out = {"search": self.search_table, "compiler_options": self.compiler_options or None, "network_traffic": self.network_traffic()}
         if self.pipeline is not None:
             rows = self.mesh.devices  # (stage, data): a stage's devices are a row
-            out["pipeline"] = self.pipeline.describe(
-                [sorted({d.process_index for d in row}) for row in rows])
+            out["pipeline"] = self.pipeline.describe([sorted({d.process_index for d in row}) for row in rows])
         return out
 
     def network_traffic(self) -> Optional[Dict[str, Any]]:
@@ -619,10 +656,12 @@ class JaxEngine(Engine):
         for process, span in sorted(rows_by_process(self.batch_sharding, rows).items()):
             if span != (process * share, (process + 1) * share):
                 data = axis_size(self.mesh, self.batch_axis)
-                raise KitError(f"{self.strategy} on mesh {tuple(self.mesh.devices.shape)}: its data-parallel size "
-                               f"{data} does not give each of the {processes} processes its own rows of the batch "
-                               f"(process {process}'s devices hold rows {span[0]}-{span[1] - 1}); use a mesh whose "
-                               f"data-parallel size is a multiple of {processes} (a smaller --model-parallel)")
+                raise KitError(
+                    f"{self.strategy} on mesh {tuple(self.mesh.devices.shape)}: its data-parallel size "
+                    f"{data} does not give each of the {processes} processes its own rows of the batch "
+                    f"(process {process}'s devices hold rows {span[0]}-{span[1] - 1}); use a mesh whose "
+                    f"data-parallel size is a multiple of {processes} (a smaller --model-parallel)"
+                )
 
     def _check_batch_divisible(self, batch: Dict[str, np.ndarray]) -> None:
         check_batch_split(len(batch["mask"]), axis_size(self.mesh, self.batch_axis))
@@ -640,6 +679,7 @@ def rows_by_process(sharding: NamedSharding, global_rows: int) -> Dict[int, Tupl
 
 def _named(fn: Callable, name: str) -> Callable:
     """`fn` under another name (jit names the XLA module, hence JAX's cache entry, after it)."""
+
     def step(state, batch):
         return fn(state, batch)
 
@@ -652,8 +692,7 @@ def axis_size(mesh: Mesh, mesh_axes) -> int:
     return int(np.prod([mesh.shape[a] for a in axes_of(mesh_axes)]))
 
 
-def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Mesh,
-                 major_first: bool = False) -> PartitionSpec:
+def resolve_spec(logical: PartitionSpec, shape: Tuple[int, ...], rules, mesh: Mesh, major_first: bool = False) -> PartitionSpec:
     """Map a leaf's logical axis names to mesh axes: rules in order, each mesh axis used once,
     and only where the dimension divides evenly (a dim no mesh size divides stays whole, e.g.
     10 classes or 4 heads on 8 devices) - so every strategy compiles for every model.

@@ -11,6 +11,7 @@ for CPU devices the host's available RAM (/proc/meminfo MemAvailable), which eve
 the process shares. Only FRACTION of it is counted as usable: the runtime, the input pipeline and XLA's
 own buffers need the rest, and a run that passes by a hair is killed later, when it costs most.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,29 +87,46 @@ def budget(devices: List[Any]) -> Optional[Tuple[int, int, str]]:
     available = host_available_bytes()
     if available is None:
         return None
-    return available, len(devices), f"this host has {_gb(available)} of RAM available for this process's " \
-                                    f"{len(devices)} CPU device(s)"
+    return available, len(devices), f"this host has {_gb(available)} of RAM available for this process's {len(devices)} CPU device(s)"
 
 
-def check_state_fits(abstract_state: Any, strategy: str, mesh_shape: Tuple[int, ...],
-                     devices: Optional[List[Any]] = None) -> None:
+def check_state_fits(abstract_state: Any, strategy: str, mesh_shape: Tuple[int, ...], devices: Optional[List[Any]] = None) -> None:
     """Before compiling: the state (parameters + optimizer state) each device will hold fits."""
     need = state_bytes_per_device(abstract_state)
     _check(need, "the train state (parameters + optimizer state)", strategy, mesh_shape, devices, batch=False)
 
 
-def check_step_fits(memory: Optional[dict], strategy: str, mesh_shape: Tuple[int, ...],
-                    devices: Optional[List[Any]] = None, stronger_remat: Sequence[str] = ()) -> None:
+def check_step_fits(
+    memory: Optional[dict],
+    strategy: str,
+    mesh_shape: Tuple[int, ...],
+    devices: Optional[List[Any]] = None,
+    stronger_remat: Sequence[str] = (),
+) -> None:
     """After compiling: XLA's estimate for one step (jax_program.memory_analysis's dict) fits.
     `stronger_remat`: the model's --remat policies that keep less than the one it runs with (a way out)."""
     need = (memory or {}).get("peak_estimate_bytes")
     if need:
-        _check(int(need), "XLA's estimate for the train step (state, gradients, activations, batch)", strategy,
-               mesh_shape, devices, batch=True, stronger_remat=stronger_remat)
+        _check(
+            int(need),
+            "XLA's estimate for the train step (state, gradients, activations, batch)",
+            strategy,
+            mesh_shape,
+            devices,
+            batch=True,
+            stronger_remat=stronger_remat,
+        )
 
 
-def _check(need: int, what: str, strategy: str, mesh_shape: Tuple[int, ...], devices: Optional[List[Any]],
-           batch: bool, stronger_remat: Sequence[str] = ()) -> None:
+def _check(
+    need: int,
+    what: str,
+    strategy: str,
+    mesh_shape: Tuple[int, ...],
+    devices: Optional[List[Any]],
+    batch: bool,
+    stronger_remat: Sequence[str] = (),
+) -> None:
     devices = devices if devices is not None else jax.local_devices()
     found = budget(devices)
     if found is None:
@@ -117,15 +135,16 @@ def _check(need: int, what: str, strategy: str, mesh_shape: Tuple[int, ...], dev
     if need * sharing <= FRACTION * available:
         return
     total = f" ({_gb(need * sharing)} for {sharing} devices)" if sharing > 1 else ""
-    raise KitError(f"{what} needs {_gb(need)} per device{total} with --strategy {strategy} on mesh "
-                   f"{tuple(mesh_shape)}, and {words}, of which {int(FRACTION * 100)}% ({_gb(FRACTION * available)}) "
-                   f"counts as usable; {_ways_out(strategy, batch, stronger_remat, getattr(devices[0], 'platform', '') == 'gpu')}")
+    raise KitError(
+        f"{what} needs {_gb(need)} per device{total} with --strategy {strategy} on mesh "
+        f"{tuple(mesh_shape)}, and {words}, of which {int(FRACTION * 100)}% ({_gb(FRACTION * available)}) "
+        f"counts as usable; {_ways_out(strategy, batch, stronger_remat, getattr(devices[0], 'platform', '') == 'gpu')}"
+    )
 
 
 def _ways_out(strategy: str, batch: bool, stronger_remat: Sequence[str] = (), gpu: bool = False) -> str:
     ways = [f"--remat {' / '.join(stronger_remat)} (keeps fewer activations)"] if stronger_remat else []
-    ways += [f"--strategy {s.name} ({s.memory_relief})" for s in strategies.STRATEGIES.values()
-             if s.memory_relief and s.name != strategy]
+    ways += [f"--strategy {s.name} ({s.memory_relief})" for s in strategies.STRATEGIES.values() if s.memory_relief and s.name != strategy]
     if gpu and float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")) < 0.9:
         # JAX takes 75 % of a card by default: a run that misses by a little fits at 95 %.
         ways.append("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 in the environment (JAX then takes 95% of the card)")

@@ -8,6 +8,7 @@ training starts, instead of an XLA error or a silently replicated model.
   (otherwise those strategies would leave it whole on every device without a word); a smaller one without
   names (a bias of shape (3, 4, 32), a norm's scale) stays whole on every device, said in a note.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -28,8 +29,10 @@ SMALL_UNNAMED_BYTES = 1 << 20
 def check_batch_field(model, example: Dict[str, Any]) -> None:
     if model.input_key not in example:
         fields = ", ".join(k for k in example if k != "mask")
-        raise KitError(f"--model {model.name} reads the batch field {model.input_key!r}, and the data gives: {fields}; "
-                       "set its api.Model input_field to one of them (or make its synthetic data give it)")
+        raise KitError(
+            f"--model {model.name} reads the batch field {model.input_key!r}, and the data gives: {fields}; "
+            "set its api.Model input_field to one of them (or make its synthetic data give it)"
+        )
 
 
 def check_loss_shape(model, abstract_state, example: Dict[str, Any]) -> None:
@@ -47,9 +50,11 @@ def check_loss_shape(model, abstract_state, example: Dict[str, Any]) -> None:
     shape = getattr(out, "shape", None)
     if shape is None or tuple(shape) != (rows,):
         got = f"shape {tuple(shape)}" if shape is not None else f"a {type(out).__name__}"
-        raise KitError(f"--model {model.name}: its loss returns {got} for a batch of {rows} rows; return one loss "
-                       f"per example, shape ({rows},) (average the other axes, e.g. .mean(axis=-1)); the kit "
-                       "averages over the real rows itself")
+        raise KitError(
+            f"--model {model.name}: its loss returns {got} for a batch of {rows} rows; return one loss "
+            f"per example, shape ({rows},) (average the other axes, e.g. .mean(axis=-1)); the kit "
+            "averages over the real rows itself"
+        )
 
 
 def check_logical_axes(model_name: str, strategy: str, logical_params, abstract_params) -> List[str]:
@@ -69,16 +74,21 @@ def check_logical_axes(model_name: str, strategy: str, logical_params, abstract_
         if size < SMALL_UNNAMED_BYTES:
             kept_whole.append(f"{name} {tuple(leaf.shape)}")
             continue
-        raise KitError(f"--strategy {strategy} splits parameters by their logical axes, and --model {model_name}'s "
-                       f"parameter {name} (shape {tuple(leaf.shape)}, {human_bytes(size)}) carries none; wrap its "
-                       "initializer with alpa_job.api.logical(init, (api.EMBED, api.MLP)) (one name per dimension) "
-                       f"or use --strategy data (parameters under {human_bytes(SMALL_UNNAMED_BYTES)} may go unnamed: "
-                       "they stay whole on every device)")
+        raise KitError(
+            f"--strategy {strategy} splits parameters by their logical axes, and --model {model_name}'s "
+            f"parameter {name} (shape {tuple(leaf.shape)}, {human_bytes(size)}) carries none; wrap its "
+            "initializer with alpa_job.api.logical(init, (api.EMBED, api.MLP)) (one name per dimension) "
+            f"or use --strategy data (parameters under {human_bytes(SMALL_UNNAMED_BYTES)} may go unnamed: "
+            "they stay whole on every device)"
+        )
     if not kept_whole:
         return []
-    return [f"--strategy {strategy}: {len(kept_whole)} parameter(s) of --model {model_name} name no logical axes and "
-            f"are under {human_bytes(SMALL_UNNAMED_BYTES)}, so every device keeps them whole: "
-            + ", ".join(kept_whole[:5]) + (", ..." if len(kept_whole) > 5 else "")]
+    return [
+        f"--strategy {strategy}: {len(kept_whole)} parameter(s) of --model {model_name} name no logical axes and "
+        f"are under {human_bytes(SMALL_UNNAMED_BYTES)}, so every device keeps them whole: "
+        + ", ".join(kept_whole[:5])
+        + (", ..." if len(kept_whole) > 5 else "")
+    ]
 
 
 def check_against_step(model, strategy: str, logical_params, abstract_state, example: Dict[str, Any]) -> List[str]:
@@ -108,5 +118,4 @@ def check_model(model, example: Dict[str, Any], strategy: str) -> None:
     check_batch_field(model, example)
     variables = lambda params, batch_stats: {"params": params, "batch_stats": batch_stats}  # noqa: E731
     boxed = StateInitializer(model, example, variables).abstract_boxed()
-    check_against_step(model, strategy, nn.get_partition_spec(boxed)["params"],
-                       SimpleNamespace(**nn.meta.unbox(boxed)), example)
+    check_against_step(model, strategy, nn.get_partition_spec(boxed)["params"], SimpleNamespace(**nn.meta.unbox(boxed)), example)

@@ -10,6 +10,7 @@ the rate warms up over 100 steps and then stays at the peak.
 
 Python 3.9; optax imported lazily (optax 0.1.x in the Alpa image has these schedules too).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,10 +42,10 @@ def learning_rate_schedule(peak: float, total_steps: Optional[int]):
     warmup = warmup_steps(total_steps)
     start = peak / (warmup + 1)  # never 0: the first step already moves
     if not total_steps or total_steps <= warmup:
-        return optax.join_schedules([optax.linear_schedule(start, peak, warmup), optax.constant_schedule(peak)],
-                                    [warmup])
-    return optax.warmup_cosine_decay_schedule(init_value=start, peak_value=peak, warmup_steps=warmup,
-                                              decay_steps=total_steps, end_value=peak * END_FRACTION)
+        return optax.join_schedules([optax.linear_schedule(start, peak, warmup), optax.constant_schedule(peak)], [warmup])
+    return optax.warmup_cosine_decay_schedule(
+        init_value=start, peak_value=peak, warmup_steps=warmup, decay_steps=total_steps, end_value=peak * END_FRACTION
+    )
 
 
 def learning_rate_at(peak: float, total_steps: Optional[int], count: int) -> float:

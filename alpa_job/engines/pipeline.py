@@ -32,6 +32,7 @@ the gather's gradient is a reduce-scatter, so each device updates only its share
 The model must declare `repeated_blocks` (alpa_job.api.RepeatedBlocks) and call its blocks one after
 the other, each on the previous one's output (GPT's and LLaMA's decoders do).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple
@@ -63,12 +64,16 @@ def _over_data(axis) -> bool:
 def check_pipelinable(model: ModelSpec) -> None:
     """One line naming what to declare, for a model the pipeline cannot cut."""
     if model.repeated_blocks is None:
-        raise KitError(f"--strategy pipeline cuts a model at its repeated blocks, and --model {model.name} declares "
-                       "none: set repeated_blocks (alpa_job.api.RepeatedBlocks) and layer_class in its api.Model, "
-                       "or use --strategy data / fsdp")
+        raise KitError(
+            f"--strategy pipeline cuts a model at its repeated blocks, and --model {model.name} declares "
+            "none: set repeated_blocks (alpa_job.api.RepeatedBlocks) and layer_class in its api.Model, "
+            "or use --strategy data / fsdp"
+        )
     if model.has_batch_stats:
-        raise KitError(f"--strategy pipeline cannot carry --model {model.name}'s BatchNorm statistics between "
-                       "micro-batches; use --strategy data / fsdp")
+        raise KitError(
+            f"--strategy pipeline cannot carry --model {model.name}'s BatchNorm statistics between "
+            "micro-batches; use --strategy data / fsdp"
+        )
 
 
 class Pipeline:
@@ -85,16 +90,22 @@ class Pipeline:
         layers, rows = len(self.names), example["mask"].shape[0]
         if layers % self.stages:
             fits = [s for s in range(2, layers + 1) if layers % s == 0]
-            raise KitError(f"--pipeline-stages {self.stages} does not split --model {model.name}'s {layers} repeated "
-                           f"blocks evenly; use one of: {', '.join(map(str, fits)) or 'none (one block)'}")
+            raise KitError(
+                f"--pipeline-stages {self.stages} does not split --model {model.name}'s {layers} repeated "
+                f"blocks evenly; use one of: {', '.join(map(str, fits)) or 'none (one block)'}"
+            )
         if repeats > 1 and layers % (self.stages * repeats):
             fits = [r for r in range(2, layers // self.stages + 1) if layers % (self.stages * r) == 0]
-            raise KitError(f"--pipeline-repeats {repeats} x {self.stages} stages does not split --model {model.name}'s "
-                           f"{layers} repeated blocks into equal chunks; use one of: {', '.join(map(str, fits)) or '1'}")
+            raise KitError(
+                f"--pipeline-repeats {repeats} x {self.stages} stages does not split --model {model.name}'s "
+                f"{layers} repeated blocks into equal chunks; use one of: {', '.join(map(str, fits)) or '1'}"
+            )
         if repeats > 1 and micro_batches < self.stages:
-            raise KitError(f"--pipeline-repeats {repeats} (circular) needs at least a micro-batch a stage: "
-                           f"--micro-batches {micro_batches} < {self.stages} stages; use --micro-batches "
-                           f"{self.stages} or more, or --pipeline-repeats 1")
+            raise KitError(
+                f"--pipeline-repeats {repeats} (circular) needs at least a micro-batch a stage: "
+                f"--micro-batches {micro_batches} < {self.stages} stages; use --micro-batches "
+                f"{self.stages} or more, or --pipeline-repeats 1"
+            )
         check_micro_batches(rows, (self.stages, self.data), micro_batches)
         self.param_specs = None  # the state's split of the parameters (place), before anything is traced
 
@@ -113,8 +124,7 @@ class Pipeline:
 
         def stacked(*leaves):
             if isinstance(leaves[0], nn.Partitioned):  # the logical axes' boxes: `layers` joins the names
-                return leaves[0].replace(value=shaped([leaf.value for leaf in leaves]),
-                                         names=axes + tuple(leaves[0].names))
+                return leaves[0].replace(value=shaped([leaf.value for leaf in leaves]), names=axes + tuple(leaves[0].names))
             return shaped(leaves)
 
         params[BLOCKS] = jax.tree_util.tree_map(stacked, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned))
@@ -128,6 +138,7 @@ class Pipeline:
     def _gathered(self, params):
         """The parameters whole within a stage: each leaf split over its stage's devices gathered, once a
         step (autodiff turns the gather into a reduce-scatter of its gradient)."""
+
         def gather(spec, leaf):
             for dim, axis in enumerate(spec):
                 if _over_data(axis):
@@ -139,29 +150,30 @@ class Pipeline:
     def _reduced(self, grads):
         """Each gradient summed where its parameter is replicated: over a stage's devices unless the gather
         already reduce-scattered it, and over the stages for the shell, which every stage holds whole."""
+
         def reduce(key):
             def leaf(spec, grad):
                 axes = (() if key == BLOCKS else (STAGE,)) + (() if any(map(_over_data, spec)) else (DATA,))
                 return lax.psum(grad, axes) if axes else grad
+
             return leaf
 
-        return {key: jax.tree_util.tree_map(reduce(key), self.param_specs[key], value, is_leaf=_is_spec)
-                for key, value in grads.items()}
+        return {key: jax.tree_util.tree_map(reduce(key), self.param_specs[key], value, is_leaf=_is_spec) for key, value in grads.items()}
 
     # ----- the step --------------------------------------------------------------------------------
     def value_and_grad(self, params, batch) -> Tuple[Any, Any]:
         """(the batch's mean loss over its real rows, the gradients in the parameters' layout)."""
         specs = self.param_specs
         rows = jax.tree_util.tree_map(lambda _: PartitionSpec((STAGE, DATA)), batch)
-        run = shard_map()(self._local_value_and_grad, mesh=self.mesh, in_specs=(specs, rows),
-                           out_specs=(PartitionSpec(), specs))
+        run = shard_map()(self._local_value_and_grad, mesh=self.mesh, in_specs=(specs, rows), out_specs=(PartitionSpec(), specs))
         return run(dict(params), batch)
 
     def eval_sums(self, params, batch) -> Tuple[Any, Any]:
         """(sum of the per-example loss over real rows, real rows), as ModelSpec.eval_sums."""
         rows = jax.tree_util.tree_map(lambda _: PartitionSpec((STAGE, DATA)), batch)
-        run = shard_map()(self._local_eval_sums, mesh=self.mesh, in_specs=(self.param_specs, rows),
-                           out_specs=(PartitionSpec(), PartitionSpec()))
+        run = shard_map()(
+            self._local_eval_sums, mesh=self.mesh, in_specs=(self.param_specs, rows), out_specs=(PartitionSpec(), PartitionSpec())
+        )
         return run(dict(params), batch)
 
     def _slot_rows(self, batch):
@@ -171,15 +183,16 @@ class Pipeline:
     def _local_value_and_grad(self, params, batch):
         batch = self._slot_rows(batch)
         real_rows = lax.psum(batch["mask"].sum(), DATA)  # the same on every stage
-        objective = lambda p: (self._last_stage_loss_sum(self._gathered(p), batch)  # noqa: E731
-                               / jnp.maximum(real_rows, 1.0))
+
+        def objective(p):
+            return self._last_stage_loss_sum(self._gathered(p), batch) / jnp.maximum(real_rows, 1.0)
+
         loss, grads = jax.value_and_grad(objective)(params)
         return lax.psum(loss, (STAGE, DATA)), self._reduced(grads)
 
     def _local_eval_sums(self, params, batch):
         batch = self._slot_rows(batch)
-        return (lax.psum(self._last_stage_loss_sum(self._gathered(params), batch), (STAGE, DATA)),
-                lax.psum(batch["mask"].sum(), DATA))
+        return (lax.psum(self._last_stage_loss_sum(self._gathered(params), batch), (STAGE, DATA)), lax.psum(batch["mask"].sum(), DATA))
 
     def _last_stage_loss_sum(self, params, batch):
         """Sum of the per-example loss over this slot's real rows, counted on the last stage only."""
@@ -187,8 +200,7 @@ class Pipeline:
         calls = {"blocks": 0, "inside": False}
 
         def intercept(next_fun, args, kwargs, context):
-            if context.method_name != "__call__" or calls["inside"] or not isinstance(context.module,
-                                                                                    self.layer_class):
+            if context.method_name != "__call__" or calls["inside"] or not isinstance(context.module, self.layer_class):
                 return next_fun(*args, **kwargs)
             calls["blocks"] += 1
             if calls["blocks"] > 1:
@@ -202,9 +214,11 @@ class Pipeline:
         with nn.intercept_methods(intercept):
             outputs, _ = self.model.apply_train({"params": shell}, batch)
         if calls["blocks"] != len(self.names):
-            raise KitError(f"--model {self.model.name} called its layer class {calls['blocks']} time(s) in one forward, "
-                           f"and declares {len(self.names)} repeated blocks; a pipeline needs each block called "
-                           "once, in order")
+            raise KitError(
+                f"--model {self.model.name} called its layer class {calls['blocks']} time(s) in one forward, "
+                f"and declares {len(self.names)} repeated blocks; a pipeline needs each block called "
+                "once, in order"
+            )
         per_example = self.model.loss(outputs, batch).astype(jnp.float32) * batch["mask"]
         return jnp.where(lax.axis_index(STAGE) == self.stages - 1, per_example.sum(), 0.0)
 
@@ -228,8 +242,9 @@ class Pipeline:
             if repeats == 1:
                 return lax.dynamic_index_in_dim(inputs, jnp.minimum(t, micro - 1), keepdims=False)
             m = jnp.clip(t, 0, repeats * micro - 1) % micro
-            return jnp.where(t < micro, lax.dynamic_index_in_dim(inputs, m, keepdims=False),
-                             lax.dynamic_index_in_dim(circling, m, keepdims=False))
+            return jnp.where(
+                t < micro, lax.dynamic_index_in_dim(inputs, m, keepdims=False), lax.dynamic_index_in_dim(circling, m, keepdims=False)
+            )
 
         def my_chunk(t: int):
             """Circular: this stage's blocks for the item it runs at tick t (the chunk of that time round). The tick
@@ -239,8 +254,7 @@ class Pipeline:
             round_of = [min(max(t - s, 0) // micro, repeats - 1) for s in range(stages)]
             low, high = min(round_of), max(round_of)
             later = stage < sum(r == high for r in round_of)  # the first stages are a round ahead
-            return jax.tree_util.tree_map(
-                lambda leaf: leaf[low] if low == high else jnp.where(later, leaf[high], leaf[low]), blocks)
+            return jax.tree_util.tree_map(lambda leaf: leaf[low] if low == high else jnp.where(later, leaf[high], leaf[low]), blocks)
 
         def tick(carry, t, chunk):
             handed, circling, outputs = carry
@@ -281,10 +295,16 @@ class Pipeline:
         per = len(self.names) // (self.stages * self.repeats)  # blocks a chunk; stage s holds chunks s + r x S
 
         def chunks_of(stage):
-            return [list(self.names[c * per:(c + 1) * per]) for c in range(stage, len(self.names) // per, self.stages)]
+            return [list(self.names[c * per : (c + 1) * per]) for c in range(stage, len(self.names) // per, self.stages)]
 
-        return {"stages": self.stages, "micro_batches": self.micro_batches, "repeats": self.repeats,
-                "schedule": "gpipe" if self.repeats == 1 else "circular",
-                "bubble_fraction": round((self.stages - 1) / self.ticks, 4),
-                "layers": [{"stage": s, "blocks": sum(chunks_of(s), []), "chunks": chunks_of(s),
-                            "processes": processes_of_stage[s]} for s in range(self.stages)]}
+        return {
+            "stages": self.stages,
+            "micro_batches": self.micro_batches,
+            "repeats": self.repeats,
+            "schedule": "gpipe" if self.repeats == 1 else "circular",
+            "bubble_fraction": round((self.stages - 1) / self.ticks, 4),
+            "layers": [
+                {"stage": s, "blocks": sum(chunks_of(s), []), "chunks": chunks_of(s), "processes": processes_of_stage[s]}
+                for s in range(self.stages)
+            ],
+        }

@@ -18,6 +18,7 @@ No `import alpa` here (tested without Alpa's CUDA jaxlib). Facts from alpa 0.2.3
 
 Layout: DIR/<key>/plan.json (the four parts + the key's inputs), DIR/<key>/profile.pkl.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,15 +43,20 @@ KEY_VERSIONS = ("alpa", "jax", "jaxlib", "flax", "optax", "ray", "cuda", "python
 MODEL_FIELDS = ("model", "model_args", "dtype")
 
 
-def plan_key_inputs(config: Mapping[str, Any], batch_signature: Sequence, num_nodes: int,
-                    devices_per_node: int, device_kind: Optional[str], versions: Mapping[str, Any],
-                    method: Mapping[str, Any]) -> Dict[str, Any]:
+def plan_key_inputs(
+    config: Mapping[str, Any],
+    batch_signature: Sequence,
+    num_nodes: int,
+    devices_per_node: int,
+    device_kind: Optional[str],
+    versions: Mapping[str, Any],
+    method: Mapping[str, Any],
+) -> Dict[str, Any]:
     """What the key hashes: model config, batch shapes, cluster shape, versions, method settings."""
     return {
         "model": {k: config.get(k) for k in MODEL_FIELDS},
         "batch": [[p, list(s), d] for p, s, d in batch_signature],
-        "cluster": {"num_nodes": int(num_nodes), "devices_per_node": int(devices_per_node),
-                    "device_kind": device_kind},
+        "cluster": {"num_nodes": int(num_nodes), "devices_per_node": int(devices_per_node), "device_kind": device_kind},
         "versions": {k: versions.get(k) for k in KEY_VERSIONS},
         "method": dict(method),
     }
@@ -75,8 +81,9 @@ def find_profile_file(log_text: str = "", cwd: str = ".", since: Optional[float]
         path = named if os.path.isabs(named) else os.path.join(cwd, named)
         if os.path.isfile(path):
             return path
-    cands = [p for p in glob.glob(os.path.join(glob.escape(cwd), "profile-results-*.npy"))
-             if since is None or os.path.getmtime(p) >= since - 1]
+    cands = [
+        p for p in glob.glob(os.path.join(glob.escape(cwd), "profile-results-*.npy")) if since is None or os.path.getmtime(p) >= since - 1
+    ]
     return max(cands, key=os.path.getmtime) if cands else None
 
 
@@ -137,8 +144,10 @@ def _jsonable(value: Any) -> Any:
 def dp_result_to_plan(dp_result: Sequence[Any]) -> Dict[str, Any]:
     """get_last_dp_result() parts 1-4 -> the plan.json fields (ManualStageOption's argument names)."""
     if dp_result is None or len(dp_result) != 5 or dp_result[1] is None:
-        raise KitError("Alpa reported no auto-search result (get_last_dp_result() is empty); the plan cache "
-                       "only stores results of --strategy pipeshard-auto")
+        raise KitError(
+            "Alpa reported no auto-search result (get_last_dp_result() is empty); the plan cache "
+            "only stores results of --strategy pipeshard-auto"
+        )
     _, layer_ids, submesh, logical, options = dp_result
     return {
         "forward_stage_layer_ids": _jsonable(layer_ids),
@@ -182,8 +191,14 @@ class PlanCache:
         entry["profile_path"] = profile if os.path.isfile(profile) else None
         return entry
 
-    def save(self, key: str, key_inputs: Mapping[str, Any], dp_result: Sequence[Any],
-             profile_npy: Optional[str], extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    def save(
+        self,
+        key: str,
+        key_inputs: Mapping[str, Any],
+        dp_result: Sequence[Any],
+        profile_npy: Optional[str],
+        extra: Optional[Mapping[str, Any]] = None,
+    ) -> Dict[str, Any]:
         d = self.dir(key)
         try:
             os.makedirs(d, exist_ok=True)
@@ -192,9 +207,14 @@ class PlanCache:
         profile = None
         if profile_npy:
             profile = convert_profile(profile_npy, os.path.join(d, PROFILE_FILE))
-        entry = {"key": key, "key_inputs": dict(key_inputs), "plan": dp_result_to_plan(dp_result),
-                 "profile_source": profile_npy, "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 **dict(extra or {})}
+        entry = {
+            "key": key,
+            "key_inputs": dict(key_inputs),
+            "plan": dp_result_to_plan(dp_result),
+            "profile_source": profile_npy,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **dict(extra or {}),
+        }
         tmp = os.path.join(d, PLAN_FILE + ".tmp")
         with open(tmp, "w") as f:
             strict_json.dump(entry, f, indent=2, sort_keys=True)
@@ -204,9 +224,11 @@ class PlanCache:
 
 
 def decision_line(key: str, decision: str, root: str) -> str:
-    what = {"hit": "reusing the saved plan (ManualStageOption), no auto search",
-            "miss": "no saved plan: running the auto search, then saving it",
-            "saved": "saved the auto search's plan for the next run"}.get(decision, decision)
+    what = {
+        "hit": "reusing the saved plan (ManualStageOption), no auto search",
+        "miss": "no saved plan: running the auto search, then saving it",
+        "saved": "saved the auto search's plan for the next run",
+    }.get(decision, decision)
     return f"[alpa_job] plan cache {root}: key {key}: {decision} ({what})"
 
 

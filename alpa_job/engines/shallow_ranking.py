@@ -11,6 +11,7 @@ instead of the whole model for the same reason.
 A copy is the model rebuilt with its builder's `depth_setting` (api.Model) changed, so a model that
 declares none, or one too shallow for copies to save time, is searched whole (auto_search).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,11 @@ def copies_for(config, model) -> Optional[Copies]:
         return None
     full = models.depth_of(config, model)
     if full is None or full < MIN_DEPTH:
-        why = (f"--model {config.model} declares no depth_setting (alpa_job.api.Model)" if full is None
-               else f"its {full} layers are too few (copies pay off from {MIN_DEPTH})")
+        why = (
+            f"--model {config.model} declares no depth_setting (alpa_job.api.Model)"
+            if full is None
+            else f"its {full} layers are too few (copies pay off from {MIN_DEPTH})"
+        )
         phase(f"[auto] ranking the candidates whole, not on copies: {why}")
         return None
     return Copies(full, [models.at_depth(config, model, depth) for depth in DEPTHS])
@@ -71,13 +75,14 @@ def predict_step_time(measured: Sequence[float], full_depth: int) -> Tuple[float
     shallow, deep = measured
     if deep >= shallow:
         return extrapolate(measured, full_depth), ""
-    return (deep * full_depth / DEPTHS[-1],
-            f"the {DEPTHS[0]}-layer copy timed slower than the {DEPTHS[-1]}-layer one (a busy machine?), so the "
-            f"{DEPTHS[-1]}-layer copy's time per layer is scaled to {full_depth}")
+    return (
+        deep * full_depth / DEPTHS[-1],
+        f"the {DEPTHS[0]}-layer copy timed slower than the {DEPTHS[-1]}-layer one (a busy machine?), so the "
+        f"{DEPTHS[-1]}-layer copy's time per layer is scaled to {full_depth}",
+    )
 
 
-def least_memory_among_ties(ranked: List[Tuple[dict, Any]], peaks: Optional[Sequence[float]] = None
-                            ) -> List[Tuple[dict, Any]]:
+def least_memory_among_ties(ranked: List[Tuple[dict, Any]], peaks: Optional[Sequence[float]] = None) -> List[Tuple[dict, Any]]:
     """`ranked` (auto's (row, engine) pairs, fastest predicted first) with the winner moved to the front:
     of the candidates predicted within TIE of the fastest, the one with the smallest predicted peak (the
     fastest of those among equal peaks). `peaks`: those peaks, one per pair, where every process must
@@ -93,10 +98,13 @@ def least_memory_among_ties(ranked: List[Tuple[dict, Any]], peaks: Optional[Sequ
     return [winner] + [pair for pair in ranked if pair is not winner]
 
 
-def copy_engines(copies: Copies, strategy: str, mesh_shape: Tuple[int, int], example_batch,
-                 schedule_steps: Optional[int]) -> List[JaxEngine]:
-    return [JaxEngine(config, model, example_batch, strategy, mesh_shape, schedule_steps=schedule_steps)
-            for config, model in copies.configs_and_models]
+def copy_engines(
+    copies: Copies, strategy: str, mesh_shape: Tuple[int, int], example_batch, schedule_steps: Optional[int]
+) -> List[JaxEngine]:
+    return [
+        JaxEngine(config, model, example_batch, strategy, mesh_shape, schedule_steps=schedule_steps)
+        for config, model in copies.configs_and_models
+    ]
 
 
 def time_interleaved(engines: List[JaxEngine], template, seed: int, batches, rounds: int) -> List[float]:

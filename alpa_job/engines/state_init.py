@@ -14,6 +14,7 @@ block i draws from fold_in(PRNGKey(seed), i + 1) and the shell from fold_in(.., 
 path-derived keys. Models without `repeated_blocks` (and any with BatchNorm statistics) are
 initialised whole, as before.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict
@@ -107,14 +108,12 @@ class StateInitializer:
             return
         made = abstract_state.params if model_params is None else model_params
         params_sharding = jax.tree_util.tree_map(lambda leaf: leaf.sharding, made)
-        shell_sharding = _freeze_like({k: v for k, v in params_sharding.items() if k not in self.parts.names},
-                                      params_sharding)
+        shell_sharding = _freeze_like({k: v for k, v in params_sharding.items() if k not in self.parts.names}, params_sharding)
         shell = lambda seed: nn.meta.unbox(self._shell_params(seed))  # noqa: E731
         block = lambda seed, i: nn.meta.unbox(self._block_params(seed, i))  # noqa: E731
         self._lowered["shell"] = jax.jit(shell, out_shardings=shell_sharding).lower(_SCALAR)
         # Every block has the same logical axes and shapes, hence the same shardings as the first.
-        self._lowered["block"] = jax.jit(block, out_shardings=params_sharding[self.parts.names[0]]).lower(
-            _SCALAR, _SCALAR)
+        self._lowered["block"] = jax.jit(block, out_shardings=params_sharding[self.parts.names[0]]).lower(_SCALAR, _SCALAR)
         # The parameters arrive in the shardings the pieces made them in: the state then reuses
         # (donation) their buffers.
         # (Not where make_state lays the parameters out otherwise: no output has the pieces' shapes.)

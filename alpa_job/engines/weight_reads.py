@@ -11,6 +11,7 @@ The answer comes from the loss's jaxpr, followed into the calls whose inner jaxp
 operands in order. Any other use of a parameter counts as a full-precision read: an unknown construct
 costs bytes, never a different number.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,8 +20,16 @@ import jax
 import numpy as np
 
 # Primitives whose inner jaxpr (the param named here) receives the outer operands in order.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr", "scan": "jaxpr"}
+_CALLS = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "scan": "jaxpr",
+}
 
 
 def _read_only_as(jaxpr, var, dtype) -> bool:
@@ -36,8 +45,7 @@ def _read_only_as(jaxpr, var, dtype) -> bool:
                 continue
             inner = eqn.params.get(_CALLS.get(name, ""))
             inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr or a Jaxpr
-            if inner is not None and len(inner.invars) == len(eqn.invars) and \
-                    _read_only_as(inner, inner.invars[position], dtype):
+            if inner is not None and len(inner.invars) == len(eqn.invars) and _read_only_as(inner, inner.invars[position], dtype):
                 continue
             return False
     return True
@@ -47,12 +55,10 @@ def gather_dtypes(model, params, batch_stats, example_batch, compute_dtype) -> A
     """A tree like `params`: `compute_dtype` where the model's loss reads that parameter only as
     `compute_dtype`, else the parameter's own dtype. Every argument may be arrays or ShapeDtypeStructs."""
     compute = np.dtype(compute_dtype)
-    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                    (params, batch_stats, example_batch))
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch_stats, example_batch))
     leaves, tree = jax.tree_util.tree_flatten(shapes[0])
     if all(leaf.dtype == compute for leaf in leaves):
         return tree.unflatten([leaf.dtype for leaf in leaves])  # nothing to narrow: no trace needed
     closed = jax.make_jaxpr(model.masked_loss)(*shapes)
-    invars = closed.jaxpr.invars[:len(leaves)]  # the parameters come first
-    return tree.unflatten([compute if _read_only_as(closed.jaxpr, var, compute) else leaf.dtype
-                           for leaf, var in zip(leaves, invars)])
+    invars = closed.jaxpr.invars[: len(leaves)]  # the parameters come first
+    return tree.unflatten([compute if _read_only_as(closed.jaxpr, var, compute) else leaf.dtype for leaf, var in zip(leaves, invars)])

@@ -4,6 +4,7 @@ which and why), less what the user set.
 Options go to `jax.jit(compiler_options=...)` for that step alone, so auto's candidates each get their
 own strategy's. A flag the user set in XLA_FLAGS is theirs: the kit leaves it alone.
 """
+
 from __future__ import annotations
 
 import functools

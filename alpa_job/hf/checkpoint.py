@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint folder: config.json and one or more *.safetensors files (model.safetensors.index.json
 names each tensor's file when there are several). Reading maps the files (safetensors), so a slice costs only
 its own bytes: a device's shard of a large checkpoint is read without the whole tensor in memory."""
+
 from __future__ import annotations
 
 import json
@@ -21,23 +22,25 @@ SHARD_BYTES = 4 << 30  # an exported file's size limit, as transformers' default
 def parse_source(value: str, flag: str = "--init-from") -> str:
     """The folder of `hf:DIR`."""
     if not value.startswith("hf:") or not value[3:]:
-        raise KitError(f"{flag} {value!r}: name a Hugging Face checkpoint folder as hf:DIR (config.json and "
-                       "*.safetensors in it)")
+        raise KitError(f"{flag} {value!r}: name a Hugging Face checkpoint folder as hf:DIR (config.json and *.safetensors in it)")
     return value[3:]
 
 
 def read_config(directory: str, flag: str = "--init-from") -> Dict[str, Any]:
     """The checkpoint's config.json, or one line naming what is missing."""
     if not os.path.isdir(directory):
-        raise KitError(f"{flag} hf:{directory}: no such folder; download the checkpoint there first "
-                       "(e.g. huggingface-cli download ORG/MODEL --local-dir DIR)")
+        raise KitError(
+            f"{flag} hf:{directory}: no such folder; download the checkpoint there first "
+            "(e.g. huggingface-cli download ORG/MODEL --local-dir DIR)"
+        )
     path = os.path.join(directory, CONFIG)
     try:
         with open(path) as f:
             config = json.load(f)
     except FileNotFoundError:
-        raise KitError(f"{flag} hf:{directory}: there is no {CONFIG}; a Hugging Face checkpoint folder has "
-                       f"{CONFIG} beside its *.safetensors") from None
+        raise KitError(
+            f"{flag} hf:{directory}: there is no {CONFIG}; a Hugging Face checkpoint folder has {CONFIG} beside its *.safetensors"
+        ) from None
     except ValueError as err:
         raise KitError(f"{flag} hf:{directory}: {CONFIG} is not JSON ({err}); download it again") from None
     if not isinstance(config, dict):
@@ -62,17 +65,16 @@ class HfCheckpoint:
         if os.path.exists(index):
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map") or {}
-            missing = sorted({name for name in weight_map.values()
-                              if not os.path.exists(os.path.join(self.directory, name))})
+            missing = sorted({name for name in weight_map.values() if not os.path.exists(os.path.join(self.directory, name))})
             if missing:
-                raise KitError(f"{self._where()}: {INDEX} names file(s) that are not there: {', '.join(missing)}; "
-                               "download the missing shards")
+                raise KitError(
+                    f"{self._where()}: {INDEX} names file(s) that are not there: {', '.join(missing)}; download the missing shards"
+                )
             return dict(weight_map)
         files = sorted(n for n in os.listdir(self.directory) if n.endswith(".safetensors"))
         if not files:
             bins = [n for n in os.listdir(self.directory) if n.endswith((".bin", ".pt", ".pth"))]
-            hint = (f" (it has {', '.join(bins[:3])}: save it with safe_serialization=True, or convert it)"
-                    if bins else "")
+            hint = f" (it has {', '.join(bins[:3])}: save it with safe_serialization=True, or convert it)" if bins else ""
             raise KitError(f"{self._where()}: no *.safetensors file{hint}; the kit reads safetensors checkpoints")
         weight_map = {}
         for name in files:
@@ -104,8 +106,9 @@ class HfCheckpoint:
         return np.asarray(part[index if index is not None else ...])
 
 
-def write_checkpoint(directory: str, config: Dict[str, Any], tensors: Iterable[Tuple[str, np.ndarray]],
-                     dtype: Any, shard_bytes: int = SHARD_BYTES) -> List[str]:
+def write_checkpoint(
+    directory: str, config: Dict[str, Any], tensors: Iterable[Tuple[str, np.ndarray]], dtype: Any, shard_bytes: int = SHARD_BYTES
+) -> List[str]:
     """A checkpoint folder from (name, array) pairs, each cast to `dtype`, in files of at most `shard_bytes`
     (an index names each tensor's file when there are several); returns the files written. A file is written
     once it is full, so at most one file's tensors are held at a time. The folder must be new or empty:
@@ -133,13 +136,14 @@ def write_checkpoint(directory: str, config: Dict[str, Any], tensors: Iterable[T
         shard[name] = array
         held += array.nbytes
     flush()
-    files = [SINGLE] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-                                              for i in range(len(parts))]
+    files = [SINGLE] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
     for file, (part, _, _) in zip(files, parts):
         os.replace(part, os.path.join(directory, file))
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(size for _, _, size in parts)},
-                 "weight_map": {name: file for file, (_, names, _) in zip(files, parts) for name in names}}
+        index = {
+            "metadata": {"total_size": sum(size for _, _, size in parts)},
+            "weight_map": {name: file for file, (_, names, _) in zip(files, parts) for name in names},
+        }
         with open(os.path.join(directory, INDEX), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
     with open(os.path.join(directory, CONFIG), "w") as f:

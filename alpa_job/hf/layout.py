@@ -2,6 +2,7 @@
 which parameter, how a parameter's slice is read from its tensor, how a parameter is written back, and the
 checks that a checkpoint fits the model (architecture, the settings' config entries, every tensor there with
 its shape and a readable dtype), one line each, in the driver before Ray."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,10 @@ def weights_of(model: Any, name: str, flag: str = "--init-from") -> Any:
     """The model's api.HfWeights, or one line saying it has none."""
     weights = getattr(model, "hf", None)
     if weights is None:
-        raise KitError(f"{flag}: --model {name} declares no Hugging Face layout (its api.Model has hf=None); use "
-                       "--model llama, or give your model's builder an api.HfWeights")
+        raise KitError(
+            f"{flag}: --model {name} declares no Hugging Face layout (its api.Model has hf=None); use "
+            "--model llama, or give your model's builder an api.HfWeights"
+        )
     return weights
 
 
@@ -43,28 +46,36 @@ def check_fits(checkpoint: HfCheckpoint, weights: Any, model_name: str) -> None:
     where = f"{checkpoint.flag} hf:{checkpoint.directory}"
     named = checkpoint.config.get("architectures") or [checkpoint.config.get("model_type", "?")]
     if not set(named) & set(weights.architectures):
-        raise KitError(f"{where}: its config.json names {', '.join(map(str, named))}, and --model {model_name} reads "
-                       f"{', '.join(weights.architectures)}; use a checkpoint of that architecture")
+        raise KitError(
+            f"{where}: its config.json names {', '.join(map(str, named))}, and --model {model_name} reads "
+            f"{', '.join(weights.architectures)}; use a checkpoint of that architecture"
+        )
     wrong = [(key, config_entry(checkpoint.config, key), config_entry(weights.config, key)) for key in weights.settings]
     wrong = [(key, theirs, ours) for key, theirs, ours in wrong if not _same(theirs, ours)]
     if wrong:
         said = ", ".join(f"{key} {theirs!r} (the model: {ours!r})" for key, theirs, ours in wrong)
         fix = " ".join(f"--model-arg {weights.settings[key]}={_arg(theirs)}" for key, theirs, _ in wrong)
-        raise KitError(f"{where}: its config.json disagrees with --model {model_name}'s settings: {said}; set {fix} "
-                       "(or a --preset of that shape)")
+        raise KitError(
+            f"{where}: its config.json disagrees with --model {model_name}'s settings: {said}; set {fix} (or a --preset of that shape)"
+        )
     missing = [t.name for t in weights.tensors if t.name not in checkpoint.files_of]
     if missing:
-        raise KitError(f"{where}: {len(missing)} tensor(s) the model needs are not in the checkpoint, e.g. "
-                       f"{', '.join(missing[:3])}; is a shard missing or is it another model's checkpoint?")
+        raise KitError(
+            f"{where}: {len(missing)} tensor(s) the model needs are not in the checkpoint, e.g. "
+            f"{', '.join(missing[:3])}; is a shard missing or is it another model's checkpoint?"
+        )
     for t in weights.tensors:
         shape, dtype = checkpoint.info(t.name)
         if shape != tuple(t.shape):
-            raise KitError(f"{where}: {t.name} is {list(shape)} in the checkpoint and {list(t.shape)} in --model "
-                           f"{model_name}; the settings give another shape (check its config.json against the "
-                           "model's settings)")
+            raise KitError(
+                f"{where}: {t.name} is {list(shape)} in the checkpoint and {list(t.shape)} in --model "
+                f"{model_name}; the settings give another shape (check its config.json against the "
+                "model's settings)"
+            )
         if dtype not in READABLE:
-            raise KitError(f"{where}: {t.name} is stored as {dtype}; the kit reads {', '.join(READABLE)} "
-                           "checkpoints (convert it, e.g. to bfloat16)")
+            raise KitError(
+                f"{where}: {t.name} is stored as {dtype}; the kit reads {', '.join(READABLE)} checkpoints (convert it, e.g. to bfloat16)"
+            )
 
 
 def config_entry(config: Dict[str, Any], dotted: str) -> Any:
@@ -94,8 +105,10 @@ def _split(param_shape: Sequence[int], columns: int) -> int:
     for k in range(len(param_shape) + 1):
         if math.prod(param_shape[:k]) == columns:
             return k
-    raise KitError(f"a parameter of shape {list(param_shape)} is not the transpose of a tensor with {columns} "
-                   "columns; fix the model's api.HfTensor shape")
+    raise KitError(
+        f"a parameter of shape {list(param_shape)} is not the transpose of a tensor with {columns} "
+        "columns; fix the model's api.HfTensor shape"
+    )
 
 
 def _flat(shape: Sequence[int], index: Index) -> np.ndarray:
@@ -107,8 +120,7 @@ def _flat(shape: Sequence[int], index: Index) -> np.ndarray:
     return np.ravel_multi_index([g.ravel() for g in grids], tuple(shape))
 
 
-def read_slice(checkpoint: HfCheckpoint, tensor: Any, param_shape: Tuple[int, ...],
-               index: Optional[Index] = None) -> np.ndarray:
+def read_slice(checkpoint: HfCheckpoint, tensor: Any, param_shape: Tuple[int, ...], index: Optional[Index] = None) -> np.ndarray:
     """The parameter's slice `index` (the whole parameter when None), read from its tensor: only the rows and
     columns that hold the slice come off the file."""
     index = tuple(index) if index is not None else tuple(slice(None) for _ in param_shape)
@@ -117,8 +129,10 @@ def read_slice(checkpoint: HfCheckpoint, tensor: Any, param_shape: Tuple[int, ..
     sizes = [len(range(*s.indices(n))) for s, n in zip(index, param_shape)]
     if not tensor.transposed:
         if tuple(tensor.shape) != tuple(param_shape):
-            raise KitError(f"{tensor.name}: a tensor of shape {list(tensor.shape)} read as a parameter of "
-                           f"{list(param_shape)} needs transposed=True (or the same shape); fix the model's api.HfTensor")
+            raise KitError(
+                f"{tensor.name}: a tensor of shape {list(tensor.shape)} read as a parameter of "
+                f"{list(param_shape)} needs transposed=True (or the same shape); fix the model's api.HfTensor"
+            )
         return checkpoint.read(tensor.name, index)
     rows, columns = tensor.shape
     k = _split(param_shape, columns)
@@ -148,7 +162,9 @@ def check_covers(weights: Any, param_paths: List[Tuple[str, ...]], model_name: s
     missing = [p for p in param_paths if p not in declared]
     extra = [p for p in declared if p not in set(param_paths)]
     if missing or extra:
-        what = ([f"parameters without a tensor: {', '.join('/'.join(p) for p in missing[:3])}"] if missing else []) + \
-               ([f"tensors for no parameter: {', '.join('/'.join(p) for p in extra[:3])}"] if extra else [])
-        raise KitError(f"--model {model_name}'s api.HfWeights does not match its parameters ({'; '.join(what)}); "
-                       "fix the model's hf declaration")
+        what = ([f"parameters without a tensor: {', '.join('/'.join(p) for p in missing[:3])}"] if missing else []) + (
+            [f"tensors for no parameter: {', '.join('/'.join(p) for p in extra[:3])}"] if extra else []
+        )
+        raise KitError(
+            f"--model {model_name}'s api.HfWeights does not match its parameters ({'; '.join(what)}); fix the model's hf declaration"
+        )

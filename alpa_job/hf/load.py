@@ -1,6 +1,7 @@
 """A checkpoint's weights made straight into the parameters' shardings: each device's shard is read from its
 tensor's slice alone (jax.make_array_from_callback), so no process holds more of the model than its devices
 do, and a tensor is converted to the parameter's dtype one slice at a time."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple

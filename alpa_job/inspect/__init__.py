@@ -13,6 +13,7 @@ engine, or an Alpa dump folder. None imports an engine, so they work on a laptop
 `plan_of` and `write_report` are importable from here; they load on first use, so importing the
 readers stays light (no jax until a program is inspected).
 """
+
 from __future__ import annotations
 
 from typing import Any

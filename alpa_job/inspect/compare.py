@@ -7,6 +7,7 @@ collectives (count and bytes), compile time, the final loss, the run's status; a
 them, the input's wait per step and the final eval loss. Rendered as a terminal table, Markdown, JSON or a
 self-contained HTML page.
 """
+
 from __future__ import annotations
 
 import html
@@ -18,8 +19,21 @@ from alpa_job.record.run_record import RunRecord
 from alpa_job.inspect.units import human_bytes, plan_title
 from alpa_job import strict_json
 
-COLUMNS = ("run", "plan", "status", "steps", "step ms", "samples/s", "state / device", "peak / device",
-           "labels (params)", "collectives", "collective bytes", "compile s", "loss last")
+COLUMNS = (
+    "run",
+    "plan",
+    "status",
+    "steps",
+    "step ms",
+    "samples/s",
+    "state / device",
+    "peak / device",
+    "labels (params)",
+    "collectives",
+    "collective bytes",
+    "compile s",
+    "loss last",
+)
 # Shown only when some run has them: runs from before the input pipeline and runs without an eval split
 # compare as they always did.
 OPTIONAL_COLUMNS = (("data_wait_ms", "data wait ms / step"), ("eval_loss", "eval loss"))
@@ -98,12 +112,24 @@ def table_rows(data: List[Dict[str, Any]]) -> List[List[str]]:
     out = []
     for r in data:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["collectives"].items()) if n) or "none"
-        out.append([r["run"], r["plan"], r["status"], _fmt(r["steps"]), _fmt(r["step_ms"]), _fmt(r["throughput"]),
-                    _fmt(r["state_bytes_per_device"], "bytes"), _fmt(r["peak_bytes_per_device"], "bytes"),
-                    ", ".join(f"{k} {n}" for k, n in sorted(r["labels"].items())) or "-",
-                    "-" if r["collective_count"] is None else f"{r['collective_count']} ({kinds})",
-                    _fmt(r["collective_bytes"], "bytes"),
-                    _fmt(r["compile_s"]), _fmt(r["loss_last"])] + [_fmt(r.get(key)) for key in extra])
+        out.append(
+            [
+                r["run"],
+                r["plan"],
+                r["status"],
+                _fmt(r["steps"]),
+                _fmt(r["step_ms"]),
+                _fmt(r["throughput"]),
+                _fmt(r["state_bytes_per_device"], "bytes"),
+                _fmt(r["peak_bytes_per_device"], "bytes"),
+                ", ".join(f"{k} {n}" for k, n in sorted(r["labels"].items())) or "-",
+                "-" if r["collective_count"] is None else f"{r['collective_count']} ({kinds})",
+                _fmt(r["collective_bytes"], "bytes"),
+                _fmt(r["compile_s"]),
+                _fmt(r["loss_last"]),
+            ]
+            + [_fmt(r.get(key)) for key in extra]
+        )
     return out
 
 
@@ -146,11 +172,16 @@ def to_markdown(data: List[Dict[str, Any]]) -> str:
 
 def plot_png(data: List[Dict[str, Any]]) -> Optional[bytes]:
     """One figure, a bar chart per measure, a bar per run."""
-    measures = [("step_ms", "step time (ms)", 1), ("throughput", "samples/s", 1),
-                ("state_bytes_per_device", "state MiB / device", 2 ** -20),
-                ("peak_bytes_per_device", "peak MiB / device (XLA)", 2 ** -20),
-                ("collective_bytes", "collective MiB", 2 ** -20), ("compile_s", "compile s", 1),
-                ("data_wait_ms", "data wait ms / step", 1), ("eval_loss", "eval loss", 1)]
+    measures = [
+        ("step_ms", "step time (ms)", 1),
+        ("throughput", "samples/s", 1),
+        ("state_bytes_per_device", "state MiB / device", 2**-20),
+        ("peak_bytes_per_device", "peak MiB / device (XLA)", 2**-20),
+        ("collective_bytes", "collective MiB", 2**-20),
+        ("compile_s", "compile s", 1),
+        ("data_wait_ms", "data wait ms / step", 1),
+        ("eval_loss", "eval loss", 1),
+    ]
     measures = [m for m in measures if any(r.get(m[0]) is not None for r in data)]
     if not measures:
         return None
@@ -160,7 +191,7 @@ def plot_png(data: List[Dict[str, Any]]) -> Optional[bytes]:
     cols = min(3, len(measures))
     rows_n = (len(measures) + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(3.4 * cols, 3.1 * rows_n), squeeze=False)
-    for ax in axes.flat[len(measures):]:
+    for ax in axes.flat[len(measures) :]:
         ax.set_visible(False)
     names = [r["run"] if len(r["run"]) <= 18 else "…" + r["run"][-17:] for r in data]
     colors = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]

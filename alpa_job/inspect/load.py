@@ -1,5 +1,6 @@
 """Load what `inspect` is pointed at -- a run directory, a report.json, or an Alpa dump folder --
 as one `RunRecord` (the same type a training run writes)."""
+
 from __future__ import annotations
 
 import glob
@@ -7,14 +8,16 @@ import os
 from typing import List, Optional
 
 from alpa_job.record.hlo import merge_counts
-from alpa_job.record.run_record import (GIB, Collective, DeviceInfo, MemoryRecord, MeshShape, RunRecord,
-                                     StageRecord)
+from alpa_job.record.run_record import GIB, Collective, DeviceInfo, MemoryRecord, MeshShape, RunRecord, StageRecord
 from alpa_job.record.report_file import load_report
 
 
 def load_any(path: str) -> RunRecord:
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "report.json")) and \
-            glob.glob(os.path.join(glob.escape(path), "*_placement_specs.txt")):
+    if (
+        os.path.isdir(path)
+        and not os.path.isfile(os.path.join(path, "report.json"))
+        and glob.glob(os.path.join(glob.escape(path), "*_placement_specs.txt"))
+    ):
         return alpa_dump_report(path)
     return load_report(path)
 
@@ -58,7 +61,6 @@ def _memory(kind: str, stage_bytes: List[int]) -> Optional[MemoryRecord]:
     return MemoryRecord.from_stage_bytes(total_bytes=stage_bytes[0])
 
 
-
 def _stage_bytes(dump) -> List[int]:
     """Bytes of each *.mem_usage.txt in stage order (Alpa writes GiB with 3 decimals: +-0.5 MiB)."""
     return [int(round(gb * GIB)) for gb in dump.memory_gb.values()]
@@ -72,23 +74,36 @@ def dump_stages(dump, stage_bytes: List[int]) -> List[StageRecord]:
     if dump.kind != "pipeshard":
         if not meshes:
             return []
-        return [StageRecord(stage=0, mesh=meshes[0].id, submesh_shape=list(meshes[0].shape),
-                            memory_bytes=stage_bytes[0] if stage_bytes else None,
-                            collectives=Collective.table(dump.collectives) if dump.stage_collectives else None)]
+        return [
+            StageRecord(
+                stage=0,
+                mesh=meshes[0].id,
+                submesh_shape=list(meshes[0].shape),
+                memory_bytes=stage_bytes[0] if stage_bytes else None,
+                collectives=Collective.table(dump.collectives) if dump.stage_collectives else None,
+            )
+        ]
     stems = list(dump.stage_collectives)  # <prefix>_stage_<i>, in stage order
     memory = dict(zip(dump.memory_gb, stage_bytes))
     n = len(meshes)
     if n == 0 or len(stems) < 2 * n:  # not the forward/backward layout: one row per executable stage
-        return [StageRecord(stage=i, memory_bytes=memory.get(stem),
-                            collectives=Collective.table(dump.stage_collectives[stem])) for i, stem in enumerate(stems)]
+        return [
+            StageRecord(stage=i, memory_bytes=memory.get(stem), collectives=Collective.table(dump.stage_collectives[stem]))
+            for i, stem in enumerate(stems)
+        ]
     rows = []
     for i, mesh in enumerate(meshes):
         forward, backward = stems[i], stems[2 * n - 1 - i]
         fwd, bwd = memory.get(forward), memory.get(backward)
-        rows.append(StageRecord(
-            stage=i, mesh=mesh.id, submesh_shape=list(mesh.shape),
-            memory_bytes=None if fwd is None or bwd is None else fwd + bwd,
-            memory_bytes_forward=fwd, memory_bytes_backward=bwd,
-            collectives=Collective.table(merge_counts(dump.stage_collectives[forward],
-                                                      dump.stage_collectives[backward]))))
+        rows.append(
+            StageRecord(
+                stage=i,
+                mesh=mesh.id,
+                submesh_shape=list(mesh.shape),
+                memory_bytes=None if fwd is None or bwd is None else fwd + bwd,
+                memory_bytes_forward=fwd,
+                memory_bytes_backward=bwd,
+                collectives=Collective.table(merge_counts(dump.stage_collectives[forward], dump.stage_collectives[backward])),
+            )
+        )
     return rows

@@ -4,6 +4,7 @@ of it each device holds; for an Alpa pipeline, stage -> mesh -> devices.
 Computed here from the record's rows (mesh shape, each leaf's shape and `split_axes`), drawn as inline
 SVG with a small script that switches the parameter -- no network, no extra files.
 """
+
 from __future__ import annotations
 
 import html
@@ -66,8 +67,12 @@ def _stage_labels(record: RunRecord, rows: int) -> List[str]:
     stages = pipeline.get("layers") or []
     if len(stages) != rows:
         return []
-    return [f"stage {row['stage']}: {stage_blocks_text(row)}, process(es) "
-            f"{','.join(map(str, row['processes']))}" if row["blocks"] else f"stage {row['stage']}" for row in stages]
+    return [
+        f"stage {row['stage']}: {stage_blocks_text(row)}, process(es) {','.join(map(str, row['processes']))}"
+        if row["blocks"]
+        else f"stage {row['stage']}"
+        for row in stages
+    ]
 
 
 def jax_mesh_svg(record: RunRecord) -> str:
@@ -77,8 +82,7 @@ def jax_mesh_svg(record: RunRecord) -> str:
     rows = shape[0]
     cols = shape[1] if len(shape) > 1 else 1
     leaves = [r for r in record.params if r.path.startswith("params/")]
-    data = {r.path: {"shape": r.shape, "spec": r.spec, "strategy": r.strategy,
-                     "slices": device_slices(r, shape, axes)} for r in leaves}
+    data = {r.path: {"shape": r.shape, "spec": r.spec, "strategy": r.strategy, "slices": device_slices(r, shape, axes)} for r in leaves}
     chosen = _default_leaf(leaves)
     first = data.get(chosen.path) if chosen else None
     stage_rows = _stage_labels(record, rows)  # a pipeline's rows are its stages: their blocks and processes
@@ -97,19 +101,24 @@ def jax_mesh_svg(record: RunRecord) -> str:
                 f'<g class="device"><rect x="{x}" y="{y}" width="{CELL_W}" height="{CELL_H}" rx="6" '
                 f'fill="#e8f0fa" stroke="#4c78a8"/><text x="{x + 8}" y="{y + 20}" font-size="12" '
                 f'font-weight="600">device {k}</text><text class="slice" data-device="{k}" x="{x + 8}" y="{y + 44}" '
-                f'font-size="12" font-family="monospace">{html.escape(text)}</text></g>')
-    row_label = f'<text x="4" y="{30 + rows * (CELL_H + GAP) / 2}" font-size="12" transform="rotate(-90 12 ' \
-                f'{30 + rows * (CELL_H + GAP) / 2})">{html.escape(axes[0])} ({rows})</text>'
+                f'font-size="12" font-family="monospace">{html.escape(text)}</text></g>'
+            )
+    row_label = (
+        f'<text x="4" y="{30 + rows * (CELL_H + GAP) / 2}" font-size="12" transform="rotate(-90 12 '
+        f'{30 + rows * (CELL_H + GAP) / 2})">{html.escape(axes[0])} ({rows})</text>'
+    )
     col_label = f'<text x="50" y="18" font-size="12">{html.escape(axes[1] if len(axes) > 1 else "")} ({cols})</text>'
-    options = "".join(f'<option value="{html.escape(p)}"{" selected" if chosen and p == chosen.path else ""}>'
-                      f'{html.escape(p)} {html.escape(str(v["shape"]))} {html.escape(v["strategy"])}</option>'
-                      for p, v in data.items())
+    options = "".join(
+        f'<option value="{html.escape(p)}"{" selected" if chosen and p == chosen.path else ""}>'
+        f"{html.escape(p)} {html.escape(str(v['shape']))} {html.escape(v['strategy'])}</option>"
+        for p, v in data.items()
+    )
     caption = _caption(first, chosen.path if chosen else None)
     return f"""<div class="mesh-picture" id="mesh-picture">
 <label>parameter <select id="mesh-param">{options}</select></label>
 <p id="mesh-caption">{html.escape(caption)}</p>
 <svg id="mesh-svg" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img"
- aria-label="device mesh {html.escape('×'.join(map(str, shape)))}">{row_label}{col_label}{''.join(cells)}</svg>
+ aria-label="device mesh {html.escape("×".join(map(str, shape)))}">{row_label}{col_label}{"".join(cells)}</svg>
 <script>
 (function() {{
   const data = {strict_json.dumps(data)};
@@ -141,10 +150,10 @@ def alpa_stages_svg(record: RunRecord) -> str:
     stages = record.stages or [None]
     boxes, x, offset, height = [], 10, 0, 0
     for st in stages:
-        mesh = meshes.get(st.mesh) if st is not None and st.mesh is not None else (record.meshes[0] if record.meshes
-                                                                                   else None)
-        shape = list((st.submesh_shape if st is not None and st.submesh_shape else None) or
-                     (mesh.shape if mesh else record.mesh.shape) or [1, 1])
+        mesh = meshes.get(st.mesh) if st is not None and st.mesh is not None else (record.meshes[0] if record.meshes else None)
+        shape = list(
+            (st.submesh_shape if st is not None and st.submesh_shape else None) or (mesh.shape if mesh else record.mesh.shape) or [1, 1]
+        )
         rows, cols = (shape[0], shape[1]) if len(shape) > 1 else (1, shape[0])  # a 1-D mesh: one row
         w, h = cols * 70 + 20, rows * 44 + 60
         height = max(height, h)
@@ -154,18 +163,24 @@ def alpa_stages_svg(record: RunRecord) -> str:
         for i in range(rows):
             for j in range(cols):
                 dx, dy = x + 10 + j * 70, 50 + i * 44
-                devices.append(f'<rect x="{dx}" y="{dy}" width="62" height="36" rx="4" fill="#e8f0fa" '
-                               f'stroke="#4c78a8"/><text x="{dx + 6}" y="{dy + 22}" font-size="11">'
-                               f'gpu {offset + i * cols + j}</text>')
+                devices.append(
+                    f'<rect x="{dx}" y="{dy}" width="62" height="36" rx="4" fill="#e8f0fa" '
+                    f'stroke="#4c78a8"/><text x="{dx + 6}" y="{dy + 22}" font-size="11">'
+                    f"gpu {offset + i * cols + j}</text>"
+                )
         layers = f" layers {st.layers}" if st is not None and st.layers else ""
-        boxes.append(f'<g class="stage"><rect x="{x}" y="10" width="{w}" height="{h}" rx="8" fill="none" '
-                     f'stroke="#f58518" stroke-width="2"/><text x="{x + 8}" y="28" font-size="12" font-weight="600">'
-                     f'{html.escape(label)} → {html.escape(mesh_label)} ({"×".join(map(str, shape))})'
-                     f'{html.escape(layers)}</text>{"".join(devices)}</g>')
+        boxes.append(
+            f'<g class="stage"><rect x="{x}" y="10" width="{w}" height="{h}" rx="8" fill="none" '
+            f'stroke="#f58518" stroke-width="2"/><text x="{x + 8}" y="28" font-size="12" font-weight="600">'
+            f"{html.escape(label)} → {html.escape(mesh_label)} ({'×'.join(map(str, shape))})"
+            f"{html.escape(layers)}</text>{''.join(devices)}</g>"
+        )
         x += w + 16
         offset += rows * cols
-    return (f'<div class="mesh-picture" id="mesh-picture"><svg id="mesh-svg" xmlns="http://www.w3.org/2000/svg" '
-            f'width="{x}" height="{height + 20}" role="img" aria-label="pipeline stages">{"".join(boxes)}</svg></div>')
+    return (
+        f'<div class="mesh-picture" id="mesh-picture"><svg id="mesh-svg" xmlns="http://www.w3.org/2000/svg" '
+        f'width="{x}" height="{height + 20}" role="img" aria-label="pipeline stages">{"".join(boxes)}</svg></div>'
+    )
 
 
 def mesh_picture(record: RunRecord) -> str:

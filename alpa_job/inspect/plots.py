@@ -1,4 +1,5 @@
 """PNG plots of a RunRecord for the HTML report (matplotlib, headless)."""
+
 from __future__ import annotations
 
 import io
@@ -6,8 +7,7 @@ from typing import List, Optional, Tuple
 
 from alpa_job.record.run_record import RunRecord
 
-STRATEGY_COLORS = {"DP": "#4c78a8", "ZeRO": "#f58518", "MP": "#54a24b", "MP+ZeRO": "#e45756",
-                   "replicated": "#9d9d9d"}
+STRATEGY_COLORS = {"DP": "#4c78a8", "ZeRO": "#f58518", "MP": "#54a24b", "MP+ZeRO": "#e45756", "replicated": "#9d9d9d"}
 
 
 def _figure_png(fig) -> bytes:
@@ -68,8 +68,7 @@ def loss_figure(record: RunRecord):
     shown = [float("nan") if v is None else v for v in losses]  # a diverged run's non-finite loss: a gap
     ax.plot(range(first, first + len(shown)), shown, marker=".", label="train")
     if record.evals:
-        ax.plot([e.step for e in record.evals], [e.loss for e in record.evals], marker="o", color="#e45756",
-                label="eval")
+        ax.plot([e.step for e in record.evals], [e.loss for e in record.evals], marker="o", color="#e45756", label="eval")
         ax.legend(fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -100,9 +99,11 @@ def all_plots(record: RunRecord) -> List[Tuple[str, str, bytes]]:
     """(file name, caption, png) for every plot that has data."""
     out = []
     loss_caption = "Training and eval loss" if record.evals else "Training loss"
-    for name, caption, fn in (("plot_bytes_by_strategy.png", "Bytes by strategy", bytes_by_strategy),
-                              ("plot_loss.png", loss_caption, loss_curve),
-                              ("plot_search.png", "Auto search", search_times)):
+    for name, caption, fn in (
+        ("plot_bytes_by_strategy.png", "Bytes by strategy", bytes_by_strategy),
+        ("plot_loss.png", loss_caption, loss_curve),
+        ("plot_search.png", "Auto search", search_times),
+    ):
         png = fn(record)
         if png:
             out.append((name, caption, png))

@@ -6,6 +6,7 @@ same record a training run writes -- per-leaf DP / ZeRO / MP / MP+ZeRO / replica
 the collectives in the compiled HLO, XLA's memory analysis -- which `write_report` renders as
 report.json, report.md and report.html. jax is imported inside the functions: `inspect` stays light.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,14 +19,14 @@ from alpa_job.record import jax_program
 from alpa_job.record.hlo import count_collectives
 from alpa_job.record.plan import STRATEGY_LABELS, ParallelPlan
 from alpa_job.record.report_file import created_now
-from alpa_job.record.run_record import (Collective, DeviceInfo, MemoryRecord, MeshShape, ProcessInfo,
-                                        RunRecord)
+from alpa_job.record.run_record import Collective, DeviceInfo, MemoryRecord, MeshShape, ProcessInfo, RunRecord
 
 WHAT_TO_PASS = "pass a jax.jit-ed function with example arguments, its .lower(...), or its .lower(...).compile()"
 
 
-def plan_of(program: Any, *example_args: Any, mesh: Any = None, state_argnums: Sequence[int] = (0,),
-            names: Optional[Sequence[str]] = None) -> RunRecord:
+def plan_of(
+    program: Any, *example_args: Any, mesh: Any = None, state_argnums: Sequence[int] = (0,), names: Optional[Sequence[str]] = None
+) -> RunRecord:
     """The run record of a JAX program: its plan (per-leaf labels), mesh, collectives and memory.
 
     - `program`: a `jax.jit`-ed function (then `example_args` are its arguments), or its `Lowered`
@@ -68,8 +69,10 @@ def _compile(program: Any, example_args: Tuple[Any, ...]) -> Tuple[Any, Optional
         compiled = program.compile()
     elif callable(program) and hasattr(program, "lower"):
         if not example_args:
-            raise KitError("plan_of(step) needs the step's example arguments (arrays or jax.ShapeDtypeStructs "
-                           "with shardings): plan_of(step, state, batch)")
+            raise KitError(
+                "plan_of(step) needs the step's example arguments (arrays or jax.ShapeDtypeStructs "
+                "with shardings): plan_of(step, state, batch)"
+            )
         compiled = program.lower(*example_args).compile()
     else:
         raise KitError(f"plan_of got a {type(program).__name__}; {WHAT_TO_PASS}")
@@ -78,8 +81,10 @@ def _compile(program: Any, example_args: Tuple[Any, ...]) -> Tuple[Any, Optional
 
 def _no_arguments(example_args: Tuple[Any, ...], what: str) -> None:
     if example_args:
-        raise KitError(f"plan_of: a {what} already has its arguments; pass example arguments only with the "
-                       "jitted function itself: plan_of(step, state, batch)")
+        raise KitError(
+            f"plan_of: a {what} already has its arguments; pass example arguments only with the "
+            "jitted function itself: plan_of(step, state, batch)"
+        )
 
 
 def _is_arg_info(x: Any) -> bool:
@@ -90,9 +95,11 @@ def _find_mesh(compiled: Any, example_args: Tuple[Any, ...]):
     """The mesh the program's NamedShardings name: its inputs', its example arguments', its outputs'."""
     import jax
 
-    trees = (compiled.input_shardings,
-             jax.tree_util.tree_map(lambda a: getattr(a, "sharding", None), example_args),
-             compiled.output_shardings)
+    trees = (
+        compiled.input_shardings,
+        jax.tree_util.tree_map(lambda a: getattr(a, "sharding", None), example_args),
+        compiled.output_shardings,
+    )
     devices = set()
     for tree in trees:
         for _path, sharding in jax_program.flatten(tree, is_leaf=lambda x: x is None or hasattr(x, "device_set")):
@@ -110,20 +117,25 @@ def _state_argnums(state_argnums: Sequence[int], count: int) -> Tuple[int, ...]:
     numbers = (state_argnums,) if isinstance(state_argnums, int) else tuple(state_argnums)
     for n in numbers:
         if not isinstance(n, int) or not -count <= n < count:
-            raise KitError(f"plan_of: state_argnums={state_argnums!r} names no argument of a program with {count}; "
-                           f"pass positions from 0 to {count - 1}")
+            raise KitError(
+                f"plan_of: state_argnums={state_argnums!r} names no argument of a program with {count}; "
+                f"pass positions from 0 to {count - 1}"
+            )
     return tuple(n % count for n in numbers)
 
 
 def _prefixes(names: Optional[Sequence[str]], count: int, state_args: Tuple[int, ...]) -> List[str]:
     if names is not None:
         if isinstance(names, str) or len(names) != count:
-            raise KitError(f"plan_of: names={names!r} needs one name per positional argument ({count}); "
-                           "e.g. names=(\"params\", \"opt_state\", \"batch\")")
+            raise KitError(
+                f'plan_of: names={names!r} needs one name per positional argument ({count}); e.g. names=("params", "opt_state", "batch")'
+            )
         return [str(n) for n in names]
     batch_args = [i for i in range(count) if i not in state_args]
-    return [("" if len(state_args) == 1 else f"arg{i}") if i in state_args
-            else ("batch" if len(batch_args) == 1 else f"batch{i}") for i in range(count)]
+    return [
+        ("" if len(state_args) == 1 else f"arg{i}") if i in state_args else ("batch" if len(batch_args) == 1 else f"batch{i}")
+        for i in range(count)
+    ]
 
 
 def strategy_name(plan: ParallelPlan) -> str:
@@ -137,7 +149,7 @@ def _program_name(hlo_text: str) -> str:
     """The jitted function's name, as XLA names the module ('jit_train_step' -> 'train_step')."""
     match = re.match(r"\s*HloModule\s+([^\s,]+)", hlo_text or "")
     name = match.group(1) if match else "program"
-    return name[len("jit_"):] if name.startswith("jit_") and len(name) > len("jit_") else name
+    return name[len("jit_") :] if name.startswith("jit_") and len(name) > len("jit_") else name
 
 
 def _record(compiled: Any, plan: ParallelPlan, mesh: Any, seconds: Optional[float]) -> RunRecord:
@@ -148,9 +160,12 @@ def _record(compiled: Any, plan: ParallelPlan, mesh: Any, seconds: Optional[floa
     text = compiled.as_text()
     name = _program_name(text)
     first = mesh.devices.flat[0]
-    process = ProcessInfo(id=jax.process_index(), count=jax.process_count(), host=socket.gethostname(),
-                          local_devices=[str(d) for d in mesh.devices.flat
-                                         if getattr(d, "process_index", 0) == jax.process_index()])
+    process = ProcessInfo(
+        id=jax.process_index(),
+        count=jax.process_count(),
+        host=socket.gethostname(),
+        local_devices=[str(d) for d in mesh.devices.flat if getattr(d, "process_index", 0) == jax.process_index()],
+    )
     record = RunRecord(
         engine="jax",
         strategy=strategy_name(plan),
@@ -172,4 +187,3 @@ def _record(compiled: Any, plan: ParallelPlan, mesh: Any, seconds: Optional[floa
     )
     record.summary = record.summarize()
     return record
-

@@ -2,6 +2,7 @@
 
 Reads the typed record (alpa_job.record.run_record); nothing here imports an engine.
 """
+
 from __future__ import annotations
 
 import base64
@@ -29,16 +30,20 @@ def _cell(value: object) -> str:
 def network_text(network: dict) -> str:
     """One line: what a step sends across hosts (the network) and within one."""
     across = network["collectives_across_hosts"]
-    return (f"{human_bytes(network['across_hosts_bytes'])} across hosts ({across} of {network['collectives']} "
-            f"collectives cross, {network['hosts']} host(s)), {human_bytes(network['within_host_bytes'])} within a host"
-            + ("" if network["groups_read"] else "; some replica groups unread: counted as spanning every device"))
+    return (
+        f"{human_bytes(network['across_hosts_bytes'])} across hosts ({across} of {network['collectives']} "
+        f"collectives cross, {network['hosts']} host(s)), {human_bytes(network['within_host_bytes'])} within a host"
+        + ("" if network["groups_read"] else "; some replica groups unread: counted as spanning every device")
+    )
 
 
 def measured_network_text(record: RunRecord) -> str:
     """The start's all-reduce, then each process's NCCL transports where they differ and every problem."""
     m = record.network_measured
-    text = (f"all-reduce of {human_bytes(m['bytes'])} a device over {m['devices']} {m['backend']} device(s): "
-            f"{m['bus_gbps']} Gb/s bus bandwidth ({m['seconds'] * 1e3:.3g} ms)")
+    text = (
+        f"all-reduce of {human_bytes(m['bytes'])} a device over {m['devices']} {m['backend']} device(s): "
+        f"{m['bus_gbps']} Gb/s bus bandwidth ({m['seconds'] * 1e3:.3g} ms)"
+    )
     rows = [(p.id, p.nccl) for p in record.processes if p.nccl]
     lines = sorted({nccl["transports"] for _, nccl in rows})
     if lines:
@@ -50,10 +55,15 @@ def measured_network_text(record: RunRecord) -> str:
 def stragglers_text(stragglers: dict) -> str:
     """Who was slow and when (or that nobody was), then the slowest device's ratio at the end."""
     slow = [e for e in stragglers["events"] if e["event"] == "slow"]
-    text = (f"measured every {stragglers['every']} steps over {stragglers['window_steps']}-step windows: "
-            + ("; ".join(f"process {e['process']} ({e['host']}{' ' + e['device'] if e.get('device') else ''}) "
-                         f"{e['what']} +{e['slower_by'] * 100:.0f}% at step {e['step']}" for e in slow)
-               if slow else "no process slower than the others"))
+    text = f"measured every {stragglers['every']} steps over {stragglers['window_steps']}-step windows: " + (
+        "; ".join(
+            f"process {e['process']} ({e['host']}{' ' + e['device'] if e.get('device') else ''}) "
+            f"{e['what']} +{e['slower_by'] * 100:.0f}% at step {e['step']}"
+            for e in slow
+        )
+        if slow
+        else "no process slower than the others"
+    )
     if stragglers["slow_now"]:
         text += "; still slow at the end: " + ", ".join(stragglers["slow_now"])
     latest = stragglers.get("latest")
@@ -85,8 +95,7 @@ def _rate_parts(timing: dict, suffix: str) -> List[str]:
     peak = timing.get("peak") or {}
     for key, basis in ((f"mfu{suffix}", "measured_tflops"), (f"mfu_datasheet{suffix}", "datasheet_tflops")):
         if timing.get(key) is not None:
-            parts.append(f"MFU {timing[key]:.2f} of {peak.get(basis)} TFLOP/s ({peak.get('precision')}, "
-                         f"{basis.split('_')[0]})")
+            parts.append(f"MFU {timing[key]:.2f} of {peak.get(basis)} TFLOP/s ({peak.get('precision')}, {basis.split('_')[0]})")
     return parts
 
 
@@ -94,16 +103,19 @@ def _count_text(timing: dict) -> str:
     """Which FLOP count the rates above use: MaxText's (then the full count's rates too), or the full one."""
     if timing.get("mfu_count") != "maxtext":
         return "FLOPs counted whole (no causal attention counted: api.Model.causal_attention)"
-    return ("FLOPs counted as MaxText does, causal attention at half; counted whole: "
-            + ", ".join(_rate_parts(timing, "_full")))
+    return "FLOPs counted as MaxText does, causal attention at half; counted whole: " + ", ".join(_rate_parts(timing, "_full"))
 
 
 def pipeline_text(pipeline: dict) -> str:
     """One line: the stages, which blocks each runs and on which processes, and the schedule's bubble."""
-    where = "; ".join(f"stage {row['stage']}: {stage_blocks_text(row)} on process(es) "
-                      f"{','.join(map(str, row['processes']))}" for row in pipeline["layers"])
-    return (f"{pipeline['stages']} stages x {pipeline['micro_batches']} micro-batches ({pipeline['schedule']}, bubble "
-            f"{pipeline['bubble_fraction']:.0%}): {where}")
+    where = "; ".join(
+        f"stage {row['stage']}: {stage_blocks_text(row)} on process(es) {','.join(map(str, row['processes']))}"
+        for row in pipeline["layers"]
+    )
+    return (
+        f"{pipeline['stages']} stages x {pipeline['micro_batches']} micro-batches ({pipeline['schedule']}, bubble "
+        f"{pipeline['bubble_fraction']:.0%}): {where}"
+    )
 
 
 def summary_pairs(record: RunRecord) -> List[tuple]:
@@ -121,9 +133,15 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
     if breakdown:  # where the time to the first step went (record/startup.py)
         pairs.append(("start-up", startup_text(breakdown)))
     if record.compiler_options:  # beyond XLA_FLAGS: the strategy's own (engines/xla_options.py)
-        pairs.append(("XLA options (strategy's)", ", ".join(
-            f"{name}={human_bytes(value) if name.endswith('_bytes') else value}"
-            for name, value in sorted(record.compiler_options.items()))))
+        pairs.append(
+            (
+                "XLA options (strategy's)",
+                ", ".join(
+                    f"{name}={human_bytes(value) if name.endswith('_bytes') else value}"
+                    for name, value in sorted(record.compiler_options.items())
+                ),
+            )
+        )
     if record.network_traffic:
         pairs.append(("traffic per device per step", network_text(record.network_traffic)))
     if record.pipeline:
@@ -169,9 +187,13 @@ def _profile_pairs(record: RunRecord) -> List[tuple]:
     pairs = [("profile (steps %s-%s)" % (first, last), profile.get("trace") or profile.get("dir"))]
     if profile.get("comm_share") is not None:
         kinds = ", ".join(f"{k} {v} ms" for k, v in (profile.get("collective_ms_per_step") or {}).items())
-        pairs.append(("communication share (profiled)",
-                      f"{profile['comm_share']:.1%} of the step, {profile['exposed_comm_share']:.1%} not "
-                      f"overlapped with compute ({profile.get('platform')}; per step: {kinds})"))
+        pairs.append(
+            (
+                "communication share (profiled)",
+                f"{profile['comm_share']:.1%} of the step, {profile['exposed_comm_share']:.1%} not "
+                f"overlapped with compute ({profile.get('platform')}; per step: {kinds})",
+            )
+        )
     return pairs
 
 
@@ -199,9 +221,12 @@ def input_pairs(record: RunRecord) -> List[tuple]:
     inp = record.input
     if inp is None:
         return []
-    pairs = [("dataset", inp.dataset), ("pipeline", inp.pipeline or "-"),
-             ("rows / steps per epoch", f"{inp.rows:,} / {inp.steps_per_epoch:,}"),
-             ("epochs", _cell(inp.epochs))]
+    pairs = [
+        ("dataset", inp.dataset),
+        ("pipeline", inp.pipeline or "-"),
+        ("rows / steps per epoch", f"{inp.rows:,} / {inp.steps_per_epoch:,}"),
+        ("epochs", _cell(inp.epochs)),
+    ]
     pairs += _read_pairs(record, inp)
     # The rate and the wait are process 0's: the one whose result leads the record.
     whose = " (process 0)" if len(_read_shares(record)) > 1 else ""
@@ -219,8 +244,7 @@ def _read_pairs(record: RunRecord, inp: InputRecord) -> List[tuple]:
         return [("rows / bytes read", mine)]
     rows = sum(r for _p, r, _b in shares)
     size = sum(b for _p, _r, b in shares)
-    return [("rows / bytes read (process 0)", mine),
-            (f"rows / bytes read (all {len(shares)} processes)", f"{rows:,} rows, {_exact(size)}")]
+    return [("rows / bytes read (process 0)", mine), (f"rows / bytes read (all {len(shares)} processes)", f"{rows:,} rows, {_exact(size)}")]
 
 
 def _read_shares(record: RunRecord) -> List[tuple]:
@@ -260,32 +284,49 @@ def _collective_rows(record: RunRecord, fmt_bytes=None) -> List[List[str]]:
 
 
 def _search_rows(record: RunRecord) -> List[List[str]]:
-    return [[r.strategy, _cell(r.mesh_shape), _cell(r.fits), _cell(r.peak_bytes_per_device),
-             _cell(r.compile_s), _cell(r.step_time_s) + (" (predicted)" if r.predicted_from else ""),
-             "yes" if r.chosen else "", r.note]
-            for r in (record.search or [])]
+    return [
+        [
+            r.strategy,
+            _cell(r.mesh_shape),
+            _cell(r.fits),
+            _cell(r.peak_bytes_per_device),
+            _cell(r.compile_s),
+            _cell(r.step_time_s) + (" (predicted)" if r.predicted_from else ""),
+            "yes" if r.chosen else "",
+            r.note,
+        ]
+        for r in (record.search or [])
+    ]
 
 
 SEARCH_HEADER = ("strategy", "mesh", "fits", "peak B/device", "compile s", "step s", "chosen", "note")
 
 
 def _process_rows(record: RunRecord) -> List[List[str]]:
-    return [[_cell(p.id), p.host or "", _cell(p.ip), _cell(len(p.local_devices)), _cell(p.coordinator)]
-            for p in record.processes]
+    return [[_cell(p.id), p.host or "", _cell(p.ip), _cell(len(p.local_devices)), _cell(p.coordinator)] for p in record.processes]
 
 
 PROCESS_HEADER = ("process", "host", "ip", "devices", "coordinator")
 
 
 def _stage_rows(record: RunRecord) -> List[List[str]]:
-    return [[_cell(st.stage), _cell(st.mesh), _cell(st.layers), _cell(st.submesh_shape), _cell(st.logical_shape),
-             _cell(st.memory_bytes), _cell(st.memory_bytes_forward), _cell(st.memory_bytes_backward),
-             _cell(sum(c.count for c in st.collectives.values()) if st.collectives else None)]
-            for st in record.stages]
+    return [
+        [
+            _cell(st.stage),
+            _cell(st.mesh),
+            _cell(st.layers),
+            _cell(st.submesh_shape),
+            _cell(st.logical_shape),
+            _cell(st.memory_bytes),
+            _cell(st.memory_bytes_forward),
+            _cell(st.memory_bytes_backward),
+            _cell(sum(c.count for c in st.collectives.values()) if st.collectives else None),
+        ]
+        for st in record.stages
+    ]
 
 
-STAGE_HEADER = ("stage", "mesh", "layers", "submesh", "logical mesh", "memory B", "forward B", "backward B",
-                "collectives")
+STAGE_HEADER = ("stage", "mesh", "layers", "submesh", "logical mesh", "memory B", "forward B", "backward B", "collectives")
 
 
 def _param_rows(record: RunRecord) -> List[List[str]]:
@@ -323,8 +364,19 @@ def grouped_param_rows(record: RunRecord) -> List[List[str]]:
     for first, count, size, per_device, indices in groups.values():
         shown = iter([next(iter(seen)) if len(seen) == 1 else "*" for seen in indices])
         path = _INDEX.sub(lambda _m: next(shown), first.path)
-        rows.append([f"{count:,}", path, _cell(first.shape), first.dtype, human_bytes(size), human_bytes(per_device),
-                     first.spec, _cell(first.mesh_ids), first.strategy])
+        rows.append(
+            [
+                f"{count:,}",
+                path,
+                _cell(first.shape),
+                first.dtype,
+                human_bytes(size),
+                human_bytes(per_device),
+                first.spec,
+                _cell(first.mesh_ids),
+                first.strategy,
+            ]
+        )
     return rows
 
 
@@ -336,11 +388,13 @@ def terminal_param_table(record: RunRecord, all_rows: bool = False) -> tuple:
     if all_rows or n <= TABLE_ROWS:
         return PARAM_COLUMNS, _param_rows(record), ""
     rows = grouped_param_rows(record)
-    note = (f"{n:,} leaves in {len(rows):,} groups of leaves identical but for their layer/expert index "
-            f"(* where they differ; bytes: the group's total)")
+    note = (
+        f"{n:,} leaves in {len(rows):,} groups of leaves identical but for their layer/expert index "
+        f"(* where they differ; bytes: the group's total)"
+    )
     if len(rows) > TABLE_ROWS:
         hidden = sum(int(r[0].replace(",", "")) for r in rows[TABLE_ROWS:])
-        note += (f"; ... {len(rows) - TABLE_ROWS:,} more groups ({hidden:,} leaves) not shown")
+        note += f"; ... {len(rows) - TABLE_ROWS:,} more groups ({hidden:,} leaves) not shown"
         rows = rows[:TABLE_ROWS]
     return GROUPED_COLUMNS, rows, note + "; every leaf: --all-rows, or --format json|md|html"
 
@@ -356,8 +410,7 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def to_markdown(record: RunRecord) -> str:
-    parts = [f"# Parallel plan report: {record.config.get('model', '?')}", "",
-             _md_table(("item", "value"), summary_pairs(record)), ""]
+    parts = [f"# Parallel plan report: {record.config.get('model', '?')}", "", _md_table(("item", "value"), summary_pairs(record)), ""]
     if record.search:
         parts += ["## Auto search", "", _md_table(SEARCH_HEADER, _search_rows(record)), ""]
     parts += _input_markdown(record)
@@ -379,8 +432,7 @@ def _input_markdown(record: RunRecord) -> List[str]:
     parts = ["## Input", "", _md_table(("item", "value"), pairs), ""]
     shares = input_process_rows(record)
     if shares:
-        parts += ["Each process reads only its own rows of every global batch:", "",
-                  _md_table(INPUT_PROCESS_HEADER, shares), ""]
+        parts += ["Each process reads only its own rows of every global batch:", "", _md_table(INPUT_PROCESS_HEADER, shares), ""]
     return parts
 
 
@@ -401,13 +453,15 @@ def to_table(record: RunRecord, all_rows: bool = False) -> str:
     console.print(summary)
     param_header, param_rows, param_note = terminal_param_table(record, all_rows)
     full = all_rows and len(param_rows) > TABLE_ROWS
-    tables = [(("item", "value"), input_pairs(record), "input"),
-              (INPUT_PROCESS_HEADER, input_process_rows(record), "input per process"),
-              (EVAL_HEADER, eval_rows(record), "eval"),
-              (SEARCH_HEADER, _search_rows(record), "auto search"),
-              (STAGE_HEADER, _stage_rows(record), "pipeline stages"),
-              (param_header, [] if full else param_rows, "parameters and optimizer state"),
-              (("kind", "count", "bytes"), _collective_rows(record), "collectives")]
+    tables = [
+        (("item", "value"), input_pairs(record), "input"),
+        (INPUT_PROCESS_HEADER, input_process_rows(record), "input per process"),
+        (EVAL_HEADER, eval_rows(record), "eval"),
+        (SEARCH_HEADER, _search_rows(record), "auto search"),
+        (STAGE_HEADER, _stage_rows(record), "pipeline stages"),
+        (param_header, [] if full else param_rows, "parameters and optimizer state"),
+        (("kind", "count", "bytes"), _collective_rows(record), "collectives"),
+    ]
     for header, rows, title in tables:
         if full and title == "parameters and optimizer state":
             continue
@@ -422,8 +476,7 @@ def to_table(record: RunRecord, all_rows: bool = False) -> str:
                 console.print(param_note, markup=False, highlight=False, soft_wrap=True)
     text = console.export_text()
     if full:
-        text += "\nparameters and optimizer state (%d leaves)\n%s\n" % (len(param_rows),
-                                                                       _plain_columns(param_header, param_rows))
+        text += "\nparameters and optimizer state (%d leaves)\n%s\n" % (len(param_rows), _plain_columns(param_header, param_rows))
     return text
 
 
@@ -482,9 +535,11 @@ def _table(header: Sequence[str], body_html: str, css_class: str) -> str:
 
 def figure_html(caption: str, png: bytes) -> str:
     """A PNG inline; `dataset.rendered` lets the headless-browser test see that it decoded."""
-    return (f'<figure><img alt="{html.escape(caption)}" onload="this.dataset.rendered=this.naturalWidth" '
-            f'src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    return (
+        f'<figure><img alt="{html.escape(caption)}" onload="this.dataset.rendered=this.naturalWidth" '
+        f'src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
 
 
 def page_html(title: str, body: str, heading: Optional[str] = None) -> str:
@@ -516,29 +571,38 @@ def _folded_params_html(record: RunRecord) -> str:
     used = set()
     body = []
     for n, p in enumerate(params):
-        mine = by_tail.get(p.path[len("params/"):], [])
+        mine = by_tail.get(p.path[len("params/") :], [])
         used.update(id(o) for o in mine)
         toggle = ""
         if mine:
             total = sum(o.bytes_per_device for o in mine)
-            toggle = (f'<details data-group="g{n}" ontoggle="foldState(this)"><summary>{len(mine)} arrays, '
-                      f"{human_bytes(total)}/device</summary></details>")
+            toggle = (
+                f'<details data-group="g{n}" ontoggle="foldState(this)"><summary>{len(mine)} arrays, '
+                f"{human_bytes(total)}/device</summary></details>"
+            )
         body.append('<tr class="param">' + "".join(f"<td>{c}</td>" for c in _leaf_cells(p) + [toggle]) + "</tr>")
         for o in mine:
-            body.append(f'<tr class="opt g{n}" hidden>' + "".join(f"<td>{c}</td>" for c in _leaf_cells(o) + [""])
-                        + "</tr>")
+            body.append(f'<tr class="opt g{n}" hidden>' + "".join(f"<td>{c}</td>" for c in _leaf_cells(o) + [""]) + "</tr>")
     for o in others:
         if id(o) not in used:
             body.append('<tr class="other">' + "".join(f"<td>{c}</td>" for c in _leaf_cells(o) + [""]) + "</tr>")
-    script = ("<script>function foldState(d){document.querySelectorAll('tr.'+d.dataset.group)"
-              ".forEach(function(r){r.hidden=!d.open;});}</script>")
+    script = (
+        "<script>function foldState(d){document.querySelectorAll('tr.'+d.dataset.group).forEach(function(r){r.hidden=!d.open;});}</script>"
+    )
     return _table(FOLDED_HEADER, "".join(body), "params") + script
 
 
 def _leaf_cells(r) -> List[str]:
-    return [html.escape(r.path), html.escape(_cell(r.shape)), html.escape(r.dtype), human_bytes(r.bytes),
-            human_bytes(r.bytes_per_device), html.escape(r.spec), html.escape(_cell(r.mesh_ids)),
-            html.escape(r.strategy)]
+    return [
+        html.escape(r.path),
+        html.escape(_cell(r.shape)),
+        html.escape(r.dtype),
+        human_bytes(r.bytes),
+        human_bytes(r.bytes_per_device),
+        html.escape(r.spec),
+        html.escape(_cell(r.mesh_ids)),
+        html.escape(r.strategy),
+    ]
 
 
 def device_budget(record: RunRecord) -> Optional[int]:
@@ -547,13 +611,18 @@ def device_budget(record: RunRecord) -> Optional[int]:
     if limit:
         return int(float(limit) * 1e9)
     match = re.search(r"(\d+)\s*GB", record.devices.kind or "")
-    return int(match.group(1)) * 10 ** 9 if match else None
+    return int(match.group(1)) * 10**9 if match else None
 
 
-MEMORY_ROWS = (("argument_size_in_bytes", "arguments (state + batch)"), ("output_size_in_bytes", "outputs"),
-               ("alias_size_in_bytes", "aliased (donated) outputs"), ("temp_size_in_bytes", "temporaries"),
-               ("generated_code_size_in_bytes", "generated code"), ("peak_estimate_bytes", "peak estimate"),
-               ("total_allocation_bytes", "total allocation"))
+MEMORY_ROWS = (
+    ("argument_size_in_bytes", "arguments (state + batch)"),
+    ("output_size_in_bytes", "outputs"),
+    ("alias_size_in_bytes", "aliased (donated) outputs"),
+    ("temp_size_in_bytes", "temporaries"),
+    ("generated_code_size_in_bytes", "generated code"),
+    ("peak_estimate_bytes", "peak estimate"),
+    ("total_allocation_bytes", "total allocation"),
+)
 
 
 def _memory_html(record: RunRecord) -> str:
@@ -571,11 +640,14 @@ def _memory_html(record: RunRecord) -> str:
         bar = f'<span class="bar{over}" style="width:{min(share, 1) * 300:.0f}px"></span>'
         rows.append([html.escape(label), human_bytes(value), f"{share:.1%}" if budget else "", bar])
     source = "--memory-limit-gb" if (record.config or {}).get("memory_limit_gb") else record.devices.kind or ""
-    where = (f"device budget {human_bytes(budget)} ({html.escape(source)})" if budget else
-             f"no device budget known ({html.escape(record.devices.kind or 'device')}); bars relative to the "
-             "largest value")
-    return (f"<p>XLA's memory analysis of the compiled step, per device; {where}.</p>"
-            + _raw_table(("what", "bytes", "of budget", ""), rows, "memory"))
+    where = (
+        f"device budget {human_bytes(budget)} ({html.escape(source)})"
+        if budget
+        else f"no device budget known ({html.escape(record.devices.kind or 'device')}); bars relative to the largest value"
+    )
+    return f"<p>XLA's memory analysis of the compiled step, per device; {where}.</p>" + _raw_table(
+        ("what", "bytes", "of budget", ""), rows, "memory"
+    )
 
 
 def _dict_rows(data: dict) -> List[List[str]]:
@@ -589,8 +661,10 @@ def _input_html(record: RunRecord) -> List[str]:
     parts = ["<h2>Input</h2>", _html_table(("item", "value"), pairs, "input")]
     shares = input_process_rows(record)
     if shares:
-        parts += ["<p>Each process reads only its own rows of every global batch:</p>",
-                  _html_table(INPUT_PROCESS_HEADER, shares, "input-processes")]
+        parts += [
+            "<p>Each process reads only its own rows of every global batch:</p>",
+            _html_table(INPUT_PROCESS_HEADER, shares, "input-processes"),
+        ]
     return parts
 
 
@@ -608,35 +682,48 @@ def to_html(record: RunRecord, rendered_plots: Optional[Sequence[tuple]] = None)
     figures = "".join(figure_html(caption, png) for _name, caption, png in rendered_plots)
     sections = []
     if record.status != "ok":
-        sections.append(f'<p class="status-{html.escape(record.status)}"><b>{html.escape(record.status)}</b> after '
-                        f"{record.steps} step(s): {html.escape(record.error or '')}</p>")
+        sections.append(
+            f'<p class="status-{html.escape(record.status)}"><b>{html.escape(record.status)}</b> after '
+            f"{record.steps} step(s): {html.escape(record.error or '')}</p>"
+        )
     sections += [
-        "<h2>Summary</h2>", _html_table(("item", "value"), summary_pairs(record), "summary"),
-        "<h2>Mesh</h2>", mesh_picture(record),
-        "<h2>Memory per device</h2>", _memory_html(record),
+        "<h2>Summary</h2>",
+        _html_table(("item", "value"), summary_pairs(record), "summary"),
+        "<h2>Mesh</h2>",
+        mesh_picture(record),
+        "<h2>Memory per device</h2>",
+        _memory_html(record),
         *_input_html(record),
         *_eval_html(record),
-        "<h2>Plots</h2>", figures or "<p>no plots</p>",
+        "<h2>Plots</h2>",
+        figures or "<p>no plots</p>",
     ]
     if record.search:
         chosen = next((r for r in record.search if r.chosen), None)
         why = ""
         if chosen:
             fitting = [r for r in record.search if r.step_time_s]
-            how = (f" predicted from copies of the model with {' and '.join(map(str, chosen.predicted_from))} "
-                   "layers, then compiled whole" if chosen.predicted_from else "")
-            why = (f"<p>Chosen: <b>{html.escape(chosen.strategy)} {html.escape(_cell(chosen.mesh_shape))}</b>, the "
-                   f"fastest of {len(fitting)} candidate(s) that fit ({len(record.search) - len(fitting)} skipped or "
-                   f"did not fit){how}.</p>")
+            how = (
+                f" predicted from copies of the model with {' and '.join(map(str, chosen.predicted_from))} layers, then compiled whole"
+                if chosen.predicted_from
+                else ""
+            )
+            why = (
+                f"<p>Chosen: <b>{html.escape(chosen.strategy)} {html.escape(_cell(chosen.mesh_shape))}</b>, the "
+                f"fastest of {len(fitting)} candidate(s) that fit ({len(record.search) - len(fitting)} skipped or "
+                f"did not fit){how}.</p>"
+            )
         sections += ["<h2>Auto search</h2>", why, _html_table(SEARCH_HEADER, _search_rows(record), "search")]
     if record.processes:
         sections += ["<h2>Processes</h2>", _html_table(PROCESS_HEADER, _process_rows(record), "processes")]
     if record.stages:
         sections += ["<h2>Pipeline stages</h2>", _html_table(STAGE_HEADER, _stage_rows(record), "stages")]
-    sections += ["<h2>Collectives in the optimized HLO</h2>",
-                 _html_table(("kind", "count", "bytes"), _collective_rows(record, human_bytes), "collectives"),
-                 "<h2>Parameters (optimizer state folded under each)</h2>",
-                 _folded_params_html(record)]
+    sections += [
+        "<h2>Collectives in the optimized HLO</h2>",
+        _html_table(("kind", "count", "bytes"), _collective_rows(record, human_bytes), "collectives"),
+        "<h2>Parameters (optimizer state folded under each)</h2>",
+        _folded_params_html(record),
+    ]
     if record.config:
         sections += ["<h2>Config</h2>", _html_table(("setting", "value"), _dict_rows(record.config), "config")]
     if record.versions:

@@ -1,4 +1,5 @@
 """Human units and the plan's one-line name, shared by the report and the run comparison."""
+
 from __future__ import annotations
 
 from alpa_job.units import human_bytes  # noqa: F401 - the readers' name for it
@@ -22,6 +23,7 @@ def plan_title(record) -> str:
 def stage_blocks_text(row) -> str:
     """A pipeline stage's blocks: 'Block_0..Block_1', or its chunks under a circular schedule
     ('Block_0 + Block_2'). Reports written before chunks existed list the blocks alone."""
+
     def span(names):
         return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
 

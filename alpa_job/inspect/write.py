@@ -1,4 +1,5 @@
 """Write a run's report files: report.json, report.md, report.html and the plot PNGs beside them."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,11 @@ from alpa_job.record.run_record import RunRecord
 def write_report(record: RunRecord, out_dir: str) -> Dict[str, str]:
     """Write report.json, report.md, report.html and the plot PNGs; return their paths."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, REPORT_FILE), "md": os.path.join(out_dir, "report.md"),
-             "html": os.path.join(out_dir, "report.html")}
+    paths = {
+        "json": os.path.join(out_dir, REPORT_FILE),
+        "md": os.path.join(out_dir, "report.md"),
+        "html": os.path.join(out_dir, "report.html"),
+    }
     _write_text(paths["json"], report_json(record))
     _write_text(paths["md"], to_markdown(record))
     rendered = all_plots(record)

@@ -23,6 +23,7 @@ RECOVERING name the lost process (host, node IP, Ray node id, index, step, its l
 Every transition goes through `_enter` (the allowed ones are `TRANSITIONS`) and is written to the
 run's train.log.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,7 +100,10 @@ class JobController:
     # ----- the state machine -----------------------------------------------------------------------
     def run(self) -> List[ProcessResult]:
         handlers: Dict[JobState, Callable[[], None]] = {
-            JobState.PLACING: self._place, JobState.RUNNING: self._train, JobState.RECOVERING: self._recover}
+            JobState.PLACING: self._place,
+            JobState.RUNNING: self._train,
+            JobState.RECOVERING: self._recover,
+        }
         try:
             while self.state in handlers:
                 handlers[self.state]()
@@ -122,8 +126,14 @@ class JobController:
     def _place(self) -> None:
         self.group = self._start_group()
         if self.attempt:
-            check_batch_divides(self.config.batch_size, len(self.group), self.config.devices, self.config.strategy,
-                                self.config.model_parallel, before=self.want)
+            check_batch_divides(
+                self.config.batch_size,
+                len(self.group),
+                self.config.devices,
+                self.config.strategy,
+                self.config.model_parallel,
+                before=self.want,
+            )
         self.attempt_config = self._config_for_attempt()
         self.resumed = (latest_complete_step(self.ckpt_dir) or 0) if self.attempt_config.resume else 0
         if self.recovering is not None:
@@ -139,15 +149,19 @@ class JobController:
                 group.start()
             except PlacementFailed as err:
                 group.kill()
-                note(f"[alpa_job] a JAX process could not start on {', '.join(x.ip for x in err.lost)} "
-                     f"({err.lost[0].reason}); waiting for Ray's view of the cluster to settle")
+                note(
+                    f"[alpa_job] a JAX process could not start on {', '.join(x.ip for x in err.lost)} "
+                    f"({err.lost[0].reason}); waiting for Ray's view of the cluster to settle"
+                )
                 self._settle(err.lost)
                 continue
             if len(group) > 1 and (self.config.checkpoint_every or self.config.resume or self.policy.max_restarts):
                 group.check_shared_out()
             return group
-        raise LostProcessError(f"could not place the JAX processes in {PLACEMENT_RETRIES} tries: nodes kept dying "
-                               f"({', '.join(x.where() for x in self.lost)}); check `ray status`")
+        raise LostProcessError(
+            f"could not place the JAX processes in {PLACEMENT_RETRIES} tries: nodes kept dying "
+            f"({', '.join(x.where() for x in self.lost)}); check `ray status`"
+        )
 
     def _choose(self) -> List[ray_api.RayNode]:
         eligible = self._eligible()  # one read of Ray's node table
@@ -155,12 +169,14 @@ class JobController:
         nodes = training_nodes(eligible)
         count = want or len(nodes)
         if not nodes:
-            raise LostProcessError("no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
-                                   "add nodes, then rerun with --resume"
-                                   % (", ".join(x.where() for x in self.lost) or "-"))
+            raise LostProcessError(
+                "no alive Ray node with a free CPU is left to run the JAX processes on (lost: %s); "
+                "add nodes, then rerun with --resume" % (", ".join(x.where() for x in self.lost) or "-")
+            )
         if count > len(nodes):
-            raise KitError(f"--processes {count} but only {len(nodes)} alive Ray nodes have a free CPU; "
-                           f"use --processes {len(nodes)} or add nodes")
+            raise KitError(
+                f"--processes {count} but only {len(nodes)} alive Ray nodes have a free CPU; use --processes {len(nodes)} or add nodes"
+            )
         return nodes[:count]
 
     def _config_for_attempt(self):
@@ -174,9 +190,11 @@ class JobController:
     def _train(self) -> None:
         group = self.group
         channel = ProgressChannel.open()
-        note(f"[alpa_job] {len(group)} JAX process(es) on {', '.join(group.ips())}; "
-             f"coordinator {group.coordinator() or '-'}"
-             + (f"; attempt {self.attempt + 1}, from step {self.resumed}" if self.attempt else ""))
+        note(
+            f"[alpa_job] {len(group)} JAX process(es) on {', '.join(group.ips())}; "
+            f"coordinator {group.coordinator() or '-'}"
+            + (f"; attempt {self.attempt + 1}, from step {self.resumed}" if self.attempt else "")
+        )
         try:
             results = self._watch(channel)
         except GroupLost as failed:
@@ -202,8 +220,7 @@ class JobController:
                     signalled.stop.check_interrupted()  # a Ctrl-C whose KeyboardInterrupt was swallowed
                 if signalled is not None and signalled.requested and stop_at is None and not group.errors:
                     stop_at = group.stop_at_one_step(self.resumed)
-                    note(f"[alpa_job] SIGTERM: every JAX process stops after step {stop_at} and saves a "
-                         "checkpoint there")
+                    note(f"[alpa_job] SIGTERM: every JAX process stops after step {stop_at} and saves a checkpoint there")
                 if first_failure is None and not group.errors:
                     group.errors.update(group.hung(self.hang_timeout))
                 if group.errors and first_failure is None:
@@ -234,12 +251,11 @@ class JobController:
 
         extra_seen, extra_dropped = (0, 0)
         if self.resumed > self.run_start:
-            extra_seen, extra_dropped = ray.get(group.actors[0].trajectory.remote(self.config, self.run_start,
-                                                                                  self.resumed),
-                                                timeout=TRAJECTORY_TIMEOUT_S)
+            extra_seen, extra_dropped = ray.get(
+                group.actors[0].trajectory.remote(self.config, self.run_start, self.resumed), timeout=TRAJECTORY_TIMEOUT_S
+            )
         group.kill()  # their work is done; the trajectory call was the last
-        return with_restarts(results, self.restarts, self.run_start, self.resumed, extra_seen, extra_dropped,
-                             self.config.resume)
+        return with_restarts(results, self.restarts, self.run_start, self.resumed, extra_seen, extra_dropped, self.config.resume)
 
     # ----- RECOVERING ------------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -249,27 +265,36 @@ class JobController:
         self._name_the_loss(failed)
         settled_at: Optional[float] = None
         while True:
-            status = PollStatus(failed.lost, len(self.restarts), len(self.group),
-                                eligible=None if settled_at is None else self._eligible_count(),
-                                waited_s=0.0 if settled_at is None else time.monotonic() - settled_at)
+            status = PollStatus(
+                failed.lost,
+                len(self.restarts),
+                len(self.group),
+                eligible=None if settled_at is None else self._eligible_count(),
+                waited_s=0.0 if settled_at is None else time.monotonic() - settled_at,
+            )
             decision = self.policy.decide(status)
             if decision.action != WAIT:
                 break
             if settled_at is None:
-                note(f"[alpa_job] restart {len(self.restarts) + 1}/{self.policy.max_restarts}: waiting for "
-                     f"Ray to settle (node {failed.lost[0].ip} marked dead, or answering again)")
+                note(
+                    f"[alpa_job] restart {len(self.restarts) + 1}/{self.policy.max_restarts}: waiting for "
+                    f"Ray to settle (node {failed.lost[0].ip} marked dead, or answering again)"
+                )
                 self._settle(failed.lost)
                 settled_at = time.monotonic()
             else:
                 time.sleep(REPLACEMENT_POLL_S)
         if decision.action == FAIL and status.eligible is None:  # the restarts are spent: name the loss
             x = failed.lost[0]
-            raise LostProcessError(failures.failure_message(x, failed.slots.get(x.index), self._latest_checkpoint(),
-                                                            self._log_shown,
-                                                            also=[y.index for y in failed.lost[1:]])) from None
+            raise LostProcessError(
+                failures.failure_message(
+                    x, failed.slots.get(x.index), self._latest_checkpoint(), self._log_shown, also=[y.index for y in failed.lost[1:]]
+                )
+            ) from None
         if decision.action == FAIL:
-            raise LostProcessError(f"{decision.reason} (lost: {', '.join(x.where() for x in self.lost) or '-'}); "
-                                   "add nodes, then rerun with --resume")
+            raise LostProcessError(
+                f"{decision.reason} (lost: {', '.join(x.where() for x in self.lost) or '-'}); add nodes, then rerun with --resume"
+            )
         self.recovering = Recovery.after(failed)
         self.restarts.append(self.recovering)
         self.want = decision.processes
@@ -283,7 +308,7 @@ class JobController:
         if slot is not None:
             if x.index in failed.tails:  # read while ranking (even if Ray could not serve it): not a second time
                 read = failed.tails[x.index]
-                lines = read[-failures.LOG_TAIL_LINES:] if read is not None else None
+                lines = read[-failures.LOG_TAIL_LINES :] if read is not None else None
             else:
                 lines = failures.log_tail(slot)
             self._log_shown = failures.print_log_tail(slot, lines)

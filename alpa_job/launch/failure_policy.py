@@ -6,6 +6,7 @@ has waited for replacements) and acts on the `Decision` it returns: fail (with t
 settled view, then for replacement nodes, up to --restart-wait), or retry on that many processes. A pure
 function of plain data: tested without a cluster, and the controller's own tests script decisions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,7 @@ class FailurePolicy:
 
     @classmethod
     def from_config(cls, config) -> "FailurePolicy":
-        return cls(max_restarts=int(getattr(config, "max_restarts", 0) or 0),
-                   restart_wait=float(getattr(config, "restart_wait", 0) or 0))
+        return cls(max_restarts=int(getattr(config, "max_restarts", 0) or 0), restart_wait=float(getattr(config, "restart_wait", 0) or 0))
 
     def decide(self, status: PollStatus) -> Decision:
         if status.restarts_so_far >= self.max_restarts:
@@ -52,10 +52,11 @@ class FailurePolicy:
         if status.eligible is None:
             return Decision(WAIT, "Ray's view of the lost node has not settled")
         if status.eligible < status.processes and status.waited_s < self.restart_wait:
-            return Decision(WAIT, "%d of %d nodes eligible; waiting up to %.0f s for replacements"
-                            % (status.eligible, status.processes, self.restart_wait))
+            return Decision(
+                WAIT,
+                "%d of %d nodes eligible; waiting up to %.0f s for replacements" % (status.eligible, status.processes, self.restart_wait),
+            )
         if status.eligible == 0:
             return Decision(FAIL, "no alive Ray node with a free CPU is left to run the JAX processes on")
         processes = min(status.eligible, status.processes)
-        return Decision(RETRY, "restart %d/%d on %d process(es)" % (status.restarts_so_far + 1, self.max_restarts,
-                                                                     processes), processes)
+        return Decision(RETRY, "restart %d/%d on %d process(es)" % (status.restarts_so_far + 1, self.max_restarts, processes), processes)

@@ -18,6 +18,7 @@
 
 Imports on the Alpa image's stack (Python 3.9, ray 2.1.0): standard library at module level, ray when used.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,7 @@ class Lost:
     hung: bool = False  # alive but silent (the watchdog's Hung), rather than dead
 
     def where(self) -> str:
-        return "process %d on host %s (node IP %s, Ray node id %s)" % (
-            self.index, self.host or "?", self.ip, self.node_id or "?")
+        return "process %d on host %s (node IP %s, Ray node id %s)" % (self.index, self.host or "?", self.ip, self.node_id or "?")
 
 
 @dataclasses.dataclass
@@ -86,10 +86,16 @@ def describe_self(index: int) -> Dict[str, Any]:
         except Exception:  # an older/newer Ray without this id: the message just omits it
             return ""
 
-    return {"index": index, "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
-            "node_id": hexid("get_node_id", "node_id"), "actor_id": hexid("get_actor_id", "actor_id"),
-            "worker_id": hexid("get_worker_id", "worker_id"), "pid": os.getpid(),
-            "log_dir": ray_api.logs_dir()}
+    return {
+        "index": index,
+        "ip": ray.util.get_node_ip_address(),
+        "host": socket.gethostname(),
+        "node_id": hexid("get_node_id", "node_id"),
+        "actor_id": hexid("get_actor_id", "actor_id"),
+        "worker_id": hexid("get_worker_id", "worker_id"),
+        "pid": os.getpid(),
+        "log_dir": ray_api.logs_dir(),
+    }
 
 
 # ---- the log ------------------------------------------------------------------------------------
@@ -147,27 +153,35 @@ def log_location(slot: Slot) -> str:
     return "%s:%s/%s.{out,err}" % (slot.ip, slot.log_dir, name)
 
 
-def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[int], log_shown: bool,
-                    also: Sequence[int] = ()) -> str:
+def failure_message(lost: Lost, slot: Optional[Slot], checkpoint_step: Optional[int], log_shown: bool, also: Sequence[int] = ()) -> str:
     step = "at step %d" % lost.step if lost.step is not None else "before its first step"
     verb = "hung" if lost.hung else "died"
-    reason = lost.reason[len(HUNG):].strip() if lost.hung and lost.reason.startswith(HUNG) else lost.reason
-    saved = ("last complete checkpoint: step %d" % checkpoint_step if checkpoint_step is not None
-             else "no complete checkpoint yet")
-    where = "its log is printed above" if log_shown else (
-        "read its log on that node: %s" % log_location(slot) if slot else "read its log under %s on that node" % ray_api.logs_dir())
-    others = ("process(es) %s ended with it (JAX stops the peers of a dead process), the rest were stopped"
-              % ", ".join(str(i) for i in also)) if also else "the other processes were stopped"
-    return ("JAX %s %s %s (%s; %s); %s; %s; rerun with --resume (from the last checkpoint) or pass "
-            "--max-restarts N to continue on the surviving nodes"
-            % (lost.where(), verb, step, reason or "no reason given", saved, others, where))
+    reason = lost.reason[len(HUNG) :].strip() if lost.hung and lost.reason.startswith(HUNG) else lost.reason
+    saved = "last complete checkpoint: step %d" % checkpoint_step if checkpoint_step is not None else "no complete checkpoint yet"
+    where = (
+        "its log is printed above"
+        if log_shown
+        else ("read its log on that node: %s" % log_location(slot) if slot else "read its log under %s on that node" % ray_api.logs_dir())
+    )
+    others = (
+        ("process(es) %s ended with it (JAX stops the peers of a dead process), the rest were stopped" % ", ".join(str(i) for i in also))
+        if also
+        else "the other processes were stopped"
+    )
+    return (
+        "JAX %s %s %s (%s; %s); %s; %s; rerun with --resume (from the last checkpoint) or pass "
+        "--max-restarts N to continue on the surviving nodes"
+        % (lost.where(), verb, step, reason or "no reason given", saved, others, where)
+    )
 
 
 def print_log_tail(slot: Slot, lines: Optional[List[str]]) -> bool:
     if not lines:
         return False
-    print("[alpa_job] last %d lines of process %d's log (host %s, %s):" % (len(lines), slot.index, slot.host,
-                                                                          log_location(slot)), file=sys.stderr)
+    print(
+        "[alpa_job] last %d lines of process %d's log (host %s, %s):" % (len(lines), slot.index, slot.host, log_location(slot)),
+        file=sys.stderr,
+    )
     for line in lines:
         print("  | " + line, file=sys.stderr)
     sys.stderr.flush()
@@ -183,8 +197,12 @@ def first_line(err: BaseException) -> str:
 
 
 # ---- which processes were lost ---------------------------------------------------------------------
-JAX_ABORT = ("CoordinationServiceAgent::SetError", "detected fatal errors", "Terminating process because",
-             "SIGABRT received")  # what JAX writes when its coordination service ends a dead peer's survivors
+JAX_ABORT = (
+    "CoordinationServiceAgent::SetError",
+    "detected fatal errors",
+    "Terminating process because",
+    "SIGABRT received",
+)  # what JAX writes when its coordination service ends a dead peer's survivors
 
 
 class Unresponsive(Exception):
@@ -200,8 +218,11 @@ class Hung(Unresponsive):
     True: it answers but does not step (blocked on a silent peer, or stuck in its own code)."""
 
     def __init__(self, step: Optional[int], seconds: float, answering: bool):
-        state = ("it answers Ray but does not step: blocked on a peer or stuck" if answering else
-                 "it does not answer Ray either: stopped, frozen or cut off")
+        state = (
+            "it answers Ray but does not step: blocked on a peer or stuck"
+            if answering
+            else "it does not answer Ray either: stopped, frozen or cut off"
+        )
         super().__init__("%s no step for %.0f s (--hang-timeout); %s" % (HUNG, seconds, state))
         self.step, self.seconds, self.answering = step, seconds, answering
 
@@ -220,8 +241,7 @@ def _now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def classify(errors: Dict[int, BaseException], slots: Dict[int, Slot], steps: Dict[int, Optional[int]],
-             detected: float) -> BaseException:
+def classify(errors: Dict[int, BaseException], slots: Dict[int, Slot], steps: Dict[int, Optional[int]], detected: float) -> BaseException:
     """`errors` (process index -> error, in the order seen) as the exception to raise: a GroupLost naming
     the processes whose actors died, or a KitError for a process that raised while every actor lived."""
     import ray
@@ -339,9 +359,11 @@ def wait_settled(lost: Sequence[Lost], timeout_s: float = SETTLE_TIMEOUT_S, poll
                 break
             if time.monotonic() > deadline:
                 x = next(iter(todo.values()))
-                raise KitError("the cluster did not settle within %.0f s: Ray still lists the node of %s as alive, "
-                               "but it runs no task; check `ray status` and that node, then rerun with --resume"
-                               % (timeout_s, x.where()), EXIT_TIMEOUT)
+                raise KitError(
+                    "the cluster did not settle within %.0f s: Ray still lists the node of %s as alive, "
+                    "but it runs no task; check `ray status` and that node, then rerun with --resume" % (timeout_s, x.where()),
+                    EXIT_TIMEOUT,
+                )
             time.sleep(poll_s)
     finally:
         for ref in probes.values():
@@ -381,8 +403,12 @@ def _actor_row(actor_id: str) -> Optional[Dict[str, Any]]:
     if not row:
         return None
     address = row.get("Address") or {}
-    return {"node_id": address.get("NodeID") or "", "ip": address.get("IPAddress"), "pid": row.get("Pid"),
-            "class_name": row.get("ActorClassName") or ""}
+    return {
+        "node_id": address.get("NodeID") or "",
+        "ip": address.get("IPAddress"),
+        "pid": row.get("Pid"),
+        "class_name": row.get("ActorClassName") or "",
+    }
 
 
 def actor_error_message(err: BaseException, what: str = "an Alpa mesh worker") -> str:
@@ -411,8 +437,11 @@ def actor_error_message(err: BaseException, what: str = "an Alpa mesh worker") -
             pass
     pid = field("pid")
     cls = field("class_name") or ""
-    where = ("on host %s (node IP %s, Ray node id %s%s)" % (host, ip, node_id, ", pid %s" % pid if pid else "")
-             if node_id else "(Ray no longer knows its node%s)" % (": actor %s" % actor_id if actor_id else ""))
+    where = (
+        "on host %s (node IP %s, Ray node id %s%s)" % (host, ip, node_id, ", pid %s" % pid if pid else "")
+        if node_id
+        else "(Ray no longer knows its node%s)" % (": actor %s" % actor_id if actor_id else "")
+    )
     # Only the actor record is left: the driver's own session folder is the best guess at its node's.
     logs = ray_api.logs_dir()
     log = "%s:%s/worker-*-%s.out" % (ip, logs, pid or "*") if node_id else "%s on that node" % logs

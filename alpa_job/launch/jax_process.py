@@ -8,6 +8,7 @@ one training loop runs on the joined process.
 
 Ray and jax are imported where used, so this module imports where neither is installed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,11 +76,9 @@ def actor_class():
             from alpa_job.launch.recovery import samples_in_steps
 
             epoch = plan_epoch(len(open_source(cfg)), cfg.batch_size, cfg.remainder)
-            return samples_in_steps(epoch.steps, epoch.full_batches, epoch.remainder, epoch.policy,
-                                    cfg.batch_size, run_start, resumed_from)
+            return samples_in_steps(epoch.steps, epoch.full_batches, epoch.remainder, epoch.policy, cfg.batch_size, run_start, resumed_from)
 
-        def train(self, cfg, process_id: int, num_processes: int, coordinator: Optional[str],
-                  channel=None) -> Any:
+        def train(self, cfg, process_id: int, num_processes: int, coordinator: Optional[str], channel=None) -> Any:
             from alpa_job.progress.channel import send_to
             from alpa_job.train.loop import train_process
 

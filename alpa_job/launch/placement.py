@@ -5,6 +5,7 @@ data axis of a shrunk attempt. Pure functions of plain data (node rows, sizes), 
 - `check_batch_divides(...)`: the global batch stays the same on the shrunk mesh (the data stream must
   not change) and must divide its data axis; else one line naming the sizes.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Set
@@ -13,8 +14,7 @@ from alpa_job import strategies
 from alpa_job.launch.failures import Lost
 
 
-def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], min_cpus: float = 1.0,
-                   healthy_ids: Optional[Set[str]] = None) -> List:
+def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], min_cpus: float = 1.0, healthy_ids: Optional[Set[str]] = None) -> List:
     """Alive nodes a new attempt may run on, in the given order.
 
     Excluded: every lost node id (unless it was found healthy: its process died, the node did not), and
@@ -33,16 +33,20 @@ def eligible_nodes(nodes: Iterable, lost: Sequence[Lost], min_cpus: float = 1.0,
     return out
 
 
-def check_batch_divides(batch_size: int, processes: int, devices_per_process: int, strategy: str,
-                        model_parallel: int = 0, before: Optional[int] = None) -> int:
+def check_batch_divides(
+    batch_size: int, processes: int, devices_per_process: int, strategy: str, model_parallel: int = 0, before: Optional[int] = None
+) -> int:
     """The data axis of `processes` x `devices_per_process` devices; a KitError when the global batch
     does not divide it (the batch never changes on a restart: the data stream must stay the same)."""
     data = strategies.data_axis_size(strategy, processes * devices_per_process, model_parallel, devices_per_process)
     was = " (was %d process(es))" % before if before else ""
     strategies.check_batch_split(
-        batch_size, data, "the batch stays the same on a restart (the data stream must not change): use a batch "
+        batch_size,
+        data,
+        "the batch stays the same on a restart (the data stream must not change): use a batch "
         "size that every surviving process count divides, e.g. %d" % _lcm_multiple(batch_size, data),
-        when="cannot restart on %d process(es)%s of %d devices: " % (processes, was, devices_per_process))
+        when="cannot restart on %d process(es)%s of %d devices: " % (processes, was, devices_per_process),
+    )
     return data
 
 

@@ -7,6 +7,7 @@ controller proposes a step to every process (`WorkerGroup.stop_at_one_step`). A 
 once, as Ctrl-C does (an `interrupted` report, no checkpoint). An engine that cannot checkpoint (Alpa)
 stops at once on the first.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -82,5 +83,7 @@ def take_back_sigterm() -> None:
 
 
 def stopped_message(step: int, checkpoints: str) -> str:
-    return (f"preempted (SIGTERM) at step {step}: every process stopped there and checkpoint {step} is saved in "
-            f"{checkpoints}; run the same command with --resume auto to continue")
+    return (
+        f"preempted (SIGTERM) at step {step}: every process stopped there and checkpoint {step} is saved in "
+        f"{checkpoints}; run the same command with --resume auto to continue"
+    )

@@ -9,6 +9,7 @@ The run's result counts the final trajectory, each step once: the steps [run_sta
 that earlier attempts ran and the last checkpoint kept, plus the final attempt's own. Steps an
 attempt ran past its last checkpoint were lost and are not counted (`trajectory_counts`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,10 +30,19 @@ class Recovery:
     def after(cls, failed: GroupLost) -> "Recovery":
         """The restart after `failed`, named after the process to blame (its first lost one)."""
         x = failed.lost[0]
-        record = RestartRecord(time=failed.wall, host=x.host, ip=x.ip, node_id=x.node_id, process=x.index,
-                               reason=x.reason,
-                               failed_at_step=failed.run_step if failed.run_step is not None else x.step,
-                               resumed_from_step=0, steps_lost=0, processes_after=0, recover_seconds=None)
+        record = RestartRecord(
+            time=failed.wall,
+            host=x.host,
+            ip=x.ip,
+            node_id=x.node_id,
+            process=x.index,
+            reason=x.reason,
+            failed_at_step=failed.run_step if failed.run_step is not None else x.step,
+            resumed_from_step=0,
+            steps_lost=0,
+            processes_after=0,
+            recover_seconds=None,
+        )
         return cls(record, failed.detected)
 
     def resumed(self, from_step: int, processes: int) -> None:
@@ -47,8 +57,15 @@ class Recovery:
             self.record.recover_seconds = round(first_step_at - self.detected, 3)
 
 
-def with_restarts(results: List[ProcessResult], recoveries: List[Recovery], run_start: int, resumed: int,
-                  extra_seen: int, extra_dropped: int, resume: bool) -> List[ProcessResult]:
+def with_restarts(
+    results: List[ProcessResult],
+    recoveries: List[Recovery],
+    run_start: int,
+    resumed: int,
+    extra_seen: int,
+    extra_dropped: int,
+    resume: bool,
+) -> List[ProcessResult]:
     """The final attempt's results as the whole run's: its trajectory extended back to `run_start` by the
     steps and samples of the kept checkpoint (`extra_*`), and every restart's row."""
     rows = [r.record for r in recoveries]
@@ -61,8 +78,9 @@ def with_restarts(results: List[ProcessResult], recoveries: List[Recovery], run_
     return results
 
 
-def samples_in_steps(epoch_steps: int, full_batches: int, remainder: int, policy: str, batch_size: int,
-                     start: int, end: int) -> Tuple[int, int]:
+def samples_in_steps(
+    epoch_steps: int, full_batches: int, remainder: int, policy: str, batch_size: int, start: int, end: int
+) -> Tuple[int, int]:
     """(samples seen, samples dropped) over global steps [start, end): every full batch holds
     `batch_size` real samples; with policy "pad" an epoch's last step holds `remainder`; with "drop" an
     epoch that ran to its end drops `remainder` samples (as the training loop counts them)."""
@@ -75,10 +93,10 @@ def samples_in_steps(epoch_steps: int, full_batches: int, remainder: int, policy
     return seen, dropped
 
 
-def trajectory_counts(final_steps: int, final_samples: int, final_dropped: int, run_start: int,
-                      resumed_from: int, epoch, batch_size: int) -> Tuple[int, int, int]:
+def trajectory_counts(
+    final_steps: int, final_samples: int, final_dropped: int, run_start: int, resumed_from: int, epoch, batch_size: int
+) -> Tuple[int, int, int]:
     """(steps, samples_seen, samples_dropped) of the run's final trajectory: the steps [run_start,
     resumed_from) that earlier attempts ran and the last checkpoint kept, plus the final attempt's own."""
-    seen, dropped = samples_in_steps(epoch.steps, epoch.full_batches, epoch.remainder, epoch.policy, batch_size,
-                                     run_start, resumed_from)
+    seen, dropped = samples_in_steps(epoch.steps, epoch.full_batches, epoch.remainder, epoch.policy, batch_size, run_start, resumed_from)
     return final_steps + (resumed_from - run_start), final_samples + seen, final_dropped + dropped

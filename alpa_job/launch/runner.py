@@ -8,6 +8,7 @@ Every engine trains through the one loop, `train.train_process`; what differs is
                 controller (launch/controller.py); process 0's progress reaches the driver's display
                 through ProgressChannel (progress/channel.py)
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,14 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
     shown.open_log(os.path.join(config.out, "train.log"))
     shown.line(f"[alpa_job] run directory {config.out}")
     if auto:
-        shown.line("[alpa_job] --resume auto: " + ("resuming from the latest complete checkpoint" if config.resume else
-                   f"no complete checkpoint in {rundir.checkpoint_dir(config.out)}, starting fresh"))
+        shown.line(
+            "[alpa_job] --resume auto: "
+            + (
+                "resuming from the latest complete checkpoint"
+                if config.resume
+                else f"no complete checkpoint in {rundir.checkpoint_dir(config.out)}, starting fresh"
+            )
+        )
     if capture_native and shown.verbosity < VERBOSE:
         NativeStderr(os.path.join(config.out, "ray.log")).start()  # for the rest of this process
     metrics = _open_metrics(config, shown)
@@ -138,9 +145,11 @@ def _check_fp8_ready(config) -> None:
     from alpa_job.models import FP8_READY, is_built_in
 
     if getattr(config, "precision", "dtype") == "fp8" and is_built_in(config.model) and config.model not in FP8_READY:
-        raise KitError(f"--precision fp8: --model {config.model} has no dense layer the kit runs in fp8 (those of "
-                       f"{', '.join(FP8_READY)} and of models whose layers take dot_general=alpa_job.api.dot_general "
-                       "do); drop --precision fp8")
+        raise KitError(
+            f"--precision fp8: --model {config.model} has no dense layer the kit runs in fp8 (those of "
+            f"{', '.join(FP8_READY)} and of models whose layers take dot_general=alpa_job.api.dot_general "
+            "do); drop --precision fp8"
+        )
 
 
 def _check_init_from(config) -> None:
@@ -178,25 +187,32 @@ def _check_model_on_abstract_shapes(config) -> None:
 def _write_failed(config, engine: str, address: str, err: BaseException, shown, metrics=None) -> None:
     """The report of a run that stopped part-way: status, the error, the steps done (never masks `err`);
     the metrics log gets the same and is closed."""
-    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "diverged" if isinstance(err, Diverged) \
-        else "failed"
-    message = str(err) if isinstance(err, KitError) else \
-        (traceback.format_exception_only(type(err), err)[-1].strip() or type(err).__name__)
+    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "diverged" if isinstance(err, Diverged) else "failed"
+    message = str(err) if isinstance(err, KitError) else (traceback.format_exception_only(type(err), err)[-1].strip() or type(err).__name__)
     record = None
     try:
-        record = failed_report(config, engine, status, message, shown.last_step, address=address,
-                               losses=getattr(err, "losses", None), restarts=getattr(err, "restarts", None))
+        record = failed_report(
+            config,
+            engine,
+            status,
+            message,
+            shown.last_step,
+            address=address,
+            losses=getattr(err, "losses", None),
+            restarts=getattr(err, "restarts", None),
+        )
         record.tensorboard = metrics.tensorboard_dir if metrics is not None else None
         kept = _kept_report(config, shown.last_step)
         if kept:  # a resume that trained nothing: the earlier run's report still says what that run did
             with open(kept, "w") as f:
                 f.write(report_json(record))
-            shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {kept} (the earlier run's "
-                       "report.json is kept)", important=True)
+            shown.line(
+                f"[alpa_job] {status} after {shown.last_step} step(s); report: {kept} (the earlier run's report.json is kept)",
+                important=True,
+            )
         else:
             paths = write_report(record, config.out)
-            shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {paths['html']}",
-                       important=True)
+            shown.line(f"[alpa_job] {status} after {shown.last_step} step(s); report: {paths['html']}", important=True)
         if address != NO_RAY and status == "failed" and not isinstance(err, LostProcessError):
             _collect_logs(config.out, shown)  # a lost process's message already names its log
     except Exception as report_err:  # noqa: BLE001 - the training error is the one to show
@@ -224,8 +240,11 @@ def _collect_logs(out_dir: str, shown) -> None:
     if where:
         shown.line(f"[alpa_job] logs of every node collected in {where}", important=True)
     else:
-        shown.line("[alpa_job] Ray's log API gave no logs; collect them with "
-                   "`python -m alpa_job cluster logs --out DIR` (over SSH when Ray is down)", important=True)
+        shown.line(
+            "[alpa_job] Ray's log API gave no logs; collect them with "
+            "`python -m alpa_job cluster logs --out DIR` (over SSH when Ray is down)",
+            important=True,
+        )
 
 
 def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult]:
@@ -243,14 +262,15 @@ def _train(engine: str, config, address: str, spec, shown) -> List[ProcessResult
                 raise
             from alpa_job.launch.failures import actor_error_message  # name the lost node, not just "actor died"
 
-            raise LostProcessError(actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
-                           "job once the node is back (or without it)") from None
+            raise LostProcessError(
+                actor_error_message(err) + "; the Alpa engine does not restart or checkpoint: rerun the "
+                "job once the node is back (or without it)"
+            ) from None
     if address == NO_RAY:
         return [run_in_process(config, stop=preemption.current().stop)]
     os.environ.update(ray_noise_env(shown.verbosity, shown.tty))
     quiet_ray_loggers(shown.verbosity)
-    where = connect(address, engine, spec=spec, timeout_s=JOIN_TIMEOUT_S,
-                    log_to_driver=shown.verbosity >= VERBOSE)
+    where = connect(address, engine, spec=spec, timeout_s=JOIN_TIMEOUT_S, log_to_driver=shown.verbosity >= VERBOSE)
     preemption.take_back_sigterm()
     shown.line(f"[alpa_job] joined {where}")
     from alpa_job.cluster import ray_api

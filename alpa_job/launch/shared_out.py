@@ -5,6 +5,7 @@ every process reads them all. Orbax's multi-process save has every process write
 directory and process 0 rename it into place: on a directory that is only local to each host, the
 checkpoint would be silently incomplete (and a restart would restore nothing). Checked before training.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,10 +45,11 @@ def check_shared(out: str, seen: Dict[int, List[int]], hosts: Sequence[str]) -> 
         odd = sorted(i for i in seen if i != 0 and set(seen[i]) - {i})
     if odd:
         names = ", ".join("%s (process %d)" % (hosts[i], i) for i in odd)
-        raise KitError("--out %s is not one shared directory: on host %s it is a different folder than on host %s "
-                       "(probe files written there are not seen by the others); checkpoints across hosts need a "
-                       "directory every node mounts (NFS, a shared volume): pass --out on it"
-                       % (out, names, hosts[0]))
+        raise KitError(
+            "--out %s is not one shared directory: on host %s it is a different folder than on host %s "
+            "(probe files written there are not seen by the others); checkpoints across hosts need a "
+            "directory every node mounts (NFS, a shared volume): pass --out on it" % (out, names, hosts[0])
+        )
 
 
 def remove_probes(out: str, token: str) -> None:

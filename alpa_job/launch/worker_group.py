@@ -17,6 +17,7 @@ compile, a restore), then S between steps and after the last one (the final eval
 exceed them). A stopped process (SIGSTOP) stops answering the step polls too; they never block (each
 is one outstanding call, read with a zero timeout), its step just stops advancing.
 """
+
 from __future__ import annotations
 
 import os
@@ -88,8 +89,7 @@ class WorkerGroup:
         self.config, self.spec, self.nodes = config, spec, nodes
         env = worker_env(config, spec)
         cls = actor_class()
-        self.actors = [cls.options(runtime_env={"env_vars": env}, **ray_api.pin_to_node(n.ip)).remote()
-                       for n in nodes]
+        self.actors = [cls.options(runtime_env={"env_vars": env}, **ray_api.pin_to_node(n.ip)).remote() for n in nodes]
         self.slots: Dict[int, failures.Slot] = {}  # who each process is (from start())
         self.steps: Dict[int, Optional[int]] = {}  # the last step each process reported
         self.first_step_at: Optional[float] = None  # monotonic time a poll first saw a step
@@ -128,9 +128,11 @@ class WorkerGroup:
             _ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             if pending:  # a node Ray marks dead meanwhile never starts its actor: stop waiting for it
                 nodes = failures.current_nodes()
-                lost = [Lost(i, None, n.ip, n.node_id, None, "its node died before the process started")
-                        for i, (ref, n) in enumerate(zip(refs, self.nodes))
-                        if ref in pending and not node_alive(nodes, n.node_id)]
+                lost = [
+                    Lost(i, None, n.ip, n.node_id, None, "its node died before the process started")
+                    for i, (ref, n) in enumerate(zip(refs, self.nodes))
+                    if ref in pending and not node_alive(nodes, n.node_id)
+                ]
         for i, (ref, node) in enumerate(zip(refs, self.nodes)):
             if ref in pending:
                 continue
@@ -142,8 +144,11 @@ class WorkerGroup:
             raise PlacementFailed(lost)
         if pending:
             idle = [self.nodes[i].ip for i, r in enumerate(refs) if r in pending]
-            raise KitError(f"JAX processes did not start on {', '.join(idle)} within {ACTOR_START_TIMEOUT_S} s; "
-                           "run python -m alpa_job doctor to find the node that cannot run tasks", EXIT_TIMEOUT)
+            raise KitError(
+                f"JAX processes did not start on {', '.join(idle)} within {ACTOR_START_TIMEOUT_S} s; "
+                "run python -m alpa_job doctor to find the node that cannot run tasks",
+                EXIT_TIMEOUT,
+            )
 
     def check_shared_out(self) -> None:
         """Every process sees every other's probe file under --out (checkpoints need one directory)."""
@@ -151,8 +156,7 @@ class WorkerGroup:
         out, n = self.config.out, len(self.actors)
         token = uuid.uuid4().hex[:12]
         try:
-            ray.get([a.write_probe.remote(out, token, i) for i, a in enumerate(self.actors)],
-                    timeout=ACTOR_START_TIMEOUT_S)
+            ray.get([a.write_probe.remote(out, token, i) for i, a in enumerate(self.actors)], timeout=ACTOR_START_TIMEOUT_S)
             seen = ray.get([a.missing_probes.remote(out, token, n) for a in self.actors], timeout=ACTOR_START_TIMEOUT_S)
         finally:
             shared_out.remove_probes(out, token)
@@ -162,8 +166,7 @@ class WorkerGroup:
     def launch(self, cfg, channel: Optional[ProgressChannel]) -> None:
         """Start training on every process; process 0's progress goes through `channel`."""
         n, coordinator = len(self), self.coordinator()
-        futures = [a.train.remote(cfg, i, n, coordinator, channel if i == 0 else None)
-                   for i, a in enumerate(self.actors)]
+        futures = [a.train.remote(cfg, i, n, coordinator, channel if i == 0 else None) for i, a in enumerate(self.actors)]
         self._index = {ref: i for i, ref in enumerate(futures)}
         self._pending = list(futures)
         self.launched_at = time.monotonic()
@@ -257,17 +260,18 @@ class WorkerGroup:
         hung when its step had not advanced for half of `hang_timeout` either (the peers that JAX's heartbeat
         ended because of it are then the collateral, and it is the one to name)."""
         ray = self._ray
-        refs = {i: a.current_step.remote() for i, a in enumerate(self.actors)
-                if i not in self.errors and i not in self.results}
+        refs = {i: a.current_step.remote() for i, a in enumerate(self.actors) if i not in self.errors and i not in self.results}
         if not refs:
             return
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
         for i, ref in refs.items():
             if ref not in ready:
                 quiet = time.monotonic() - (self._advanced.get(i) or self.launched_at or time.monotonic())
-                self.errors[i] = (failures.Hung(self.steps.get(i), quiet, answering=False)
-                                  if hang_timeout and quiet > hang_timeout / 2 else
-                                  failures.Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S))
+                self.errors[i] = (
+                    failures.Hung(self.steps.get(i), quiet, answering=False)
+                    if hang_timeout and quiet > hang_timeout / 2
+                    else failures.Unresponsive("did not answer within %.0f s" % PING_TIMEOUT_S)
+                )
                 continue
             try:
                 ray.get(ref)

@@ -17,6 +17,7 @@ error there.
 
 A model only names logical axes (api.py); which mesh axis splits them is the engine's business.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,8 +68,7 @@ class ModelSpec:
     def apply_train(self, variables: Dict[str, Any], batch: Dict[str, Any]):
         """Forward pass in training mode; returns (outputs, new batch_stats or None)."""
         if self.has_batch_stats:
-            out, updates = self.module.apply(variables, batch[self.input_key], train=True,
-                                             mutable=["batch_stats"])
+            out, updates = self.module.apply(variables, batch[self.input_key], train=True, mutable=["batch_stats"])
             return out, updates["batch_stats"]
         return self.module.apply(variables, batch[self.input_key]), None
 
@@ -120,8 +120,10 @@ def check_model_name(name: str) -> None:
     names = model_names()
     if name in names:
         return
-    raise KitError(f"--model {name!r} is not known; use one of: {', '.join(names)}, or your own builder as "
-                   f"PACKAGE.MODULE:FUNCTION{did_you_mean(name, names)}")
+    raise KitError(
+        f"--model {name!r} is not known; use one of: {', '.join(names)}, or your own builder as "
+        f"PACKAGE.MODULE:FUNCTION{did_you_mean(name, names)}"
+    )
 
 
 def model_settings(name: str) -> Tuple[Setting, ...]:
@@ -171,10 +173,14 @@ def _model_values(name: str, given: ModelArgs) -> ModelArgs:
         if key not in declaration.names and owner is not None and owner != name:
             # A size no rule of its own model allows is wrong even before it is found to do nothing here.
             _model_values(owner, ModelArgs({key: given[key]}))
-            reads = (f"reads {', '.join(flag_of(n) for n in declaration.names)}" if is_built_in(name)
-                     else "takes its settings as --model-arg KEY=VALUE")
-            raise KitError(f"{flag_of(key)} does nothing here: it sizes --model {owner}, and --model {name} {reads}; "
-                           f"drop it or use --model {owner}")
+            reads = (
+                f"reads {', '.join(flag_of(n) for n in declaration.names)}"
+                if is_built_in(name)
+                else "takes its settings as --model-arg KEY=VALUE"
+            )
+            raise KitError(
+                f"{flag_of(key)} does nothing here: it sizes --model {owner}, and --model {name} {reads}; drop it or use --model {owner}"
+            )
     values = builders.typed_args(builders.Builder(name, name, None, declaration), given)
     check = getattr(_declaration(name), "check", None) if is_built_in(name) else None
     if check is not None:
@@ -196,8 +202,10 @@ def builder_of(name: str) -> builders.Builder:
         return builders.Builder(name, target, builders.import_builder(name, target), declaration_of(name))
     target = name if builders.is_import_path(name) else installed_models()[name]
     if not builders.is_import_path(target):
-        raise KitError(f"--model {name}: the installed entry point names {target!r}, not MODULE:FUNCTION; fix the "
-                       "package's alpa_job.models entry point")
+        raise KitError(
+            f"--model {name}: the installed entry point names {target!r}, not MODULE:FUNCTION; fix the "
+            "package's alpa_job.models entry point"
+        )
     function = builders.import_builder(name, target)
     return builders.Builder(name, target, function, builders.declaration_of(name, function))
 
@@ -211,8 +219,7 @@ def resolve(config):
     if is_built_in(config.model):  # matched against the dataset with the data checks (data/checks.py)
         return config
     builder = builder_of(config.model)
-    model = builders.call(builder, builders.args_object(builder, config.model_args), config.model_args,
-                          _dtype(config))
+    model = builders.call(builder, builders.args_object(builder, config.model_args), config.model_args, _dtype(config))
     check_data_fits(config, model)
     return config
 
@@ -220,8 +227,10 @@ def resolve(config):
 def check_synthetic(config, model) -> None:
     """`model` (an api.Model or the ModelSpec built from it) can make --dataset synthetic's data."""
     if model.synthetic is None:
-        raise KitError(f"--model {config.model} gives no synthetic data (its api.Model has synthetic=None); add a "
-                       "synthetic(args, rng, n) function to it or train on --dataset cifar10")
+        raise KitError(
+            f"--model {config.model} gives no synthetic data (its api.Model has synthetic=None); add a "
+            "synthetic(args, rng, n) function to it or train on --dataset cifar10"
+        )
 
 
 def check_data_fits(config, model) -> None:
@@ -233,15 +242,20 @@ def check_data_fits(config, model) -> None:
         check_synthetic(config, model)
     gives = {"cifar10": ("image", "label"), "tokens": ("tokens",)}.get(config.dataset)
     if gives and field not in gives:
-        raise KitError(f"--dataset {config.dataset} gives the batch field(s) {', '.join(gives)}, and --model "
-                       f"{config.model} reads {field!r}; use a model whose input_field is {gives[0]!r} "
-                       "or another --dataset")
+        raise KitError(
+            f"--dataset {config.dataset} gives the batch field(s) {', '.join(gives)}, and --model "
+            f"{config.model} reads {field!r}; use a model whose input_field is {gives[0]!r} "
+            "or another --dataset"
+        )
     if config.dataset == "model" and not isinstance(model, str) and model.dataset is None:
-        raise KitError(f"--dataset model: --model {config.model} provides no dataset (its api.Model has "
-                       "dataset=None); add dataset(args, path, split) to it or use --dataset tokens|array_record|npz")
+        raise KitError(
+            f"--dataset model: --model {config.model} provides no dataset (its api.Model has "
+            "dataset=None); add dataset(args, path, split) to it or use --dataset tokens|array_record|npz"
+        )
     if config.dataset == "model" and isinstance(model, str):
-        raise KitError(f"--dataset model: the built-in --model {model} provides no dataset of its own; "
-                       "use --dataset tokens|array_record|npz")
+        raise KitError(
+            f"--dataset model: the built-in --model {model} provides no dataset of its own; use --dataset tokens|array_record|npz"
+        )
 
 
 def build_model(config) -> Tuple[api.Model, Any]:
@@ -256,14 +270,22 @@ def get_model(config) -> ModelSpec:
     model, args = build_model(config)
     repeated = model.repeated_blocks
     synthetic, dataset = model.synthetic, model.dataset
-    return ModelSpec(config.model, model.module, model.input_field, bool(model.batch_stats), model.loss,
-                     repeated_blocks=repeated,
-                     synthetic=(lambda rng, n: synthetic(args, rng, n)) if synthetic is not None else None,
-                     decode=model.decode,
-                     dataset=(lambda path, split: dataset(args, path, split)) if dataset is not None else None,
-                     layer_count=model.layer_count, layer_class=model.layer_class,
-                     depth_setting=model.depth_setting, hf=model.hf,
-                     causal_attention=bool(model.causal_attention))
+    return ModelSpec(
+        config.model,
+        model.module,
+        model.input_field,
+        bool(model.batch_stats),
+        model.loss,
+        repeated_blocks=repeated,
+        synthetic=(lambda rng, n: synthetic(args, rng, n)) if synthetic is not None else None,
+        decode=model.decode,
+        dataset=(lambda path, split: dataset(args, path, split)) if dataset is not None else None,
+        layer_count=model.layer_count,
+        layer_class=model.layer_class,
+        depth_setting=model.depth_setting,
+        hf=model.hf,
+        causal_attention=bool(model.causal_attention),
+    )
 
 
 def stronger_remat(config) -> Tuple[str, ...]:
@@ -274,7 +296,7 @@ def stronger_remat(config) -> Tuple[str, ...]:
     current = model_values(config).get("remat")
     if setting is None or current not in setting.choices:
         return ()
-    return setting.choices[setting.choices.index(current) + 1:]
+    return setting.choices[setting.choices.index(current) + 1 :]
 
 
 def depth_of(config, model: ModelSpec) -> Optional[int]:
@@ -305,7 +327,24 @@ def _dtype(config):
     return jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
 
 
-__all__ = ["BUILT_IN", "ModelSpec", "RepeatedBlocks", "mse", "cross_entropy",
-           "is_built_in", "model_names", "check_model_name", "model_settings", "size_settings",
-           "declaration_of", "model_values", "builder_of", "resolve", "build_model", "get_model", "depth_of",
-           "at_depth", "source_digest"]
+__all__ = [
+    "BUILT_IN",
+    "ModelSpec",
+    "RepeatedBlocks",
+    "mse",
+    "cross_entropy",
+    "is_built_in",
+    "model_names",
+    "check_model_name",
+    "model_settings",
+    "size_settings",
+    "declaration_of",
+    "model_values",
+    "builder_of",
+    "resolve",
+    "build_model",
+    "get_model",
+    "depth_of",
+    "at_depth",
+    "source_digest",
+]

@@ -9,6 +9,7 @@ driver resolves the model before Ray starts, so a typo never reaches a cluster.
 
 Importing this module imports no jax; importing a user's builder module may.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,10 @@ IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z
 # How a builder takes its settings: a namespace of the `Setting`s it lists (the built-ins), its dataclass,
 # or keyword arguments.
 LISTED, DATACLASS, KEYWORDS = "listed", "dataclass", "keywords"
-FIX_DECLARATION = ("declare its settings as a dataclass on its first parameter (def build(args: Args, dtype)) "
-                   "or as typed keywords (def build(*, dtype, num_layers: int = 2))")
+FIX_DECLARATION = (
+    "declare its settings as a dataclass on its first parameter (def build(args: Args, dtype)) "
+    "or as typed keywords (def build(*, dtype, num_layers: int = 2))"
+)
 
 
 def is_import_path(name: str) -> bool:
@@ -73,12 +76,15 @@ def import_builder(model: str, target: str) -> Callable:
     except ImportError as err:
         missing = getattr(err, "name", None) or ""
         if missing and (module_name == missing or module_name.startswith(missing + ".")):
-            raise KitError(f"--model {model}: cannot import {module_name} ({err}); install its package or put the "
-                           "folder that holds it on PYTHONPATH (ray job submit: --working-dir)") from None
+            raise KitError(
+                f"--model {model}: cannot import {module_name} ({err}); install its package or put the "
+                "folder that holds it on PYTHONPATH (ray job submit: --working-dir)"
+            ) from None
         raise KitError(f"--model {model}: importing {module_name} failed: {err}; install what it imports") from None
     except Exception as err:  # noqa: BLE001 - the user's module raised while importing: say where
-        raise KitError(f"--model {model}: importing {module_name} raised {type(err).__name__}: {err}"
-                       f"{_where(err)}; fix the module") from None
+        raise KitError(
+            f"--model {model}: importing {module_name} raised {type(err).__name__}: {err}{_where(err)}; fix the module"
+        ) from None
     found: Any = module
     for part in attr.split("."):
         if not hasattr(found, part):
@@ -87,8 +93,10 @@ def import_builder(model: str, target: str) -> Callable:
             raise KitError(f"--model {model}: {module_name} has no {attr}{did_you_mean(attr, functions)}{listing}")
         found = getattr(found, part)
     if not callable(found) or isinstance(found, types.ModuleType):
-        raise KitError(f"--model {model}: {target} is a {type(found).__name__}, not a function; name the "
-                       "builder function that returns an alpa_job.api.Model")
+        raise KitError(
+            f"--model {model}: {target} is a {type(found).__name__}, not a function; name the "
+            "builder function that returns an alpa_job.api.Model"
+        )
     return found
 
 
@@ -105,9 +113,13 @@ def _traceback_frames(err: BaseException):
 
 
 def _functions_of(module) -> Tuple[str, ...]:
-    return tuple(sorted(name for name, value in vars(module).items()
-                        if inspect.isfunction(value) and value.__module__ == module.__name__
-                        and not name.startswith("_")))
+    return tuple(
+        sorted(
+            name
+            for name, value in vars(module).items()
+            if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- the declaration
@@ -118,15 +130,15 @@ def declaration_of(model: str, function: Callable) -> Declaration:
         signature = inspect.signature(function)
         hints = typing.get_type_hints(function)
     except Exception as err:  # noqa: BLE001 - an unresolvable annotation, a builtin without a signature
-        raise KitError(f"--model {model}: cannot read {name}'s parameters ({type(err).__name__}: {err}); "
-                       f"{FIX_DECLARATION}") from None
+        raise KitError(f"--model {model}: cannot read {name}'s parameters ({type(err).__name__}: {err}); {FIX_DECLARATION}") from None
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     first_hint = hints.get(positional[0].name) if positional else None
     if isinstance(first_hint, type) and dataclasses.is_dataclass(first_hint):
         if len(positional) < 2 and "dtype" not in signature.parameters:
-            raise KitError(f"--model {model}: {name} takes no dtype; define it as def {function.__name__}("
-                           f"args: {first_hint.__name__}, dtype)")
+            raise KitError(
+                f"--model {model}: {name} takes no dtype; define it as def {function.__name__}(args: {first_hint.__name__}, dtype)"
+            )
         return _dataclass_declaration(model, first_hint)
     if "dtype" not in signature.parameters:
         raise KitError(f"--model {model}: {name} takes no dtype parameter; {FIX_DECLARATION}")
@@ -139,8 +151,7 @@ def declaration_of(model: str, function: Callable) -> Declaration:
         if hint is None and default is not _REQUIRED and type(default) in SCALARS:
             hint = type(default)
         if hint is None or p.kind == p.POSITIONAL_ONLY:
-            raise KitError(f"--model {model}: {name}'s parameter {p.name!r} has no type hint or default; "
-                           f"{FIX_DECLARATION}")
+            raise KitError(f"--model {model}: {name}'s parameter {p.name!r} has no type hint or default; {FIX_DECLARATION}")
         _declare(model, p.name, hint, default, {}, settings, required, fixed)
     return Declaration(KEYWORDS, tuple(settings), tuple(required), fixed)
 
@@ -152,8 +163,10 @@ def _dataclass_declaration(model: str, cls: type) -> Declaration:
     try:
         hints = typing.get_type_hints(cls)
     except Exception as err:  # noqa: BLE001
-        raise KitError(f"--model {model}: cannot read the fields of {cls.__name__} ({type(err).__name__}: {err}); "
-                       "use types Python can resolve (int, float, str, bool)") from None
+        raise KitError(
+            f"--model {model}: cannot read the fields of {cls.__name__} ({type(err).__name__}: {err}); "
+            "use types Python can resolve (int, float, str, bool)"
+        ) from None
     settings, required, fixed = [], [], {}
     for field in dataclasses.fields(cls):
         if not field.init:
@@ -165,21 +178,30 @@ def _dataclass_declaration(model: str, cls: type) -> Declaration:
     return Declaration(DATACLASS, tuple(settings), tuple(required), fixed, cls)
 
 
-def _declare(model: str, name: str, hint: Any, default: Any, metadata: Mapping[str, Any], settings: list,
-             required: list, fixed: dict) -> None:
+def _declare(
+    model: str, name: str, hint: Any, default: Any, metadata: Mapping[str, Any], settings: list, required: list, fixed: dict
+) -> None:
     if plain_type(hint) not in SCALARS:
         if default is _REQUIRED:
-            raise KitError(f"--model {model}: setting {name!r} has type {_type_name(hint)}, which --model-arg cannot "
-                           "give, and no default; give it a default or make it int, float, str or bool")
+            raise KitError(
+                f"--model {model}: setting {name!r} has type {_type_name(hint)}, which --model-arg cannot "
+                "give, and no default; give it a default or make it int, float, str or bool"
+            )
         fixed[name] = hint
         return
     try:
-        settings.append(Setting(name, hint, None if default is _REQUIRED else default,
-                                str(metadata.get("help", "")), check=metadata.get("check"),
-                                cli_flag=f"--model-arg {name}"))
+        settings.append(
+            Setting(
+                name,
+                hint,
+                None if default is _REQUIRED else default,
+                str(metadata.get("help", "")),
+                check=metadata.get("check"),
+                cli_flag=f"--model-arg {name}",
+            )
+        )
     except ValueError as err:
-        raise KitError(f"--model {model}: setting {name!r}: {err}; use one of api.POSITIVE, api.NON_NEGATIVE, "
-                       "api.ABOVE_ZERO") from None
+        raise KitError(f"--model {model}: setting {name!r}: {err}; use one of api.POSITIVE, api.NON_NEGATIVE, api.ABOVE_ZERO") from None
     if default is _REQUIRED:
         required.append(name)
 
@@ -199,9 +221,11 @@ def typed_args(builder: Builder, given: Mapping[str, Any]) -> ModelArgs:
     values: Dict[str, Any] = {}
     for key, value in given.items():
         if key in declaration.fixed:
-            raise KitError(f"--model-arg {key}: --model {builder.model} declares it as "
-                           f"{_type_name(declaration.fixed[key])}, which --model-arg cannot give; drop it (its "
-                           "default is used) or declare it as int, float, str or bool")
+            raise KitError(
+                f"--model-arg {key}: --model {builder.model} declares it as "
+                f"{_type_name(declaration.fixed[key])}, which --model-arg cannot give; drop it (its "
+                "default is used) or declare it as int, float, str or bool"
+            )
         values[key] = model_arg(builder.model, known, key, value)
         problem = known[key].problem(values[key])
         if problem:
@@ -220,8 +244,7 @@ def model_arg(model: str, known: Mapping[str, Setting], key: str, value: Any) ->
     does not declare is a one-line error with the nearest name."""
     if key not in known:
         names = ", ".join(known) or "none"
-        raise KitError(f"--model-arg {key}: --model {model} has no setting {key!r}"
-                       f"{did_you_mean(key, known)}; its settings: {names}")
+        raise KitError(f"--model-arg {key}: --model {model} has no setting {key!r}{did_you_mean(key, known)}; its settings: {names}")
     return coerce(key, value, known[key].type, label=f"--model-arg {key}")
 
 
@@ -245,26 +268,36 @@ def call(builder: Builder, args: Any, values: Mapping[str, Any], dtype: Any) -> 
 def check_model(builder: Builder, result: Any) -> None:
     where = f"--model {builder.model}" + ("" if builder.model == builder.target else f" ({builder.target})")
     if not isinstance(result, api.Model):
-        fix = ("wrap it: return api.Model(module=<it>, input_field=..., loss=...)" if _is_module(result)
-               else "return api.Model(module=..., input_field=..., loss=...)")
+        fix = (
+            "wrap it: return api.Model(module=<it>, input_field=..., loss=...)"
+            if _is_module(result)
+            else "return api.Model(module=..., input_field=..., loss=...)"
+        )
         raise KitError(f"{where} returned {_describe(result)}, not an alpa_job.api.Model; {fix}")
     if not _is_module(result.module):
-        raise KitError(f"{where}: its Model's module is {_describe(result.module)}, not a flax module "
-                       "(nothing with init/apply); pass the flax.linen.Module")
+        raise KitError(
+            f"{where}: its Model's module is {_describe(result.module)}, not a flax module "
+            "(nothing with init/apply); pass the flax.linen.Module"
+        )
     if not isinstance(result.input_field, str) or not result.input_field:
-        raise KitError(f"{where}: its Model's input_field is {_describe(result.input_field)}; name the batch "
-                       "field the module reads, e.g. input_field=\"tokens\"")
+        raise KitError(
+            f"{where}: its Model's input_field is {_describe(result.input_field)}; name the batch "
+            'field the module reads, e.g. input_field="tokens"'
+        )
     if result.depth_setting is not None:
         ints = [s.name for s in builder.declaration.settings if plain_type(s.type) is int]
         if result.depth_setting not in ints:
-            raise KitError(f"{where}: its Model's depth_setting {result.depth_setting!r} is not one of its int "
-                           f"settings ({', '.join(ints) or 'none'}); name the setting that counts its repeated "
-                           "layers, or drop depth_setting")
+            raise KitError(
+                f"{where}: its Model's depth_setting {result.depth_setting!r} is not one of its int "
+                f"settings ({', '.join(ints) or 'none'}); name the setting that counts its repeated "
+                "layers, or drop depth_setting"
+            )
     for part in ("loss", "synthetic", "repeated_blocks"):
         value = getattr(result, part)
         if (value is not None or part == "loss") and not callable(value):
-            raise KitError(f"{where}: its Model's {part} is {_describe(value)}, not a function; pass one "
-                           f"(alpa_job/api.py says what {part} receives)")
+            raise KitError(
+                f"{where}: its Model's {part} is {_describe(value)}, not a function; pass one (alpa_job/api.py says what {part} receives)"
+            )
 
 
 def _is_module(value: Any) -> bool:

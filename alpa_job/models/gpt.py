@@ -1,4 +1,5 @@
 """A decoder-only transformer (GPT-style): pre-LayerNorm, causal self-attention, GELU MLP."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,8 +40,8 @@ def causal_attention(q, k, v, implementation: str = "auto"):
     """
     fused = getattr(jax.nn, "dot_product_attention", None)
     wants_cudnn = implementation == "cudnn" or (
-        implementation == "auto" and fused is not None and jax.default_backend() == "gpu"
-        and q.dtype in (jnp.bfloat16, jnp.float16))
+        implementation == "auto" and fused is not None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    )
     if wants_cudnn:
         return fused(q, k, v, is_causal=True, implementation="cudnn")
     seq, head_dim = q.shape[1], q.shape[-1]
@@ -62,7 +63,10 @@ class CausalSelfAttention(nn.Module):
         d_model = x.shape[-1]
         head_dim = d_model // self.num_heads
         qkv = nn.DenseGeneral(
-            (3, self.num_heads, head_dim), dtype=self.dtype, name="qkv", **dense_options(self.remat),
+            (3, self.num_heads, head_dim),
+            dtype=self.dtype,
+            name="qkv",
+            **dense_options(self.remat),
             kernel_init=logical(_normal, (EMBED, None, HEADS, KV)),
             bias_init=logical(nn.initializers.zeros, (None, HEADS, KV)),
         )(x)
@@ -71,7 +75,11 @@ class CausalSelfAttention(nn.Module):
         out = constrain(causal_attention(q, k, v, self.attention), (BATCH, None, HEADS, KV))
         out = _name_for_remat(out, "attention")
         return nn.DenseGeneral(
-            d_model, axis=(-2, -1), dtype=self.dtype, name="out", **dense_options(self.remat),
+            d_model,
+            axis=(-2, -1),
+            dtype=self.dtype,
+            name="out",
+            **dense_options(self.remat),
             kernel_init=logical(_normal, (HEADS, KV, EMBED)),
             bias_init=logical(nn.initializers.zeros, (EMBED,)),
         )(out)
@@ -100,8 +108,7 @@ def block_class(remat: str):
     if remat == "dots":
         both = getattr(policies, "save_from_both_policies", None)
         names = getattr(policies, "save_only_these_names", None)
-        policy = (both(policies.checkpoint_dots, names("attention")) if both and names
-                  else policies.checkpoint_dots)
+        policy = both(policies.checkpoint_dots, names("attention")) if both and names else policies.checkpoint_dots
     else:
         policy = policies.nothing_saveable
     return nn.remat(DecoderBlock, policy=policy)
@@ -117,8 +124,7 @@ def dense_options(remat: str, mlp: bool = False) -> dict:
         # api.dot_general: the product --precision fp8 runs in fp8 (a flax without the hook: plain products).
         return {"dot_general": api.dot_general} if "dot_general" in getattr(nn.Dense, "__dataclass_fields__", {}) else {}
     if "promote_dtype" not in getattr(nn.Dense, "__dataclass_fields__", {}):
-        raise KitError(f"--remat {remat} needs flax 0.8 or later (dense layers without a promote_dtype hook); "
-                       "use --remat dots or full")
+        raise KitError(f"--remat {remat} needs flax 0.8 or later (dense layers without a promote_dtype hook); use --remat dots or full")
     return {"promote_dtype": _promote_all_but_the_kernel, "dot_general": _dot_casting_the_kernel_again}
 
 
@@ -144,14 +150,24 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention, self.remat)(
-            constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
+            constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED))
+        )
         d_model = x.shape[-1]
-        y = nn.Dense(4 * d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True),
-                     kernel_init=logical(_normal, (EMBED, MLP)), bias_init=logical(nn.initializers.zeros, (MLP,)))(
-            constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
+        y = nn.Dense(
+            4 * d_model,
+            dtype=self.dtype,
+            **dense_options(self.remat, mlp=True),
+            kernel_init=logical(_normal, (EMBED, MLP)),
+            bias_init=logical(nn.initializers.zeros, (MLP,)),
+        )(constrain(_layer_norm(self.dtype)(x), (BATCH, SEQ, EMBED)))
         y = nn.gelu(constrain(y, (BATCH, SEQ, MLP)))
-        y = nn.Dense(d_model, dtype=self.dtype, **dense_options(self.remat, mlp=True),
-                     kernel_init=logical(_normal, (MLP, EMBED)), bias_init=logical(nn.initializers.zeros, (EMBED,)))(y)
+        y = nn.Dense(
+            d_model,
+            dtype=self.dtype,
+            **dense_options(self.remat, mlp=True),
+            kernel_init=logical(_normal, (MLP, EMBED)),
+            bias_init=logical(nn.initializers.zeros, (EMBED,)),
+        )(y)
         return constrain(x + y, (BATCH, SEQ, EMBED))
 
 
@@ -167,8 +183,7 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=logical(_normal, (VOCAB, EMBED)),
-                         name="wte")
+        embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=logical(_normal, (VOCAB, EMBED)), name="wte")
         pos = self.param("wpe", logical(_normal, (SEQ, EMBED)), (self.seq_len, self.d_model))
         x = constrain((embed(tokens) + pos[: tokens.shape[1]]).astype(self.dtype), (BATCH, SEQ, EMBED))
         block = block_class(self.remat)
@@ -201,7 +216,8 @@ def repeated_blocks(model: api.NextTokenInputs, tokens) -> RepeatedBlocks:
         shell=api.NextTokenInputs(gpt.clone(num_layers=0)),
         block=DecoderBlock(gpt.num_heads, gpt.dtype, gpt.attention, gpt.remat),
         block_input=jax.ShapeDtypeStruct((tokens.shape[0], tokens.shape[1] - 1, gpt.d_model), gpt.dtype),
-        names=tuple(f"DecoderBlock_{i}" for i in range(gpt.num_layers)))
+        names=tuple(f"DecoderBlock_{i}" for i in range(gpt.num_layers)),
+    )
 
 
 def synthetic(args, rng, n):
@@ -216,9 +232,17 @@ def synthetic(args, rng, n):
 def build(args, dtype) -> api.Model:
     """The built-in GPT through the public API (alpa_job/api.py), its identical blocks declared for the
     fast initialiser."""
-    module = api.NextTokenInputs(GPT(args.num_layers, args.d_model, args.num_heads, args.seq_len,
-                             args.vocab_size, dtype, remat=getattr(args, "remat", "none")))
-    return api.Model(module, input_field=INPUT_FIELD, loss=_next_token_loss, synthetic=synthetic,
-                     repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
-                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
-                     causal_attention=True)
+    module = api.NextTokenInputs(
+        GPT(args.num_layers, args.d_model, args.num_heads, args.seq_len, args.vocab_size, dtype, remat=getattr(args, "remat", "none"))
+    )
+    return api.Model(
+        module,
+        input_field=INPUT_FIELD,
+        loss=_next_token_loss,
+        synthetic=synthetic,
+        repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
+        layer_count=args.num_layers,
+        layer_class=DecoderBlock,
+        depth_setting="num_layers",
+        causal_attention=True,
+    )

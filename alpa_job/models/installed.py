@@ -4,6 +4,7 @@ A package declares `[project.entry-points."alpa_job.models"] llama = "llama_exam
 `--model llama` then trains it. Only the packages' metadata is read here (no target is imported), so
 `--help` and the checks before Ray can list them without importing jax.
 """
+
 from __future__ import annotations
 
 from typing import Dict

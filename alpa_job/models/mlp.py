@@ -1,4 +1,5 @@
 """The pipeshard tutorial's MLP: Dense 4h -> h -> 4h -> h, relu after each."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,6 +44,11 @@ def synthetic(args, rng, n):
 
 def build(args, dtype) -> api.Model:
     """The built-in MLP through the public API (alpa_job/api.py), like any model a user brings."""
-    return api.Model(MLPModel(args.hidden_dim, dtype), input_field=INPUT_FIELD, loss=api.mse, synthetic=synthetic,
-                     layer_count=4,  # Dense 4h -> h -> 4h -> h
-                     layer_class=nn.Dense)
+    return api.Model(
+        MLPModel(args.hidden_dim, dtype),
+        input_field=INPUT_FIELD,
+        loss=api.mse,
+        synthetic=synthetic,
+        layer_count=4,  # Dense 4h -> h -> 4h -> h
+        layer_class=nn.Dense,
+    )

@@ -1,5 +1,6 @@
 """The MLP's settings: what `--model mlp` reads, declared without flax so `--help` and the checks
 before Ray never import jax (the model itself is mlp.py)."""
+
 from __future__ import annotations
 
 from alpa_job.setting import POSITIVE, Setting

@@ -2,6 +2,7 @@
 
 depth = 6n + 4 (n blocks per stage, 3 stages), width = widening factor k.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,7 +18,12 @@ from alpa_job.api import CHANNELS, CONV_IN, EMBED, logical
 
 def _conv(features: int, strides: int, dtype: Any, name: str = None) -> nn.Conv:
     return nn.Conv(
-        features, (3, 3), strides=(strides, strides), padding="SAME", use_bias=False, dtype=dtype,
+        features,
+        (3, 3),
+        strides=(strides, strides),
+        padding="SAME",
+        use_bias=False,
+        dtype=dtype,
         # The 3x3 window dims are never split.
         kernel_init=logical(nn.initializers.kaiming_normal(), (None, None, CONV_IN, CHANNELS)),
         name=name,
@@ -26,7 +32,10 @@ def _conv(features: int, strides: int, dtype: Any, name: str = None) -> nn.Conv:
 
 def _norm(train: bool, dtype: Any) -> nn.BatchNorm:
     return nn.BatchNorm(
-        use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=dtype,
+        use_running_average=not train,
+        momentum=0.9,
+        epsilon=1e-5,
+        dtype=dtype,
         scale_init=logical(nn.initializers.ones, (CHANNELS,)),
         bias_init=logical(nn.initializers.zeros, (CHANNELS,)),
     )
@@ -66,7 +75,8 @@ class WideResNet(nn.Module):
         x = nn.relu(_norm(train, self.dtype)(x))
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(
-            self.num_classes, dtype=self.dtype,
+            self.num_classes,
+            dtype=self.dtype,
             # 10 classes: no device count divides them, so the class dim is never split.
             kernel_init=logical(nn.initializers.lecun_normal(), (EMBED, None)),
             bias_init=logical(nn.initializers.zeros, (None,)),
@@ -88,7 +98,12 @@ def synthetic(args, rng, n):
 def build(args, dtype) -> api.Model:
     """The built-in WideResNet through the public API (alpa_job/api.py): BatchNorm statistics ride beside
     the parameters."""
-    return api.Model(WideResNet(args.depth, args.width, 10, dtype), input_field=INPUT_FIELD,
-                     loss=_classification_loss, batch_stats=True, synthetic=synthetic,
-                     layer_count=3 * ((args.depth - 4) // 6),  # 3 stages x n blocks
-                     layer_class=WideBlock)
+    return api.Model(
+        WideResNet(args.depth, args.width, 10, dtype),
+        input_field=INPUT_FIELD,
+        loss=_classification_loss,
+        batch_stats=True,
+        synthetic=synthetic,
+        layer_count=3 * ((args.depth - 4) // 6),  # 3 stages x n blocks
+        layer_class=WideBlock,
+    )

@@ -1,5 +1,6 @@
 """WideResNet's settings: what `--model wide_resnet` reads, declared without flax so `--help` and the
 checks before Ray never import jax (the model itself is wide_resnet.py)."""
+
 from __future__ import annotations
 
 from alpa_job.errors import KitError

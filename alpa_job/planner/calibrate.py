@@ -4,6 +4,7 @@ Each measured run is compiled the way a plan compiles a candidate (on emulated C
 worker process per device count), and its FLOPs, traffic and XLA memory analysis are written beside
 the measurement, so planning itself never recompiles them. estimate.py fits its constants to these.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,14 @@ from alpa_job.planner.run_worker import compile_in_worker
 
 
 def request_for(entry: Dict[str, Any]) -> Dict[str, Any]:
-    return {"preset": entry["preset"], "config": None, "devices": entry["nodes"] * entry["gpus_per_node"],
-            "gpus_per_node": entry["gpus_per_node"], "candidates": [[entry["strategy"], entry["mesh"]]],
-            "cli_values": plan_values(entry["batch_size"])}
+    return {
+        "preset": entry["preset"],
+        "config": None,
+        "devices": entry["nodes"] * entry["gpus_per_node"],
+        "gpus_per_node": entry["gpus_per_node"],
+        "candidates": [[entry["strategy"], entry["mesh"]]],
+        "cli_values": plan_values(entry["batch_size"]),
+    }
 
 
 def plan_values(batch_size: int) -> Dict[str, Any]:
@@ -28,8 +34,12 @@ def plan_values(batch_size: int) -> Dict[str, Any]:
 def cpu_features(row: Dict[str, Any]) -> Dict[str, Any]:
     """The part of a compiled candidate the fit reads."""
     memory = row["memory"] or {}
-    return {"flops_per_step": row["flops_per_step"], "state_bytes_per_device": row["state_bytes_per_device"],
-            "memory": memory, "collectives": row["collectives"]}
+    return {
+        "flops_per_step": row["flops_per_step"],
+        "state_bytes_per_device": row["state_bytes_per_device"],
+        "memory": memory,
+        "collectives": row["collectives"],
+    }
 
 
 def features(entries: List[Dict[str, Any]], timeout_s: float = 900.0) -> None:

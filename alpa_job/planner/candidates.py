@@ -1,6 +1,7 @@
 """The candidates of a plan: every strategy x mesh shape `--strategy auto` would try on N x G devices (one
 process a node, so tensor's model axis inside a node), less those whose data axis does not divide the
 global batch, or a pipeline's micro-batches (each kept as a row saying so)."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -11,26 +12,34 @@ from alpa_job.errors import KitError
 Candidate = Tuple[str, Tuple[int, int]]
 
 
-def plan_candidates(nodes: int, gpus_per_node: int, batch_size: int,
-                    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES),
-                    micro_batches: int = 0) -> Tuple[List[Candidate], List[Dict]]:
+def plan_candidates(
+    nodes: int,
+    gpus_per_node: int,
+    batch_size: int,
+    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES),
+    micro_batches: int = 0,
+) -> Tuple[List[Candidate], List[Dict]]:
     """(candidates to compile, rows of those skipped with a note)."""
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
     devices = nodes * gpus_per_node
     every = [(s, m) for s, m in strategy_records.auto_candidates(devices, gpus_per_node) if s in strategies]
     if not every:
-        raise KitError(f"--strategy {', '.join(strategies)} has no candidate on {nodes} node(s) of {gpus_per_node} GPU(s): "
-                       "hsdp needs several nodes of several GPUs, pipeline several nodes (a stage a node); "
-                       "plan more --nodes or another --strategy")
+        raise KitError(
+            f"--strategy {', '.join(strategies)} has no candidate on {nodes} node(s) of {gpus_per_node} GPU(s): "
+            "hsdp needs several nodes of several GPUs, pipeline several nodes (a stage a node); "
+            "plan more --nodes or another --strategy"
+        )
     notes = {(s, m): _batch_note(s, m, batch_size, micro_batches) for s, m in every}
     kept = [(s, m) for s, m in every if not notes[(s, m)]]
     skipped = [{"strategy": s, "mesh_shape": list(m), "note": notes[(s, m)]} for s, m in every if notes[(s, m)]]
     if not kept:
         sizes = sorted({strategy_records.get(s).batch_ways(m) for s, m in every})
-        raise KitError(f"--batch-size {batch_size} is not divisible by the data axis of any candidate on "
-                       f"{devices} devices (data axes: {', '.join(map(str, sizes))}); use a multiple of "
-                       f"{min(sizes)}, e.g. {devices} (one sequence per GPU)")
+        raise KitError(
+            f"--batch-size {batch_size} is not divisible by the data axis of any candidate on "
+            f"{devices} devices (data axes: {', '.join(map(str, sizes))}); use a multiple of "
+            f"{min(sizes)}, e.g. {devices} (one sequence per GPU)"
+        )
     return kept, skipped
 
 

@@ -1,4 +1,5 @@
 """`python -m alpa_job plan`: its flags and what it prints and writes."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,14 @@ def add_parser(sub, add_setting) -> None:
     from alpa_job.models import size_settings
     from alpa_job.settings import catalog
 
-    p = sub.add_parser("plan", help="plan a cluster you don't have: memory, traffic and step time per strategy",
-                       description="Compile every strategy x mesh for N nodes x G GPUs on emulated CPU devices and "
-                                   "estimate memory, NVLink/network bytes and step time on the GPUs.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="plan a cluster you don't have: memory, traffic and step time per strategy",
+        description="Compile every strategy x mesh for N nodes x G GPUs on emulated CPU devices and "
+        "estimate memory, NVLink/network bytes and step time on the GPUs.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("model (as for train)")
     g.add_argument("--preset", metavar="NAME", help="named settings from alpa_job/settings/presets (gpt-24l, ...)")
     g.add_argument("--config", metavar="FILE", help="YAML file of job settings; flags override it")
@@ -42,23 +47,35 @@ def add_parser(sub, add_setting) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes")
     c.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
-    c.add_argument("--gpu", default="h100", metavar="NAME", help="h100, h200 or a100, or any name with "
-                   "--gpu-memory-gb, --gpu-tflops and --nvlink-gbps (default: h100)")
+    c.add_argument(
+        "--gpu",
+        default="h100",
+        metavar="NAME",
+        help="h100, h200 or a100, or any name with --gpu-memory-gb, --gpu-tflops and --nvlink-gbps (default: h100)",
+    )
     c.add_argument("--gpu-memory-gb", type=float, metavar="GB", help="memory of one GPU")
     c.add_argument("--gpu-tflops", type=float, metavar="T", help="dense bf16 peak of one GPU, TFLOP/s")
     c.add_argument("--nvlink-gbps", type=float, metavar="GB/S", help="NVLink bandwidth of one GPU, one direction, GB/s")
-    c.add_argument("--network-gbps", type=float, default=None, metavar="Gb/S",
-                   help="network bandwidth per GPU across nodes, one direction, Gbit/s (default: 400, one NDR NIC a GPU)")
-    c.add_argument("--network-from", metavar="FILE", help="the network figure measured on your cluster: the JSON of "
-                   "python -m alpa_job doctor --network --format json (its median link, shared by a node's GPUs)")
+    c.add_argument(
+        "--network-gbps",
+        type=float,
+        default=None,
+        metavar="Gb/S",
+        help="network bandwidth per GPU across nodes, one direction, Gbit/s (default: 400, one NDR NIC a GPU)",
+    )
+    c.add_argument(
+        "--network-from",
+        metavar="FILE",
+        help="the network figure measured on your cluster: the JSON of "
+        "python -m alpa_job doctor --network --format json (its median link, shared by a node's GPUs)",
+    )
     o = p.add_argument_group("plan")
-    o.add_argument("--strategy", default="all", choices=("all", *strategy_records.STRATEGIES),
-                   help="which strategies to plan (default: all)")
+    o.add_argument(
+        "--strategy", default="all", choices=("all", *strategy_records.STRATEGIES), help="which strategies to plan (default: all)"
+    )
     o.add_argument("--model-parallel", type=int, default=0, metavar="M", help="tensor: only this model axis size")
-    o.add_argument("--out", metavar="DIR", default="plans/latest", help="where plan.json and plan.html go "
-                                                                       "(default: plans/latest)")
-    o.add_argument("--timeout", type=float, default=1800.0, metavar="S",
-                   help="seconds the compiling may take in all (default: 1800)")
+    o.add_argument("--out", metavar="DIR", default="plans/latest", help="where plan.json and plan.html go (default: plans/latest)")
+    o.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds the compiling may take in all (default: 1800)")
 
 
 def _network(args):
@@ -86,12 +103,25 @@ def run(args) -> int:
     if args.model_parallel < 0 or args.timeout <= 0:
         raise KitError("--model-parallel must be >= 0 and --timeout > 0")
     sizes = {s.name: getattr(args, s.name, None) for s in size_settings()}
-    cli_values = {**model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}),
-                  **{k: v for k, v in sizes.items() if v is not None}}
+    cli_values = {
+        **model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}),
+        **{k: v for k, v in sizes.items() if v is not None},
+    }
     strategies = tuple(strategy_records.STRATEGIES) if args.strategy == "all" else (args.strategy,)
     network_gbps, network_source = _network(args)
-    record = make_plan(args.preset, args.config, cli_values, args.nodes, args.gpus_per_node, gpu,
-                       network_gbps, strategies, args.model_parallel, args.timeout, network_source=network_source)
+    record = make_plan(
+        args.preset,
+        args.config,
+        cli_values,
+        args.nodes,
+        args.gpus_per_node,
+        gpu,
+        network_gbps,
+        strategies,
+        args.model_parallel,
+        args.timeout,
+        network_source=network_source,
+    )
     try:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "plan.json"), "w") as f:

@@ -6,6 +6,7 @@ Read from it: state bytes per device (the shardings), XLA's memory analysis, the
 (its jaxpr) and every collective of the compiled HLO with its replica groups (record/traffic.py).
 Runs in the worker process (worker.py), whose device count was set before jax was imported.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,9 @@ class PlanEngine(JaxEngine):
     check_memory = False
 
 
-def compile_candidate(config, model, example: Dict[str, Any], strategy: str, mesh_shape: Tuple[int, int],
-                      gpus_per_node: int) -> Dict[str, Any]:
+def compile_candidate(
+    config, model, example: Dict[str, Any], strategy: str, mesh_shape: Tuple[int, int], gpus_per_node: int
+) -> Dict[str, Any]:
     """Plain data (JSON-able) about one compiled candidate."""
     start = time.perf_counter()
     engine = PlanEngine(config, model, example, strategy, tuple(mesh_shape))
@@ -30,8 +32,9 @@ def compile_candidate(config, model, example: Dict[str, Any], strategy: str, mes
     text = stats.hlo_texts[0]
     num_devices = mesh_shape[0] * mesh_shape[1]
     rows = traffic.step_traffic(text, num_devices, gpus_per_node)
-    by_kind: Dict[str, Dict[str, Any]] = {k: {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0}
-                                          for k in hlo.COLLECTIVE_KINDS}
+    by_kind: Dict[str, Dict[str, Any]] = {
+        k: {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0} for k in hlo.COLLECTIVE_KINDS
+    }
     for row in rows:
         slot = by_kind[row.kind]
         slot["count"] += 1
@@ -40,10 +43,13 @@ def compile_candidate(config, model, example: Dict[str, Any], strategy: str, mes
         slot["network_bytes"] += row.network_bytes
     plan = engine.plan()
     return {
-        "strategy": strategy, "mesh_shape": list(mesh_shape),
+        "strategy": strategy,
+        "mesh_shape": list(mesh_shape),
         "state_bytes_per_device": engine.state_bytes_per_device,
-        "memory": stats.memory, "flops_per_step": stats.flops_per_step,
-        "collectives": by_kind, "groups_read": all(r.groups_read for r in rows),
+        "memory": stats.memory,
+        "flops_per_step": stats.flops_per_step,
+        "collectives": by_kind,
+        "groups_read": all(r.groups_read for r in rows),
         "compile_s": round(time.perf_counter() - start, 2),
         "params": [leaf.__dict__ for leaf in plan.leaf_records() if leaf.path.startswith("params/")],
     }

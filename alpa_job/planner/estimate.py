@@ -17,6 +17,7 @@ Memory: XLA's CPU compile keeps far more scratch (temp) than the GPU's (no fused
 fusion); the state part (arguments + outputs - aliased) is exact. The GPU peak is estimated as the
 state part + temp x `temp_ratio`, the ratio measured on the calibration runs with a known GPU peak.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,7 @@ def load(path: str = CALIBRATION_PATH) -> Dict[str, Any]:
 def _cpu(entry: Dict[str, Any]) -> Dict[str, Any]:
     cpu = entry.get("cpu")
     if not cpu:
-        raise KitError(f"calibration entry {entry.get('id')!r} has no cpu block; run "
-                       "python -m alpa_job.planner.calibrate")
+        raise KitError(f"calibration entry {entry.get('id')!r} has no cpu block; run python -m alpa_job.planner.calibrate")
     return cpu
 
 
@@ -76,8 +76,7 @@ def fit(calibration: Dict[str, Any]) -> Constants:
     single = [e for e in entries if e["nodes"] * e["gpus_per_node"] == 1]
     if not single:
         raise KitError("the planner's calibration has no one-GPU run, so no compute efficiency; add one")
-    rates = [_cpu(e)["flops_per_step"] / (gpus.CATALOGUE[e["gpu"]].peak_flops * e["measured_step_ms"] / 1e3)
-             for e in single]
+    rates = [_cpu(e)["flops_per_step"] / (gpus.CATALOGUE[e["gpu"]].peak_flops * e["measured_step_ms"] / 1e3) for e in single]
     efficiency = math.exp(statistics.mean(math.log(r) for r in rates))
     factors: Dict[str, List[float]] = {}
     for e in entries:
@@ -106,12 +105,17 @@ def gpu_peak_bytes(memory: Optional[Dict[str, int]], constants: Constants) -> Op
     return int(state_part(memory) + constants.temp_ratio * memory["temp_size_in_bytes"])
 
 
-def predict(row: Dict[str, Any], devices: int, gpu: gpus.Gpu, network_bytes_s: float,
-            constants: Constants) -> Dict[str, Any]:
+def predict(row: Dict[str, Any], devices: int, gpu: gpus.Gpu, network_bytes_s: float, constants: Constants) -> Dict[str, Any]:
     """compute_s, communication_s, step_s and the corrected peak for one compiled candidate."""
     compute = (row["flops_per_step"] or 0.0) / devices / (gpu.peak_flops * constants.efficiency)
     links = link_seconds(row["collectives"], gpu, network_bytes_s)
     factor = constants.comm_factor.get(row["strategy"], constants.default_comm_factor)
     communication = max(factor * links, links - compute)
-    return {"compute_s": compute, "link_s": links, "comm_factor": factor, "communication_s": communication,
-            "step_s": compute + communication, "gpu_peak_bytes": gpu_peak_bytes(row.get("memory"), constants)}
+    return {
+        "compute_s": compute,
+        "link_s": links,
+        "comm_factor": factor,
+        "communication_s": communication,
+        "step_s": compute + communication,
+        "gpu_peak_bytes": gpu_peak_bytes(row.get("memory"), constants),
+    }

@@ -1,5 +1,6 @@
 """Where a plan's mesh axes run: inside a node, across nodes, or both (the kit lays devices out
 node-major: node k holds devices k*G .. k*G+G-1; record/traffic.py reads what each collective sends)."""
+
 from __future__ import annotations
 
 from typing import Dict, Sequence

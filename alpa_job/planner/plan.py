@@ -1,4 +1,5 @@
 """A plan, end to end: settings -> candidates -> compiled on emulated devices -> estimated -> ranked record."""
+
 from __future__ import annotations
 
 import datetime
@@ -46,11 +47,20 @@ def settings(preset: Optional[str], config_path: Optional[str], cli_values: Dict
     return config, values, how
 
 
-def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dict[str, Any], nodes: int,
-              gpus_per_node: int, gpu: gpus.Gpu, network_gbps: float = DEFAULT_NETWORK_GBPS,
-              strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES), model_parallel: int = 0,
-              timeout_s: float = 1800.0, calibration: Optional[Dict[str, Any]] = None,
-              network_source: Optional[str] = None) -> PlanRecord:
+def make_plan(
+    preset: Optional[str],
+    config_path: Optional[str],
+    cli_values: Dict[str, Any],
+    nodes: int,
+    gpus_per_node: int,
+    gpu: gpus.Gpu,
+    network_gbps: float = DEFAULT_NETWORK_GBPS,
+    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES),
+    model_parallel: int = 0,
+    timeout_s: float = 1800.0,
+    calibration: Optional[Dict[str, Any]] = None,
+    network_source: Optional[str] = None,
+) -> PlanRecord:
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
     if network_gbps <= 0:
@@ -58,26 +68,34 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
     devices = nodes * gpus_per_node
     config, values, batch_how = settings(preset, config_path, cli_values, devices)
     constants = estimate.fit(calibration or estimate.load())
-    kept, skipped = candidates_lib.plan_candidates(nodes, gpus_per_node, config.batch_size, strategies,
-                                                   config.micro_batches)
+    kept, skipped = candidates_lib.plan_candidates(nodes, gpus_per_node, config.batch_size, strategies, config.micro_batches)
     if model_parallel:
         if devices % model_parallel:
-            raise KitError(f"--model-parallel {model_parallel} does not divide the {nodes} x {gpus_per_node} = "
-                           f"{devices} devices; use a divisor of {devices}")
+            raise KitError(
+                f"--model-parallel {model_parallel} does not divide the {nodes} x {gpus_per_node} = "
+                f"{devices} devices; use a divisor of {devices}"
+            )
         kept = [(s, m) for s, m in kept if not strategy_records.get(s).model_axis or m[1] == model_parallel]
-    request = {"preset": preset, "config": config_path, "devices": devices, "gpus_per_node": gpus_per_node,
-               "candidates": [[s, list(m)] for s, m in kept], "cli_values": values}
+    request = {
+        "preset": preset,
+        "config": config_path,
+        "devices": devices,
+        "gpus_per_node": gpus_per_node,
+        "candidates": [[s, list(m)] for s, m in kept],
+        "cli_values": values,
+    }
     result = compile_in_worker(request, timeout_s)
     network_bytes_s = network_gbps * 1e9 / 8
     usable = usable_bytes(gpu)
-    rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants)
-            for r in result["candidates"]]
+    rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants) for r in result["candidates"]]
     rows += [PlanCandidate(strategy=s["strategy"], mesh_shape=s["mesh_shape"], note=s["note"]) for s in skipped]
     compiled = [r for r in rows if r.step_s is not None]
     if not compiled:
         notes = "; ".join(f"{r.strategy} {tuple(r.mesh_shape)}: {r.note}" for r in rows[:3])
-        raise KitError(f"no candidate compiles for {devices} devices ({notes}); plan fewer devices or change the "
-                       "model's sizes so its dimensions divide the mesh")
+        raise KitError(
+            f"no candidate compiles for {devices} devices ({notes}); plan fewer devices or change the "
+            "model's sizes so its dimensions divide the mesh"
+        )
     best = _rank(rows)
     if best is not None:
         rows[best].params = _leaves(result["candidates"], rows[best])
@@ -87,39 +105,55 @@ def make_plan(preset: Optional[str], config_path: Optional[str], cli_values: Dic
         f"FLOPs per GPU / ({gpu.peak_flops / 1e12:.0f} TFLOP/s x efficiency {constants.efficiency:.3f}); "
         "communication = factor[strategy] x links, links = NVLink bytes / NVLink bandwidth + network bytes / "
         "network bandwidth, and at least the part of links that compute cannot hide (links - compute)",
-        "factors fitted to measured multi-GPU runs: " + ", ".join(
-            f"{s} {f:.3f}" for s, f in sorted(constants.comm_factor.items())) +
-        f" (a factor < 1: the measured runs hid part of it behind compute); "
+        "factors fitted to measured multi-GPU runs: "
+        + ", ".join(f"{s} {f:.3f}" for s, f in sorted(constants.comm_factor.items()))
+        + f" (a factor < 1: the measured runs hid part of it behind compute); "
         f"{_unfitted(rows, constants)}efficiency from the one-GPU runs",
         f"devices are placed node-major: device i on node i // {gpus_per_node}; each collective's nodes come from "
         "its replica groups in the compiled HLO (ring / hierarchical traffic per device)",
         f"GPU peak memory = state part of XLA's CPU estimate + its scratch x {constants.temp_ratio:.3f} (the GPU/CPU "
         f"scratch ratio measured on the calibration runs); fits = at most {usable / 1e9:.1f} GB "
         "(JAX's default share of the card x the kit's usable fraction)",
-        network_source or "not verified on a multi-node GPU cluster: the network term is the model above, with the "
+        network_source
+        or "not verified on a multi-node GPU cluster: the network term is the model above, with the "
         "bandwidth given (--network-gbps), not measured (--network-from a doctor --network result)",
     ]
     return PlanRecord(
-        model=config.model, preset=preset, settings=_model_settings(config), cluster=PlanCluster(
-            nodes, gpus_per_node, devices, PlanGpu(gpu.name, gpu.memory_bytes, gpu.peak_flops, gpu.nvlink_bytes_s,
-                                                   gpu.source), network_bytes_s, usable),
-        constants=constants.to_dict(), assumptions=assumptions, candidates=rows, best=best,
+        model=config.model,
+        preset=preset,
+        settings=_model_settings(config),
+        cluster=PlanCluster(
+            nodes,
+            gpus_per_node,
+            devices,
+            PlanGpu(gpu.name, gpu.memory_bytes, gpu.peak_flops, gpu.nvlink_bytes_s, gpu.source),
+            network_bytes_s,
+            usable,
+        ),
+        constants=constants.to_dict(),
+        assumptions=assumptions,
+        candidates=rows,
+        best=best,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        versions={"jax (compiling)": result.get("jax")})
+        versions={"jax (compiling)": result.get("jax")},
+    )
 
 
 def _unfitted(rows: List[PlanCandidate], constants: estimate.Constants) -> str:
     """The strategies no measured run fitted a factor for: they take the median of the fitted ones."""
     names = sorted({r.strategy for r in rows} - set(constants.comm_factor))
-    return (f"{', '.join(names)}: no measured run yet, the median factor {constants.default_comm_factor:.3f}; "
-            if names else "")
+    return f"{', '.join(names)}: no measured run yet, the median factor {constants.default_comm_factor:.3f}; " if names else ""
 
 
-def _candidate(row: Dict[str, Any], devices: int, gpus_per_node: int, gpu: gpus.Gpu, network_bytes_s: float,
-               usable: int, constants: estimate.Constants) -> PlanCandidate:
+def _candidate(
+    row: Dict[str, Any], devices: int, gpus_per_node: int, gpu: gpus.Gpu, network_bytes_s: float, usable: int, constants: estimate.Constants
+) -> PlanCandidate:
     mesh = tuple(row["mesh_shape"])
-    out = PlanCandidate(strategy=row["strategy"], mesh_shape=list(mesh),
-                        axes=placement.node_axes(mesh, gpus_per_node, strategy_records.get(row["strategy"]).mesh_axes))
+    out = PlanCandidate(
+        strategy=row["strategy"],
+        mesh_shape=list(mesh),
+        axes=placement.node_axes(mesh, gpus_per_node, strategy_records.get(row["strategy"]).mesh_axes),
+    )
     if "error" in row:
         out.note = f"does not compile for {devices} devices: {row['error']}"
         return out
@@ -186,8 +220,11 @@ def model_values(values: Dict[str, Any]) -> Dict[str, Any]:
     from alpa_job.setting import model_args
 
     # model_args: a mapping (a config's), or the KEY=VALUE texts of repeated --model-arg flags
-    return {k: (dict(model_args(v, "--model-arg")) if k == "model_args" else v)
-            for k, v in values.items() if v is not None and k in MODEL_SETTINGS}
+    return {
+        k: (dict(model_args(v, "--model-arg")) if k == "model_args" else v)
+        for k, v in values.items()
+        if v is not None and k in MODEL_SETTINGS
+    }
 
 
 def _model_settings(config) -> Dict[str, Any]:

@@ -4,6 +4,7 @@ more than SLOWER_THAN_BEST x the best, before anything compiles on the GPUs.
 `drop_candidates` compiles the candidates on emulated CPU devices in a worker process (nothing touches
 the GPUs of the calling process) and estimates each one for the cluster it names.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple, Union
@@ -18,18 +19,31 @@ SLOWER_THAN_BEST = 1.5
 Candidate = Tuple[str, Tuple[int, int]]
 
 
-def drop_candidates(config, model, example_batch: Dict[str, Any], candidates: Sequence[Candidate],
-                    budget_bytes: int, nodes: int, gpus_per_node: int, gpu: Union[str, gpus.Gpu] = "h100",
-                    network_gbps: float = DEFAULT_NETWORK_GBPS, timeout_s: float = 1800.0
-                    ) -> Tuple[List[Candidate], List[Dict[str, Any]]]:
+def drop_candidates(
+    config,
+    model,
+    example_batch: Dict[str, Any],
+    candidates: Sequence[Candidate],
+    budget_bytes: int,
+    nodes: int,
+    gpus_per_node: int,
+    gpu: Union[str, gpus.Gpu] = "h100",
+    network_gbps: float = DEFAULT_NETWORK_GBPS,
+    timeout_s: float = 1800.0,
+) -> Tuple[List[Candidate], List[Dict[str, Any]]]:
     """(candidates worth compiling on the GPUs, one row {strategy, mesh_shape, note} per dropped one).
     `model` is the caller's (the worker builds the same one from `config`); `example_batch` gives the batch."""
     del model  # rebuilt in the worker from config: a model object does not cross a process boundary
     device = gpus.resolve(gpu) if isinstance(gpu, str) else gpu
     batch = int(len(example_batch["mask"]))
-    request = {"preset": None, "config": None, "devices": nodes * gpus_per_node, "gpus_per_node": gpus_per_node,
-               "candidates": [[s, list(m)] for s, m in candidates],
-               "cli_values": {**model_values(config.as_dict()), **plan_values(batch)}}
+    request = {
+        "preset": None,
+        "config": None,
+        "devices": nodes * gpus_per_node,
+        "gpus_per_node": gpus_per_node,
+        "candidates": [[s, list(m)] for s, m in candidates],
+        "cli_values": {**model_values(config.as_dict()), **plan_values(batch)},
+    }
     rows = compile_in_worker(request, timeout_s)["candidates"]
     constants = estimate.fit(estimate.load())
     predicted = {}
@@ -40,16 +54,20 @@ def drop_candidates(config, model, example_batch: Dict[str, Any], candidates: Se
             continue
         p = estimate.predict(row, nodes * gpus_per_node, device, network_gbps * 1e9 / 8, constants)
         if p["gpu_peak_bytes"] is not None and p["gpu_peak_bytes"] > budget_bytes:
-            dropped.append(_row(strategy, mesh, f"planner: needs ~{p['gpu_peak_bytes'] / 1e9:.1f} GB per GPU, "
-                                                f"budget {budget_bytes / 1e9:.1f} GB"))
+            dropped.append(
+                _row(strategy, mesh, f"planner: needs ~{p['gpu_peak_bytes'] / 1e9:.1f} GB per GPU, budget {budget_bytes / 1e9:.1f} GB")
+            )
             continue
         predicted[(strategy, tuple(mesh))] = p["step_s"]
     if predicted:
         best = min(predicted.values())
         for key, step in list(predicted.items()):
             if step > SLOWER_THAN_BEST * best:
-                dropped.append(_row(key[0], key[1], f"planner: predicted {step * 1e3:.1f} ms, over {SLOWER_THAN_BEST} x "
-                                                    f"the best's {best * 1e3:.1f} ms"))
+                dropped.append(
+                    _row(
+                        key[0], key[1], f"planner: predicted {step * 1e3:.1f} ms, over {SLOWER_THAN_BEST} x the best's {best * 1e3:.1f} ms"
+                    )
+                )
                 del predicted[key]
     kept = [(s, tuple(m)) for s, m in candidates if (s, tuple(m)) in predicted]
     return kept, dropped
@@ -61,6 +79,7 @@ def _row(strategy: str, mesh, note: str) -> Dict[str, Any]:
 
 def for_auto(config, model, example_batch: Dict[str, Any]):
     """`--strategy auto`'s prefilter (engines/auto_search.Prefilter) on this process's devices and cluster."""
+
     def drop(candidates: Sequence[Candidate], budget: int) -> List[Dict[str, Any]]:
         import jax
 
@@ -70,8 +89,7 @@ def for_auto(config, model, example_batch: Dict[str, Any]):
         if gpu is None:
             phase(f"[auto] planner skipped: it has no figures for {jax.devices()[0].device_kind}")
             return []
-        _, dropped = drop_candidates(config, model, example_batch, candidates, budget, jax.process_count(),
-                                     jax.local_device_count(), gpu)
+        _, dropped = drop_candidates(config, model, example_batch, candidates, budget, jax.process_count(), jax.local_device_count(), gpu)
         return dropped
 
     return drop

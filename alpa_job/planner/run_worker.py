@@ -1,4 +1,5 @@
 """Start the plan's compiling process (worker.py) with N CPU devices and wait for it, bounded."""
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,18 @@ def compile_in_worker(request: Dict[str, Any], timeout_s: float) -> Dict[str, An
         with open(req, "w") as f:
             json.dump(request, f)
         try:
-            proc = subprocess.run([sys.executable, "-m", "alpa_job.planner.worker", req, out], env=env,
-                                  timeout=timeout_s, stdout=subprocess.DEVNULL)
+            proc = subprocess.run(
+                [sys.executable, "-m", "alpa_job.planner.worker", req, out], env=env, timeout=timeout_s, stdout=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired:
-            raise KitError(f"planning {request['devices']} devices took over {timeout_s:.0f} s; raise --timeout "
-                           "or plan fewer strategies (--strategy)") from None
+            raise KitError(
+                f"planning {request['devices']} devices took over {timeout_s:.0f} s; raise --timeout or plan fewer strategies (--strategy)"
+            ) from None
         if not os.path.exists(out):
-            raise KitError(f"the plan's compiling process ended (exit {proc.returncode}) without a result, "
-                           "probably out of memory for this many devices; plan fewer devices or free RAM")
+            raise KitError(
+                f"the plan's compiling process ended (exit {proc.returncode}) without a result, "
+                "probably out of memory for this many devices; plan fewer devices or free RAM"
+            )
         with open(out) as f:
             result = json.load(f)
     if "error" in result:

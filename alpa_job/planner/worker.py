@@ -5,6 +5,7 @@ can only be set before jax is imported, and the command's own process may alread
 candidate is compiled in turn with a progress line; a candidate that does not compile is a row with the
 error's first line, not the end of the plan.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,14 +36,18 @@ def run(request: Dict[str, Any]) -> Dict[str, Any]:
     config, model, example = build(request)
     found = len(jax.devices())
     if found != request["devices"]:
-        raise KitError(f"the plan's worker sees {found} devices, not {request['devices']}; unset XLA_FLAGS and "
-                       "JAX_PLATFORMS in the environment and run the plan again")
+        raise KitError(
+            f"the plan's worker sees {found} devices, not {request['devices']}; unset XLA_FLAGS and "
+            "JAX_PLATFORMS in the environment and run the plan again"
+        )
     candidates = request["candidates"]
     bar = Progress("plan", len(candidates), unit="candidate")
     out = []
     for number, (strategy, mesh_shape) in enumerate(candidates, 1):
-        phase(f"[plan] candidate {number}/{len(candidates)}: {strategy} on mesh {tuple(mesh_shape)}: "
-              f"compiling for {found} emulated devices ...")
+        phase(
+            f"[plan] candidate {number}/{len(candidates)}: {strategy} on mesh {tuple(mesh_shape)}: "
+            f"compiling for {found} emulated devices ..."
+        )
         try:
             row = compile_candidate(config, model, example, strategy, tuple(mesh_shape), request["gpus_per_node"])
             bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", compile_s=row["compile_s"])
@@ -64,8 +69,7 @@ def main(argv=None) -> int:
     except KitError as err:
         result = {"error": str(err)}
     except Exception as err:  # noqa: BLE001 - handed to the command, which prints one line and the log's path
-        result = {"error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}",
-                  "traceback": traceback.format_exc()}
+        result = {"error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}", "traceback": traceback.format_exc()}
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0

@@ -6,6 +6,7 @@ every FLUSH_INTERVAL_S, the other events (phases, notes) go at once, and trainin
 driver, which drains the channel while it waits for the training. Ray is imported only where a channel is
 opened or drained (the driver), never by importing this module.
 """
+
 from __future__ import annotations
 
 import functools

@@ -8,6 +8,7 @@ logs come back too; see ray_logs.py).
 rich is optional (the Alpa image may lack it: plain lines then) and imported only when a bar or a
 spinner starts, so the processes that import the event bus (which falls back to a display) never load it.
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,8 +29,7 @@ def _is_tty(stream=None) -> bool:
 class Display:
     """Renders events for the user; remembers the last step (a failed run's report says how far it got)."""
 
-    def __init__(self, verbosity: int = DEFAULT, tty: Optional[bool] = None, every: int = 0,
-                 stream=None, log_path: Optional[str] = None):
+    def __init__(self, verbosity: int = DEFAULT, tty: Optional[bool] = None, every: int = 0, stream=None, log_path: Optional[str] = None):
         self.verbosity = verbosity
         self._stream = stream  # None: whatever sys.stderr is when a line is printed (pytest's capsys too)
         self.tty = _is_tty(self.stream) if tty is None else tty
@@ -127,15 +127,22 @@ class Display:
             return
         self.stop_bar()
         self._rich = RichProgress(
-            TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eval]}"),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} steps"),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[eval]}"),
             TextColumn("{task.fields[rate]} samples/s"),
             # the ETA the training process computed (rich's own would time the events' arrival on the driver)
-            TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"), transient=False,
-            console=_rich_console(self.stream))
+            TimeElapsedColumn(),
+            TextColumn("ETA {task.fields[eta]}"),
+            transient=False,
+            console=_rich_console(self.stream),
+        )
         self._rich.start()
-        self._task = self._rich.add_task(event.get("desc", "train"), total=event.get("total"), loss="-", rate="-",
-                                         eval="", eta="-", completed=0)
+        self._task = self._rich.add_task(
+            event.get("desc", "train"), total=event.get("total"), loss="-", rate="-", eval="", eta="-", completed=0
+        )
 
     def stop_bar(self) -> None:
         """End the progress bar (the lines after it print below it); nothing when there is none."""
@@ -151,11 +158,14 @@ class Display:
         loss = event.get("loss")
         rate = event.get("rate")
         if self._rich is not None:
-            self._rich.update(self._task, completed=event.get("done", 0),
-                              loss="-" if loss is None else f"{loss:.4g}",
-                              eval="  ".join(t for t in (format_eval(event), event.get("alert")) if t),
-                              rate="-" if rate is None else f"{rate:,.0f}",
-                              eta="-" if event.get("eta") is None else _duration(event["eta"]))
+            self._rich.update(
+                self._task,
+                completed=event.get("done", 0),
+                loss="-" if loss is None else f"{loss:.4g}",
+                eval="  ".join(t for t in (format_eval(event), event.get("alert")) if t),
+                rate="-" if rate is None else f"{rate:,.0f}",
+                eta="-" if event.get("eta") is None else _duration(event["eta"]),
+            )
         every = self.every or max(1, (self.total or 10) // 10)
         due = event.get("done", 0) % every == 0 or event.get("last")
         if due:  # formatted only when shown: in-process runs call this every training step

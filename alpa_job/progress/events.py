@@ -13,6 +13,7 @@ makes an event (a small dict) and hands it to this process's sink:
 Training processes and the Alpa engine import this module: it imports neither Ray nor rich (the display
 it falls back to loads rich only to draw).
 """
+
 from __future__ import annotations
 
 import time
@@ -113,11 +114,22 @@ class Progress:
         else:  # before the first timed window (or a caller that times nothing): the run so far
             rate = self.samples / elapsed if self.samples and elapsed > 0 else None
             eta = (self.total - self.n) * elapsed / self.n if self.total and self.n else None
-        emit("step", desc=self.desc, done=self.n, total=self.total, step=self.first + self.n,
-             total_step=self.first + (self.total or 0), loss=self._shown_loss, rate=rate, eta=eta, last=last,
-             epoch=postfix.get("epoch"), alert=self._alert, **self._eval,
-             tokens_per_s_device=rate * self._tokens_a_sample_a_device if rate and self._tokens_a_sample_a_device
-             else None)
+        emit(
+            "step",
+            desc=self.desc,
+            done=self.n,
+            total=self.total,
+            step=self.first + self.n,
+            total_step=self.first + (self.total or 0),
+            loss=self._shown_loss,
+            rate=rate,
+            eta=eta,
+            last=last,
+            epoch=postfix.get("epoch"),
+            alert=self._alert,
+            **self._eval,
+            tokens_per_s_device=rate * self._tokens_a_sample_a_device if rate and self._tokens_a_sample_a_device else None,
+        )
 
     def set_eval(self, loss: float, perplexity: Optional[float] = None) -> None:
         """The latest evaluation, shown with every step from now on."""
@@ -144,8 +156,7 @@ def _to_float(value: Any) -> Optional[float]:
         return None
 
 
-def metrics(step: int, scalars: Optional[Dict[str, Optional[float]]] = None,
-            series: Optional[Dict[str, List[float]]] = None) -> None:
+def metrics(step: int, scalars: Optional[Dict[str, Optional[float]]] = None, series: Optional[Dict[str, List[float]]] = None) -> None:
     """Numbers for the run's metrics log (TensorBoard, --track): `scalars` at global step `step`, and
     `series` of one value a step from `step` on (the losses the loop read back in one sync)."""
     emit("metrics", step=step, scalars=scalars or {}, series=series or {})

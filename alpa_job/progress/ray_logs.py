@@ -4,6 +4,7 @@ Ray's environment (no dedup summaries, no colour codes in a log), its Python log
 with -v) and what native code writes to fd 2 (to a log file unless -v): the launcher sets them up before
 it connects to Ray.
 """
+
 from __future__ import annotations
 
 import logging

@@ -23,6 +23,7 @@ Mapping to the plan model:
     `Chunked(4)` over both axes) is matched to consecutive mesh axes by size.
   * A mesh's batch axes are the axes that split any batch leaf placed on it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,9 +41,21 @@ INPUT_SUFFIX = "_input_placement_specs.txt"
 OUTPUT_SUFFIX = "_output_placement_specs.txt"
 
 _ITEMSIZE = {
-    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8,
-    "complex64": 8, "complex128": 16,
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
 }
 
 
@@ -90,7 +103,7 @@ class ParseError(Exception):
     def __init__(self, msg: str, pos: int, text: str):
         line = text.count("\n", 0, pos) + 1
         col = pos - (text.rfind("\n", 0, pos) + 1) + 1
-        snippet = text[pos:pos + 40].split("\n")[0]
+        snippet = text[pos : pos + 40].split("\n")[0]
         super().__init__(f"line {line}, column {col}: {msg} (at {snippet!r})")
         self.line, self.col = line, col
 
@@ -232,7 +245,7 @@ class _Parser:
             j += 1
         if j >= len(self.t) or self.t[j] != ":" or j == self.i:
             self.fail("expected a dict key followed by ':'")
-        k = self.t[self.i:j].strip()
+        k = self.t[self.i : j].strip()
         self.i = j
         return k
 
@@ -262,7 +275,7 @@ class _Parser:
         j = self.t.find("]", self.i)
         if j < 0:
             self.fail("unterminated shape")
-        dims = [d.strip() for d in self.t[self.i:j].split(",") if d.strip()]
+        dims = [d.strip() for d in self.t[self.i : j].split(",") if d.strip()]
         try:
             shape = tuple(int(d) for d in dims)
         except ValueError:
@@ -287,7 +300,7 @@ class _Parser:
                 depth -= 1
                 if depth == 0:
                     self.i += 1
-                    return Opaque(t[start:self.i])
+                    return Opaque(t[start : self.i])
             self.i += 1
         self.i = start
         self.fail("unterminated <...>")
@@ -325,12 +338,10 @@ class MeshSpec:
         return tuple(out)
 
     def text(self) -> str:
-        dims = ", ".join("NoSharding()" if not d else f"Chunked({','.join(map(str, d))})"
-                         for d in self.dims)
+        dims = ", ".join("NoSharding()" if not d else f"Chunked({','.join(map(str, d))})" for d in self.dims)
         if len(self.dims) == 1:
             dims += ","
-        maps = ", ".join(f"ShardedAxis(axis={v})" if k == "shard" else f"Replicated(replicas={v})"
-                         for k, v in self.mapping)
+        maps = ", ".join(f"ShardedAxis(axis={v})" if k == "shard" else f"Replicated(replicas={v})" for k, v in self.mapping)
         if len(self.mapping) == 1:
             maps += ","
         return f"ShardingSpec(({dims}), ({maps}))"
@@ -461,7 +472,8 @@ def collect_leaves(tree: Any) -> List[RawLeaf]:
 def _has_params(node: Any) -> bool:
     if isinstance(node, Call):
         return any(k == "params" for k, _ in node.kwargs) or (
-            node.name.rsplit(".", 1)[-1] == "FrozenDict" and any(_has_params(a) for a in node.args))
+            node.name.rsplit(".", 1)[-1] == "FrozenDict" and any(_has_params(a) for a in node.args)
+        )
     if isinstance(node, DictNode):
         return any(k == "params" for k, _ in node.items)
     return False
@@ -589,16 +601,14 @@ def _natural(s: str):
 def _pick_prefix(folder: str, prefix: Optional[str]) -> str:
     found = sorted(glob.glob(os.path.join(glob.escape(folder), "*" + INPUT_SUFFIX)))
     if not found:
-        raise KitError(f"no *{INPUT_SUFFIX} in {folder}; point inspect at the folder you passed "
-                       f"to executable.dump_debug_info()")
+        raise KitError(f"no *{INPUT_SUFFIX} in {folder}; point inspect at the folder you passed to executable.dump_debug_info()")
     prefixes = [os.path.basename(p)[: -len(INPUT_SUFFIX)] for p in found]
     if prefix is not None:
         if prefix not in prefixes:
             raise KitError(f"no {prefix}{INPUT_SUFFIX} in {folder} (found: {', '.join(prefixes)})")
         return prefix
     if len(prefixes) > 1:
-        raise KitError(f"{folder} holds dumps of several functions ({', '.join(prefixes)}); "
-                       f"pick one with prefix=")
+        raise KitError(f"{folder} holds dumps of several functions ({', '.join(prefixes)}); pick one with prefix=")
     return prefixes[0]
 
 
@@ -612,8 +622,7 @@ def load_alpa_dump(path: str, prefix: Optional[str] = None) -> AlpaDump:
             if base.endswith(suf):
                 prefix = prefix or base[: -len(suf)]
     if not os.path.isdir(folder):
-        raise KitError(f"{path} is not a folder; point inspect at the folder you passed "
-                       f"to executable.dump_debug_info()")
+        raise KitError(f"{path} is not a folder; point inspect at the folder you passed to executable.dump_debug_info()")
     prefix = _pick_prefix(folder, prefix)
     in_path = os.path.join(folder, prefix + INPUT_SUFFIX)
     out_path = os.path.join(folder, prefix + OUTPUT_SUFFIX)
@@ -643,8 +652,9 @@ def load_alpa_dump(path: str, prefix: Optional[str] = None) -> AlpaDump:
         if len(dim_axes) != len(raw.shape):
             dim_axes = tuple(() for _ in raw.shape)
         spec = " | ".join(sp.text() for sp in raw.specs)
-        return Leaf(path=path, shape=raw.shape, dtype=raw.dtype, mesh_ids=raw.mesh_ids,
-                    dim_axes=dim_axes, spec=spec, itemsize=_itemsize(raw.dtype))
+        return Leaf(
+            path=path, shape=raw.shape, dtype=raw.dtype, mesh_ids=raw.mesh_ids, dim_axes=dim_axes, spec=spec, itemsize=_itemsize(raw.dtype)
+        )
 
     def batch_path(raw: RawLeaf) -> str:
         head = "batch" if len(batch_args) == 1 else f"batch{raw.arg}"
@@ -656,14 +666,18 @@ def load_alpa_dump(path: str, prefix: Optional[str] = None) -> AlpaDump:
     meshes = []
     for mid in sorted(shapes):
         shape = shapes[mid]
-        meshes.append(Mesh(mesh_id=mid, shape=tuple(shape),
-                           axes=tuple(str(i) for i in range(len(shape))),
-                           batch_axes=tuple(sorted(batch_axes_from_leaves(batch, mid)))))
+        meshes.append(
+            Mesh(
+                mesh_id=mid,
+                shape=tuple(shape),
+                axes=tuple(str(i) for i in range(len(shape))),
+                batch_axes=tuple(sorted(batch_axes_from_leaves(batch, mid))),
+            )
+        )
     plan = ParallelPlan(meshes=tuple(meshes), leaves=state, batch=batch)
 
     # HLO and memory extras
-    hlo_paths = sorted(glob.glob(os.path.join(glob.escape(folder), glob.escape(prefix) + "_stage_*.hlo")),
-                       key=_natural)
+    hlo_paths = sorted(glob.glob(os.path.join(glob.escape(folder), glob.escape(prefix) + "_stage_*.hlo")), key=_natural)
     kind = "pipeshard" if hlo_paths else "shard_parallel"
     if not hlo_paths and os.path.exists(os.path.join(folder, prefix + ".hlo")):
         hlo_paths = [os.path.join(folder, prefix + ".hlo")]
@@ -673,6 +687,13 @@ def load_alpa_dump(path: str, prefix: Optional[str] = None) -> AlpaDump:
         files.append(os.path.basename(p))
     memory = _memory(folder, prefix)
     files.extend(f"{stem}.mem_usage.txt" for stem in memory)
-    return AlpaDump(folder=folder, prefix=prefix, kind=kind, plan=plan, memory_gb=memory,
-                    collectives=merge_counts(*stage_collectives.values()),
-                    stage_collectives=stage_collectives, files=tuple(files))
+    return AlpaDump(
+        folder=folder,
+        prefix=prefix,
+        kind=kind,
+        plan=plan,
+        memory_gb=memory,
+        collectives=merge_counts(*stage_collectives.values()),
+        stage_collectives=stage_collectives,
+        files=tuple(files),
+    )

@@ -8,6 +8,7 @@ axes identical between a live run, `inspect DUMP_DIR` and the JAX engine's repor
 
 No `import alpa` here; works with any objects whose `str()` is Alpa's print format.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,12 +34,10 @@ def dump_from_placement_specs(input_specs: Any, output_specs: Any = None) -> Alp
 
 def plan_from_executable(executable: Any):
     """The ParallelPlan of a compiled Alpa executable (shard-parallel or pipeshard)."""
-    return dump_from_placement_specs(executable.get_input_placement_specs(),
-                                     executable.get_output_placement_specs()).plan
+    return dump_from_placement_specs(executable.get_input_placement_specs(), executable.get_output_placement_specs()).plan
 
 
-def stage_layout(dp_result: Optional[Sequence[Any]], stage_memory_bytes: Optional[Sequence[int]] = None
-                 ) -> List[StageRecord]:
+def stage_layout(dp_result: Optional[Sequence[Any]], stage_memory_bytes: Optional[Sequence[int]] = None) -> List[StageRecord]:
     """Forward stage -> layers, submesh, logical mesh, auto-sharding options (+ memory per stage).
 
     `dp_result` is get_last_dp_result() (or the plan cache's four parts with a leading None).
@@ -51,10 +50,14 @@ def stage_layout(dp_result: Optional[Sequence[Any]], stage_memory_bytes: Optiona
     n = len(layer_ids)
     rows = []
     for i in range(n):
-        row = StageRecord(stage=i, mesh=i, layers=list(layer_ids[i]),
-                          submesh_shape=list(submesh[i]) if submesh else None,
-                          logical_shape=list(logical[i]) if logical else None,
-                          autosharding_options=dict(options[i]) if options else {})
+        row = StageRecord(
+            stage=i,
+            mesh=i,
+            layers=list(layer_ids[i]),
+            submesh_shape=list(submesh[i]) if submesh else None,
+            logical_shape=list(logical[i]) if logical else None,
+            autosharding_options=dict(options[i]) if options else {},
+        )
         if stage_memory_bytes and len(stage_memory_bytes) >= 2 * n:
             row.memory_bytes_forward = int(stage_memory_bytes[i])
             row.memory_bytes_backward = int(stage_memory_bytes[2 * n - 1 - i])

@@ -13,6 +13,7 @@ Used by the offline Alpa dump reader (stage `*.hlo` files written by Alpa 0.2.3'
 `COLLECTIVE_KINDS` (zeros included); bytes are the result (output) bytes summed over instances,
 tuple results summed over their arrays.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,10 +23,26 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", 
 
 # bits per element; sub-byte types are rounded up per array
 _DTYPE_BITS = {
-    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
-    "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
-    "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64,
-    "c64": 64, "c128": 128, "token": 0,
+    "pred": 8,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
 }
 
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
@@ -74,7 +91,7 @@ def _split_shape(rest: str) -> Tuple[str, str]:
             elif ch == ")":
                 depth -= 1
                 if depth == 0:
-                    return rest[: i + 1], rest[i + 1:]
+                    return rest[: i + 1], rest[i + 1 :]
         return rest, ""
     # a plain shape: up to the first whitespace that is not inside {...} (layouts)
     depth = 0
@@ -93,11 +110,11 @@ def parse_instruction(line: str) -> Optional[Tuple[str, str, str, str]]:
     m = _NAME_RE.match(line)
     if not m:
         return None
-    shape, rest = _split_shape(line[m.end():])
+    shape, rest = _split_shape(line[m.end() :])
     om = _OPCODE_RE.match(rest)
     if not om:
         return None
-    return m.group(1), shape, om.group(1), rest[om.end():]
+    return m.group(1), shape, om.group(1), rest[om.end() :]
 
 
 def collective_phase(opcode: str) -> Tuple[Optional[str], str]:

@@ -4,6 +4,7 @@ The JAX engine's report and `alpa_job.inspect.plan_of` (any user's own jitted st
 shardings through here, so the two give the same leaf paths, per-dimension mesh axes and labels.
 jax is imported inside the functions: the record package imports with no engine installed.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -79,8 +80,9 @@ def _axes_from_devices(sharding, shape: Sequence[int], mesh) -> DimAxes:
     index = sharding.devices_indices_map(tuple(shape))
     devices = mesh.devices
     if not set(index) <= set(devices.flat):
-        raise KitError(f"an array is placed on devices outside the mesh {dict(mesh.shape)}; "
-                       "pass mesh= the jax.sharding.Mesh the program runs on")
+        raise KitError(
+            f"an array is placed on devices outside the mesh {dict(mesh.shape)}; pass mesh= the jax.sharding.Mesh the program runs on"
+        )
     origin = index[devices[(0,) * devices.ndim]]
     moves: List[List[Tuple[int, str]]] = [[] for _ in shape]
     for position, name in enumerate(mesh.axis_names):
@@ -108,8 +110,7 @@ def dtype_text(dtype) -> Tuple[str, int]:
     return str(d), d.itemsize
 
 
-def plan_leaves(abstract_tree, shardings, mesh, prefix: str = "",
-                is_leaf: Optional[Callable[[Any], bool]] = None) -> List[plan_model.Leaf]:
+def plan_leaves(abstract_tree, shardings, mesh, prefix: str = "", is_leaf: Optional[Callable[[Any], bool]] = None) -> List[plan_model.Leaf]:
     """The plan's leaves of one tree of arrays (anything with .shape and .dtype), paired by path with
     a tree of shardings of the same structure; `prefix` goes before each path ('batch/x')."""
     shard_by_path = dict(flatten(shardings, is_leaf=_is_sharding_or_none))
@@ -143,7 +144,7 @@ def build_plan(mesh, state: Sequence[plan_model.Leaf], batch: Sequence[plan_mode
     dimension), which decide DP vs ZeRO -- holding the state and batch leaves."""
     rows: List[str] = []
     for leaf in batch:
-        for axis in (leaf.dim_axes[0] if leaf.dim_axes else ()):
+        for axis in leaf.dim_axes[0] if leaf.dim_axes else ():
             if axis not in rows:
                 rows.append(axis)
     plan_mesh = plan_model.Mesh(0, tuple(mesh.devices.shape), tuple(mesh.axis_names), tuple(rows))
@@ -159,9 +160,9 @@ def memory_analysis(compiled) -> Optional[Dict[str, int]]:
         return None
     if m is None:
         return None
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-              "alias_size_in_bytes", "generated_code_size_in_bytes")
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes", "generated_code_size_in_bytes")
     out = {f: int(getattr(m, f, 0) or 0) for f in fields}
-    out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                                  + out["temp_size_in_bytes"] - out["alias_size_in_bytes"])
+    out["peak_estimate_bytes"] = (
+        out["argument_size_in_bytes"] + out["output_size_in_bytes"] + out["temp_size_in_bytes"] - out["alias_size_in_bytes"]
+    )
     return out

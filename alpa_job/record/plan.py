@@ -10,6 +10,7 @@ Strategy labels (shared by every producer, so reports compare across engines):
   MP+ZeRO     split over both kinds of axes
   replicated  not split, and the batch is not split on that mesh either
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -117,9 +118,10 @@ class ParallelPlan:
         return [self._record(leaf) for leaf in self.batch]
 
     def mesh_records(self) -> List[record.MeshRecord]:
-        return [record.MeshRecord(id=m.mesh_id, shape=list(m.shape), axes=list(m.axes),
-                                  batch_axes=list(m.batch_axes), devices=m.num_devices)
-                for m in self.meshes]
+        return [
+            record.MeshRecord(id=m.mesh_id, shape=list(m.shape), axes=list(m.axes), batch_axes=list(m.batch_axes), devices=m.num_devices)
+            for m in self.meshes
+        ]
 
     # The same rows as report.json's plain data.
     def leaf_rows(self) -> List[Dict[str, object]]:
@@ -132,10 +134,17 @@ class ParallelPlan:
         return [dataclasses.asdict(r) for r in self.mesh_records()]
 
     def _record(self, leaf: Leaf) -> record.Leaf:
-        return record.Leaf(path=leaf.path, shape=list(leaf.shape), dtype=leaf.dtype, bytes=leaf.bytes,
-                           bytes_per_device=self.bytes_per_device(leaf), spec=leaf.spec,
-                           mesh_ids=list(leaf.mesh_ids), split_axes=[list(a) for a in leaf.dim_axes],
-                           strategy=self.strategy_of(leaf))
+        return record.Leaf(
+            path=leaf.path,
+            shape=list(leaf.shape),
+            dtype=leaf.dtype,
+            bytes=leaf.bytes,
+            bytes_per_device=self.bytes_per_device(leaf),
+            spec=leaf.spec,
+            mesh_ids=list(leaf.mesh_ids),
+            split_axes=[list(a) for a in leaf.dim_axes],
+            strategy=self.strategy_of(leaf),
+        )
 
     def strategy_counts(self, prefix: Optional[str] = None) -> Dict[str, int]:
         counts: Dict[str, int] = {}

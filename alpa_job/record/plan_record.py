@@ -4,6 +4,7 @@ One row per candidate (strategy x mesh shape) with its memory, traffic and estim
 cluster it was planned for, the fitted constants and the assumptions behind the estimate. The JSON
 Schema shipped beside it (plan.schema.json) is strict. Stdlib only.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -10,6 +10,7 @@ Field names are the report.json keys users already read (`params`, `batch_shardi
 and ignores keys it does not know); the shipped JSON Schema (report.schema.json) is strict and
 catches drift in what the kit writes. Stdlib only, Python 3.9 (the Alpa image) and 3.11.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ SCHEMA_VERSION = 1
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report.schema.json")
 
 # Alpa writes *.mem_usage.txt as `bytes / 1024**3` with 3 decimals (GiB, printed "GB").
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 # ============================================================================ rows
@@ -110,13 +111,11 @@ class MemoryRecord:
         return _decode_fields(cls, data)
 
     @classmethod
-    def from_stage_bytes(cls, stage_bytes: Optional[Iterable[int]] = None,
-                         total_bytes: Optional[int] = None) -> "MemoryRecord":
+    def from_stage_bytes(cls, stage_bytes: Optional[Iterable[int]] = None, total_bytes: Optional[int] = None) -> "MemoryRecord":
         stages = [int(b) for b in stage_bytes] if stage_bytes is not None else None
         if total_bytes is None and stages:
             total_bytes = sum(stages)
-        return cls(total_allocation_bytes=None if total_bytes is None else int(total_bytes),
-                   stage_allocation_bytes=stages)
+        return cls(total_allocation_bytes=None if total_bytes is None else int(total_bytes), stage_allocation_bytes=stages)
 
 
 @dataclasses.dataclass
@@ -334,8 +333,7 @@ class RunRecord(ProcessResult):
     tensorboard: Optional[str] = None  # the run's TensorBoard event files (OUT/tensorboard); None: none written
 
     @classmethod
-    def from_processes(cls, results: Iterable[Any], config: Optional[Dict[str, Any]] = None,
-                       **run_fields: Any) -> "RunRecord":
+    def from_processes(cls, results: Iterable[Any], config: Optional[Dict[str, Any]] = None, **run_fields: Any) -> "RunRecord":
         """Merge per-process results (any order) into one record led by process 0."""
         typed = sorted((ProcessResult.coerce(r) for r in results), key=lambda r: r.process.id)
         if not typed:
@@ -379,16 +377,19 @@ class RunRecord(ProcessResult):
             raise KitError(f"{where}: not a report (a JSON object was expected); re-run the job")
         version = data.get("schema_version", 1)
         if not isinstance(version, int) or version > SCHEMA_VERSION:
-            raise KitError(f"{where}: report schema_version {version!r} is newer than this kit reads "
-                           f"({SCHEMA_VERSION}); upgrade alpa_job to inspect it")
+            raise KitError(
+                f"{where}: report schema_version {version!r} is newer than this kit reads "
+                f"({SCHEMA_VERSION}); upgrade alpa_job to inspect it"
+            )
         if "engine" not in data or "strategy" not in data:
-            raise KitError(f"{where}: not a run report (no engine/strategy); point inspect at the --out of a "
-                           "train run or at an Alpa dump_debug_info folder")
+            raise KitError(
+                f"{where}: not a run report (no engine/strategy); point inspect at the --out of a "
+                "train run or at an Alpa dump_debug_info folder"
+            )
         try:
             record = _decode(cls, data)
         except (TypeError, ValueError, KeyError) as err:
-            raise KitError(f"{where}: report does not match schema_version {version} ({err}); "
-                           "re-run the job to rewrite it") from None
+            raise KitError(f"{where}: report does not match schema_version {version} ({err}); re-run the job to rewrite it") from None
         record.schema_version = SCHEMA_VERSION
         record.summary = record.summarize()
         return record
@@ -413,8 +414,7 @@ _NOT_SERIALIZED = ("final_state",)
 
 def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if f.name not in _NOT_SERIALIZED}
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name not in _NOT_SERIALIZED}
     if isinstance(value, dict):
         return {str(k): _encode(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -465,8 +465,11 @@ def _decode_fields(cls: type, data: Dict[str, Any]) -> Any:
         if not f.init or f.name in _NOT_SERIALIZED or f.name not in data:
             continue
         value = data[f.name]
-        if value is None and not _optional(hints[f.name]) and (
-                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
+        if (
+            value is None
+            and not _optional(hints[f.name])
+            and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+        ):
             continue
         values[f.name] = _decode(hints[f.name], value)
     return cls(**values)

@@ -6,6 +6,7 @@ collective HLO op) are communication, the rest compute. Two shares of the traced
 no compute kernel does - what overlap failed to hide, and so what a faster layout could win back.
 On CPU devices (no device timeline) the XLA ops on the executor threads stand in for kernels.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -14,10 +15,19 @@ import re
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
-_KINDS = (("allgather", "all-gather"), ("all-gather", "all-gather"), ("reducescatter", "reduce-scatter"),
-          ("reduce-scatter", "reduce-scatter"), ("allreduce", "all-reduce"), ("all-reduce", "all-reduce"),
-          ("alltoall", "all-to-all"), ("all-to-all", "all-to-all"), ("sendrecv", "collective-permute"),
-          ("collective-permute", "collective-permute"), ("broadcast", "broadcast"))
+_KINDS = (
+    ("allgather", "all-gather"),
+    ("all-gather", "all-gather"),
+    ("reducescatter", "reduce-scatter"),
+    ("reduce-scatter", "reduce-scatter"),
+    ("allreduce", "all-reduce"),
+    ("all-reduce", "all-reduce"),
+    ("alltoall", "all-to-all"),
+    ("all-to-all", "all-to-all"),
+    ("sendrecv", "collective-permute"),
+    ("collective-permute", "collective-permute"),
+    ("broadcast", "broadcast"),
+)
 _HOST_RUNTIME = re.compile(r"::|^end: |^\$|Rendezvous|Wait for|Handle |^Pjit|Threadpool")
 
 Interval = Tuple[float, float]
@@ -68,8 +78,7 @@ def _minus(a: List[Interval], b: List[Interval]) -> float:
 
 def _timelines(events: List[Dict[str, Any]]) -> Tuple[str, Dict[Any, List[Dict[str, Any]]]]:
     """('gpu', {device pid: its kernel events}) or ('cpu', {host pid: XLA op events})."""
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     devices = {pid for pid, name in names.items() if name.startswith("/device:") and "CPU" not in name}
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     if devices:
@@ -78,8 +87,12 @@ def _timelines(events: List[Dict[str, Any]]) -> Tuple[str, Dict[Any, List[Dict[s
             if e["pid"] in devices:
                 by_pid[e["pid"]].append(e)
         return "gpu", dict(by_pid)
-    ops = [e for e in spans if not _HOST_RUNTIME.search(e.get("name", ""))
-           and (collective_kind(e.get("name", "")) or "fusion" in e.get("name", "") or "." in e.get("name", ""))]
+    ops = [
+        e
+        for e in spans
+        if not _HOST_RUNTIME.search(e.get("name", ""))
+        and (collective_kind(e.get("name", "")) or "fusion" in e.get("name", "") or "." in e.get("name", ""))
+    ]
     return "cpu", {"host": ops}
 
 
@@ -105,7 +118,8 @@ def summarise_events(events: List[Dict[str, Any]], steps: int) -> Dict[str, Any]
     n = len(per_device)
     window = sum(w for w, _, _ in per_device) / n
     return {
-        "platform": platform, "devices": n,
+        "platform": platform,
+        "devices": n,
         "traced_ms_per_step": round(window / 1e3 / max(steps, 1), 3),
         "comm_share": round(sum(c for _, c, _ in per_device) / n / window, 4) if window else None,
         "exposed_comm_share": round(sum(x for _, _, x in per_device) / n / window, 4) if window else None,

@@ -15,6 +15,7 @@ Traffic per device for a group of n devices, g of them per node on m = n / g nod
   all-to-all        NVLink (g-1)/n S        network (n-g)/n S
   collective-permute  S over NVLink, or over the network when a pair crosses nodes
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,14 +60,13 @@ def replica_groups(attributes: str, num_devices: int) -> Optional[Groups]:
     if iota:
         shape, ids = _ints(iota.group(1)), _iota(_ints(iota.group(2)), _ints(iota.group(3) or ""))
         size = shape[-1]
-        return [ids[i:i + size] for i in range(0, len(ids), size)]
+        return [ids[i : i + size] for i in range(0, len(ids), size)]
     mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](.*?)\{([^}]*)\}", attributes)
     if mesh:
         axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         device_ids = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", mesh.group(2))
-        ids = (_iota(_ints(device_ids.group(1)), _ints(device_ids.group(2) or "")) if device_ids
-               else list(range(_product(sizes))))
+        ids = _iota(_ints(device_ids.group(1)), _ints(device_ids.group(2) or "")) if device_ids else list(range(_product(sizes)))
         over = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(3)) if a in names]
         return _groups_over(ids, sizes, over)
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
@@ -108,9 +108,11 @@ class Traffic:
     groups_read: bool  # False: assumed from the mesh, not read from the HLO
 
 
-def traffic(kind: str, output_bytes: int, groups: Optional[Groups], num_devices: int,
-            gpus_per_node: int, node_of: Optional[Sequence[int]] = None) -> Traffic:
+def traffic(
+    kind: str, output_bytes: int, groups: Optional[Groups], num_devices: int, gpus_per_node: int, node_of: Optional[Sequence[int]] = None
+) -> Traffic:
     """`node_of[d]`: the node of the device at mesh position d (default: d // gpus_per_node)."""
+
     def node(d: int) -> int:
         return node_of[d] if node_of is not None else d // gpus_per_node
 
@@ -120,8 +122,7 @@ def traffic(kind: str, output_bytes: int, groups: Optional[Groups], num_devices:
     if kind == "collective-permute":
         crosses = any(node(a) != node(b) for a, b in (p for p in groups if len(p) == 2))
         s = float(output_bytes)
-        return Traffic(kind, output_bytes, 2, 1 if crosses else 2, 0.0 if crosses else s, s if crosses else 0.0,
-                       read)
+        return Traffic(kind, output_bytes, 2, 1 if crosses else 2, 0.0 if crosses else s, s if crosses else 0.0, read)
     group = max(groups, key=len) if groups else list(range(num_devices))
     n = len(group)
     nodes: Dict[int, int] = {}
@@ -145,8 +146,7 @@ def traffic(kind: str, output_bytes: int, groups: Optional[Groups], num_devices:
     return Traffic(kind, output_bytes, n, g, intra, inter, read)
 
 
-def step_traffic(hlo_text: str, num_devices: int, gpus_per_node: int,
-                 node_of: Optional[Sequence[int]] = None) -> List[Traffic]:
+def step_traffic(hlo_text: str, num_devices: int, gpus_per_node: int, node_of: Optional[Sequence[int]] = None) -> List[Traffic]:
     """Every collective of a compiled step (hlo.collective_instances' bytes) with its traffic."""
     attributes: Dict[str, str] = {}
     for line in hlo_text.splitlines():
@@ -162,8 +162,10 @@ def step_traffic(hlo_text: str, num_devices: int, gpus_per_node: int,
 
 def summary(rows: Sequence[Traffic]) -> Dict[str, object]:
     """A step's traffic per device: bytes within a node and across nodes, and the collectives that cross."""
-    return {"within_host_bytes": int(round(sum(r.nvlink_bytes for r in rows))),
-            "across_hosts_bytes": int(round(sum(r.network_bytes for r in rows))),
-            "collectives": len(rows),
-            "collectives_across_hosts": sum(1 for r in rows if r.network_bytes > 0),
-            "groups_read": all(r.groups_read for r in rows)}
+    return {
+        "within_host_bytes": int(round(sum(r.nvlink_bytes for r in rows))),
+        "across_hosts_bytes": int(round(sum(r.network_bytes for r in rows))),
+        "collectives": len(rows),
+        "collectives_across_hosts": sum(1 for r in rows if r.network_bytes > 0),
+        "groups_read": all(r.groups_read for r in rows),
+    }

@@ -7,6 +7,7 @@ names, which may start from another preset or file with `base_config:` (MaxText'
 overrides; resolved recursively, the base first). Every problem is a `KitError` that names the field
 and the allowed values.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,14 +54,15 @@ class JobConfig:
         check_engine_strategy(self.engine, self.strategy)
         for s in catalog.SETTINGS:
             if s.words and getattr(self, s.name) not in (True, False) + s.words:
-                raise KitError(f"{s.flag} takes no value or one of: {', '.join(s.words)} "
-                               f"(got {getattr(self, s.name)!r})")
+                raise KitError(f"{s.flag} takes no value or one of: {', '.join(s.words)} (got {getattr(self, s.name)!r})")
             problem = s.problem(getattr(self, s.name))
             if problem:
                 raise KitError(problem)
         if self.dataset == "cifar10" and not self.data_dir:
-            raise KitError("--dataset cifar10 needs --data-dir DIR with the CIFAR-10 python batches "
-                           "(data_batch_1..5, test_batch); the kit never downloads at run time")
+            raise KitError(
+                "--dataset cifar10 needs --data-dir DIR with the CIFAR-10 python batches "
+                "(data_batch_1..5, test_batch); the kit never downloads at run time"
+            )
         if self.resume and not self.checkpoint_every:
             # Resuming without saving again would silently lose the resumed progress.
             raise KitError("--resume needs --checkpoint-every N so the resumed run keeps saving")
@@ -73,11 +75,9 @@ def check_engine_strategy(engine: str, strategy: str) -> None:
     """Refuse a JAX strategy on the Alpa engine and an Alpa method on the JAX engine (`auto` engines
     are checked again once resolved)."""
     if engine == "jax" and strategy not in STRATEGIES:
-        raise KitError(f"--strategy {strategy} is an Alpa method; use --engine alpa, or with --engine jax one of: "
-                       f"{', '.join(STRATEGIES)}")
+        raise KitError(f"--strategy {strategy} is an Alpa method; use --engine alpa, or with --engine jax one of: {', '.join(STRATEGIES)}")
     if engine == "alpa" and strategy not in ALPA_STRATEGIES:
-        raise KitError(f"--strategy {strategy} is a JAX-engine strategy; with --engine alpa use one of: "
-                       f"{', '.join(ALPA_STRATEGIES)}")
+        raise KitError(f"--strategy {strategy} is a JAX-engine strategy; with --engine alpa use one of: {', '.join(ALPA_STRATEGIES)}")
 
 
 FIELD_NAMES = catalog.FIELD_NAMES
@@ -108,11 +108,14 @@ def load_yaml_overrides(path: str, presets_dir: str = PRESETS_DIR, model_keys: C
     return _load_chain(path, f"--config {path}", presets_dir, (), model_keys)
 
 
-def load_layers(preset: Optional[str], config_path: Optional[str], presets_dir: str = PRESETS_DIR,
-                model_keys: Collection[str] = ()) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def load_layers(
+    preset: Optional[str], config_path: Optional[str], presets_dir: str = PRESETS_DIR, model_keys: Collection[str] = ()
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """The two file layers, each read once: the preset's (and its bases'), the --config file's (and its bases')."""
-    return (load_preset(preset, presets_dir, model_keys) if preset else {},
-            load_yaml_overrides(config_path, presets_dir, model_keys) if config_path else {})
+    return (
+        load_preset(preset, presets_dir, model_keys) if preset else {},
+        load_yaml_overrides(config_path, presets_dir, model_keys) if config_path else {},
+    )
 
 
 def merge_layers(layers: Tuple[Dict[str, Any], Dict[str, Any]]) -> Dict[str, Any]:
@@ -135,13 +138,13 @@ def _merged(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
 MAPPINGS = tuple(s.name for s in catalog.SETTINGS if s.type is ModelArgs)
 
 
-def load_settings(preset: Optional[str], config_path: Optional[str], presets_dir: str = PRESETS_DIR,
-                  model_keys: Collection[str] = ()) -> Dict[str, Any]:
+def load_settings(
+    preset: Optional[str], config_path: Optional[str], presets_dir: str = PRESETS_DIR, model_keys: Collection[str] = ()
+) -> Dict[str, Any]:
     return merge_layers(load_layers(preset, config_path, presets_dir, model_keys))
 
 
-def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...],
-                model_keys: Collection[str]) -> Dict[str, Any]:
+def _load_chain(path: str, label: str, presets_dir: str, seen: Tuple[str, ...], model_keys: Collection[str]) -> Dict[str, Any]:
     real = os.path.realpath(path)
     if real in seen:
         chain = " -> ".join(os.path.basename(p) for p in seen + (real,))
@@ -195,17 +198,24 @@ def _settings(data: Dict[Any, Any], label: str, model_keys: Collection[str]) -> 
             continue
         if name not in FIELD_NAMES:
             known = FIELD_NAMES + tuple(model_keys)
-            raise KitError(f"{label}: unknown setting {key!r}{did_you_mean(name, known)}; "
-                           f"known: {', '.join(FIELD_NAMES)}, and the model's own settings under model_args:")
+            raise KitError(
+                f"{label}: unknown setting {key!r}{did_you_mean(name, known)}; "
+                f"known: {', '.join(FIELD_NAMES)}, and the model's own settings under model_args:"
+            )
         out[name] = value
     if spelled:
-        out["model_args"] = _with_spellings(coerce("model_args", out.get("model_args") or {}, ModelArgs), spelled,
-                                            lambda name: f"{label}: {name}:", lambda name: f"model_args: {name}:")
+        out["model_args"] = _with_spellings(
+            coerce("model_args", out.get("model_args") or {}, ModelArgs),
+            spelled,
+            lambda name: f"{label}: {name}:",
+            lambda name: f"model_args: {name}:",
+        )
     return out
 
 
-def _with_spellings(model_args: ModelArgs, spelled: Dict[str, Any], label: Callable[[str], str],
-                    args_label: Callable[[str], str]) -> ModelArgs:
+def _with_spellings(
+    model_args: ModelArgs, spelled: Dict[str, Any], label: Callable[[str], str], args_label: Callable[[str], str]
+) -> ModelArgs:
     """`model_args` plus model settings spelled as settings of their own (`--num-layers 4`, YAML
     `num_layers: 4`); the same setting given both ways with two values is an error, not a silent choice."""
     out = dict(model_args)
@@ -216,8 +226,7 @@ def _with_spellings(model_args: ModelArgs, spelled: Dict[str, Any], label: Calla
     return ModelArgs(out)
 
 
-def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any],
-                 model_flags: Optional[Dict[str, Any]] = None) -> JobConfig:
+def build_config(file_values: Dict[str, Any], cli_values: Dict[str, Any], model_flags: Optional[Dict[str, Any]] = None) -> JobConfig:
     """Defaults <- files (`merge_layers`) <- CLI (only flags the user actually gave), then validate once.
     `model_flags`: model settings given as flags of their own (a built-in's `--num-layers 4`), typed."""
     given = {k: v for k, v in cli_values.items() if v is not None}

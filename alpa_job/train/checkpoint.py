@@ -28,6 +28,7 @@ failed) at most ABANDON_TIMEOUT_S and never raises. A save that failed or never 
 orbax's threads waiting for a signal that will not come; both tell `alpa_job.shutdown` so, and the
 process's exit does not wait for them.
 """
+
 from __future__ import annotations
 
 import errno
@@ -40,8 +41,17 @@ from typing import Any, Dict, List, Optional, Tuple
 from alpa_job import shutdown
 from alpa_job.progress.events import note
 from alpa_job.errors import EXIT_PROCESS_LOST, KitError
-from alpa_job.train.checkpoint_files import (FILES, TMP_MARK, Skipped, folder_bytes, latest_complete_step, scan,
-                                             seal, set_aside, step_folders)
+from alpa_job.train.checkpoint_files import (
+    FILES,
+    TMP_MARK,
+    Skipped,
+    folder_bytes,
+    latest_complete_step,
+    scan,
+    seal,
+    set_aside,
+    step_folders,
+)
 from alpa_job.train.disk_full import _QUIET, _REPORTED, _install_unraisable_hook, is_disk_full
 from alpa_job.units import human_bytes
 
@@ -99,8 +109,9 @@ class Checkpointer:
         self._ocp = ocp
         self.every = every
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(save_interval_steps=max(every, 1), max_to_keep=max_to_keep,
-                                               create=True, cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=max(every, 1), max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
+        )
         self._options = options
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         for name in ("absl", "orbax", "asyncio"):
@@ -142,8 +153,9 @@ class Checkpointer:
         self._check_space(step)
         args = self._ocp.args
         try:
-            saved = self.manager.save(step, args=args.Composite(state=args.StandardSave(state),
-                                                                data=args.JsonSave(data_state or {})), force=force)
+            saved = self.manager.save(
+                step, args=args.Composite(state=args.StandardSave(state), data=args.JsonSave(data_state or {})), force=force
+            )
         except Exception as err:
             self._failed(err, step)
             raise
@@ -172,8 +184,11 @@ class Checkpointer:
         free = shutil.disk_usage(self.directory).free
         if free < max(self.last_save_bytes or self._estimate or 0, SPACE_SLACK_BYTES):
             self._failed(OSError(errno.ENOSPC, "No space left on device"), step)
-        raise KitError(f"checkpoint at step {step} was not committed to {self.directory} (orbax logged why above); "
-                       "fix that, then --resume from the latest complete checkpoint", EXIT_SAVE_FAILED)
+        raise KitError(
+            f"checkpoint at step {step} was not committed to {self.directory} (orbax logged why above); "
+            "fix that, then --resume from the latest complete checkpoint",
+            EXIT_SAVE_FAILED,
+        )
 
     def _check_space(self, step: int) -> None:
         """Refuse to start a save that the disk cannot hold (the last save's size plus a margin)."""
@@ -181,8 +196,7 @@ class Checkpointer:
         if last is None:  # none saved yet in this run: a resumed run knows its checkpoint's size
             previous = step_folders(self.directory)
             if previous and _process_index() == 0:
-                last = sum(v for k, v in folder_bytes(os.path.join(self.directory, str(previous[0]))).items()
-                           if k != FILES)
+                last = sum(v for k, v in folder_bytes(os.path.join(self.directory, str(previous[0]))).items() if k != FILES)
                 self.last_save_bytes = last
         need = int(last * (1 + SPACE_MARGIN)) + SPACE_SLACK_BYTES if last else 0
         free = shutil.disk_usage(self.directory).free if need else 0
@@ -197,8 +211,10 @@ class Checkpointer:
         needs = f"a save needs about {need} bytes ({human_bytes(need)}, {what})" if need else "a save did not fit"
         has = f", {free} bytes free" if free is not None else ""
         removed = "the partial save was removed" if started else "the save was not started"
-        return (f"checkpoint at step {step}: no space left in {self.directory}{has}; {needs}; {removed} "
-                f"and {kept}; free space there or use an --out on a larger disk, then --resume")
+        return (
+            f"checkpoint at step {step}: no space left in {self.directory}{has}; {needs}; {removed} "
+            f"and {kept}; free space there or use an --out on a larger disk, then --resume"
+        )
 
     def _failed(self, err: BaseException, step: int) -> None:
         """A save failed: a full disk becomes one line (and its partial folder goes); anything else is raised."""
@@ -239,8 +255,7 @@ class Checkpointer:
             return self._restore_step(abstract_state, step)
         good, self.skipped = scan(self.directory)
         if not good and not self.skipped:
-            raise KitError(f"--resume: no checkpoint in {self.directory}; run once with --checkpoint-every N "
-                           "first or drop --resume")
+            raise KitError(f"--resume: no checkpoint in {self.directory}; run once with --checkpoint-every N first or drop --resume")
         failed: List[Skipped] = []
         for candidate in good:
             try:
@@ -248,8 +263,9 @@ class Checkpointer:
             except KitError:
                 raise
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: named, and the next one is tried
-                skip = Skipped(candidate, _file_in(str(err), os.path.join(self.directory, str(candidate))),
-                               f"does not restore ({_short(err)})")
+                skip = Skipped(
+                    candidate, _file_in(str(err), os.path.join(self.directory, str(candidate))), f"does not restore ({_short(err)})"
+                )
                 note(skip.line())
                 _REPORTED["failure"] = True
                 failed.append(skip)
@@ -262,8 +278,11 @@ class Checkpointer:
             self._set_aside(failed + newer)
             return restored
         lines = "; ".join(f"step {s.step}: {s.path}: {s.reason}" for s in self.skipped + failed)
-        raise KitError(f"--resume: no checkpoint in {self.directory} restores ({lines}); start again without "
-                       "--resume (with --overwrite) or restore the checkpoints", EXIT_SAVE_FAILED)
+        raise KitError(
+            f"--resume: no checkpoint in {self.directory} restores ({lines}); start again without "
+            "--resume (with --overwrite) or restore the checkpoints",
+            EXIT_SAVE_FAILED,
+        )
 
     def _set_aside(self, failed: List[Skipped]) -> None:
         """Damaged steps newer than the restored one would block the run's own saves at their steps."""
@@ -280,8 +299,7 @@ class Checkpointer:
         args = self._ocp.args
         if os.path.isdir(os.path.join(self.directory, str(step), "default")):  # written before the data item
             return self.manager.restore(step, args=args.StandardRestore(abstract_state)), None
-        restored = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(abstract_state),
-                                                                  data=args.JsonRestore()))
+        restored = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(abstract_state), data=args.JsonRestore()))
         return restored["state"], restored["data"] or None
 
     def close(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
@@ -293,8 +311,11 @@ class Checkpointer:
             raise error
         why = self._unfinished(finished, error, timeout_s)
         shutdown.expect_stuck(f"the checkpoint save of step {self.saving}")
-        raise KitError(f"{why}; the last complete checkpoint is {self._latest_text()}; rerun with --resume to "
-                       "continue from it once the folder is writable", EXIT_PROCESS_LOST) from None
+        raise KitError(
+            f"{why}; the last complete checkpoint is {self._latest_text()}; rerun with --resume to "
+            "continue from it once the folder is writable",
+            EXIT_PROCESS_LOST,
+        ) from None
 
     def abandon(self, timeout_s: float = ABANDON_TIMEOUT_S) -> None:
         """The run is failing: wait (bounded) for a save in flight, never raise (the run's own error is
@@ -303,8 +324,7 @@ class Checkpointer:
         if finished and error is None:
             return
         shutdown.expect_stuck(f"the checkpoint save of step {self.saving}")
-        note(f"[alpa_job] {self._unfinished(finished, error, timeout_s)}; the last complete checkpoint "
-             f"is {self._latest_text()}")
+        note(f"[alpa_job] {self._unfinished(finished, error, timeout_s)}; the last complete checkpoint is {self._latest_text()}")
 
     def _finish(self, timeout_s: float) -> Tuple[bool, Optional[BaseException]]:
         """(finished, its error): orbax's wait for the saves in flight and its close, in a daemon thread
@@ -326,8 +346,7 @@ class Checkpointer:
 
     def _unfinished(self, finished: bool, error: Optional[BaseException], timeout_s: float) -> str:
         if not finished:
-            return (f"the checkpoint save of step {self.saving} in {self.directory} did not finish within "
-                    f"{timeout_s:.0f} s; abandoned it")
+            return f"the checkpoint save of step {self.saving} in {self.directory} did not finish within {timeout_s:.0f} s; abandoned it"
         first = next((x.strip() for x in str(error).splitlines() if x.strip()), type(error).__name__)
         return f"the checkpoint save of step {self.saving} in {self.directory} failed: {first[:300]}"
 

@@ -6,6 +6,7 @@ metadata files readable, and, once the save has finished, every file at the size
 before anything restores it. The driver (before Ray, to decide whether a restart resumes) and the
 training loop (to restore) read the same verdict.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,11 @@ def _read_json(path: str) -> Optional[str]:
     except FileNotFoundError:
         return "missing"
     except (OSError, ValueError, UnicodeDecodeError) as err:
-        return f"unreadable ({type(err).__name__}: {str(err)[:120]})" if not isinstance(err, ValueError) \
+        return (
+            f"unreadable ({type(err).__name__}: {str(err)[:120]})"
+            if not isinstance(err, ValueError)
             else f"not valid JSON ({os.path.getsize(path) if os.path.exists(path) else 0} bytes; truncated?)"
+        )
     return None
 
 

@@ -5,12 +5,14 @@ flight as an unraisable error: hundreds of tracebacks for one full disk. The che
 one line; these filters keep the rest off the screen. A restore of a damaged checkpoint echoes the same
 way: the first failed read is reported, and asyncio logs each of the others when its task is collected.
 """
+
 from __future__ import annotations
 
 import errno
 import logging
 import os
 import sys
+
 
 def is_disk_full(err: BaseException) -> bool:
     """Whether `err` (or what caused it: orbax wraps TensorStore's error) is a full disk or quota."""

@@ -1,4 +1,5 @@
 """A loss that became NaN or infinite stops the run at that step, naming the last good checkpoint."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,7 @@ from alpa_job.errors import Diverged
 SAVE_WAIT_S = 60.0  # a diverged run waits this long for a save in flight before naming the last checkpoint
 
 
-def check_finite(values: List[float], first_step: int, at_step: int, checkpointer=None,
-                 losses: Optional[List[float]] = None) -> None:
+def check_finite(values: List[float], first_step: int, at_step: int, checkpointer=None, losses: Optional[List[float]] = None) -> None:
     """Raise `Diverged` at the first non-finite loss of `values` (the losses of steps first_step, ...),
     read back at `at_step`: training on would only spend the rest of the run on NaN. `losses`: the run's
     losses so far, carried to its report."""
@@ -19,11 +19,18 @@ def check_finite(values: List[float], first_step: int, at_step: int, checkpointe
         if not math.isfinite(value):
             step = first_step + offset
             saved = _saved_before(checkpointer, step)
-            where = (f"last good checkpoint: step {saved} in {checkpointer.directory} (--resume continues "
-                     "from it)" if saved is not None else "no checkpoint was saved before it")
-            raise Diverged(f"the loss became {value} at step {step} (seen at step {at_step}, within one "
-                           f"read-back window); {where}; lower --learning-rate or check the data",
-                           step=step, checkpoint_step=saved, losses=losses)
+            where = (
+                f"last good checkpoint: step {saved} in {checkpointer.directory} (--resume continues from it)"
+                if saved is not None
+                else "no checkpoint was saved before it"
+            )
+            raise Diverged(
+                f"the loss became {value} at step {step} (seen at step {at_step}, within one "
+                f"read-back window); {where}; lower --learning-rate or check the data",
+                step=step,
+                checkpoint_step=saved,
+                losses=losses,
+            )
 
 
 def _saved_before(checkpointer, step: int) -> Optional[int]:

@@ -1,4 +1,5 @@
 """The eval split's loss during training: every --eval-every steps and at the end."""
+
 from __future__ import annotations
 
 import math

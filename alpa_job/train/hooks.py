@@ -7,6 +7,7 @@ nothing else. Every hook has one signature: `start(loop)` once, `before_step(loo
 right is the one `train_process` builds: profile, checkpoints, the caller's callback, timing windows,
 evaluation, stragglers, the progress line, then the stop point (last, so a stopped step is fully shown).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -253,9 +254,14 @@ class ProgressHook(Hook):
             self._eval = loop.eval_point
             self.bar.set_eval(self._eval.loss, self._eval.perplexity)
         self.bar.set_alert(loop.alert)
-        self.bar.update(1, epoch=(loop.global_step - 1) // self.steps_per_epoch + 1, loss=loop.loss, samples=loop.real,
-                        read_loss=loop.fresh[-1] if loop.fresh else None,
-                        step_s=loop.timer.median_step_s if loop.timer is not None else None)
+        self.bar.update(
+            1,
+            epoch=(loop.global_step - 1) // self.steps_per_epoch + 1,
+            loss=loop.loss,
+            samples=loop.real,
+            read_loss=loop.fresh[-1] if loop.fresh else None,
+            step_s=loop.timer.median_step_s if loop.timer is not None else None,
+        )
 
     def finish(self, loop: Loop) -> None:
         self.bar.close()
@@ -273,4 +279,3 @@ class StopHook(Hook):
     def after_step(self, loop: Loop) -> None:
         if self.stop.after_step(loop.global_step):
             loop.stopped_at = loop.global_step
-

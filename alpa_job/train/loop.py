@@ -6,6 +6,7 @@ benchmarks), and on the driver for the Alpa engine (alpa.parallelize drives the 
 from one process). It talks to the engine only through `engines.base.Engine` and returns plain
 data; it never formats a report.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -30,7 +31,6 @@ from alpa_job.train.profile import StepProfile
 from alpa_job.train.stragglers import StragglerWatch
 from alpa_job.train.rundir import checkpoint_dir
 from alpa_job.train.train_data import TrainData, input_record, prepare_data  # noqa: F401 - callers import them here
-
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -94,28 +94,38 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
     if config.strategy == "auto":
         from alpa_job.planner import prefilter  # only auto asks it (its imports are the planner's)
 
-        engine, table = auto_search.search(config, model, data.example, data.first(2), schedule_steps=horizon,
-                                           prefilter=prefilter.for_auto(config, model, data.example))
+        engine, table = auto_search.search(
+            config, model, data.example, data.first(2), schedule_steps=horizon, prefilter=prefilter.for_auto(config, model, data.example)
+        )
         engine.search_table = table
     else:
-        engine = JaxEngine(config, model, data.example, config.strategy,
-                           strategies.get(config.strategy).mesh_shape(len(devices), config.model_parallel,
-                                                                      jax.local_device_count(),
-                                                                      config.pipeline_stages),
-                           schedule_steps=horizon)
+        engine = JaxEngine(
+            config,
+            model,
+            data.example,
+            config.strategy,
+            strategies.get(config.strategy).mesh_shape(
+                len(devices), config.model_parallel, jax.local_device_count(), config.pipeline_stages
+            ),
+            schedule_steps=horizon,
+        )
         if starts_fresh(config):
             engine.init_state_ahead(config.seed)  # made beside the step's load (_first_state takes it)
-        with timed(f"compiling train step ({config.model}, {config.strategy}, "
-                   f"mesh {engine.mesh.devices.shape})"):
+        with timed(f"compiling train step ({config.model}, {config.strategy}, mesh {engine.mesh.devices.shape})"):
             engine.compile()
     engine.stats.setup_phases["open_devices"] = opened
     return engine
 
 
 # ----------------------------------------------------------------------------- the process
-def train_process(config, coordinator: Optional[str] = None, return_state: bool = False,
-                  build_engine: Optional[EngineFactory] = None,
-                  on_step: Optional[Callable[[int], None]] = None, stop=None) -> ProcessResult:
+def train_process(
+    config,
+    coordinator: Optional[str] = None,
+    return_state: bool = False,
+    build_engine: Optional[EngineFactory] = None,
+    on_step: Optional[Callable[[int], None]] = None,
+    stop=None,
+) -> ProcessResult:
     """Train with the engine `build_engine` makes (default: the JAX engine on this process's
     devices); returns this process's statistics and plan (`ProcessResult`, plain data).
 
@@ -138,8 +148,7 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     startup = time.perf_counter() - started  # imports, the model, the data
     engine = (build_engine or build_jax_engine)(config, model, data)
     if not isinstance(engine, Engine):  # an Engine subclass that lacks a member cannot be made at all
-        raise TypeError(f"{type(engine).__name__} is not an alpa_job.engines.base.Engine: subclass it "
-                        "and implement its abstract members")
+        raise TypeError(f"{type(engine).__name__} is not an alpa_job.engines.base.Engine: subclass it and implement its abstract members")
     check_supported(config, engine)
     engine_notes = engine.notes()
     for line in engine_notes:
@@ -156,10 +165,15 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
         checkpointer = Checkpointer(checkpoint_dir(config.out), config.checkpoint_every)
     built = time.perf_counter()
     state, start_step, data_state = _first_state(config, engine, checkpointer)
-    phases = {"before_train": before_train, "startup": startup, **engine.stats.setup_phases,
-              "setup_and_compile": built - started, "compile": engine.stats.compile_seconds,
-              "init_compile": getattr(engine.stats, "init_compile_seconds", None),
-              "init_or_restore": time.perf_counter() - built}
+    phases = {
+        "before_train": before_train,
+        "startup": startup,
+        **engine.stats.setup_phases,
+        "setup_and_compile": built - started,
+        "compile": engine.stats.compile_seconds,
+        "init_compile": getattr(engine.stats, "init_compile_seconds", None),
+        "init_or_restore": time.perf_counter() - built,
+    }
 
     topology = engine.topology()  # read once: the loop's hooks, the data shard and the timing all use it
     process, devices = topology["process"], topology["devices"]
@@ -175,9 +189,19 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     read_before = (data.source.rows_read, data.source.bytes_read)
     compiles_since = engine.watch_compiles()
     profile = StepProfile.from_config(config)
-    run_hooks = loop_hooks(stream, start_step, total_steps, checkpointer, on_step=on_step,
-                           evaluator=evaluator, stop=stop, watch=watch, profile=profile,
-                           tokens_per_sample=seq_len, devices=devices.get("count") or 1)
+    run_hooks = loop_hooks(
+        stream,
+        start_step,
+        total_steps,
+        checkpointer,
+        on_step=on_step,
+        evaluator=evaluator,
+        stop=stop,
+        watch=watch,
+        profile=profile,
+        tokens_per_sample=seq_len,
+        devices=devices.get("count") or 1,
+    )
     try:
         state, looped = run_loop(engine, state, stream, start_step, total_steps, run_hooks, metrics, checkpointer)
     except BaseException:
@@ -198,20 +222,44 @@ def train_process(config, coordinator: Optional[str] = None, return_state: bool 
     phases["process_to_first_step"] = looped.process_age_at_first_step
     read = input_record(data, stream, read_before, start_step, total_steps, looped.loop_seconds)
     run_timing = timing.summary(
-        phases, looped.window_step_s, engine.stats.flops_per_step, devices.get("kind"), matmul_dtype(config),
-        devices.get("count") or 1, engine.peak_memory_bytes(), (engine.stats.memory or {}).get("peak_estimate_bytes"),
+        phases,
+        looped.window_step_s,
+        engine.stats.flops_per_step,
+        devices.get("kind"),
+        matmul_dtype(config),
+        devices.get("count") or 1,
+        engine.peak_memory_bytes(),
+        (engine.stats.memory or {}).get("peak_estimate_bytes"),
         samples_per_step=looped.samples_seen / looped.steps if looped.steps else None,
-        tokens_per_sample=seq_len, causal_attention_flops=engine.stats.causal_attention_flops_per_step)
+        tokens_per_sample=seq_len,
+        causal_attention_flops=engine.stats.causal_attention_flops_per_step,
+    )
     run_timing["compile_cache"] = engine.stats.cache_report()
     profiled = profile.summary() if profile is not None else None
     if profiled is not None:
         run_timing["profile"] = profiled
-    result = _result(config, engine, coordinator, loop_compiles, start_step, eval_loss, looped.statistics(),
-                     evals=evaluator.points, notes=notes, network_measured=network[0],
-                     stragglers=watch.summary() if watch is not None else None, stopped_at_step=looped.stopped_at,
-                     input=read, timing=run_timing,
-                     process_extra={"nccl": network[1], "stopped_at_step": looped.stopped_at,
-                                    "rows_read": read.rows_read, "bytes_read": read.bytes_read})
+    result = _result(
+        config,
+        engine,
+        coordinator,
+        loop_compiles,
+        start_step,
+        eval_loss,
+        looped.statistics(),
+        evals=evaluator.points,
+        notes=notes,
+        network_measured=network[0],
+        stragglers=watch.summary() if watch is not None else None,
+        stopped_at_step=looped.stopped_at,
+        input=read,
+        timing=run_timing,
+        process_extra={
+            "nccl": network[1],
+            "stopped_at_step": looped.stopped_at,
+            "rows_read": read.rows_read,
+            "bytes_read": read.bytes_read,
+        },
+    )
     if config.out:
         engine.finish(config.out)
     if return_state:
@@ -240,9 +288,11 @@ def checkpoint_notes(config, total_steps: int) -> List[str]:
         start = latest_complete_step(checkpoint_dir(config.out)) or 0
     if start >= total_steps or total_steps // every > start // every:
         return []
-    text = (f"warning: --checkpoint-every {every} never saves: this run ends at step {total_steps}"
-            + (f" (it resumes from step {start})" if start else "")
-            + f"; pass --checkpoint-every {total_steps - start} or less (or more --steps) to keep a checkpoint")
+    text = (
+        f"warning: --checkpoint-every {every} never saves: this run ends at step {total_steps}"
+        + (f" (it resumes from step {start})" if start else "")
+        + f"; pass --checkpoint-every {total_steps - start} or less (or more --steps) to keep a checkpoint"
+    )
     note(text)
     return [text]
 
@@ -266,8 +316,7 @@ def _first_state(config, engine: Engine, checkpointer) -> Tuple[Any, int, Option
         from alpa_job.hf.load import read_params
 
         source = parse_source(config.init_from)
-        state = engine.state_from_params(
-            lambda layout: read_params(HfCheckpoint(source), engine.model.hf, layout, config.model))
+        state = engine.state_from_params(lambda layout: read_params(HfCheckpoint(source), engine.model.hf, layout, config.model))
         note(f"[alpa_job] weights from the Hugging Face checkpoint in {source}")
     else:
         state = engine.init_state(config.seed)
@@ -295,10 +344,19 @@ class LoopResult:
         return loop_statistics(self.steps, self.samples_seen, self.samples_dropped, self.loop_seconds, self.losses)
 
 
-def loop_hooks(stream: InputStream, start_step: int, total_steps: int, checkpointer=None,
-               on_step: Optional[Callable[[int], None]] = None, evaluator: Optional[Evaluator] = None,
-               stop=None, watch: Optional[StragglerWatch] = None, profile: Optional[StepProfile] = None,
-               tokens_per_sample: Optional[int] = None, devices: int = 1) -> List[hooks.Hook]:
+def loop_hooks(
+    stream: InputStream,
+    start_step: int,
+    total_steps: int,
+    checkpointer=None,
+    on_step: Optional[Callable[[int], None]] = None,
+    evaluator: Optional[Evaluator] = None,
+    stop=None,
+    watch: Optional[StragglerWatch] = None,
+    profile: Optional[StepProfile] = None,
+    tokens_per_sample: Optional[int] = None,
+    devices: int = 1,
+) -> List[hooks.Hook]:
     """The loop's hooks for this run, in the order that keeps its numbers right (train/hooks.py)."""
     chosen: List[hooks.Hook] = []
     if profile is not None:
@@ -318,9 +376,16 @@ def loop_hooks(stream: InputStream, start_step: int, total_steps: int, checkpoin
     return chosen
 
 
-def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, total_steps: int,
-             run_hooks: List[hooks.Hook], metrics: Optional[LoopMetrics] = None,
-             checkpointer=None) -> Tuple[Any, LoopResult]:
+def run_loop(
+    engine: Engine,
+    state: Any,
+    stream: InputStream,
+    start_step: int,
+    total_steps: int,
+    run_hooks: List[hooks.Hook],
+    metrics: Optional[LoopMetrics] = None,
+    checkpointer=None,
+) -> Tuple[Any, LoopResult]:
     """Steps `start_step`..`total_steps` over this process's share of fixed-shape batches, each followed by
     the hooks that are due; returns (final state, LoopResult). `metrics` gets the numbers the loop has on the
     host anyway (the losses it reads back, each timing window) for the run's metrics log.
@@ -353,10 +418,17 @@ def run_loop(engine: Engine, state: Any, stream: InputStream, start_step: int, t
     engine.wait(loop.state)
     timer = loop.timer  # the StepTimer hook registered itself when it started
     return loop.state, LoopResult(
-        steps=loop.steps, samples_seen=loop.samples_seen, samples_dropped=loop.samples_dropped,
-        loop_seconds=time.perf_counter() - started, losses=loop.losses, window_step_s=timer.window_step_s,
-        first_step_s=timer.first_step_s, first_step_done_at=timer.first_done,
-        process_age_at_first_step=timer.process_age, stopped_at=loop.stopped_at)
+        steps=loop.steps,
+        samples_seen=loop.samples_seen,
+        samples_dropped=loop.samples_dropped,
+        loop_seconds=time.perf_counter() - started,
+        losses=loop.losses,
+        window_step_s=timer.window_step_s,
+        first_step_s=timer.first_step_s,
+        first_step_done_at=timer.first_done,
+        process_age_at_first_step=timer.process_age,
+        stopped_at=loop.stopped_at,
+    )
 
 
 def save_at_stop(config, checkpointer, step: int, state: Any, stream: InputStream):
@@ -372,8 +444,7 @@ def save_at_stop(config, checkpointer, step: int, state: Any, stream: InputStrea
     return checkpointer
 
 
-def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_seconds: float,
-                    losses: List[float]) -> Dict[str, Any]:
+def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_seconds: float, losses: List[float]) -> Dict[str, Any]:
     """The report's loop numbers, computed the same way for every engine."""
     return {
         "steps": steps,
@@ -386,9 +457,17 @@ def loop_statistics(steps: int, samples_seen: int, samples_dropped: int, loop_se
     }
 
 
-def _result(config, engine: Engine, coordinator: Optional[str], loop_compiles: int, start_step: int,
-            eval_loss: Optional[float], loop_stats: Dict[str, Any], process_extra: Optional[Dict[str, Any]] = None,
-            **run_fields: Any) -> ProcessResult:
+def _result(
+    config,
+    engine: Engine,
+    coordinator: Optional[str],
+    loop_compiles: int,
+    start_step: int,
+    eval_loss: Optional[float],
+    loop_stats: Dict[str, Any],
+    process_extra: Optional[Dict[str, Any]] = None,
+    **run_fields: Any,
+) -> ProcessResult:
     """One process's result, built once: the same fields for every engine, the run's (`run_fields`: evals,
     timing, input, ...), this process's extras, and the engine's own."""
     topology = engine.topology()
@@ -410,9 +489,15 @@ def _result(config, engine: Engine, coordinator: Optional[str], loop_compiles: i
         "memory": stats.memory,
         "search": None,
         "resumed_from_step": start_step if config.resume else None,
-        "process": {"id": process["id"], "count": process["count"], "host": socket.gethostname(),
-                    "ip": _node_ip(), "local_devices": process["local_devices"], "coordinator": coordinator,
-                    **(process_extra or {})},
+        "process": {
+            "id": process["id"],
+            "count": process["count"],
+            "host": socket.gethostname(),
+            "ip": _node_ip(),
+            "local_devices": process["local_devices"],
+            "coordinator": coordinator,
+            **(process_extra or {}),
+        },
         "devices": topology["devices"],
         "versions": versions.collect(),
         "eval_loss": eval_loss,

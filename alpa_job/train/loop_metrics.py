@@ -14,6 +14,7 @@ setup/ (the phases before the first step, in seconds, at the run's first step).
 
 Python 3.9.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
@@ -28,13 +29,20 @@ from alpa_job.train import timing
 class LoopMetrics:
     """The loop's numbers for the metrics log, made into events (one per call)."""
 
-    def __init__(self, peak_lr: Optional[float], horizon: Optional[int], seq_len: Optional[int],
-                 flops_per_step: Optional[float], device_kind: Optional[str], device_count: int, dtype: str,
-                 peak_memory: Optional[Callable[[], Optional[int]]] = None,
-                 causal_attention_flops: Optional[float] = None):
+    def __init__(
+        self,
+        peak_lr: Optional[float],
+        horizon: Optional[int],
+        seq_len: Optional[int],
+        flops_per_step: Optional[float],
+        device_kind: Optional[str],
+        device_count: int,
+        dtype: str,
+        peak_memory: Optional[Callable[[], Optional[int]]] = None,
+        causal_attention_flops: Optional[float] = None,
+    ):
         self.peak_lr, self.horizon, self.seq_len = peak_lr, horizon, seq_len
-        self.flops_per_step, self.device_kind, self.device_count, self.dtype = (flops_per_step, device_kind,
-                                                                                device_count, dtype)
+        self.flops_per_step, self.device_kind, self.device_count, self.dtype = (flops_per_step, device_kind, device_count, dtype)
         self.mfu_flops_per_step = maxtext_flops(flops_per_step, causal_attention_flops)  # the report's MFU count
         self.peak_memory = peak_memory
         self.phases: Dict[str, Optional[float]] = {}  # setup()'s, for the first step's start-up line
@@ -44,9 +52,17 @@ class LoopMetrics:
         """The run's: the default optimizer's schedule (both engines train with it), the engine's FLOP count
         and devices, `model_seq_len` tokens a sample when the model declares a seq_len (tokens/s)."""
         devices = engine.topology()["devices"]
-        return cls(config.learning_rate, schedule_steps(config, data.epoch.steps), model_seq_len,
-                   engine.stats.flops_per_step, devices.get("kind"), devices.get("count") or 1,
-                   matmul_dtype(config), engine.peak_memory_bytes, engine.stats.causal_attention_flops_per_step)
+        return cls(
+            config.learning_rate,
+            schedule_steps(config, data.epoch.steps),
+            model_seq_len,
+            engine.stats.flops_per_step,
+            devices.get("kind"),
+            devices.get("count") or 1,
+            matmul_dtype(config),
+            engine.peak_memory_bytes,
+            engine.stats.causal_attention_flops_per_step,
+        )
 
     def learning_rate(self, step: int) -> Optional[float]:
         """The rate of the update that made global step `step` (optax counts updates from 0)."""
@@ -63,8 +79,7 @@ class LoopMetrics:
         """The first step took `seconds` and was done `process_age` seconds after the process started: one
         progress line says where the start-up went (record/startup.py)."""
         metrics(step, {"setup/first_step_s": seconds})
-        breakdown = startup_breakdown({**self.phases, "first_step": seconds,
-                                              "process_to_first_step": process_age})
+        breakdown = startup_breakdown({**self.phases, "first_step": seconds, "process_to_first_step": process_age})
         if breakdown is not None:
             note(f"[alpa_job] {startup_text(breakdown)}")
 
@@ -87,8 +102,7 @@ class LoopMetrics:
         if self.seq_len:
             scalars["perf/tokens_per_s"] = samples * self.seq_len / seconds
         for suffix, count in (("", self.mfu_flops_per_step), ("_full", self.flops_per_step)):
-            tflops, mfu, mfu_datasheet = timing.device_rate(count, self.device_count, step_s, self.device_kind,
-                                                            self.dtype)
+            tflops, mfu, mfu_datasheet = timing.device_rate(count, self.device_count, step_s, self.device_kind, self.dtype)
             scalars[f"perf/tflops_per_device{suffix}"] = tflops
             scalars[f"perf/mfu{suffix}"] = mfu
             scalars[f"perf/mfu_datasheet{suffix}"] = mfu_datasheet

@@ -16,6 +16,7 @@ image may lack it) the run says so in one line and goes on without event files.
 
 Python 3.9.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -57,8 +58,10 @@ def tensorboard_sink(out: str, say: Callable[[str], None]) -> Optional[TensorBoa
     try:
         return TensorBoardSink(os.path.join(out, TENSORBOARD))
     except ImportError as err:
-        say(f"[alpa_job] no TensorBoard event files: tensorboardX does not import ({err}); pip install tensorboardX, "
-            "or pass --no-tensorboard to silence this")
+        say(
+            f"[alpa_job] no TensorBoard event files: tensorboardX does not import ({err}); pip install tensorboardX, "
+            "or pass --no-tensorboard to silence this"
+        )
     except Exception as err:  # noqa: BLE001 - metrics never stop the run (an unwritable folder is said here)
         say(f"[alpa_job] no TensorBoard event files: {_first_line(err)}")
     return None
@@ -133,21 +136,25 @@ class RunMetrics:
         last = start + (record.steps or 0)
         timing = record.timing or {}
         steady = timing.get("steady_step") or {}
-        final = {"run/steady_step_s": steady.get("median_s"), "run/samples_per_s": record.throughput,
-                 "run/tflops_per_device": timing.get("tflops_per_device"), "run/mfu": timing.get("mfu"),
-                 "run/mfu_datasheet": timing.get("mfu_datasheet"),
-                 "run/tflops_per_device_full": timing.get("tflops_per_device_full"),
-                 "run/mfu_full": timing.get("mfu_full"), "run/mfu_datasheet_full": timing.get("mfu_datasheet_full"),
-                 "run/tokens_per_s_per_device": timing.get("tokens_per_s_per_device"),
-                 "run/peak_memory_bytes": timing.get("peak_memory_bytes"),
-                 "run/peak_estimate_bytes": timing.get("peak_estimate_bytes")}
+        final = {
+            "run/steady_step_s": steady.get("median_s"),
+            "run/samples_per_s": record.throughput,
+            "run/tflops_per_device": timing.get("tflops_per_device"),
+            "run/mfu": timing.get("mfu"),
+            "run/mfu_datasheet": timing.get("mfu_datasheet"),
+            "run/tflops_per_device_full": timing.get("tflops_per_device_full"),
+            "run/mfu_full": timing.get("mfu_full"),
+            "run/mfu_datasheet_full": timing.get("mfu_datasheet_full"),
+            "run/tokens_per_s_per_device": timing.get("tokens_per_s_per_device"),
+            "run/peak_memory_bytes": timing.get("peak_memory_bytes"),
+            "run/peak_estimate_bytes": timing.get("peak_estimate_bytes"),
+        }
         final = {k: v for k, v in final.items() if _number(v)}
         if final:
             self.scalars(last, final)
         phases = {f"setup/{k}_s": v for k, v in (timing.get("phases_s") or {}).items() if _number(v)}
         if phases:
-            self.text("phases", "| phase | seconds |\n|---|---|\n" + "\n".join(
-                f"| {k[6:-2]} | {v} |" for k, v in phases.items()))
+            self.text("phases", "| phase | seconds |\n|---|---|\n" + "\n".join(f"| {k[6:-2]} | {v} |" for k, v in phases.items()))
         status = f"**{record.status}** after {record.steps} step(s)" + (f": {record.error}" if record.error else "")
         self.text("status", status)
 
@@ -156,13 +163,13 @@ class RunMetrics:
         with self._lock:
             sinks, self.sinks = self.sinks, []
         for sink in sinks:
-            done = threading.Thread(target=_quietly, args=(sink, status, self.say), name=f"close-{sink.name}",
-                                    daemon=True)
+            done = threading.Thread(target=_quietly, args=(sink, status, self.say), name=f"close-{sink.name}", daemon=True)
             done.start()
             done.join(CLOSE_TIMEOUT_S)
             if done.is_alive():
-                self.say(f"[alpa_job] {sink.name} metrics did not finish writing in {CLOSE_TIMEOUT_S:.0f} s; "
-                         "the last points may be missing")
+                self.say(
+                    f"[alpa_job] {sink.name} metrics did not finish writing in {CLOSE_TIMEOUT_S:.0f} s; the last points may be missing"
+                )
 
 
 def _quietly(sink: MetricsSink, status: str, say: Callable[[str], None]) -> None:
@@ -214,4 +221,3 @@ def _number(value: Any) -> bool:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-

@@ -1,5 +1,6 @@
 """The one interface every metrics destination implements (TensorBoard, MLflow, W&B): what the run's
 metrics log (metrics_log.py) calls. Python 3.9, standard library only."""
+
 from __future__ import annotations
 
 from typing import Dict

@@ -2,6 +2,7 @@
 (its bus bandwidth, into the report, inspect and TensorBoard) and, on GPUs, the transports NCCL chose (each
 process's own, into its row of the report). A cluster that declares InfiniBand or RoCE while NCCL runs on
 sockets hears it in the progress output then, not hours later from a slow run."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,10 @@ def measure(config, process_count: int) -> Tuple[Optional[Dict[str, Any]], Optio
 
     backend = jax.default_backend()
     measured = network_probe.time_all_reduce(PROBE_BYTES.get(backend, PROBE_BYTES["gpu"]), PROBE_REPEATS)
-    note(f"[alpa_job] network: all-reduce of {measured['bytes'] >> 20} MiB a device over "
-         f"{measured['devices']} {backend} device(s): {measured['bus_gbps']} Gb/s bus bandwidth")
+    note(
+        f"[alpa_job] network: all-reduce of {measured['bytes'] >> 20} MiB a device over "
+        f"{measured['devices']} {backend} device(s): {measured['bus_gbps']} Gb/s bus bandwidth"
+    )
     metrics(0, {"network/all_reduce_bus_gbps": measured["bus_gbps"]})
     nccl = _nccl(config) if backend == "gpu" else None
     return measured, nccl
@@ -45,8 +48,7 @@ def _nccl(config) -> Optional[Dict[str, Any]]:
     problems = nccl_log.verdicts(summary, _fabric(config))
     for line in problems:
         note(f"[alpa_job] network: {line}")
-    return {"transports": nccl_log.transports_line(summary), "channels": summary.channels(),
-            "verdicts": problems, "log": path}
+    return {"transports": nccl_log.transports_line(summary), "channels": summary.channels(), "verdicts": problems, "log": path}
 
 
 def _fabric(config) -> str:

@@ -5,6 +5,7 @@ reads the `.trace.json.gz`), and its communication share goes into the report's 
 named steps are traced: a trace of a whole run is gigabytes, and the first steps are compile and
 warm-up, not the steady state anyone profiles for.
 """
+
 from __future__ import annotations
 
 import glob
@@ -62,8 +63,11 @@ class StepProfile:
         from alpa_job.record.trace_summary import summarise_trace
 
         traces = sorted(glob.glob(os.path.join(self.directory, "plugins", "profile", "*", "*.trace.json.gz")))
-        out: Dict[str, Any] = {"dir": self.directory, "steps": [self.start, self.start + self.count - 1],
-                               "trace": traces[-1] if traces else None}
+        out: Dict[str, Any] = {
+            "dir": self.directory,
+            "steps": [self.start, self.start + self.count - 1],
+            "trace": traces[-1] if traces else None,
+        }
         if traces:
             out.update(summarise_trace(traces[-1], self.count))
         return out

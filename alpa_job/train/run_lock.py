@@ -5,6 +5,7 @@ is gone: on the same host, its PID is not running (or is another process now: th
 on another host (--out on a shared filesystem), its heartbeat is older than STALE_S by this host's
 clock, or it does not change while this run watches it for WATCH_S (clock skew cannot fool that).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,7 @@ STALE_S = 300.0  # a heartbeat this old by this host's clock is stale at once (f
 
 def utc_stamp(when: Optional[float] = None) -> str:
     """UTC time to the second as YYYYmmdd-HHMMSS (run folders, lock files): now, or `when`."""
-    moment = datetime.datetime.fromtimestamp(when, datetime.timezone.utc) if when else \
-        datetime.datetime.now(datetime.timezone.utc)
+    moment = datetime.datetime.fromtimestamp(when, datetime.timezone.utc) if when else datetime.datetime.now(datetime.timezone.utc)
     return moment.strftime("%Y%m%d-%H%M%S")
 
 
@@ -87,9 +87,16 @@ class RunLock:
     def take(cls, out: str) -> "RunLock":
         path = os.path.join(out, LOCK)
         for _ in range(5):  # each round either takes the lock, refuses, or removes a stale one
-            info = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
-                    "pid_ns": _pid_namespace(), "started": utc_stamp(), "run_id": uuid.uuid4().hex[:12],
-                    "heartbeat": time.time(), "beats": 0}
+            info = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "pid_start": _pid_start(os.getpid()),
+                "pid_ns": _pid_namespace(),
+                "started": utc_stamp(),
+                "run_id": uuid.uuid4().hex[:12],
+                "heartbeat": time.time(),
+                "beats": 0,
+            }
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -101,14 +108,15 @@ class RunLock:
                     continue  # its run ended while this one watched: take it now
                 if why is None:
                     holder = _parse(raw) or {}
-                    raise KitError(f"--out {out} is in use by another run: {_holder(holder)}; wait for it to end or "
-                                   f"pass another --out (a lock whose run is gone is taken over: {path})")
+                    raise KitError(
+                        f"--out {out} is in use by another run: {_holder(holder)}; wait for it to end or "
+                        f"pass another --out (a lock whose run is gone is taken over: {path})"
+                    )
                 if _read_lock(path) == raw:  # still the stale one (another run may have taken it over just now)
                     os.remove(path)
                     from alpa_job.progress.events import display
 
-                    display().line(f"[alpa_job] took over the lock of a run that is gone ({why}): {path}",
-                                   important=True)
+                    display().line(f"[alpa_job] took over the lock of a run that is gone ({why}): {path}", important=True)
                 continue
             except OSError as err:
                 raise KitError(f"--out {out}: cannot write there ({err.strerror}); pass a writable folder") from None
@@ -181,8 +189,10 @@ def _stale(path: str, raw: str) -> Optional[str]:
         return f"{_holder(info)}: no heartbeat for {age:.0f} s"
     from alpa_job.progress.events import display
 
-    display().line(f"[alpa_job] --out is locked by {_holder(info)}; watching its heartbeat for up to "
-                   f"{WATCH_S:.0f} s to see whether that run is alive", important=True)
+    display().line(
+        f"[alpa_job] --out is locked by {_holder(info)}; watching its heartbeat for up to {WATCH_S:.0f} s to see whether that run is alive",
+        important=True,
+    )
     deadline = time.monotonic() + WATCH_S
     while time.monotonic() < deadline:
         time.sleep(1.0)

@@ -16,6 +16,7 @@ One run per folder: the driver holds a lock on --out from the checks until it ex
 is named (step, file, reason) and moved to OUT/checkpoints-skipped/, so the driver's view of the
 latest step (the controller's too) is the one the loop restores.
 """
+
 from __future__ import annotations
 
 import json
@@ -85,31 +86,41 @@ def check_out(config, explicit_out: bool) -> None:
     latest = folders[0] if folders else None
     if config.resume:
         if latest is None:
-            raise KitError(f"--resume: no checkpoint in {checkpoint_dir(out)}; run once with "
-                           "--checkpoint-every N into this --out first, or drop --resume")
+            raise KitError(
+                f"--resume: no checkpoint in {checkpoint_dir(out)}; run once with "
+                "--checkpoint-every N into this --out first, or drop --resume"
+            )
         old = saved_config(out)
         if old is not None:
             differ = [f"--model {old['model']} (now {config.model})"] if old.get("model", config.model) != config.model else []
             if not differ:  # the model's settings, key by key, each with its defaults filled in
                 before, now = _saved_model_values(old, config), model_values(config)
-                differ += [f"{_spelling(config.model, k, before.get(k))} (now {now.get(k)})"
-                           for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+                differ += [
+                    f"{_spelling(config.model, k, before.get(k))} (now {now.get(k)})"
+                    for k in sorted(set(before) | set(now))
+                    if before.get(k) != now.get(k)
+                ]
             if differ:
                 what = ", ".join(differ)
-                raise KitError(f"--resume: the checkpoint in {out} is of another model: {what}; "
-                               "resume with the same model settings or use another --out")
+                raise KitError(
+                    f"--resume: the checkpoint in {out} is of another model: {what}; "
+                    "resume with the same model settings or use another --out"
+                )
         start = _usable_checkpoint(out)
         if config.steps is not None and start > config.steps:
-            raise KitError(f"--resume: the checkpoint in {out} is at step {start}, already past --steps "
-                           f"{config.steps}; pass --steps above {start} to train on")
+            raise KitError(
+                f"--resume: the checkpoint in {out} is at step {start}, already past --steps "
+                f"{config.steps}; pass --steps above {start} to train on"
+            )
         return
     if latest is not None and not config.overwrite:
-        raise KitError(f"--out {out} holds another run's checkpoints (steps up to {latest}); pass --resume to "
-                       "continue that run, --overwrite to replace it, or another --out")
+        raise KitError(
+            f"--out {out} holds another run's checkpoints (steps up to {latest}); pass --resume to "
+            "continue that run, --overwrite to replace it, or another --out"
+        )
     reports = [name for name in REPORT_FILES + (RUN_META,) if out and os.path.isfile(os.path.join(out, name))]
     if reports and not config.overwrite and not _failed_before_first_step(out):
-        raise KitError(f"--out {out} holds another run's report ({', '.join(reports)}); pass --overwrite to replace "
-                       "it, or another --out")
+        raise KitError(f"--out {out} holds another run's report ({', '.join(reports)}); pass --overwrite to replace it, or another --out")
 
 
 def _failed_before_first_step(out: str) -> bool:
@@ -124,8 +135,7 @@ def _failed_before_first_step(out: str) -> bool:
         return False
     from alpa_job.progress.events import display
 
-    display().line(f"[alpa_job] replacing the report in {out}: its run {report.get('status')} before its "
-                   "first step", important=True)
+    display().line(f"[alpa_job] replacing the report in {out}: its run {report.get('status')} before its first step", important=True)
     return True
 
 
@@ -139,14 +149,14 @@ def _usable_checkpoint(out: str) -> int:
     good, skipped = scan(directory)
     if not good:
         why = "; ".join(f"step {s.step}: {s.path}: {s.reason}" for s in skipped)
-        raise KitError(f"--resume: no complete checkpoint in {directory} ({why}); start again with --overwrite, "
-                       "or put back a good checkpoint")
+        raise KitError(
+            f"--resume: no complete checkpoint in {directory} ({why}); start again with --overwrite, or put back a good checkpoint"
+        )
     shown = display()
     for skip in skipped:
         shown.line(skip.line(), important=True)
         if skip.step > good[0]:  # older damaged ones are orbax's to delete as it keeps its last few
-            shown.line(f"[alpa_job] checkpoint step {skip.step} moved to {set_aside(directory, skip.step)}",
-                       important=True)
+            shown.line(f"[alpa_job] checkpoint step {skip.step} moved to {set_aside(directory, skip.step)}", important=True)
     _RESUME_FROM[os.path.abspath(out)] = good[0]
     return good[0]
 
@@ -180,8 +190,10 @@ def keep_earlier_reports(out: str) -> Optional[str]:
     present += [n for n in METRICS_DIRS if os.path.isdir(os.path.join(out, n))]
     for name in present:
         os.replace(os.path.join(out, name), os.path.join(kept, name))
-    print(f"[alpa_job] --resume auto: no checkpoint in {out}, starting fresh; the earlier run's "
-          f"{', '.join(present)} moved to {kept}", flush=True)
+    print(
+        f"[alpa_job] --resume auto: no checkpoint in {out}, starting fresh; the earlier run's {', '.join(present)} moved to {kept}",
+        flush=True,
+    )
     return kept
 
 

@@ -11,6 +11,7 @@ The loop asks its `StopPoint` after every step whether to stop there; what makes
     later proposal (after a refusal) releases the waiting ones.
 The processes' steps differ by the few steps the host dispatches ahead, so this ends in a round or two.
 """
+
 from __future__ import annotations
 
 import threading
@@ -88,9 +89,12 @@ class StopPoint:
             while self._at == step and not self._confirmed:  # a later proposal releases this wait
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise KitError(f"stopping at step {step}: the driver did not confirm the step within "
-                                   f"{self.confirm_timeout_s:.0f} s (is it gone?); the last checkpoint stays the "
-                                   "one to resume from", EXIT_PROCESS_LOST)
+                    raise KitError(
+                        f"stopping at step {step}: the driver did not confirm the step within "
+                        f"{self.confirm_timeout_s:.0f} s (is it gone?); the last checkpoint stays the "
+                        "one to resume from",
+                        EXIT_PROCESS_LOST,
+                    )
                 self._cond.wait(left)
             if self._at == step and self._confirmed:
                 self.stopped_at = step
@@ -102,8 +106,13 @@ STOP_MARGIN = 2  # steps past the furthest known step: room for the proposal to 
 STOP_ROUNDS = 8
 
 
-def agree(propose: Callable[[int], List[Optional[int]]], confirm: Callable[[int], None], furthest: int,
-          margin: int = STOP_MARGIN, rounds: int = STOP_ROUNDS) -> int:
+def agree(
+    propose: Callable[[int], List[Optional[int]]],
+    confirm: Callable[[int], None],
+    furthest: int,
+    margin: int = STOP_MARGIN,
+    rounds: int = STOP_ROUNDS,
+) -> int:
     """The driver's side: propose `furthest + margin` to every process (`propose(at)` returns each one's
     answer, StopPoint.propose's), and again past the furthest refusal, until all accept; then confirm.
     Returns the agreed step. The margin doubles each round, so processes stepping fast still converge."""
@@ -115,5 +124,8 @@ def agree(propose: Callable[[int], List[Optional[int]]], confirm: Callable[[int]
             return at
         margin *= 2
         at = max(refused) + margin
-    raise KitError(f"the JAX processes did not agree on a step to stop at in {rounds} rounds (the last proposal: "
-                   f"step {at}); the last checkpoint stays the one to resume from", EXIT_PROCESS_LOST)
+    raise KitError(
+        f"the JAX processes did not agree on a step to stop at in {rounds} rounds (the last proposal: "
+        f"step {at}); the last checkpoint stays the one to resume from",
+        EXIT_PROCESS_LOST,
+    )

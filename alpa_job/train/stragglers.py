@@ -14,6 +14,7 @@ it was that much slower in most of the window's rounds (one noisy round does not
 when it falls under RECOVERED x. A process whose input adds SLOWER - 1 of the step time over the others' is
 named the same way.
 """
+
 from __future__ import annotations
 
 import glob
@@ -51,8 +52,7 @@ class StragglerJudge:
         self.events: List[Dict[str, Any]] = []
         self.latest: Dict[str, Any] = {}
 
-    def add(self, step: int, work_s: Sequence[float], input_s: Sequence[float],
-            step_s: Optional[float]) -> List[Dict[str, Any]]:
+    def add(self, step: int, work_s: Sequence[float], input_s: Sequence[float], step_s: Optional[float]) -> List[Dict[str, Any]]:
         """One round at global `step`; returns the events it caused (named, or recovered)."""
         self.work.append(list(work_s))
         self.inputs.append(list(input_s))
@@ -61,13 +61,13 @@ class StragglerJudge:
             return []
         work = [_scores(list(self.work), i, _work_score) for i in range(len(self.units))]
         inputs = [_scores(list(zip(self.inputs, self.step_s)), p, _input_score) for p in range(len(self.hosts))]
-        self.latest = {"step": step,
-                       "work_ms": [round(sum(r[i] for r in self.work) / self.rounds * 1e3, 3)
-                                   for i in range(len(self.units))],
-                       "work_ratio": [round(total, 3) for total, _ in work],
-                       "input_ms": [round(sum(r[p] for r in self.inputs) / self.rounds * 1e3, 3)
-                                    for p in range(len(self.hosts))],
-                       "input_ratio": [round(total, 3) for total, _ in inputs]}
+        self.latest = {
+            "step": step,
+            "work_ms": [round(sum(r[i] for r in self.work) / self.rounds * 1e3, 3) for i in range(len(self.units))],
+            "work_ratio": [round(total, 3) for total, _ in work],
+            "input_ms": [round(sum(r[p] for r in self.inputs) / self.rounds * 1e3, 3) for p in range(len(self.hosts))],
+            "input_ratio": [round(total, 3) for total, _ in inputs],
+        }
         events = [self._judge(("devices", i), *work[i], step) for i in range(len(work))]
         events += [self._judge(("input", p), *inputs[p], step) for p in range(len(inputs))]
         new = [e for e in events if e is not None]
@@ -89,17 +89,23 @@ class StragglerJudge:
     def _event(self, kind: str, key: Tuple[str, int], ratio: float, step: int) -> Dict[str, Any]:
         what, index = key
         process, device = self.units[index] if what == "devices" else (index, "")
-        return {"event": kind, "what": what, "step": step, "process": process, "host": self.hosts[process],
-                "device": device, "slower_by": round(ratio - 1.0, 3),
-                "steps": [max(0, step - self.rounds * self.every) + 1, step]}
+        return {
+            "event": kind,
+            "what": what,
+            "step": step,
+            "process": process,
+            "host": self.hosts[process],
+            "device": device,
+            "slower_by": round(ratio - 1.0, 3),
+            "steps": [max(0, step - self.rounds * self.every) + 1, step],
+        }
 
     def named_now(self) -> List[str]:
         """Who is named as slow now, shortest form (the progress line's)."""
         out = []
         for (what, index), ratio in sorted(self.slow.items()):
             process, device = self.units[index] if what == "devices" else (index, "input")
-            out.append(f"process {process} on {self.hosts[process]}{' ' + device if device else ''} "
-                       f"+{(ratio - 1) * 100:.0f}%")
+            out.append(f"process {process} on {self.hosts[process]}{' ' + device if device else ''} +{(ratio - 1) * 100:.0f}%")
         return out
 
 
@@ -208,10 +214,17 @@ class StragglerWatch:
     def summary(self) -> Dict[str, Any]:
         """The report's `stragglers`."""
         j = self.judge
-        return {"every": self.every, "window_steps": WINDOW_STEPS, "slower": SLOWER, "recovered": RECOVERED,
-                "measure": self._own.describe(),
-                "units": [{"process": p, "host": j.hosts[p], "device": d} for p, d in j.units],
-                "latest": j.latest or None, "events": j.events, "slow_now": j.named_now()}
+        return {
+            "every": self.every,
+            "window_steps": WINDOW_STEPS,
+            "slower": SLOWER,
+            "recovered": RECOVERED,
+            "measure": self._own.describe(),
+            "units": [{"process": p, "host": j.hosts[p], "device": d} for p, d in j.units],
+            "latest": j.latest or None,
+            "events": j.events,
+            "slow_now": j.named_now(),
+        }
 
 
 class GpuProbe:

@@ -7,6 +7,7 @@ on its own: it carries whatever the runtime does lazily on first use, so averagi
 `step_time_s` = loop seconds / steps does) overstates the step on short runs (by about a quarter for a
 large model). Plain Python (Python 3.9).
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,12 @@ def steady_state(window_step_s: List[float], samples_per_step: Optional[float] =
     if not window_step_s:
         return None
     median = percentile(window_step_s, 0.5)
-    out = {"median_s": round(median, 6), "p10_s": round(percentile(window_step_s, 0.1), 6),
-           "p90_s": round(percentile(window_step_s, 0.9), 6), "windows": len(window_step_s)}
+    out = {
+        "median_s": round(median, 6),
+        "p10_s": round(percentile(window_step_s, 0.1), 6),
+        "p90_s": round(percentile(window_step_s, 0.9), 6),
+        "windows": len(window_step_s),
+    }
     rate = steady_rate(samples_per_step, median)
     if rate is not None:
         out["samples_per_s"] = round(rate, 2)
@@ -67,11 +72,19 @@ def steady_rate(samples_per_step: Optional[float], median_step_s: Optional[float
     return samples_per_step / median_step_s
 
 
-def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flops_per_step: Optional[float],
-            device_kind: Optional[str], dtype: str, device_count: int, peak_memory_bytes: Optional[int],
-            peak_estimate_bytes: Optional[int], samples_per_step: Optional[float] = None,
-            tokens_per_sample: Optional[int] = None,
-            causal_attention_flops: Optional[float] = None) -> Dict[str, Any]:
+def summary(
+    phases: Dict[str, Optional[float]],
+    window_step_s: List[float],
+    flops_per_step: Optional[float],
+    device_kind: Optional[str],
+    dtype: str,
+    device_count: int,
+    peak_memory_bytes: Optional[int],
+    peak_estimate_bytes: Optional[int],
+    samples_per_step: Optional[float] = None,
+    tokens_per_sample: Optional[int] = None,
+    causal_attention_flops: Optional[float] = None,
+) -> Dict[str, Any]:
     """The report's `timing`: phases (seconds), steady state, TFLOP/s and MFU, memory measured vs estimated.
 
     `flops_per_step`: the step's model FLOPs over all `device_count` devices, every product whole
@@ -84,18 +97,29 @@ def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flop
     steady = steady_state(window_step_s, samples_per_step)
     rates = peak(device_kind, dtype)
     mfu_flops = maxtext_flops(flops_per_step, causal_attention_flops)
-    out: Dict[str, Any] = {"phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
-                           "startup_breakdown": startup_breakdown(phases),
-                           "steady_step": steady, "flops_per_step": flops_per_step,
-                           "causal_attention_flops_per_step": causal_attention_flops,
-                           "mfu_flops_per_step": mfu_flops, "mfu_count": "maxtext" if causal_attention_flops else "full",
-                           "tflops_per_device": None, "mfu": None, "mfu_datasheet": None,
-                           "tflops_per_device_full": None, "mfu_full": None, "mfu_datasheet_full": None,
-                           "peak": {"precision": rates["precision"],
-                                    "measured_tflops": _tera(rates["measured"]),
-                                    "datasheet_tflops": _tera(rates["datasheet"])},
-                           "peak_memory_bytes": peak_memory_bytes,
-                           "peak_estimate_bytes": peak_estimate_bytes, "devices": device_count}
+    out: Dict[str, Any] = {
+        "phases_s": {k: (round(v, 3) if v is not None else None) for k, v in phases.items()},
+        "startup_breakdown": startup_breakdown(phases),
+        "steady_step": steady,
+        "flops_per_step": flops_per_step,
+        "causal_attention_flops_per_step": causal_attention_flops,
+        "mfu_flops_per_step": mfu_flops,
+        "mfu_count": "maxtext" if causal_attention_flops else "full",
+        "tflops_per_device": None,
+        "mfu": None,
+        "mfu_datasheet": None,
+        "tflops_per_device_full": None,
+        "mfu_full": None,
+        "mfu_datasheet_full": None,
+        "peak": {
+            "precision": rates["precision"],
+            "measured_tflops": _tera(rates["measured"]),
+            "datasheet_tflops": _tera(rates["datasheet"]),
+        },
+        "peak_memory_bytes": peak_memory_bytes,
+        "peak_estimate_bytes": peak_estimate_bytes,
+        "devices": device_count,
+    }
     if steady:
         for suffix, count in (("", mfu_flops), ("_full", flops_per_step)):
             out.update(_rates(count, device_count, steady["median_s"], device_kind, dtype, suffix))
@@ -104,26 +128,29 @@ def summary(phases: Dict[str, Optional[float]], window_step_s: List[float], flop
     return out
 
 
-def _rates(flops_per_step: Optional[float], device_count: int, step_s: float, device_kind: Optional[str],
-           dtype: str, suffix: str) -> Dict[str, Optional[float]]:
+def _rates(
+    flops_per_step: Optional[float], device_count: int, step_s: float, device_kind: Optional[str], dtype: str, suffix: str
+) -> Dict[str, Optional[float]]:
     """{tflops_per_device, mfu, mfu_datasheet}+suffix of `flops_per_step` at `step_s`, rounded for the report."""
     tflops, mfu, mfu_datasheet = device_rate(flops_per_step, device_count, step_s, device_kind, dtype)
-    return {f"tflops_per_device{suffix}": round(tflops, 1) if tflops is not None else None,
-            f"mfu{suffix}": round(mfu, 3) if mfu is not None else None,
-            f"mfu_datasheet{suffix}": round(mfu_datasheet, 3) if mfu_datasheet is not None else None}
+    return {
+        f"tflops_per_device{suffix}": round(tflops, 1) if tflops is not None else None,
+        f"mfu{suffix}": round(mfu, 3) if mfu is not None else None,
+        f"mfu_datasheet{suffix}": round(mfu_datasheet, 3) if mfu_datasheet is not None else None,
+    }
 
 
 def _tera(flops: Optional[float]) -> Optional[float]:
     return round(flops / 1e12, 1) if flops else None
 
 
-def device_rate(flops_per_step: Optional[float], device_count: int, step_s: float, device_kind: Optional[str],
-                dtype: str) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+def device_rate(
+    flops_per_step: Optional[float], device_count: int, step_s: float, device_kind: Optional[str], dtype: str
+) -> Tuple[Optional[float], Optional[float], Optional[float]]:
     """(TFLOP/s per device, MFU on the measured peak, MFU on the datasheet's) of a step taking `step_s`; None
     where unknown (an MFU: a device and precision not in flops.PEAKS)."""
     if not flops_per_step or not step_s or step_s <= 0:
         return None, None, None
     rate = flops_per_step / max(device_count, 1) / step_s
     rates = peak(device_kind, dtype)
-    return (rate / 1e12, rate / rates["measured"] if rates["measured"] else None,
-            rate / rates["datasheet"] if rates["datasheet"] else None)
+    return (rate / 1e12, rate / rates["measured"] if rates["measured"] else None, rate / rates["datasheet"] if rates["datasheet"] else None)

@@ -14,6 +14,7 @@ before Ray starts (`check_installed`), naming the pip command.
 
 Python 3.9; the trackers are imported only here, only when asked for.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,8 +34,7 @@ def check_installed(track: Optional[str]) -> None:
     if not track or track == "none":
         return
     if importlib.util.find_spec(track) is None:
-        raise KitError(f"--track {track}: the {track} package is not installed here; pip install {track} "
-                       "(or drop --track)")
+        raise KitError(f"--track {track}: the {track} package is not installed here; pip install {track} (or drop --track)")
 
 
 class MlflowSink(MetricsSink):
@@ -65,7 +65,7 @@ class MlflowSink(MetricsSink):
 
         params = [Param(k, str(v)[:6000]) for k, v in settings.items()]
         for i in range(0, len(params), 100):
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
 
     def scalars(self, step: int, values: Dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -99,8 +99,13 @@ class WandbSink(MetricsSink):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key() else "offline")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or EXPERIMENT, dir=out, mode=mode,
-                              name=os.path.basename(os.path.abspath(out)), config=config.as_dict())
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or EXPERIMENT,
+            dir=out,
+            mode=mode,
+            name=os.path.basename(os.path.abspath(out)),
+            config=config.as_dict(),
+        )
         self.step = -1  # W&B takes steps in order only: an earlier one (after a restart) is left out
 
     def scalars(self, step: int, values: Dict[str, float]) -> None:
@@ -139,6 +144,5 @@ def open_tracker(track: str, config, say: Callable[[str], None]) -> Optional[Met
         return SINKS[track](config, config.out)
     except Exception as err:  # noqa: BLE001 - a tracker that cannot start never stops the training
         text = str(err).strip().splitlines()
-        say(f"[alpa_job] --track {track}: could not start ({type(err).__name__}: {text[0] if text else ''}); "
-            "training goes on without it")
+        say(f"[alpa_job] --track {track}: could not start ({type(err).__name__}: {text[0] if text else ''}); training goes on without it")
         return None

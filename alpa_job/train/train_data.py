@@ -1,5 +1,6 @@
 """The training input as the loop sees it: the row source, its fixed-shape epochs, the eval split,
 and what the input did during the loop (the report's input numbers)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,9 @@ class TrainData:
 
     def stream(self, total_steps: int, shard: Shard = Shard()) -> InputStream:
         """This process's batches of the training stream (see alpa_job.data.pipeline)."""
-        return InputStream(self.source, self.epoch, self.batch_size, self.seed, total_steps, shard,
-                           threads=self.threads, prefetch=self.prefetch)
+        return InputStream(
+            self.source, self.epoch, self.batch_size, self.seed, total_steps, shard, threads=self.threads, prefetch=self.prefetch
+        )
 
     def first(self, n: int) -> List[Dict[str, np.ndarray]]:
         whole = self.stream(n)
@@ -45,8 +47,9 @@ class TrainData:
         available = -(-rows // self.batch_size)
         steps = min(batches or available, available)
         plan = plan_epoch(rows, self.batch_size, "pad")
-        return InputStream(self.eval_source, plan, self.batch_size, self.seed, steps, shard, shuffle=False,
-                           threads=self.threads, prefetch=self.prefetch)
+        return InputStream(
+            self.eval_source, plan, self.batch_size, self.seed, steps, shard, shuffle=False, threads=self.threads, prefetch=self.prefetch
+        )
 
 
 def prepare_data(config, model=None) -> TrainData:
@@ -56,22 +59,37 @@ def prepare_data(config, model=None) -> TrainData:
 
     source, epoch, example = open_train(config, model)
     eval_source = open_source(config, EVAL, model) if getattr(config, "eval_data_path", None) else None
-    return TrainData(source, epoch, config.batch_size, config.remainder, config.seed, example,
-                     threads=config.data_threads, prefetch=config.prefetch, eval_source=eval_source,
-                     tokens=config.dataset == "tokens")
+    return TrainData(
+        source,
+        epoch,
+        config.batch_size,
+        config.remainder,
+        config.seed,
+        example,
+        threads=config.data_threads,
+        prefetch=config.prefetch,
+        eval_source=eval_source,
+        tokens=config.dataset == "tokens",
+    )
 
 
-def input_record(data: TrainData, stream: InputStream, read_before: Tuple[int, int], start_step: int,
-                 total_steps: int, loop_seconds: float) -> InputRecord:
+def input_record(
+    data: TrainData, stream: InputStream, read_before: Tuple[int, int], start_step: int, total_steps: int, loop_seconds: float
+) -> InputRecord:
     """What this process's input did during the loop (the rows and bytes it read itself)."""
     rows = data.source.rows_read - read_before[0]
     size = data.source.bytes_read - read_before[1]
     steps = max(total_steps - start_step, 0)
     return InputRecord(
-        dataset=data.source.describe(), rows=len(data.source), steps_per_epoch=data.epoch.steps,
-        epochs=round(steps / data.epoch.steps, 4), rows_read=rows, bytes_read=size,
+        dataset=data.source.describe(),
+        rows=len(data.source),
+        steps_per_epoch=data.epoch.steps,
+        epochs=round(steps / data.epoch.steps, 4),
+        rows_read=rows,
+        bytes_read=size,
         bytes_per_s=round(size / loop_seconds, 1) if loop_seconds else None,
         data_wait_s=round(stream.wait_s, 4),
         data_wait_per_step_s=round(stream.wait_s / steps, 6) if steps else None,
         data_wait_fraction=round(stream.wait_s / loop_seconds, 4) if loop_seconds else None,
-        pipeline=stream.pipeline)
+        pipeline=stream.pipeline,
+    )

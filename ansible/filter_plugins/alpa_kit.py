@@ -11,6 +11,7 @@ The filters run on the controller (the machine with this checkout), in-process: 
 of the kit for rendering (the docker runtime's nodes need only Docker), and `--check` renders too.
 The node IP still comes from each node: its own interface addresses, from its gathered facts.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -121,9 +122,13 @@ def image_parts(ref):
         repo, tag = path, "latest"
     reference = digest or tag
     api_repo = repo if registry or "/" in repo else "library/" + repo  # Docker Hub's official images
-    return {"registry": registry, "repository": repo, "tag": tag,
-            "api_host": registry or "registry-1.docker.io",
-            "manifest_path": "/v2/%s/manifests/%s" % (api_repo, reference)}
+    return {
+        "registry": registry,
+        "repository": repo,
+        "tag": tag,
+        "api_host": registry or "registry-1.docker.io",
+        "manifest_path": "/v2/%s/manifests/%s" % (api_repo, reference),
+    }
 
 
 def controller_admission(controller, raw_spec, members, local_ips=(), auto=True, host=""):
@@ -142,26 +147,35 @@ def controller_admission(controller, raw_spec, members, local_ips=(), auto=True,
     try:
         address = ipaddress.ip_address(text)
     except ValueError:  # no SSH_CLIENT: admin_cidrs set by the operator are trusted, none is a lock-out
-        return {"admit": [], "error": "" if cidrs else (
-            "%scannot tell the controller's address (SSH_CLIENT: %r), so the firewall could lock you out; set "
-            "alpa_kit_admin_cidrs to the network you run ansible-playbook from" % (who, text))}
+        return {
+            "admit": [],
+            "error": ""
+            if cidrs
+            else (
+                "%scannot tell the controller's address (SSH_CLIENT: %r), so the firewall could lock you out; set "
+                "alpa_kit_admin_cidrs to the network you run ansible-playbook from" % (who, text)
+            ),
+        }
     if address.is_loopback or text in [str(i) for i in local_ips] or text in [str(m) for m in members]:
         return {"admit": [], "error": ""}
     if any(address in ipaddress.ip_network(c) for c in cidrs if ipaddress.ip_network(c).version == address.version):
         return {"admit": [], "error": ""}
     if cidrs or not auto:
-        return {"admit": [], "error": (
-            "%sthe controller reaches this node from %s, which neither alpa_kit_admin_cidrs (%s) nor the cluster's "
-            "members hold: its firewall would lock you out. Add %s/%d to alpa_kit_admin_cidrs (or run from an "
-            "admitted address)" % (who, text, ", ".join(cidrs) or "empty", text, address.max_prefixlen))}
+        return {
+            "admit": [],
+            "error": (
+                "%sthe controller reaches this node from %s, which neither alpa_kit_admin_cidrs (%s) nor the cluster's "
+                "members hold: its firewall would lock you out. Add %s/%d to alpa_kit_admin_cidrs (or run from an "
+                "admitted address)" % (who, text, ", ".join(cidrs) or "empty", text, address.max_prefixlen)
+            ),
+        }
     return {"admit": ["%s/%d" % (text, address.max_prefixlen)], "error": ""}
 
 
 def with_admin(raw_spec, extra):
     """The plan with `extra` CIDRs appended to admin_cidrs (the controller this run found)."""
     plan = dict(_plain(raw_spec))
-    plan["admin_cidrs"] = list(plan.get("admin_cidrs") or []) + [c for c in _plain(extra or [])
-                                                                 if c not in (plan.get("admin_cidrs") or [])]
+    plan["admin_cidrs"] = list(plan.get("admin_cidrs") or []) + [c for c in _plain(extra or []) if c not in (plan.get("admin_cidrs") or [])]
     return spec_check(plan)
 
 
@@ -201,8 +215,18 @@ def node_iface(facts, ip):
     raise AnsibleFilterError("no interface holds %s (interfaces: %s)" % (ip, _addresses(facts)))
 
 
-def ray_start_args(raw_spec, role, node_ip_, head_ip=None, ray_version=None, num_cpus=None, num_gpus=None,
-                   object_store_memory=None, include_dashboard=True, block=False):
+def ray_start_args(
+    raw_spec,
+    role,
+    node_ip_,
+    head_ip=None,
+    ray_version=None,
+    num_cpus=None,
+    num_gpus=None,
+    object_store_memory=None,
+    include_dashboard=True,
+    block=False,
+):
     """The `ray start` argv for one node (alpa_job.cluster.ray_start.ray_start_args)."""
     _, ray_start, _, _, KitError = _kit()
 
@@ -211,10 +235,16 @@ def ray_start_args(raw_spec, role, node_ip_, head_ip=None, ray_version=None, num
 
     try:
         return ray_start.ray_start_args(
-            _spec(raw_spec), str(role), str(node_ip_), head_ip=None if head_ip in (None, "") else str(head_ip),
-            ray_version=None if ray_version in (None, "") else str(ray_version), num_cpus=opt_int(num_cpus),
-            num_gpus=opt_int(num_gpus), object_store_memory=opt_int(object_store_memory),
-            include_dashboard=bool(include_dashboard), block=bool(block),
+            _spec(raw_spec),
+            str(role),
+            str(node_ip_),
+            head_ip=None if head_ip in (None, "") else str(head_ip),
+            ray_version=None if ray_version in (None, "") else str(ray_version),
+            num_cpus=opt_int(num_cpus),
+            num_gpus=opt_int(num_gpus),
+            object_store_memory=opt_int(object_store_memory),
+            include_dashboard=bool(include_dashboard),
+            block=bool(block),
         )
     except KitError as err:
         raise AnsibleFilterError("ray start arguments: %s" % err) from None
@@ -224,8 +254,7 @@ def nftables(raw_spec, node_ip_, members, role, table="alpa_kit"):
     """The nft script for this node (alpa_job.cluster.firewall.render_nftables)."""
     _, _, firewall, _, KitError = _kit()
     try:
-        return firewall.render_nftables(_spec(raw_spec), str(node_ip_), [str(m) for m in members], str(role),
-                                        table=str(table))
+        return firewall.render_nftables(_spec(raw_spec), str(node_ip_), [str(m) for m in members], str(role), table=str(table))
     except KitError as err:
         raise AnsibleFilterError("firewall: %s" % err) from None
 

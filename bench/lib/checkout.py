@@ -7,6 +7,7 @@ scripts/ folder, the test bed's package (scripts/kit_testbed). Python puts only 
 A GPU machine gets a copy of alpa_job/, bench/, examples/ and pyproject.toml only: no scripts/ there,
 and the gpu_* scripts need none.
 """
+
 import sys
 from pathlib import Path
 

@@ -11,6 +11,7 @@ them; the scripts run on this machine also append their table to bench/RESULTS.m
 
 Each script keeps its own file names and JSON fields: RESULTS.md and other files cite them.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -95,9 +96,11 @@ def record(name: str, results: Dict[str, object], table: str, title: str) -> str
     stamp = utc_stamp()
     payload = _run_payload(name, results, stamp)
     path = write_json(name, payload, stamp=stamp)
-    append_to_results_md(f"\n## {title} ({stamp})\n\nCommand: `{payload['command']}`  \n"
-                         f"Machine: {json.dumps(payload['machine'])}  \n"
-                         f"Raw: `bench/results/{os.path.basename(path)}`\n\n```\n{table}\n```\n")
+    append_to_results_md(
+        f"\n## {title} ({stamp})\n\nCommand: `{payload['command']}`  \n"
+        f"Machine: {json.dumps(payload['machine'])}  \n"
+        f"Raw: `bench/results/{os.path.basename(path)}`\n\n```\n{table}\n```\n"
+    )
     return path
 
 
@@ -106,6 +109,5 @@ def save_result(name: str, out: str, result: dict) -> str:
     returns the path."""
     import jax  # the GPU scripts' own dependency: the other scripts never load it
 
-    payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **result,
-               "command": command("python3")}
+    payload = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **result, "command": command("python3")}
     return write_json(name, payload, out)

@@ -1,4 +1,5 @@
 """The plain-text table the bench scripts print and record (bench/RESULTS.md)."""
+
 from __future__ import annotations
 
 from typing import List, Sequence

@@ -5,6 +5,7 @@ hosts and reading what they did: the Ansible tests and bench/ansible_site.py sha
 ``SiteAnsible(site_bed)``: inventories from ansible/inventory/example.yml for a ``site_bed.SiteBed``, runs
 from the site's controller.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,7 @@ def played(summary: dict) -> str:
 
 
 def failure_lines(summary: dict) -> str:
-    return "\n".join("%s: %s%s" % (f["host"], "UNREACHABLE: " if f.get("unreachable") else "", f["message"])
-                     for f in summary["failures"])
+    return "\n".join("%s: %s%s" % (f["host"], "UNREACHABLE: " if f.get("unreachable") else "", f["message"]) for f in summary["failures"])
 
 
 class Ansible:
@@ -58,8 +58,7 @@ class Ansible:
         vars_ = {
             "ansible_user": "root",
             "ansible_ssh_private_key_file": str(self.sb.key),
-            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
-                                       "-o ConnectTimeout=3",
+            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=3",
             "ansible_python_interpreter": str(VENV_PYTHON),
             "ray_runtime": "process",
             "ray_cluster_python": str(VENV_PYTHON),
@@ -88,14 +87,32 @@ class Ansible:
         """(the CLI's CompletedProcess, its summary.json as a dict)."""
         self.runs += 1
         run_dir = self.work / ("run-%d-%s" % (self.runs, playbook.split(".")[0]))
-        p = self.bed.exec("head", str(VENV_PYTHON), "-m", "alpa_job", "cluster", ACTIONS[playbook], "-i",
-                          str(inventory), "--run-dir", str(run_dir), "--timeout", str(int(timeout) - 10), *extra,
-                          cwd=str(REPO), timeout=timeout, check=False,
-                          # own ControlPersist sockets: the default ~/.ansible/cp names a socket by
-                          # host+port+user only, so another test bed's 10.77.0.2 would answer ours
-                          env={"ANSIBLE_HOME": str(self.work / "home"), "ANSIBLE_FORCE_COLOR": "0",
-                               "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "home" / "cp"),
-                               "ANSIBLE_NOCOLOR": "1"})
+        p = self.bed.exec(
+            "head",
+            str(VENV_PYTHON),
+            "-m",
+            "alpa_job",
+            "cluster",
+            ACTIONS[playbook],
+            "-i",
+            str(inventory),
+            "--run-dir",
+            str(run_dir),
+            "--timeout",
+            str(int(timeout) - 10),
+            *extra,
+            cwd=str(REPO),
+            timeout=timeout,
+            check=False,
+            # own ControlPersist sockets: the default ~/.ansible/cp names a socket by
+            # host+port+user only, so another test bed's 10.77.0.2 would answer ours
+            env={
+                "ANSIBLE_HOME": str(self.work / "home"),
+                "ANSIBLE_FORCE_COLOR": "0",
+                "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "home" / "cp"),
+                "ANSIBLE_NOCOLOR": "1",
+            },
+        )
         summary_file = run_dir / "summary.json"
         assert summary_file.exists(), (p.stdout + p.stderr)[-4000:]
         return p, json.loads(summary_file.read_text())
@@ -147,30 +164,37 @@ class SiteAnsible:
         group = example["ray_cluster"]
         vars_ = dict(group["vars"])
         assert vars_["ray_runtime"] == "docker" and vars_["ray_stack"] == "jax"  # the defaults under test
-        vars_.update({
-            "alpa_kit_registry": self.site.registry,   # the site's registry (the example's placeholder)
-            "alpa_kit_cluster_cidr": self.site.cluster_cidr,
-            # test bed only:
-            "alpa_kit_registry_insecure": True,         # plain HTTP on the admin network
-            "ray_gpus": False,                          # CPU nodes: images.jax_cpu, no device_requests
-            "ansible_ssh_private_key_file": str(self.site.ssh.key),
-            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
-                                       "-o ConnectTimeout=5",
-            "ansible_python_interpreter": str(VENV_PYTHON),  # community.docker needs `requests` on the node
-            "ray_cluster_shm_size": "1g",
-            "ray_cluster_nofile": 20000, "ray_cluster_memlock": "",  # the sandbox's hard limits
-            "ray_cluster_num_cpus": 2,
-            "ray_cluster_object_store_memory": 200_000_000,
-            "ray_cluster_auth_token_file": str(self.token_file),
-        })
+        vars_.update(
+            {
+                "alpa_kit_registry": self.site.registry,  # the site's registry (the example's placeholder)
+                "alpa_kit_cluster_cidr": self.site.cluster_cidr,
+                # test bed only:
+                "alpa_kit_registry_insecure": True,  # plain HTTP on the admin network
+                "ray_gpus": False,  # CPU nodes: images.jax_cpu, no device_requests
+                "ansible_ssh_private_key_file": str(self.site.ssh.key),
+                "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=5",
+                "ansible_python_interpreter": str(VENV_PYTHON),  # community.docker needs `requests` on the node
+                "ray_cluster_shm_size": "1g",
+                "ray_cluster_nofile": 20000,
+                "ray_cluster_memlock": "",  # the sandbox's hard limits
+                "ray_cluster_num_cpus": 2,
+                "ray_cluster_object_store_memory": 200_000_000,
+                "ray_cluster_auth_token_file": str(self.token_file),
+            }
+        )
         vars_.update(overrides or {})
         nodes = list(self.site.nodes.items())
         head_names = heads or [nodes[0][0]]
         hv = {n: self.host_vars(n, ip) for n, ip in nodes}
-        inv = {"ray_cluster": {"children": {
-            "ray_head": {"hosts": {n: hv[n] for n in head_names}},
-            "ray_workers": {"hosts": {n: hv[n] for n in hv if n not in head_names}},
-        }, "vars": vars_}}
+        inv = {
+            "ray_cluster": {
+                "children": {
+                    "ray_head": {"hosts": {n: hv[n] for n in head_names}},
+                    "ray_workers": {"hosts": {n: hv[n] for n in hv if n not in head_names}},
+                },
+                "vars": vars_,
+            }
+        }
         d = self.work / name
         d.mkdir(exist_ok=True)
         path = d / "hosts.yml"
@@ -186,33 +210,51 @@ class SiteAnsible:
         home = self.work / ("home-%d" % self.runs if fresh_ssh else "home")
         # Our own ControlPersist sockets: Ansible's default dir is ~/.ansible/cp whatever ANSIBLE_HOME says,
         # and a socket is named by host+port+user only, so another test bed's 10.77.0.2 would answer ours.
-        env = {"ANSIBLE_HOME": str(home), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(home / "cp"),
-               "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
+        env = {
+            "ANSIBLE_HOME": str(home),
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(home / "cp"),
+            "ANSIBLE_FORCE_COLOR": "0",
+            "ANSIBLE_NOCOLOR": "1",
+        }
         run_dir = self.work / ("run-%d-%s" % (self.runs, Path(playbook).stem))
         limit = str(int(timeout) - 10)  # the play stops (and summary.json is written) before exec's timeout
         if playbook in ACTIONS:
-            cmd = ["-m", "alpa_job", "cluster", ACTIONS[playbook], "-i", str(inventory), "--run-dir", str(run_dir),
-                   "--timeout", limit, *extra]
+            cmd = [
+                "-m",
+                "alpa_job",
+                "cluster",
+                ACTIONS[playbook],
+                "-i",
+                str(inventory),
+                "--run-dir",
+                str(run_dir),
+                "--timeout",
+                limit,
+                *extra,
+            ]
         else:
             assert not extra, extra
-            cmd = ["-c", "import sys; from alpa_job.cluster.control.playbook import run_playbook; "
-                         "s = run_playbook(sys.argv[1], sys.argv[2], run_dir=sys.argv[3], "
-                         "timeout_s=float(sys.argv[4])); sys.exit(0 if s.ok else 3)",
-                   playbook, str(inventory), str(run_dir), limit]
-        p = self.bed.exec(self.site.controller, str(VENV_PYTHON), *cmd, cwd=str(REPO), timeout=timeout, check=False,
-                          env=env)
+            cmd = [
+                "-c",
+                "import sys; from alpa_job.cluster.control.playbook import run_playbook; "
+                "s = run_playbook(sys.argv[1], sys.argv[2], run_dir=sys.argv[3], "
+                "timeout_s=float(sys.argv[4])); sys.exit(0 if s.ok else 3)",
+                playbook,
+                str(inventory),
+                str(run_dir),
+                limit,
+            ]
+        p = self.bed.exec(self.site.controller, str(VENV_PYTHON), *cmd, cwd=str(REPO), timeout=timeout, check=False, env=env)
         summary_file = run_dir / "summary.json"
         assert summary_file.exists(), (p.stdout + p.stderr)[-4000:]
         return p, json.loads(summary_file.read_text())
 
     # ---- what is on the nodes ---------------------------------------------------------------------
     def containers(self) -> dict:
-        return {n: self.site.docker(n, "ps", "-a", "--format", "{{.Names}} {{.ID}} {{.State}}").stdout.strip()
-                for n in self.site.nodes}
+        return {n: self.site.docker(n, "ps", "-a", "--format", "{{.Names}} {{.ID}} {{.State}}").stdout.strip() for n in self.site.nodes}
 
     def images(self) -> dict:
-        return {n: sorted(self.site.docker(n, "images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split())
-                for n in self.site.nodes}
+        return {n: sorted(self.site.docker(n, "images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()) for n in self.site.nodes}
 
     def tables(self) -> dict:
         return {n: self.bed.exec(n, "nft", "list", "tables").stdout for n in self.site.nodes}
@@ -222,5 +264,7 @@ class SiteAnsible:
         return p.stdout if p.returncode == 0 else ""
 
     def files(self) -> dict:
-        return {n: sorted(str(p.relative_to(self.etc(n))) for p in self.etc(n).rglob("*")) if self.etc(n).exists()
-                else [] for n in self.site.nodes}
+        return {
+            n: sorted(str(p.relative_to(self.etc(n))) for p in self.etc(n).rglob("*")) if self.etc(n).exists() else []
+            for n in self.site.nodes
+        }

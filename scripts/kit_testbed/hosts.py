@@ -40,6 +40,7 @@ What runs on top of the hosts (Ray: ray_layer; a site's daemons: site_layer) reg
 with this module when imported: this core brings nothing up by itself, and shows and stops a layer
 only through its hooks, so it never imports the modules built on it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,7 +67,7 @@ MGMT_SUBNET = "192.168.77.0/24"
 MGMT_GATEWAY = "192.168.77.254"  # nobody owns it: a default route that leads nowhere
 # The site's admin network (controller, registry): outside the cluster CIDR and the mgmt subnet.
 ADMIN_SUBNET = "10.78.0.0/24"
-ADMIN_ROUTER_IP = "10.78.0.1"     # the router's leg on the admin network
+ADMIN_ROUTER_IP = "10.78.0.1"  # the router's leg on the admin network
 CONTROLLER_IP = "10.78.0.2"
 CONTROLLER_NAME = "ctl"
 DEFAULT_SHM = "2g"
@@ -104,8 +105,7 @@ def host_names(n: int) -> List[str]:
 
 
 def _run(argv: Sequence[str], check: bool = True, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                       timeout=timeout, **kw)
+    p = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, **kw)
     if check and p.returncode != 0:
         raise TestbedError(f"`{shlex.join(argv)}` failed (rc={p.returncode}): {p.stderr.strip()}")
     return p
@@ -247,7 +247,8 @@ class Layer:
 
     The CLI (``scripts/testbed up``) uses the first five; this module uses the last three.
     """
-    name: str   # also its key in ``up``'s JSON and in the bed's state
+
+    name: str  # also its key in ``up``'s JSON and in the bed's state
     order: int
     # its flags of `up` (an argument group)
     add_arguments: Optional[Callable[["argparse.ArgumentParser"], None]] = None
@@ -288,7 +289,7 @@ class Host:
     ip: str
     netns: str
     mgmt_ip: Optional[str] = None
-    pid: Optional[int] = None          # tini, PID 1 of the host (as seen from outside)
+    pid: Optional[int] = None  # tini, PID 1 of the host (as seen from outside)
     launcher_pid: Optional[int] = None  # the `unshare` that forked tini
 
     def to_json(self) -> dict:
@@ -298,9 +299,19 @@ class Host:
 class Testbed:
     """A running test bed (from ``Testbed.up`` or ``Testbed.load``)."""
 
-    def __init__(self, state_dir: Path, prefix: str, subnet: str, hosts: List[Host], shm_size: str,
-                 ephemeral: Optional[Sequence[int]] = None, ray: Optional[dict] = None,
-                 controller: Optional[Host] = None, cgroups: bool = False, site: Optional[dict] = None):
+    def __init__(
+        self,
+        state_dir: Path,
+        prefix: str,
+        subnet: str,
+        hosts: List[Host],
+        shm_size: str,
+        ephemeral: Optional[Sequence[int]] = None,
+        ray: Optional[dict] = None,
+        controller: Optional[Host] = None,
+        cgroups: bool = False,
+        site: Optional[dict] = None,
+    ):
         self.state_dir = Path(state_dir)
         self.prefix = prefix
         self.subnet = subnet
@@ -311,7 +322,7 @@ class Testbed:
         # What ray_layer.start_ray started (address, auth token path, ...); None = no Ray.
         self.ray: Optional[dict] = ray
         self.controller = controller  # the site's controller host (admin subnet); not a cluster node
-        self.cgroups = cgroups        # cgroup hierarchies re-mounted in every node host (dockerd)
+        self.cgroups = cgroups  # cgroup hierarchies re-mounted in every node host (dockerd)
         # What site_layer.start_site started (dockerd per node, registry, pushed image).
         self.site: Optional[dict] = site
 
@@ -375,9 +386,12 @@ class Testbed:
             hosts.append(d)
         out = {"hosts": hosts, "head_address": self.head_address, "state_dir": str(self.state_dir)}
         if self.controller:
-            out["controller"] = {"name": self.controller.name, "ip": self.controller.ip,
-                                 "admin_subnet": ADMIN_SUBNET, "router": {"cluster_ip": self.router_ip,
-                                                                          "admin_ip": ADMIN_ROUTER_IP}}
+            out["controller"] = {
+                "name": self.controller.name,
+                "ip": self.controller.ip,
+                "admin_subnet": ADMIN_SUBNET,
+                "router": {"cluster_ip": self.router_ip, "admin_ip": ADMIN_ROUTER_IP},
+            }
         for layer in layers():
             shown = layer.summary(self) if layer.summary else None
             if shown is not None:
@@ -411,12 +425,21 @@ class Testbed:
             raise TestbedError(f"no test bed state in {sd} (is it up? `scripts/testbed up --hosts N`)") from None
         hosts = [Host(**h) for h in d["hosts"]]
         ctl = Host(**d["controller"]) if d.get("controller") else None
-        return cls(sd, d["prefix"], d["subnet"], hosts, d["shm_size"], d.get("ephemeral"), ray=d.get("ray"),
-                   controller=ctl, cgroups=bool(d.get("cgroups")), site=d.get("site"))
+        return cls(
+            sd,
+            d["prefix"],
+            d["subnet"],
+            hosts,
+            d["shm_size"],
+            d.get("ephemeral"),
+            ray=d.get("ray"),
+            controller=ctl,
+            cgroups=bool(d.get("cgroups")),
+            site=d.get("site"),
+        )
 
     # ---- running commands in a host ----------------------------------------------------------
-    def exec_argv(self, host: str, cmd: Sequence[str], env: Optional[Dict[str, str]] = None,
-                  cwd: Optional[str] = None) -> List[str]:
+    def exec_argv(self, host: str, cmd: Sequence[str], env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> List[str]:
         """argv (run from outside) that runs ``cmd`` inside ``host`` with the caller's Python env."""
         h = self.host(host)
         if not pid_alive(h.pid):
@@ -428,26 +451,35 @@ class Testbed:
         if env:
             full_env.update(env)
         wd = cwd or os.getcwd()
-        return (["nsenter", "-t", str(h.pid), "-n", "-m", "-u", "-i", "-p", f"--wd={wd}", "--", "env", "-i"]
-                + [f"{k}={v}" for k, v in sorted(full_env.items())] + [str(c) for c in cmd])
+        return (
+            ["nsenter", "-t", str(h.pid), "-n", "-m", "-u", "-i", "-p", f"--wd={wd}", "--", "env", "-i"]
+            + [f"{k}={v}" for k, v in sorted(full_env.items())]
+            + [str(c) for c in cmd]
+        )
 
-    def exec(self, host: str, *cmd, timeout: float = 120, check: bool = True, env: Optional[Dict[str, str]] = None,
-             cwd: Optional[str] = None, input: Optional[str] = None, capture: bool = True) -> subprocess.CompletedProcess:
+    def exec(
+        self,
+        host: str,
+        *cmd,
+        timeout: float = 120,
+        check: bool = True,
+        env: Optional[Dict[str, str]] = None,
+        cwd: Optional[str] = None,
+        input: Optional[str] = None,
+        capture: bool = True,
+    ) -> subprocess.CompletedProcess:
         """Run ``cmd`` inside ``host``; text output captured. Raises CalledProcessError if check and rc != 0."""
         if len(cmd) == 1 and isinstance(cmd[0], (list, tuple)):
             cmd = tuple(cmd[0])
         argv = self.exec_argv(host, cmd, env=env, cwd=cwd)
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE) if capture else {}
-        p = subprocess.run(argv, text=True, timeout=timeout, input=input,
-                           stdin=None if input is not None else subprocess.DEVNULL, **kw)
+        p = subprocess.run(argv, text=True, timeout=timeout, input=input, stdin=None if input is not None else subprocess.DEVNULL, **kw)
         p.args = list(cmd)
         if check and p.returncode != 0:
-            raise subprocess.CalledProcessError(p.returncode, f"[{host}] {shlex.join(map(str, cmd))}",
-                                                p.stdout, p.stderr)
+            raise subprocess.CalledProcessError(p.returncode, f"[{host}] {shlex.join(map(str, cmd))}", p.stdout, p.stderr)
         return p
 
-    def popen(self, host: str, *cmd, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
-              **popen_kw) -> subprocess.Popen:
+    def popen(self, host: str, *cmd, env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None, **popen_kw) -> subprocess.Popen:
         """Start ``cmd`` inside ``host`` in the background (Popen kwargs pass through; stdin defaults to /dev/null)."""
         if len(cmd) == 1 and isinstance(cmd[0], (list, tuple)):
             cmd = tuple(cmd[0])
@@ -456,10 +488,20 @@ class Testbed:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @classmethod
-    def up(cls, n_hosts: int, subnet: str = DEFAULT_SUBNET, mgmt: Iterable[str] = (),
-           state_dir: Optional[os.PathLike] = None, prefix: str = DEFAULT_PREFIX, shm_size: str = DEFAULT_SHM,
-           ephemeral: Optional[Sequence[int]] = DEFAULT_EPHEMERAL, reuse: bool = False,
-           timeout: float = 20, site: bool = False, cgroups: bool = False) -> "Testbed":
+    def up(
+        cls,
+        n_hosts: int,
+        subnet: str = DEFAULT_SUBNET,
+        mgmt: Iterable[str] = (),
+        state_dir: Optional[os.PathLike] = None,
+        prefix: str = DEFAULT_PREFIX,
+        shm_size: str = DEFAULT_SHM,
+        ephemeral: Optional[Sequence[int]] = DEFAULT_EPHEMERAL,
+        reuse: bool = False,
+        timeout: float = 20,
+        site: bool = False,
+        cgroups: bool = False,
+    ) -> "Testbed":
         """Create ``n_hosts`` hosts (head, w1, w2, ...); with ``site`` also the controller ``ctl`` on the
         admin subnet and the router between the two networks; with ``cgroups`` the cgroup hierarchies
         re-mounted in every node host (needed by dockerd).
@@ -476,8 +518,9 @@ class Testbed:
         leftovers = _leftovers(prefix, sd)
         if leftovers:
             if not reuse:
-                raise TestbedError(f"test bed {prefix!r} already (partly) up: {', '.join(leftovers)}; "
-                                   f"run `scripts/testbed down` first (or `up --reuse`)")
+                raise TestbedError(
+                    f"test bed {prefix!r} already (partly) up: {', '.join(leftovers)}; run `scripts/testbed down` first (or `up --reuse`)"
+                )
             bed = cls._healthy_of_shape(sd, names, net, mgmt, site, cgroups)
             if bed is not None:
                 return bed
@@ -485,8 +528,10 @@ class Testbed:
 
         hosts_ips = list(net.hosts())
         mnet = list(ipaddress.ip_network(MGMT_SUBNET).hosts())
-        hosts = [Host(name=n, ip=str(hosts_ips[i]), netns=f"{prefix}-{n}",
-                      mgmt_ip=str(mnet[i]) if n in mgmt else None) for i, n in enumerate(names)]
+        hosts = [
+            Host(name=n, ip=str(hosts_ips[i]), netns=f"{prefix}-{n}", mgmt_ip=str(mnet[i]) if n in mgmt else None)
+            for i, n in enumerate(names)
+        ]
         ctl = Host(name=CONTROLLER_NAME, ip=CONTROLLER_IP, netns=f"{prefix}-{CONTROLLER_NAME}") if site else None
         bed = cls(sd, prefix, str(net), hosts, shm_size, ephemeral, controller=ctl, cgroups=bool(cgroups))
         try:
@@ -500,17 +545,20 @@ class Testbed:
         return bed
 
     @classmethod
-    def _healthy_of_shape(cls, sd: Path, names: List[str], net, mgmt: List[str], site: bool,
-                          cgroups: bool) -> Optional["Testbed"]:
+    def _healthy_of_shape(cls, sd: Path, names: List[str], net, mgmt: List[str], site: bool, cgroups: bool) -> Optional["Testbed"]:
         """The bed in ``sd`` if it is up and has this shape (``up --reuse`` keeps it), else None."""
         try:
             bed = cls.load(sd)
             st = bed.status()
         except TestbedError:
             return None
-        same = ([h.name for h in bed.hosts] == names and bed.subnet == str(net)
-                and sorted(h.name for h in bed.hosts if h.mgmt_ip) == sorted(mgmt)
-                and bool(bed.controller) == bool(site) and bed.cgroups == bool(cgroups))
+        same = (
+            [h.name for h in bed.hosts] == names
+            and bed.subnet == str(net)
+            and sorted(h.name for h in bed.hosts if h.mgmt_ip) == sorted(mgmt)
+            and bool(bed.controller) == bool(site)
+            and bed.cgroups == bool(cgroups)
+        )
         return bed if st["up"] and same else None
 
     def _create(self, timeout: float):
@@ -572,8 +620,10 @@ class Testbed:
         _run(["ip", "link", "add", br2, "type", "bridge"])
         _run(["ip", "link", "set", br2, "up"])
         _run(["ip", "netns", "add", rtr])
-        for veth, bridge, nic, addr in ((f"{p}-rtr", f"{p}-br0", "eth0", f"{self.router_ip}/{plen}"),
-                                        (f"{p}-rtra", br2, "eth1", f"{ADMIN_ROUTER_IP}/{aplen}")):
+        for veth, bridge, nic, addr in (
+            (f"{p}-rtr", f"{p}-br0", "eth0", f"{self.router_ip}/{plen}"),
+            (f"{p}-rtra", br2, "eth1", f"{ADMIN_ROUTER_IP}/{aplen}"),
+        ):
             _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", nic, "netns", rtr])
             _run(["ip", "link", "set", veth, "master", bridge, "up"])
             _run(["ip", "-n", rtr, "addr", "add", addr, "dev", nic])
@@ -593,24 +643,47 @@ class Testbed:
         hd = self.host_dir(h.name)
         (hd / "ray").mkdir(parents=True, exist_ok=True)
         q = shlex.quote
-        script = "\n".join([
-            "set -eu",
-            f"hostname {q(h.name)}",
-            "mkdir -p /tmp/ray",
-            f"mount --bind {q(str(hd / 'ray'))} /tmp/ray",
-            f"mount -t tmpfs -o size={q(self.shm_size)},mode=1777 tmpfs /dev/shm",
-            f"mount --bind {q(str(self.state_dir / 'hosts.txt'))} /etc/hosts",
-            *(cgroup_mount_lines() if cgroups else []),
-            "exec tini -s -- sleep infinity",
-        ])
+        script = "\n".join(
+            [
+                "set -eu",
+                f"hostname {q(h.name)}",
+                "mkdir -p /tmp/ray",
+                f"mount --bind {q(str(hd / 'ray'))} /tmp/ray",
+                f"mount -t tmpfs -o size={q(self.shm_size)},mode=1777 tmpfs /dev/shm",
+                f"mount --bind {q(str(self.state_dir / 'hosts.txt'))} /etc/hosts",
+                *(cgroup_mount_lines() if cgroups else []),
+                "exec tini -s -- sleep infinity",
+            ]
+        )
         log = open(hd / "init.log", "wb")
         try:
             # `ip netns exec` execs (no fork) into unshare, so Popen.pid is the unshare; its only
             # child is PID 1 of the host (bash, then tini). A new session: no SIGHUP from our tty.
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts", "--ipc", "--pid", "--fork",
-                 "--mount-proc", "--propagation", "private", "bash", "-c", script, f"{self.prefix}-init-{h.name}"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    h.netns,
+                    "unshare",
+                    "--mount",
+                    "--uts",
+                    "--ipc",
+                    "--pid",
+                    "--fork",
+                    "--mount-proc",
+                    "--propagation",
+                    "private",
+                    "bash",
+                    "-c",
+                    script,
+                    f"{self.prefix}-init-{h.name}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         finally:
             log.close()
         self._launchers[h.name] = proc
@@ -646,8 +719,7 @@ class Testbed:
         return [h.name for h in dead]
 
     def down(self, timeout: float = 20, graceful: bool = True):
-        return down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, graceful=graceful,
-                    _launchers=self._launchers)
+        return down(state_dir=self.state_dir, prefix=self.prefix, timeout=timeout, graceful=graceful, _launchers=self._launchers)
 
 
 def host_pids(host_pid: int) -> List[int]:
@@ -823,8 +895,13 @@ def list_prefixes(pattern: str = r"akt[a-z0-9]*") -> List[str]:
     return sorted({n.rsplit("-", 1)[0] for n in names if "-" in n and rx.fullmatch(n.rsplit("-", 1)[0])})
 
 
-def down(state_dir: Optional[os.PathLike] = None, prefix: Optional[str] = None, timeout: float = 20,
-         graceful: bool = True, _launchers: Optional[Dict[str, subprocess.Popen]] = None) -> List[str]:
+def down(
+    state_dir: Optional[os.PathLike] = None,
+    prefix: Optional[str] = None,
+    timeout: float = 20,
+    graceful: bool = True,
+    _launchers: Optional[Dict[str, subprocess.Popen]] = None,
+) -> List[str]:
     """Remove a test bed and its leftovers; idempotent. Returns what it removed (for logs).
 
     Order: every registered layer's ``stop`` hook, last brought up first (Ray's ``ray stop`` in every
@@ -859,8 +936,9 @@ def _find_bed(state_dir: Optional[os.PathLike], prefix: Optional[str]):
     return bed, prefix, sd or default_state_dir(prefix)
 
 
-def _kill_processes(bed: Optional[Testbed], prefix: str, netns: List[str], procs: List[subprocess.Popen],
-                    timeout: float, done: List[str]) -> None:
+def _kill_processes(
+    bed: Optional[Testbed], prefix: str, netns: List[str], procs: List[subprocess.Popen], timeout: float, done: List[str]
+) -> None:
     """SIGKILL every process of the bed and wait until all are gone (``done`` gets a line per PID)."""
     pids = set()
     tini = os.path.realpath(shutil.which("tini") or "/usr/bin/tini")
@@ -872,8 +950,9 @@ def _kill_processes(bed: Optional[Testbed], prefix: str, netns: List[str], procs
         ns_pids |= {int(x) for x in p.stdout.split() if x.isdigit()}
     init_tag = f"{prefix}-init-"
     launchers = set(_procs_matching(init_tag))  # each host's `unshare` (and a bash not yet exec'd to tini)
-    launchers |= {h.launcher_pid for h in (bed.all_hosts() if bed else []) if h.launcher_pid
-                  and init_tag.encode() in cmdline_of(h.launcher_pid)}
+    launchers |= {
+        h.launcher_pid for h in (bed.all_hosts() if bed else []) if h.launcher_pid and init_tag.encode() in cmdline_of(h.launcher_pid)
+    }
 
     # PID 1 first (its PID namespace dies with it), then anything else in the netns. The launchers
     # exit by themselves once their tini is gone (and reap it: no zombie tini); kill only stragglers.

@@ -25,6 +25,7 @@ What was started is recorded in the bed's state (``bed.ray``), so ``scripts/test
 it and ``down`` stops Ray cleanly (``stop_ray``: ``ray stop`` in every host at once, bounded) before
 it kills the hosts.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -73,8 +74,7 @@ def load_firewall(bed: "tb.Testbed", spec, timeout: float = 30) -> None:
         # net.* only: they are per network namespace, so the machine's own stay untouched.
         lines += [f"sysctl -q -w {shlex.quote(f'{k}={v}')}" for k, v in spec.sysctl().items() if k.startswith("net.")]
         scripts[h.name] = "\n".join(lines)
-    _parallel({name: (lambda n=name: bed.exec(n, "sh", "-c", scripts[n], timeout=timeout, check=False))
-               for name in scripts}, "firewall")
+    _parallel({name: (lambda n=name: bed.exec(n, "sh", "-c", scripts[n], timeout=timeout, check=False)) for name in scripts}, "firewall")
 
 
 def _parallel(jobs: Dict[str, "callable"], what: str) -> Dict[str, subprocess.CompletedProcess]:
@@ -89,7 +89,7 @@ def _parallel(jobs: Dict[str, "callable"], what: str) -> Dict[str, subprocess.Co
 
 
 def _tail(p: subprocess.CompletedProcess, n: int = 1500) -> str:
-    return ((p.stderr or "")[-n:] + (p.stdout or "")[-n // 3:]).strip()
+    return ((p.stderr or "")[-n:] + (p.stdout or "")[-n // 3 :]).strip()
 
 
 def _kill(proc: subprocess.Popen):
@@ -111,18 +111,32 @@ def auth_env(token_path: Optional[str]) -> Dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
 
 
-def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_memory: int = DEFAULT_OBJECT_STORE,
-              include_dashboard: bool = True, firewall: bool = True, auth: bool = False,
-              timeout: float = DEFAULT_TIMEOUT, max_parallel: Optional[int] = None,
-              ray_env: Optional[Dict[str, str]] = None) -> dict:
+def _where_ray_listens(bed: "tb.Testbed", spec, include_dashboard: bool) -> dict:
+    """The bed's Ray address (the head's GCS) and dashboard URL (None when it has none)."""
+    dashboard = "http://%s:%d" % (bed.head.ip, spec.ports["dashboard"]) if include_dashboard else None
+    return {"address": "%s:%d" % (bed.head.ip, spec.ports["gcs"]), "dashboard": dashboard}
+
+
+# The bring-up in the order it happens (firewall, record, head, workers, wait), each step a helper;
+# long: the rest is its signature and the record's fields, one a line as the formatter writes them.
+def start_ray(
+    bed: "tb.Testbed",
+    num_cpus: int = DEFAULT_NUM_CPUS,
+    object_store_memory: int = DEFAULT_OBJECT_STORE,
+    include_dashboard: bool = True,
+    firewall: bool = True,
+    auth: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_parallel: Optional[int] = None,
+    ray_env: Optional[Dict[str, str]] = None,
+) -> dict:
     """Firewall + Ray on every host of ``bed`` + wait until all nodes are alive. Returns ``bed.ray``:
     {"address", "dashboard", "spec_path", "nodes", "auth", "token_path", "seconds": {step: s}, ...}.
 
     Raises TestbedError naming the host and the log to read; the bed is left up (for its logs).
     """
     if bed.ray:
-        raise tb.TestbedError(f"Ray is already started on test bed {bed.prefix!r} ({bed.ray['address']}); "
-                              "`scripts/testbed down` first")
+        raise tb.TestbedError(f"Ray is already started on test bed {bed.prefix!r} ({bed.ray['address']}); `scripts/testbed down` first")
     t0 = time.monotonic()
     seconds: Dict[str, float] = {}
     spec, spec_path = spec_for(bed)
@@ -131,17 +145,30 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     seconds["firewall"] = time.monotonic() - t0
 
     token_path = _new_token(bed) if auth else None
-    info = {"address": "%s:%d" % (bed.head.ip, spec.ports["gcs"]), "spec_path": str(spec_path), "auth": bool(auth),
-            "token_path": token_path,
-            "dashboard": ("http://%s:%d" % (bed.head.ip, spec.ports["dashboard"])) if include_dashboard else None,
-            "num_cpus": num_cpus, "object_store_memory": object_store_memory, "firewall": bool(firewall),
-            "nodes": [], "seconds": seconds}
+    info = dict(
+        _where_ray_listens(bed, spec, include_dashboard),
+        spec_path=str(spec_path),
+        auth=bool(auth),
+        token_path=token_path,
+        num_cpus=num_cpus,
+        object_store_memory=object_store_memory,
+        firewall=bool(firewall),
+        nodes=[],
+        seconds=seconds,
+    )
     bed.ray = info  # recorded before starting anything: `down` stops what got started
     bed.save()
 
     # ray_env: Ray's own settings for every `ray start` (RAY_<system config name>), e.g. its health checks.
-    run = _RayStart(bed, spec, {**auth_env(token_path), **(ray_env or {})}, timeout, num_cpus=num_cpus,
-                    object_store_memory=object_store_memory, include_dashboard=include_dashboard)
+    run = _RayStart(
+        bed,
+        spec,
+        {**auth_env(token_path), **(ray_env or {})},
+        timeout,
+        num_cpus=num_cpus,
+        object_store_memory=object_store_memory,
+        include_dashboard=include_dashboard,
+    )
     mark = time.monotonic()
     head_proc = run.start_head()
     seconds["head_gcs"] = time.monotonic() - mark
@@ -161,8 +188,9 @@ def start_ray(bed: "tb.Testbed", num_cpus: int = DEFAULT_NUM_CPUS, object_store_
     return info
 
 
-def rejoin(bed: "tb.Testbed", names: Sequence[str], ray_env: Optional[Dict[str, str]] = None,
-           timeout: float = DEFAULT_TIMEOUT) -> List[str]:
+def rejoin(
+    bed: "tb.Testbed", names: Sequence[str], ray_env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT
+) -> List[str]:
     """``ray start`` again on the workers ``names`` of a bed whose Ray is up (hosts started anew after a test
     killed them: ``Testbed.revive``), with the options ``start_ray`` recorded; then until every node is alive.
     ``ray_env``: as given to ``start_ray``. Returns the alive node IPs."""
@@ -172,9 +200,15 @@ def rejoin(bed: "tb.Testbed", names: Sequence[str], ray_env: Optional[Dict[str, 
     if bed.head.name in names:
         raise tb.TestbedError("the head's Ray cannot rejoin: start Ray again on every host (start_ray)")
     spec, _ = spec_for(bed)
-    run = _RayStart(bed, spec, {**auth_env(info.get("token_path")), **(ray_env or {})}, timeout,
-                    num_cpus=info["num_cpus"], object_store_memory=info["object_store_memory"],
-                    include_dashboard=bool(info.get("dashboard")))
+    run = _RayStart(
+        bed,
+        spec,
+        {**auth_env(info.get("token_path")), **(ray_env or {})},
+        timeout,
+        num_cpus=info["num_cpus"],
+        object_store_memory=info["object_store_memory"],
+        include_dashboard=bool(info.get("dashboard")),
+    )
     started = {name: run.launch(bed.hosts.index(bed.host(name)), bed.host(name)) for name in names}
     for name, proc in started.items():
         run.finish(name, proc)  # a late `ray start` (its 30 s limit) leaves its raylet joining: waited for below
@@ -205,8 +239,9 @@ class _RayStart:
         # project venv's modern Ray, or 2.1.0 from a Python 3.9 one (the Alpa image's Ray), each with the
         # flags it knows (None: no Ray installed; ray_start_args then assumes the spec's modern Ray).
         ray_version = package_version("ray")
-        self.argv = lambda i, h: ray_start_args(spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip,
-                                                ray_version=ray_version, **start_options)
+        self.argv = lambda i, h: ray_start_args(
+            spec, "head" if i == 0 else "worker", h.ip, head_ip=bed.head.ip, ray_version=ray_version, **start_options
+        )
         self.logs = bed.state_dir / "ray-start"
         self.logs.mkdir(exist_ok=True)
         self.deadline = time.monotonic() + timeout
@@ -217,8 +252,7 @@ class _RayStart:
     def launch(self, i: int, h) -> subprocess.Popen:
         out = open(self.logs / f"{h.name}.log", "w")
         try:
-            return self.bed.popen(h.name, *self.argv(i, h), env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                  text=True)
+            return self.bed.popen(h.name, *self.argv(i, h), env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True)
         finally:
             out.close()
 
@@ -227,9 +261,10 @@ class _RayStart:
             return proc.wait(timeout=self.left(1.0))
         except subprocess.TimeoutExpired:
             _kill(proc)
-            raise tb.TestbedError(f"`ray start` on {name} did not return within {self.timeout:.0f}s; "
-                                  f"read {self.logs / (name + '.log')} and {self.bed.ray_dir(name)}/session_*/logs"
-                                  ) from None
+            raise tb.TestbedError(
+                f"`ray start` on {name} did not return within {self.timeout:.0f}s; "
+                f"read {self.logs / (name + '.log')} and {self.bed.ray_dir(name)}/session_*/logs"
+            ) from None
 
     def failed(self, name: str) -> str:
         text = (self.logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
@@ -241,8 +276,11 @@ class _RayStart:
         gcs_port = self.spec.ports["gcs"]
         # Workers need only the GCS (they retry its KV reads); the head's `ray start` goes on to start
         # its raylet, dashboard and monitor meanwhile.
-        tb.wait_for(lambda: tb.listening(self.bed.head.pid, gcs_port) or head_proc.poll() is not None,
-                 self.left(1.0), f"the head's GCS port {gcs_port}")
+        tb.wait_for(
+            lambda: tb.listening(self.bed.head.pid, gcs_port) or head_proc.poll() is not None,
+            self.left(1.0),
+            f"the head's GCS port {gcs_port}",
+        )
         return head_proc
 
     def start_workers(self, head_proc: subprocess.Popen, parallel: int, seconds: Dict[str, float], mark: float):
@@ -269,16 +307,19 @@ class _RayStart:
             if time.monotonic() > self.deadline:
                 for proc in list(running.values()) + [head_proc]:
                     _kill(proc)
-                raise tb.TestbedError(f"`ray start` did not return within {self.timeout:.0f}s on "
-                                      f"{', '.join(sorted(running)) or 'head'}; read {self.logs}/<host>.log and "
-                                      f"{self.bed.state_dir}/hosts/<host>/ray/session_*/logs")
+                raise tb.TestbedError(
+                    f"`ray start` did not return within {self.timeout:.0f}s on "
+                    f"{', '.join(sorted(running)) or 'head'}; read {self.logs}/<host>.log and "
+                    f"{self.bed.state_dir}/hosts/<host>/ray/session_*/logs"
+                )
             time.sleep(0.05)
         return waiter, rcs
 
     def _wait_after_head(self, head_proc: subprocess.Popen) -> subprocess.Popen:
         if head_proc.returncode != 0:
-            raise tb.TestbedError(f"`ray start --head` failed on head (rc={head_proc.returncode}): "
-                                  f"{self.failed('head')}; read {self.logs / 'head.log'}")
+            raise tb.TestbedError(
+                f"`ray start --head` failed on head (rc={head_proc.returncode}): {self.failed('head')}; read {self.logs / 'head.log'}"
+            )
         # The wait (a Python start-up + ray.init) overlaps the workers' start-up: the head's raylet is
         # up now, which is all a driver on the head needs.
         return start_wait_nodes(self.bed, len(self.bed.hosts), self.left(5.0))
@@ -297,21 +338,37 @@ class _RayStart:
         alive = set(alive_now(bed))
         retry = [name for name in late if bed.host(name).ip not in alive]
         info["worker_retries"] = retry
-        _parallel({r: (lambda r=r: bed.exec(r, "ray", "stop", "--force", timeout=60, check=False, env=self.env))
-                   for r in retry}, "ray stop before the retry")
+        _parallel(
+            {r: (lambda r=r: bed.exec(r, "ray", "stop", "--force", timeout=60, check=False, env=self.env)) for r in retry},
+            "ray stop before the retry",
+        )
         again = {r: self.launch(bed.hosts.index(bed.host(r)), bed.host(r)) for r in retry}
         for name, proc in again.items():
             if self.finish(name, proc) != 0:
-                raise tb.TestbedError(f"`ray start` failed twice on {name}: {self.failed(name)}; read "
-                                      f"{self.logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs")
+                raise tb.TestbedError(
+                    f"`ray start` failed twice on {name}: {self.failed(name)}; read "
+                    f"{self.logs / (name + '.log')} and {bed.ray_dir(name)}/session_*/logs"
+                )
         return start_wait_nodes(bed, len(bed.hosts), self.left(5.0))
 
 
 def start_wait_nodes(bed: "tb.Testbed", count: int, timeout: float) -> subprocess.Popen:
     """``python -m alpa_job.cluster.wait_nodes`` inside the head, in the background."""
-    proc = bed.popen("head", "python", "-m", "alpa_job.cluster.wait_nodes", "--count", str(count), "--timeout",
-                     "%.0f" % timeout, "--address", bed.ray["address"], stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True)
+    proc = bed.popen(
+        "head",
+        "python",
+        "-m",
+        "alpa_job.cluster.wait_nodes",
+        "--count",
+        str(count),
+        "--timeout",
+        "%.0f" % timeout,
+        "--address",
+        bed.ray["address"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.timeout = timeout + 60
     return proc
 
@@ -328,9 +385,11 @@ def finish_wait_nodes(bed: "tb.Testbed", proc: subprocess.Popen, count: int) -> 
             alive = json.loads(line).get("alive", [])
     if proc.returncode != 0 or len(alive) < count:
         missing = sorted(set(bed.ips.values()) - set(alive))
-        raise tb.TestbedError(f"only {len(alive)} of {count} Ray nodes alive (missing {missing}): "
-                              f"{(err or '').strip().splitlines()[-1:] or proc.returncode}; read "
-                              f"{bed.state_dir}/hosts/<host>/ray/session_latest/logs/raylet.out")
+        raise tb.TestbedError(
+            f"only {len(alive)} of {count} Ray nodes alive (missing {missing}): "
+            f"{(err or '').strip().splitlines()[-1:] or proc.returncode}; read "
+            f"{bed.state_dir}/hosts/<host>/ray/session_latest/logs/raylet.out"
+        )
     return sorted(alive)
 
 
@@ -377,18 +436,34 @@ def token_of(bed: "tb.Testbed") -> Optional[str]:
     return Path(path).read_text().strip() if path and os.path.exists(path) else None
 
 
-def doctor(bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_timeout: Optional[float] = None,
-           extra: Sequence[str] = ()) -> dict:
+def doctor(
+    bed: "tb.Testbed", deadline: float = 60, timeout: float = 120, node_timeout: Optional[float] = None, extra: Sequence[str] = ()
+) -> dict:
     """``python -m alpa_job doctor --format json`` inside the head against the bed's Ray; the parsed
     report ({"ok": bool, "checks": [...]}) plus "rc"; {"ok": False, "error": ...} when it printed no JSON.
     ``node_timeout``: doctor's per-node probe limit (its default, 10 s, is short for a first task on a
     loaded 2-core machine: a Python worker must start on every node)."""
     if not bed.ray:
         raise tb.TestbedError(f"no Ray on test bed {bed.prefix!r}: `scripts/testbed up --hosts N --ray` first")
-    p = bed.exec("head", "python", "-m", "alpa_job", "doctor", "--address", bed.ray["address"], "--cluster-spec",
-                 bed.ray["spec_path"], "--format", "json", "--deadline", "%.0f" % deadline,
-                 *(["--node-timeout", "%.0f" % node_timeout] if node_timeout else []), *extra, timeout=timeout,
-                 check=False)
+    p = bed.exec(
+        "head",
+        "python",
+        "-m",
+        "alpa_job",
+        "doctor",
+        "--address",
+        bed.ray["address"],
+        "--cluster-spec",
+        bed.ray["spec_path"],
+        "--format",
+        "json",
+        "--deadline",
+        "%.0f" % deadline,
+        *(["--node-timeout", "%.0f" % node_timeout] if node_timeout else []),
+        *extra,
+        timeout=timeout,
+        check=False,
+    )
     try:
         report = json.loads(p.stdout)
     except ValueError:
@@ -404,8 +479,12 @@ def add_arguments(up) -> None:
     ray.add_argument("--auth", action="store_true", help="Ray token auth on (token generated, printed)")
     ray.add_argument("--doctor", action="store_true", help="then run `alpa_job doctor` in the head; exit 3 if red")
     ray.add_argument("--num-cpus", type=int, default=DEFAULT_NUM_CPUS, help="per node")
-    ray.add_argument("--object-store-memory", type=int, default=DEFAULT_OBJECT_STORE,
-                     help="bytes per node (each node would otherwise claim the machine's whole RAM)")
+    ray.add_argument(
+        "--object-store-memory",
+        type=int,
+        default=DEFAULT_OBJECT_STORE,
+        help="bytes per node (each node would otherwise claim the machine's whole RAM)",
+    )
     ray.add_argument("--no-dashboard", action="store_true", help="head without dashboard (no `ray job submit`)")
     ray.add_argument("--no-firewall", action="store_true", help="do not load the spec's nftables rules")
     ray.add_argument("--ray-timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for ray start + join")
@@ -419,9 +498,15 @@ def check_arguments(args, usage_error) -> None:
 
 def start_from_arguments(bed: "tb.Testbed", args) -> None:
     if args.ray and not bed.ray:  # (a reused bed keeps the Ray it has)
-        start_ray(bed, num_cpus=args.num_cpus, object_store_memory=args.object_store_memory,
-                  include_dashboard=not args.no_dashboard, firewall=not args.no_firewall, auth=args.auth,
-                  timeout=args.ray_timeout)
+        start_ray(
+            bed,
+            num_cpus=args.num_cpus,
+            object_store_memory=args.object_store_memory,
+            include_dashboard=not args.no_dashboard,
+            firewall=not args.no_firewall,
+            auth=args.auth,
+            timeout=args.ray_timeout,
+        )
 
 
 def report_doctor(bed: "tb.Testbed", args, out: dict) -> int:
@@ -429,8 +514,11 @@ def report_doctor(bed: "tb.Testbed", args, out: dict) -> int:
     if not args.doctor:
         return 0
     report = doctor(bed)
-    out["doctor"] = {"ok": bool(report.get("ok")), "rc": report["rc"],
-                     "failed": [c for c in report.get("checks", []) if not c.get("ok")][:5]}
+    out["doctor"] = {
+        "ok": bool(report.get("ok")),
+        "rc": report["rc"],
+        "failed": [c for c in report.get("checks", []) if not c.get("ok")][:5],
+    }
     if report.get("error"):
         out["doctor"]["error"] = report["error"]
     return 0 if report.get("ok") else 3
@@ -459,6 +547,16 @@ def stop_layer(bed: Optional["tb.Testbed"], prefix: str, graceful: bool) -> List
 
 
 # After the site's daemons (they need no Ray), so Ray stops first on the way down.
-LAYER = tb.register_layer(tb.Layer(
-    name="ray", order=20, add_arguments=add_arguments, check_arguments=check_arguments,
-    start=start_from_arguments, report=report_doctor, summary=summary, exec_env=exec_env, stop=stop_layer))
+LAYER = tb.register_layer(
+    tb.Layer(
+        name="ray",
+        order=20,
+        add_arguments=add_arguments,
+        check_arguments=check_arguments,
+        start=start_from_arguments,
+        report=report_doctor,
+        summary=summary,
+        exec_env=exec_env,
+        stop=stop_layer,
+    )
+)

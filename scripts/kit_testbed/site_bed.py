@@ -1,6 +1,7 @@
 """A started site seen as one object: the bed's nodes and controller, the daemons ``site_layer.start_site``
 started on them, and sshd from ``sshd.SshBed``, as the ``site_bed`` fixture and bench/ansible_site.py
 hand them to the Ansible runs (``ansible_runs.SiteAnsible``)."""
+
 from __future__ import annotations
 
 import subprocess

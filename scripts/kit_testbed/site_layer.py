@@ -24,6 +24,7 @@ Everything is recorded in ``bed.site`` (state.json), so ``scripts/testbed down``
 (``stop_site``: containers removed, dockerds and the registry SIGTERMed by PID, exec-roots removed)
 before it kills the hosts.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -81,12 +82,10 @@ def image_env() -> Dict[str, str]:
     IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
     storage = IMAGE_CACHE / "storage.conf"
     if not storage.exists():
-        storage.write_text('[storage]\ndriver = "overlay"\ngraphroot = "%s/storage"\nrunroot = "%s/run"\n'
-                           % (IMAGE_CACHE, IMAGE_CACHE))
+        storage.write_text('[storage]\ndriver = "overlay"\ngraphroot = "%s/storage"\nrunroot = "%s/run"\n' % (IMAGE_CACHE, IMAGE_CACHE))
     conf = IMAGE_CACHE / "containers.conf"
     if not conf.exists():
-        conf.write_text('[containers]\nnetns = "host"\n[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\n'
-                        'events_logger = "file"\n')
+        conf.write_text('[containers]\nnetns = "host"\n[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n')
     env = {"CONTAINERS_STORAGE_CONF": str(storage), "CONTAINERS_CONF": str(conf)}
     if os.path.exists("/etc/ssl/certs/ca-certificates.crt"):
         env["PIP_CERT"] = os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt")
@@ -115,8 +114,13 @@ def _local_ref(tag: str) -> str:
 
 
 def _have_image(ref: str, env: Dict[str, str]) -> bool:
-    p = subprocess.run(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref],
-                       capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    p = subprocess.run(
+        ["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
     return p.returncode == 0
 
 
@@ -124,8 +128,12 @@ def kit_source_hash() -> str:
     """What the CPU image bakes in: the kit's package, the Dockerfiles and locks, the project file."""
     digest = hashlib.sha256()
     root = tb.REPO_ROOT
-    files = [f for pattern in ("alpa_job/**/*.py", "alpa_job/**/*.yaml", "alpa_job/**/*.json", "docker/**/*")
-             for f in root.glob(pattern) if f.is_file() and "__pycache__" not in f.parts]
+    files = [
+        f
+        for pattern in ("alpa_job/**/*.py", "alpa_job/**/*.yaml", "alpa_job/**/*.json", "docker/**/*")
+        for f in root.glob(pattern)
+        if f.is_file() and "__pycache__" not in f.parts
+    ]
     for f in sorted(set(files)) + [root / "pyproject.toml"]:
         digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:16]
@@ -163,8 +171,7 @@ def _ensure_cpu_image(log) -> str:
             shutil.rmtree(rootfs, ignore_errors=True)
         _check(["podman", "import", str(tarball), BASE_IMAGE], 300, full)
     log(f"scripts/build-images --cpu -> {tag} (minutes)")
-    _check([str(tb.REPO_ROOT / "scripts" / "build-images"), "--cpu", "--base", BASE_IMAGE, "--tool", "buildah"],
-           1800, full)
+    _check([str(tb.REPO_ROOT / "scripts" / "build-images"), "--cpu", "--base", BASE_IMAGE, "--tool", "buildah"], 1800, full)
     stamp.write_text(wanted + "\n")
     return ref
 
@@ -183,8 +190,7 @@ def _outer_child(launcher: subprocess.Popen, exe: str, what: str, log: Path, tim
 
     def found():
         if launcher.poll() is not None:
-            raise SiteError(f"{what} exited at once (rc={launcher.returncode}): "
-                            f"{_last_lines(log)}; read {log}")
+            raise SiteError(f"{what} exited at once (rc={launcher.returncode}): {_last_lines(log)}; read {log}")
         for c in tb.children_of(launcher.pid):
             if os.path.realpath(tb.exe_of(c)) == real:
                 return c
@@ -212,32 +218,44 @@ def start_registry(bed: "tb.Testbed", data: Optional[os.PathLike] = None, timeou
     root.mkdir(parents=True, exist_ok=True)
     addr = f"{ctl.ip}:{REGISTRY_PORT}"
     conf = root / "config.yml"
-    conf.write_text("\n".join([
-        "version: 0.1",
-        "log: {level: info, fields: {service: registry}}",
-        "storage:",
-        f"  filesystem: {{rootdirectory: '{data}'}}",
-        "  delete: {enabled: true}",
-        f"http: {{addr: '{addr}'}}",
-        "",
-    ]))
+    conf.write_text(
+        "\n".join(
+            [
+                "version: 0.1",
+                "log: {level: info, fields: {service: registry}}",
+                "storage:",
+                f"  filesystem: {{rootdirectory: '{data}'}}",
+                "  delete: {enabled: true}",
+                f"http: {{addr: '{addr}'}}",
+                "",
+            ]
+        )
+    )
     log = root / "registry.log"
     with open(log, "ab") as out:
-        launcher = bed.popen(ctl.name, REGISTRY, "serve", str(conf), stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        launcher = bed.popen(ctl.name, REGISTRY, "serve", str(conf), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pid = _outer_child(launcher, REGISTRY, "docker-registry on the controller", log)
-    tb.wait_for(lambda: tb.listening(ctl.pid, REGISTRY_PORT) or not tb.pid_alive(pid), timeout,
-             f"the registry to listen on {addr}")
+    tb.wait_for(lambda: tb.listening(ctl.pid, REGISTRY_PORT) or not tb.pid_alive(pid), timeout, f"the registry to listen on {addr}")
     if not tb.pid_alive(pid):
         raise SiteError(f"docker-registry exited: {_last_lines(log)}; read {log}")
     return {"address": addr, "pid": pid, "data": str(data), "log": str(log), "config": str(conf)}
 
 
+def _dockerd_argv(config: Path, data_root: Path, exec_root: Path, sock: str, pidfile: Path, insecure_registry: Optional[str]) -> List[str]:
+    """A node's dockerd: its own config, data, exec root, socket and pid file; no iptables, no bridge (the
+    bed's nftables and veths are the network)."""
+    argv = [DOCKERD, "--config-file", str(config), "--iptables=false", "--ip-forward=false", "--ip-masq=false"]
+    argv += ["--bridge=none", "--storage-driver", "overlay2", "--exec-opt", "native.cgroupdriver=cgroupfs"]
+    argv += ["--data-root", str(data_root), "--exec-root", str(exec_root), "-H", sock, "--pidfile", str(pidfile)]
+    return argv + (["--insecure-registry", insecure_registry] if insecure_registry else [])
+
+
 def start_dockerds(bed: "tb.Testbed", insecure_registry: Optional[str] = None, timeout: float = 60) -> Dict[str, dict]:
     """One dockerd per node host, all at once; waits until each answers ``docker version``."""
     if not bed.cgroups:
-        raise SiteError("dockerd needs the cgroup hierarchies inside the hosts: bring the bed up with --docker "
-                        "(Testbed.up(..., cgroups=True))")
+        raise SiteError(
+            "dockerd needs the cgroup hierarchies inside the hosts: bring the bed up with --docker (Testbed.up(..., cgroups=True))"
+        )
     run_dir = Path(f"/run/{bed.prefix}-docker")
     run_dir.mkdir(parents=True, exist_ok=True)
     empty = bed.state_dir / "docker" / "daemon.json"
@@ -249,17 +267,11 @@ def start_dockerds(bed: "tb.Testbed", insecure_registry: Optional[str] = None, t
         d = bed.state_dir / "docker" / h.name
         (d / "data").mkdir(parents=True, exist_ok=True)
         sock = docker_socket(bed, h.name)
-        argv = [DOCKERD, "--config-file", str(empty), "--iptables=false", "--ip-forward=false", "--ip-masq=false",
-                "--bridge=none", "--storage-driver", "overlay2", "--exec-opt", "native.cgroupdriver=cgroupfs",
-                "--data-root", str(d / "data"), "--exec-root", str(run_dir / h.name), "-H", sock,
-                "--pidfile", str(run_dir / f"{h.name}.pid")]
-        if insecure_registry:
-            argv += ["--insecure-registry", insecure_registry]
+        argv = _dockerd_argv(empty, d / "data", run_dir / h.name, sock, run_dir / f"{h.name}.pid", insecure_registry)
         log = d / "dockerd.log"
         with open(log, "ab") as f:
             launchers[h.name] = bed.popen(h.name, *argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        out[h.name] = {"socket": sock, "data_root": str(d / "data"), "exec_root": str(run_dir / h.name),
-                       "log": str(log)}
+        out[h.name] = {"socket": sock, "data_root": str(d / "data"), "exec_root": str(run_dir / h.name), "log": str(log)}
     for name, launcher in launchers.items():
         out[name]["pid"] = _outer_child(launcher, DOCKERD, f"dockerd on {name}", Path(out[name]["log"]))
     deadline = time.monotonic() + timeout
@@ -270,11 +282,9 @@ def start_dockerds(bed: "tb.Testbed", insecure_registry: Optional[str] = None, t
             if p.returncode == 0 and p.stdout.strip():
                 return p.stdout.strip()
             if not tb.pid_alive(out[name]["pid"]):
-                raise SiteError(f"dockerd on {name} exited: {_last_lines(Path(out[name]['log']))}; "
-                                f"read {out[name]['log']}")
+                raise SiteError(f"dockerd on {name} exited: {_last_lines(Path(out[name]['log']))}; read {out[name]['log']}")
             if time.monotonic() > deadline:
-                raise SiteError(f"dockerd on {name} does not answer on {out[name]['socket']} after {timeout:.0f}s; "
-                                f"read {out[name]['log']}")
+                raise SiteError(f"dockerd on {name} does not answer on {out[name]['socket']} after {timeout:.0f}s; read {out[name]['log']}")
             time.sleep(0.2)
 
     with concurrent.futures.ThreadPoolExecutor(len(out)) as ex:
@@ -290,15 +300,34 @@ def push_image(bed: "tb.Testbed", registry: str, local_ref: str, tag: str, timeo
     t0 = time.monotonic()
     # Uncompressed layers: gzipping the image's layers keeps a core busy for long, every pull would pay
     # to inflate them again, and the registry and the nodes sit on the same machine.
-    p = bed.exec(bed.controller.name, "buildah", "push", "--quiet", "--tls-verify=false", "--disable-compression",
-                 "--format", "v2s2", local_ref, f"docker://{dest}", env=image_env(), timeout=timeout, check=False)
+    p = bed.exec(
+        bed.controller.name,
+        "buildah",
+        "push",
+        "--quiet",
+        "--tls-verify=false",
+        "--disable-compression",
+        "--format",
+        "v2s2",
+        local_ref,
+        f"docker://{dest}",
+        env=image_env(),
+        timeout=timeout,
+        check=False,
+    )
     if p.returncode != 0:
         raise SiteError(f"buildah push {local_ref} -> {dest} failed: {(p.stderr or p.stdout).strip()[-600:]}")
     return {"ref": dest, "local_ref": local_ref, "push_seconds": round(time.monotonic() - t0, 1)}
 
 
-def start_site(bed: "tb.Testbed", docker: bool = True, registry: bool = True, image: bool = True,
-               registry_data: Optional[os.PathLike] = None, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
+def start_site(
+    bed: "tb.Testbed",
+    docker: bool = True,
+    registry: bool = True,
+    image: bool = True,
+    registry_data: Optional[os.PathLike] = None,
+    log=lambda msg: print(msg, file=sys.stderr),
+) -> dict:
     """Registry (controller), dockerd (every node), image pushed; recorded in ``bed.site`` and returned:
     {"registry": {"address", "pid", "data", ...}, "docker": {host: {"socket", "pid", "data_root", ...}},
     "image": {"ref", "local_ref", "push_seconds"}, "seconds": {step: s}}."""
@@ -356,8 +385,7 @@ def stop_site(bed: "tb.Testbed", timeout: float = 20) -> List[str]:
     dockers = site.get("docker") or {}
 
     def stop_docker(name, d):
-        ids = docker(bed, name, "ps", "-aq", timeout=30, check=False).stdout.split() \
-            if tb.pid_alive(d.get("pid")) else []
+        ids = docker(bed, name, "ps", "-aq", timeout=30, check=False).stdout.split() if tb.pid_alive(d.get("pid")) else []
         if ids:
             docker(bed, name, "rm", "-f", *ids, timeout=60, check=False)
         return f"dockerd {name}: {len(ids)} containers removed, {_kill_wait(d.get('pid'), DOCKERD, timeout)}"
@@ -385,19 +413,21 @@ def stop_site(bed: "tb.Testbed", timeout: float = 20) -> List[str]:
     return done
 
 
-
 # ---- the layer: how the core and `scripts/testbed up --site ...` reach this module -------------------
 def add_arguments(up) -> None:
     site = up.add_argument_group("A user's site (scripts/kit_testbed/site_layer.py)")
-    site.add_argument("--site", action="store_true",
-                      help=f"controller `{tb.CONTROLLER_NAME}` on {tb.ADMIN_SUBNET}, routed to the nodes")
+    site.add_argument("--site", action="store_true", help=f"controller `{tb.CONTROLLER_NAME}` on {tb.ADMIN_SUBNET}, routed to the nodes")
     site.add_argument("--docker", action="store_true", help="dockerd in every node host (stopped by PID on down)")
     site.add_argument("--registry", action="store_true", help="image registry on the controller (needs --site)")
-    site.add_argument("--image", action="store_true",
-                      help="push the modern CPU image to the registry (needs --registry; builds it if missing)")
-    site.add_argument("--registry-data", metavar="DIR", default=None,
-                      help="registry blob store (default <state>/registry/data, removed by down; a kept DIR "
-                           "makes the next push nearly free)")
+    site.add_argument(
+        "--image", action="store_true", help="push the modern CPU image to the registry (needs --registry; builds it if missing)"
+    )
+    site.add_argument(
+        "--registry-data",
+        metavar="DIR",
+        default=None,
+        help="registry blob store (default <state>/registry/data, removed by down; a kept DIR makes the next push nearly free)",
+    )
 
 
 def check_arguments(args, usage_error) -> None:
@@ -417,8 +447,7 @@ def host_options(args) -> dict:
 
 def start_from_arguments(bed: "tb.Testbed", args) -> None:
     if (args.docker or args.registry) and not bed.site:  # (a reused bed keeps the site it has)
-        start_site(bed, docker=args.docker, registry=args.registry, image=args.image,
-                   registry_data=args.registry_data)
+        start_site(bed, docker=args.docker, registry=args.registry, image=args.image, registry_data=args.registry_data)
 
 
 def summary(bed: "tb.Testbed") -> Optional[dict]:
@@ -436,6 +465,15 @@ def stop_layer(bed: Optional["tb.Testbed"], prefix: str, graceful: bool) -> List
 
 
 # Before Ray: it is brought up first (the image push may take minutes) and stopped after it.
-LAYER = tb.register_layer(tb.Layer(
-    name="site", order=10, add_arguments=add_arguments, check_arguments=check_arguments,
-    host_options=host_options, start=start_from_arguments, summary=summary, stop=stop_layer))
+LAYER = tb.register_layer(
+    tb.Layer(
+        name="site",
+        order=10,
+        add_arguments=add_arguments,
+        check_arguments=check_arguments,
+        host_options=host_options,
+        start=start_from_arguments,
+        summary=summary,
+        stop=stop_layer,
+    )
+)

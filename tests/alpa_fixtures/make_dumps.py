@@ -29,6 +29,7 @@ What is synthetic (documented deviations):
 Every leaf's intended strategy label is computed here from the construction (never by
 running the kit's parser) and written to `expected.json`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -87,11 +88,9 @@ def _alpa_function(relpath: str, name: str, namespace: Dict[str, Any]):
 
 PP = _load_parallel_plan()
 PlacementSpec = PP.PlacementSpec
-_NS: Dict[str, Any] = {"np": np, "pxla": pxla, "xc": xc, "ShapedArray": jax.core.ShapedArray,
-                       "Sequence": Sequence}
+_NS: Dict[str, Any] = {"np": np, "pxla": pxla, "xc": xc, "ShapedArray": jax.core.ShapedArray, "Sequence": Sequence}
 _NS["check_arithmetic_sequence"] = _alpa_function("util.py", "check_arithmetic_sequence", _NS)
-alpa_hlo_sharding_to_spec = _alpa_function(
-    "shard_parallel/auto_sharding.py", "_hlo_sharding_to_sharding_spec_no_tuple", _NS)
+alpa_hlo_sharding_to_spec = _alpa_function("shard_parallel/auto_sharding.py", "_hlo_sharding_to_sharding_spec_no_tuple", _NS)
 
 
 class _Proto:
@@ -119,8 +118,7 @@ def sharding_spec(aval, mesh_shape: Tuple[int, ...], dim_axes: Dict[int, Tuple[i
     id_mesh = np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape)
     used = [a for d in sorted(dim_axes) for a in dim_axes[d] if mesh_shape[a] > 1]
     if not used:
-        return alpa_hlo_sharding_to_spec(_Proto(xc.OpSharding.Type.REPLICATED), aval,
-                                         _LogicalMesh(mesh_shape))
+        return alpa_hlo_sharding_to_spec(_Proto(xc.OpSharding.Type.REPLICATED), aval, _LogicalMesh(mesh_shape))
     rest = [a for a in range(len(mesh_shape)) if a not in used]
     devices = id_mesh.transpose(used + rest).flatten()
     dims = []
@@ -132,8 +130,7 @@ def sharding_spec(aval, mesh_shape: Tuple[int, ...], dim_axes: Dict[int, Tuple[i
     repl = int(np.prod([mesh_shape[a] for a in rest])) if rest else 1
     if repl > 1:
         dims.append(repl)
-    return alpa_hlo_sharding_to_spec(_Proto(xc.OpSharding.Type.OTHER, dims, devices.tolist()),
-                                     aval, _LogicalMesh(mesh_shape))
+    return alpa_hlo_sharding_to_spec(_Proto(xc.OpSharding.Type.OTHER, dims, devices.tolist()), aval, _LogicalMesh(mesh_shape))
 
 
 class _FixedFn:
@@ -151,8 +148,8 @@ class _FixedFn:
 
 def fixed_tx():
     return optax.GradientTransformation(
-        init=_FixedFn("chain.<locals>.init_fn", 0x7F6D305DF160),
-        update=_FixedFn("chain.<locals>.update_fn", 0x7F6D305DF5E0))
+        init=_FixedFn("chain.<locals>.init_fn", 0x7F6D305DF160), update=_FixedFn("chain.<locals>.update_fn", 0x7F6D305DF5E0)
+    )
 
 
 # ----------------------------------------------------------------------------- models
@@ -173,8 +170,7 @@ class BottleneckResNetBlock(nn.Module):
         y = nn.Conv(self.filters * 4, (1, 1), use_bias=False)(y)
         y = norm(scale_init=nn.initializers.zeros)(y)
         if residual.shape != y.shape:
-            residual = nn.Conv(self.filters * 4, (1, 1), self.strides, use_bias=False,
-                               name="conv_proj")(residual)
+            residual = nn.Conv(self.filters * 4, (1, 1), self.strides, use_bias=False, name="conv_proj")(residual)
             residual = norm(name="norm_proj")(residual)
         return nn.relu(residual + y)
 
@@ -193,7 +189,7 @@ class WideResNet(nn.Module):
         for i, n in enumerate(self.stage_sizes):
             for j in range(n):
                 strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-                x = BottleneckResNetBlock(self.num_filters * 2 ** i * self.width_factor, strides)(x, train)
+                x = BottleneckResNetBlock(self.num_filters * 2**i * self.width_factor, strides)(x, train)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes)(x)
 
@@ -282,9 +278,7 @@ def placement_tree(tree, rule, meshes: Dict[int, Tuple[int, ...]]):
         arg, path = kit_path(keypath)
         aval = jax.api_util.shaped_abstractify(value)
         pl = rule(arg, path, aval)
-        specs.append(PlacementSpec(
-            aval, tuple(pl.mesh_ids),
-            tuple(sharding_spec(aval, meshes[m], pl.per_mesh[m]) for m in pl.mesh_ids)))
+        specs.append(PlacementSpec(aval, tuple(pl.mesh_ids), tuple(sharding_spec(aval, meshes[m], pl.per_mesh[m]) for m in pl.mesh_ids)))
         rows.append((arg, path, pl))
     return jax.tree_util.tree_unflatten(treedef, specs), rows
 
@@ -331,9 +325,10 @@ def expected(meshes, in_rows, out_rows, collectives, state_arg=0, extra=None):
     in_state = {path for arg, path, _ in in_rows if arg == state_arg}
     assert set(leaves) == in_state, "output state must mirror input state"
     out = {
-        "meshes": [{"id": m, "shape": [s for s in shape if s > 1],
-                    "batch_axes": sorted(reduced_axes(shape)[a] for a in batch_axes[m])}
-                   for m, shape in sorted(meshes.items())],
+        "meshes": [
+            {"id": m, "shape": [s for s in shape if s > 1], "batch_axes": sorted(reduced_axes(shape)[a] for a in batch_axes[m])}
+            for m, shape in sorted(meshes.items())
+        ],
         "leaves": leaves,
         "batch": batch,
         "collectives": collectives,
@@ -361,12 +356,18 @@ def stage_hlo(name: str, ops: List[Tuple[str, Any, Dict[int, int], int]]) -> Tup
 
     ops: (kind, aval, {dim: divisor} of the RESULT, replica group size). Returns text, counts.
     """
-    lines = [f"HloModule {name}, input_output_alias={{ {{0}}: (0, {{}}, may-alias) }}", "",
-             "%add (x: f32[], y: f32[]) -> f32[] {",
-             "  %x = f32[] parameter(0)", "  %y = f32[] parameter(1)",
-             "  ROOT %add = f32[] add(f32[] %x, f32[] %y)", "}", "",
-             f"ENTRY %{name}_spmd (param: f32[16]) -> f32[16] {{",
-             "  %param = f32[16]{0} parameter(0)"]
+    lines = [
+        f"HloModule {name}, input_output_alias={{ {{0}}: (0, {{}}, may-alias) }}",
+        "",
+        "%add (x: f32[], y: f32[]) -> f32[] {",
+        "  %x = f32[] parameter(0)",
+        "  %y = f32[] parameter(1)",
+        "  ROOT %add = f32[] add(f32[] %x, f32[] %y)",
+        "}",
+        "",
+        f"ENTRY %{name}_spmd (param: f32[16]) -> f32[16] {{",
+        "  %param = f32[16]{0} parameter(0)",
+    ]
     counts: Dict[str, Dict[str, int]] = {}
     for i, (kind, aval, div, group) in enumerate(ops):
         res, nbytes = _shape(aval, div)
@@ -381,16 +382,22 @@ def stage_hlo(name: str, ops: List[Tuple[str, Any, Dict[int, int], int]]) -> Tup
         operand = f"%param.{i}"
         lines.append(f"  {operand} = {arg} parameter({i + 1})")
         if kind == "all-reduce":
-            lines.append(f"  %all-reduce.{i} = {res} all-reduce({arg} {operand}), channel_id={i + 1}, "
-                         f"replica_groups={groups}, use_global_device_ids=true, to_apply=%add, "
-                         f'metadata={{op_type="psum" op_name="parallelize(train_step)/jit(main)/psum"}}')
+            lines.append(
+                f"  %all-reduce.{i} = {res} all-reduce({arg} {operand}), channel_id={i + 1}, "
+                f"replica_groups={groups}, use_global_device_ids=true, to_apply=%add, "
+                f'metadata={{op_type="psum" op_name="parallelize(train_step)/jit(main)/psum"}}'
+            )
         elif kind == "all-gather":
-            lines.append(f"  %all-gather.{i} = {res} all-gather({arg} {operand}), channel_id={i + 1}, "
-                         f"replica_groups={groups}, dimensions={{{dim}}}, use_global_device_ids=true")
+            lines.append(
+                f"  %all-gather.{i} = {res} all-gather({arg} {operand}), channel_id={i + 1}, "
+                f"replica_groups={groups}, dimensions={{{dim}}}, use_global_device_ids=true"
+            )
         elif kind == "reduce-scatter":
-            lines.append(f"  %reduce-scatter.{i} = {res} reduce-scatter({arg} {operand}), channel_id={i + 1}, "
-                         f"replica_groups={groups}, use_global_device_ids=true, dimensions={{{dim}}}, "
-                         f"to_apply=%add")
+            lines.append(
+                f"  %reduce-scatter.{i} = {res} reduce-scatter({arg} {operand}), channel_id={i + 1}, "
+                f"replica_groups={groups}, use_global_device_ids=true, dimensions={{{dim}}}, "
+                f"to_apply=%add"
+            )
         slot = counts.setdefault(kind, {"count": 0, "bytes": 0})
         slot["count"] += 1
         slot["bytes"] += nbytes
@@ -421,8 +428,9 @@ def fixture_wide_resnet_dp(out: str):
     x = jnp.zeros((16, 32, 32, 3), jnp.float32)
     variables = model.init(jax.random.PRNGKey(0), x, train=False)
     tx = optax.sgd(optax.constant_schedule(1e-3), momentum=0.9)
-    state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                batch_stats=variables["batch_stats"], dynamic_scale=None)
+    state = TrainState.create(
+        apply_fn=model.apply, params=variables["params"], tx=tx, batch_stats=variables["batch_stats"], dynamic_scale=None
+    )
     state = state.replace(tx=fixed_tx())
     batch = {"images": x, "labels": jnp.zeros((16,), jnp.int32)}
     metrics = {"accuracy": jnp.float32(0), "loss": jnp.float32(0), "lr": jnp.asarray(1e-3) * 1}
@@ -447,6 +455,7 @@ def fixture_wide_resnet_dp(out: str):
             if path.startswith("batch_stats/"):
                 return on(0, d0=(1,))
             return on(0)
+
         return r
 
     meshes = {0: mesh}
@@ -458,15 +467,20 @@ def fixture_wide_resnet_dp(out: str):
     write(f"{prefix}.mem_usage.txt", f"total_allocation_size: {0.0213:.3f} GB\n")
     av = avals_by_path(state)
     ops = [("all-reduce", av[p], {}, 2) for p in sorted(av) if p.startswith("params/") and "kernel" in p]
-    ops += [("reduce-scatter", av[p], {2: 2}, 2) for p in sorted(av)
-            if p.startswith("opt_state/0/trace/") and p.endswith("kernel")]
+    ops += [("reduce-scatter", av[p], {2: 2}, 2) for p in sorted(av) if p.startswith("opt_state/0/trace/") and p.endswith("kernel")]
     ops += [("all-gather", av["params/conv_init/kernel"], {3: 1}, 2)]
     hlo, counts = stage_hlo("train_step_func_shard_parallel", ops)
     write(f"{prefix}.hlo", hlo)
-    write(os.path.join(out, "expected.json"),
-          expected(meshes, in_rows, out_rows, counts,
-                   extra={"kind": "shard_parallel", "prefix": "train_step_func",
-                          "memory": {"train_step_func": 0.021}}))
+    write(
+        os.path.join(out, "expected.json"),
+        expected(
+            meshes,
+            in_rows,
+            out_rows,
+            counts,
+            extra={"kind": "shard_parallel", "prefix": "train_step_func", "memory": {"train_step_func": 0.021}},
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------- fixture (b)
@@ -507,6 +521,7 @@ def fixture_pipeshard_zero(out: str):
             if path.startswith("opt_state/0/mu/") or path.startswith("opt_state/0/nu/"):
                 return on(m, d0=(1,)) if aval.shape and aval.shape[0] % 2 == 0 else on(m)
             return on(m)
+
         return r
 
     in_tree, in_rows = placement_tree((state, batch), rule(True), meshes)
@@ -538,12 +553,21 @@ def fixture_pipeshard_zero(out: str):
     write(f"{prefix}_resharding_tasks.txt", "".join(t + "\n\n" for t in tasks))
     write(f"{prefix}_input_placement_specs.txt", str(in_tree))
     write(f"{prefix}_output_placement_specs.txt", str(out_tree))
-    write(os.path.join(out, "expected.json"),
-          expected(meshes, in_rows, out_rows, merge(*all_counts),
-                   extra={"kind": "pipeshard", "prefix": "train_step",
-                          "memory": {f"train_step_stage_{i}": m for i, m in enumerate(mems)},
-                          "stage_collectives": {f"train_step_stage_{i}": c
-                                                for i, c in enumerate(all_counts)}}))
+    write(
+        os.path.join(out, "expected.json"),
+        expected(
+            meshes,
+            in_rows,
+            out_rows,
+            merge(*all_counts),
+            extra={
+                "kind": "pipeshard",
+                "prefix": "train_step",
+                "memory": {f"train_step_stage_{i}": m for i, m in enumerate(mems)},
+                "stage_collectives": {f"train_step_stage_{i}": c for i, c in enumerate(all_counts)},
+            },
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------- fixture (c)
@@ -575,25 +599,30 @@ def fixture_mesh2d_mp(out: str):
                     return on(0, d1=(0, 1))
                 return on(0, d0=(0,)) if is_opt and aval.shape and aval.shape[0] % 2 == 0 else on(0)
             return on(0)
+
         return r
 
     in_tree, in_rows = placement_tree((state, batch), rule(True), meshes)
     out_tree, out_rows = placement_tree((state, metrics), rule(False), meshes)
     prefix = os.path.join(out, "train_step")
     av = avals_by_path(state)
-    ops = [("all-reduce", av["params/fc2_0/kernel"], {0: 2}, 2),  # row-parallel output sum
-           ("all-gather", av["params/fc1_0/kernel"], {0: 1}, 2),
-           ("reduce-scatter", av["params/embed/embedding"], {0: 2}, 2),
-           ("all-reduce", av["params/head/bias"], {}, 4)]
+    ops = [
+        ("all-reduce", av["params/fc2_0/kernel"], {0: 2}, 2),  # row-parallel output sum
+        ("all-gather", av["params/fc1_0/kernel"], {0: 1}, 2),
+        ("reduce-scatter", av["params/embed/embedding"], {0: 2}, 2),
+        ("all-reduce", av["params/head/bias"], {}, 4),
+    ]
     text, counts = stage_hlo("train_step_shard_parallel", ops)
     write(f"{prefix}.hlo", text)
     write(f"{prefix}.mem_usage.txt", f"total_allocation_size: {0.0071:.3f} GB\n")
     write(f"{prefix}_input_placement_specs.txt", str(in_tree))
     write(f"{prefix}_output_placement_specs.txt", str(out_tree))
-    write(os.path.join(out, "expected.json"),
-          expected(meshes, in_rows, out_rows, counts,
-                   extra={"kind": "shard_parallel", "prefix": "train_step",
-                          "memory": {"train_step": 0.007}}))
+    write(
+        os.path.join(out, "expected.json"),
+        expected(
+            meshes, in_rows, out_rows, counts, extra={"kind": "shard_parallel", "prefix": "train_step", "memory": {"train_step": 0.007}}
+        ),
+    )
 
 
 FIXTURES = {

@@ -12,6 +12,7 @@ the kit's `alpa_kit_docker_host` may name another one. So the tunnel is ours:
 
 Every client gets a request timeout; the tunnel's threads are daemons and close with the context.
 """
+
 from __future__ import annotations
 
 import base64
@@ -82,8 +83,7 @@ class DockerTunnel:
     def _start(self) -> None:
         scheme, _, where = self.docker_host.partition("://")
         if scheme not in ("unix", "tcp"):
-            raise ValueError("alpa_kit_docker_host %r: only unix:// and tcp:// can be forwarded over SSH"
-                             % self.docker_host)
+            raise ValueError("alpa_kit_docker_host %r: only unix:// and tcp:// can be forwarded over SSH" % self.docker_host)
         self.remote.connect()
         self._dir = tempfile.TemporaryDirectory(prefix="akt-docker-")
         os.chmod(self._dir.name, 0o700)  # the forwarded engine is root on the node: only us
@@ -98,13 +98,19 @@ class DockerTunnel:
         transport = self.remote.client.get_transport()
         if scheme == "tcp":
             host, _, port = where.rstrip("/").rpartition(":")
-            return transport.open_channel("direct-tcpip", (host or "127.0.0.1", int(port or 2375)), ("127.0.0.1", 0),
-                                          timeout=self.timeout_s)
+            return transport.open_channel(
+                "direct-tcpip", (host or "127.0.0.1", int(port or 2375)), ("127.0.0.1", 0), timeout=self.timeout_s
+            )
         chan = transport.open_session(timeout=self.timeout_s)
         code = base64.b64encode(_RELAY.encode()).decode()
-        chan.exec_command("%s -c %s %s" % (shlex.quote(self.remote.node.python),
-                                           shlex.quote("import base64;exec(base64.b64decode('%s'))" % code),
-                                           shlex.quote("/" + where.lstrip("/"))))
+        chan.exec_command(
+            "%s -c %s %s"
+            % (
+                shlex.quote(self.remote.node.python),
+                shlex.quote("import base64;exec(base64.b64decode('%s'))" % code),
+                shlex.quote("/" + where.lstrip("/")),
+            )
+        )
         return chan
 
     def _accept(self, scheme: str, where: str) -> None:

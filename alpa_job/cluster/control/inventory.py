@@ -9,6 +9,7 @@ The plan is the role's: the package's cluster.yaml (`alpa_kit_cluster_spec_file`
 each `alpa_kit_<key>` the inventory sets merged over that (ansible/filter_plugins/alpa_kit.py does the
 same for the playbooks), taken from the head's vars.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -68,8 +69,10 @@ class Node:
     def var(self, name: str, default: Any = None) -> Any:
         value = self.vars.get(name, default)
         if isinstance(value, str) and "{{" in value:
-            raise KitError("inventory: %s of host %s is a template (%s); the cluster commands read plain values: "
-                           "write the value itself in the inventory" % (name, self.name, value))
+            raise KitError(
+                "inventory: %s of host %s is a template (%s); the cluster commands read plain values: "
+                "write the value itself in the inventory" % (name, self.name, value)
+            )
         return value
 
 
@@ -81,10 +84,11 @@ class Inventory:
         self.nodes = nodes
         heads = [n for n in nodes if n.role == "head"]
         if len(heads) != 1:
-            raise KitError("inventory %s: group %s must hold exactly one host (the Ray head); it holds %d%s. Put one "
-                           "host under %s and every other node under %s (ansible/inventory/example.yml)"
-                           % (path, HEAD_GROUP, len(heads), (": " + ", ".join(n.name for n in heads)) if heads else "",
-                              HEAD_GROUP, WORKER_GROUP))
+            raise KitError(
+                "inventory %s: group %s must hold exactly one host (the Ray head); it holds %d%s. Put one "
+                "host under %s and every other node under %s (ansible/inventory/example.yml)"
+                % (path, HEAD_GROUP, len(heads), (": " + ", ".join(n.name for n in heads)) if heads else "", HEAD_GROUP, WORKER_GROUP)
+            )
         self.head = heads[0]
         self._spec = None
 
@@ -152,8 +156,7 @@ class Inventory:
         return "%s/%s" % (registry, tag) if registry else tag
 
     def image_source(self) -> str:
-        return str(self.head.var("alpa_kit_image_source") or ("pull" if self.head.var("alpa_kit_registry") else
-                                                                   "present"))
+        return str(self.head.var("alpa_kit_image_source") or ("pull" if self.head.var("alpa_kit_registry") else "present"))
 
     def docker_host(self, node: Node) -> str:
         return str(node.var("alpa_kit_docker_host") or DEFAULT_DOCKER_HOST)
@@ -193,14 +196,18 @@ def _node(name: str, role: str, hv: Mapping[str, Any]) -> Node:
         return value
 
     connection = plain("ansible_connection")
-    return Node(name=name, role=role, address=str(plain("ansible_host") or name),
-                user=plain("ansible_user") or plain("ansible_ssh_user"),
-                port=int(plain("ansible_port") or plain("ansible_ssh_port") or 22),
-                key_file=plain("ansible_ssh_private_key_file") or plain("ansible_private_key_file"),
-                password=plain("ansible_password") or plain("ansible_ssh_pass"),
-                local=connection == "local",
-                python=_python(plain("ansible_python_interpreter")),
-                vars=dict(hv))
+    return Node(
+        name=name,
+        role=role,
+        address=str(plain("ansible_host") or name),
+        user=plain("ansible_user") or plain("ansible_ssh_user"),
+        port=int(plain("ansible_port") or plain("ansible_ssh_port") or 22),
+        key_file=plain("ansible_ssh_private_key_file") or plain("ansible_private_key_file"),
+        password=plain("ansible_password") or plain("ansible_ssh_pass"),
+        local=connection == "local",
+        python=_python(plain("ansible_python_interpreter")),
+        vars=dict(hv),
+    )
 
 
 def _members(data: Mapping[str, Any], group: str) -> List[str]:
@@ -223,13 +230,16 @@ def parse_inventory_json(data: Mapping[str, Any], path: str) -> Inventory:
     heads, workers = _members(data, HEAD_GROUP), _members(data, WORKER_GROUP)
     both = sorted(set(heads) & set(workers))
     if both:
-        raise KitError("inventory %s: %s is in both %s and %s; a node is one or the other"
-                       % (path, ", ".join(both), HEAD_GROUP, WORKER_GROUP))
+        raise KitError(
+            "inventory %s: %s is in both %s and %s; a node is one or the other" % (path, ", ".join(both), HEAD_GROUP, WORKER_GROUP)
+        )
     nodes = [_node(h, "head", hostvars.get(h) or {}) for h in heads]
     nodes += [_node(h, "worker", hostvars.get(h) or {}) for h in workers]
     if not nodes:
-        raise KitError("inventory %s has no hosts in %s / %s; copy ansible/inventory/example.yml and list your nodes"
-                       % (path, HEAD_GROUP, WORKER_GROUP))
+        raise KitError(
+            "inventory %s has no hosts in %s / %s; copy ansible/inventory/example.yml and list your nodes"
+            % (path, HEAD_GROUP, WORKER_GROUP)
+        )
     return Inventory(path, nodes)
 
 
@@ -237,13 +247,13 @@ def load_inventory(path: Optional[str] = None, timeout_s: float = INVENTORY_TIME
     """Read `path` (default: ansible/inventory/hosts.yml, like ansible.cfg) with Ansible's own inventory code."""
     path = os.path.abspath(path or DEFAULT_INVENTORY)
     if not os.path.exists(path):
-        raise KitError("inventory %s not found; copy ansible/inventory/example.yml there or pass --inventory FILE"
-                       % path)
+        raise KitError("inventory %s not found; copy ansible/inventory/example.yml there or pass --inventory FILE" % path)
     try:
         import ansible_runner
     except ImportError:
-        raise KitError("the cluster commands need ansible-runner on the controller: pip install -r "
-                       "requirements/dev.txt (scripts/setup --test)") from None
+        raise KitError(
+            "the cluster commands need ansible-runner on the controller: pip install -r requirements/dev.txt (scripts/setup --test)"
+        ) from None
     env = dict(os.environ)
     env.update(tool_env())
     env["ANSIBLE_CONFIG"] = os.path.join(ANSIBLE_DIR, "ansible.cfg")
@@ -251,9 +261,15 @@ def load_inventory(path: Optional[str] = None, timeout_s: float = INVENTORY_TIME
     saved = os.environ.get("PATH")
     os.environ["PATH"] = env["PATH"]
     try:
-        out, err = ansible_runner.get_inventory(action="list", inventories=[path], response_format="json", quiet=True,
-                                                timeout=int(timeout_s), playbook_dir=ANSIBLE_DIR,
-                                                envvars={"ANSIBLE_CONFIG": env["ANSIBLE_CONFIG"]})
+        out, err = ansible_runner.get_inventory(
+            action="list",
+            inventories=[path],
+            response_format="json",
+            quiet=True,
+            timeout=int(timeout_s),
+            playbook_dir=ANSIBLE_DIR,
+            envvars={"ANSIBLE_CONFIG": env["ANSIBLE_CONFIG"]},
+        )
     finally:
         if saved is not None:
             os.environ["PATH"] = saved
@@ -265,6 +281,5 @@ def load_inventory(path: Optional[str] = None, timeout_s: float = INVENTORY_TIME
             data = None
     if not isinstance(data, dict):
         why = " ".join(str(err or out or "no output").split())[-400:]
-        raise KitError("ansible-inventory could not read %s: %s; fix the file (ansible-inventory -i %s --list)"
-                       % (path, why, path))
+        raise KitError("ansible-inventory could not read %s: %s; fix the file (ansible-inventory -i %s --list)" % (path, why, path))
     return parse_inventory_json(data, path)

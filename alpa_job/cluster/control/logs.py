@@ -18,6 +18,7 @@ driver connected) and prints where the logs went; it never raises.
 
 Imports on the Alpa image's stack (Python 3.9): standard library and requests at module level.
 """
+
 from __future__ import annotations
 
 import os
@@ -93,8 +94,9 @@ def _safe_path(root: str, name: str) -> Optional[str]:
     return path if path.startswith(os.path.abspath(root) + os.sep) else None
 
 
-def fetch_via_api(api: RayHttp, node_ip: str, dest: str, job: Optional[JobRef] = None, lines: int = -1,
-                  deadline: Optional[float] = None) -> Dict[str, Any]:
+def fetch_via_api(
+    api: RayHttp, node_ip: str, dest: str, job: Optional[JobRef] = None, lines: int = -1, deadline: Optional[float] = None
+) -> Dict[str, Any]:
     """Download a node's log files through the log API into `dest`; {"files", "bytes", "errors"}."""
     listing = api.list_logs(node_ip)
     # the listing names sub-directories too ("events/", "old/"): files only
@@ -126,9 +128,10 @@ def fetch_via_api(api: RayHttp, node_ip: str, dest: str, job: Optional[JobRef] =
 def _remote_tar_command(log_dir: str, names: Optional[List[str]] = None) -> str:
     """A shell command that tars the node's log dir (or just `names` in it) into a temp file and prints its path."""
     listing = "." if names is None else "-T - <<'AKT_NAMES'\n%s\nAKT_NAMES" % "\n".join(names)
-    return ("set -e; d=%s; test -d \"$d\" || { echo \"no Ray log directory $d\" >&2; exit 3; }; "
-            "t=$(mktemp /tmp/akt-logs.XXXXXX); cd \"$d\"; echo \"$t\"; tar -czf \"$t\" --ignore-failed-read %s"
-            % (shlex.quote(log_dir), listing))
+    return (
+        'set -e; d=%s; test -d "$d" || { echo "no Ray log directory $d" >&2; exit 3; }; '
+        't=$(mktemp /tmp/akt-logs.XXXXXX); cd "$d"; echo "$t"; tar -czf "$t" --ignore-failed-read %s' % (shlex.quote(log_dir), listing)
+    )
 
 
 def fetch_via_ssh(inv, node, dest: str, job: Optional[JobRef] = None, timeout_s: float = 120.0) -> Dict[str, Any]:
@@ -176,8 +179,15 @@ def _extract(tar: tarfile.TarFile, members, dest: str) -> None:
 
 
 # ---- the command ------------------------------------------------------------------------------------
-def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional[str] = None,
-                 deadline_s: float = DEFAULT_DEADLINE_S, lines: int = -1, use_api: bool = True) -> Dict[str, Any]:
+def collect_logs(
+    inv,
+    out_dir: str,
+    job: Optional[str] = None,
+    address: Optional[str] = None,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    lines: int = -1,
+    use_api: bool = True,
+) -> Dict[str, Any]:
     """Every inventory node's logs into out_dir/<host>/ (plus any alive node the inventory lacks, by IP).
     `inv` None: Ray's alive nodes (the node list a failed job's collect_job_logs reads) into out_dir/<node IP>/;
     a Ray that does not answer is then a KitError saying to pass the inventory."""
@@ -201,7 +211,7 @@ def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional
     job_ref = resolve_job(api, job)
     names = inv.by_ip() if inv is not None else {}
     targets: List[Tuple[str, Optional[str], Any]] = []  # (dir name, Ray IP or None, inventory node or None)
-    for node in (inv.nodes if inv is not None else []):
+    for node in inv.nodes if inv is not None else []:
         ip = node.ip()
         targets.append((node.name, ip if ip in alive else None, node))
     for ip in sorted(set(alive) - set(names)):
@@ -235,12 +245,23 @@ def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional
         t.join(max(0.0, deadline - time.monotonic()))
     for name, ip, _ in targets:
         if name not in results:
-            results[name] = {"host": name, "ip": ip, "how": "failed", "files": 0,
-                             "errors": ["no result within the %.0f s deadline" % deadline_s]}
-    summary = {"out": os.path.abspath(out_dir), "job": job, "job_id": job_ref.job_id if job_ref else None,
-               "submission_id": job_ref.submission_id if job_ref else None,
-               "api": api.url if api else None, "api_error": api_error,
-               "seconds": round(time.monotonic() - t0, 1), "hosts": [results[t[0]] for t in targets]}
+            results[name] = {
+                "host": name,
+                "ip": ip,
+                "how": "failed",
+                "files": 0,
+                "errors": ["no result within the %.0f s deadline" % deadline_s],
+            }
+    summary = {
+        "out": os.path.abspath(out_dir),
+        "job": job,
+        "job_id": job_ref.job_id if job_ref else None,
+        "submission_id": job_ref.submission_id if job_ref else None,
+        "api": api.url if api else None,
+        "api_error": api_error,
+        "seconds": round(time.monotonic() - t0, 1),
+        "hosts": [results[t[0]] for t in targets],
+    }
     summary["ok"] = all(h["files"] > 0 and h["how"] in ("api", "ssh") for h in summary["hosts"])
     with open(os.path.join(out_dir, COLLECTION_FILE), "w") as f:
         strict_json.dump(summary, f, indent=2, sort_keys=True)
@@ -250,11 +271,19 @@ def collect_logs(inv, out_dir: str, job: Optional[str] = None, address: Optional
 def render_table(summary: Mapping[str, Any]) -> str:
     from alpa_job.cluster.doctor.render import grid
 
-    lines = ["logs: %s%s in %.0f s%s" % (summary["out"], " (job %s)" % summary["job"] if summary["job"] else "",
-                                        summary["seconds"], "" if summary["api"] else
-                                        " (Ray's log API unavailable: %s)" % summary.get("api_error"))]
-    rows = [(h["host"], h.get("ip") or "-", h["how"], str(h.get("files", 0)), _size(h.get("bytes")),
-             "; ".join(h.get("errors") or [])[:120]) for h in summary["hosts"]]
+    lines = [
+        "logs: %s%s in %.0f s%s"
+        % (
+            summary["out"],
+            " (job %s)" % summary["job"] if summary["job"] else "",
+            summary["seconds"],
+            "" if summary["api"] else " (Ray's log API unavailable: %s)" % summary.get("api_error"),
+        )
+    ]
+    rows = [
+        (h["host"], h.get("ip") or "-", h["how"], str(h.get("files", 0)), _size(h.get("bytes")), "; ".join(h.get("errors") or [])[:120])
+        for h in summary["hosts"]
+    ]
     lines += [""] + grid(("host", "ip", "via", "files", "size", "problems"), rows)
     return "\n".join(lines)
 
@@ -266,8 +295,7 @@ def _size(n: Optional[int]) -> str:
 
 
 # ---- the job's side ------------------------------------------------------------------------------------
-def collect_job_logs(out_dir: str, job_id: Optional[str] = None, deadline_s: float = 60.0,
-                     lines: int = 20000) -> Optional[str]:
+def collect_job_logs(out_dir: str, job_id: Optional[str] = None, deadline_s: float = 60.0, lines: int = 20000) -> Optional[str]:
     """For a job that failed while connected to Ray: every alive node's logs (node-wide ones and this job's)
     into out_dir/logs/<node ip>/, through Ray's log API. Returns that folder, or None when nothing could be
     collected; never raises (the job's own error is what matters). `lines`: the tail kept per file."""

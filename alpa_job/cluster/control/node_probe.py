@@ -9,6 +9,7 @@ Shipped as source (`python3 -c ...`), so it is self-contained: standard library 
 Listeners come from /proc/net/tcp{,6} (every LISTEN socket of the node's network namespace, no `ss`
 needed); their processes from /proc/<pid>/fd, which only root sees for processes of other users.
 """
+
 import json
 import os
 import socket
@@ -112,8 +113,9 @@ def shm():
 
 def gpu():
     try:
-        p = subprocess.Popen(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         out, err = p.communicate(timeout=15)
     except OSError:
         return {"count": 0, "error": "nvidia-smi not found"}
@@ -123,16 +125,28 @@ def gpu():
     if p.returncode != 0:
         return {"count": 0, "error": (err or out).decode(errors="replace").strip()[:300] or "exit %d" % p.returncode}
     rows = [r.split(",") for r in out.decode().splitlines() if r.strip()]
-    return {"count": len(rows), "names": sorted({r[0].strip() for r in rows}),
-            "driver": rows[0][1].strip() if rows and len(rows[0]) > 1 else None}
+    return {
+        "count": len(rows),
+        "names": sorted({r[0].strip() for r in rows}),
+        "driver": rows[0][1].strip() if rows and len(rows[0]) > 1 else None,
+    }
 
 
 def main(argv):
     ask = json.loads(argv[1]) if len(argv) > 1 else {}
     found, source = addresses()
-    print(json.dumps({"hostname": socket.gethostname(), "addresses": found, "address_source": source,
-                      "listeners": listeners(ask.get("ports", [])), "shm": shm(),
-                      "gpu": gpu() if ask.get("gpu") else None}))
+    print(
+        json.dumps(
+            {
+                "hostname": socket.gethostname(),
+                "addresses": found,
+                "address_source": source,
+                "listeners": listeners(ask.get("ports", [])),
+                "shm": shm(),
+                "gpu": gpu() if ask.get("gpu") else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the duration, the exit code; `write_json()` puts it in the run dir next to ansib
 (playbook_view.py draws live progress from them). The playbook runs with the checkout's ansible.cfg
 (ansible-runner's cwd is ansible/) and the venv's ansible-playbook.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,15 @@ from alpa_job import strict_json
 PLAYBOOKS = {"up": "site.yml", "down": "teardown.yml"}
 COUNTS = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
 # ansible-runner's stats keys -> the RECAP's names
-_STATS_KEYS = {"ok": "ok", "changed": "changed", "dark": "unreachable", "failures": "failed", "skipped": "skipped",
-               "rescued": "rescued", "ignored": "ignored"}
+_STATS_KEYS = {
+    "ok": "ok",
+    "changed": "changed",
+    "dark": "unreachable",
+    "failures": "failed",
+    "skipped": "skipped",
+    "rescued": "rescued",
+    "ignored": "ignored",
+}
 SUMMARY_FILE = "summary.json"
 SLOWEST_SHOWN = 12
 DEFAULT_TIMEOUT_S = 1800
@@ -98,7 +106,7 @@ def ansible_error(stdout: str) -> str:
     lines = [line for line in lines if line]
     for i, line in enumerate(lines):
         if line.startswith(("ERROR!", "[ERROR]")):
-            return " ".join(" ".join(lines[i:i + 2]).split())[:1000]
+            return " ".join(" ".join(lines[i : i + 2]).split())[:1000]
     return " ".join(" ".join(lines[-3:]).split())[:1000]
 
 
@@ -120,10 +128,16 @@ class EventCollector:
         if kind in ("runner_on_failed", "runner_on_unreachable", "runner_item_on_failed") and data.get("host"):
             res = data.get("res") or {}
             if kind != "runner_item_on_failed":  # the item's failure comes again as the task's
-                self.failures.append({"host": data["host"], "task": data.get("task") or "",
-                                      "play": data.get("play") or "", "message": failure_message(res),
-                                      "unreachable": kind == "runner_on_unreachable",
-                                      "ignored": bool(data.get("ignore_errors"))})
+                self.failures.append(
+                    {
+                        "host": data["host"],
+                        "task": data.get("task") or "",
+                        "play": data.get("play") or "",
+                        "message": failure_message(res),
+                        "unreachable": kind == "runner_on_unreachable",
+                        "ignored": bool(data.get("ignore_errors")),
+                    }
+                )
         if kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and data.get("duration") is not None:
             task = "%s : %s" % (data["role"], data.get("task") or "") if data.get("role") else data.get("task") or ""
             seconds = round(float(data["duration"]), 2)
@@ -152,11 +166,18 @@ def host_counts(stats: Optional[Mapping[str, Any]]) -> Dict[str, Dict[str, int]]
     return hosts
 
 
-def run_playbook(playbook: str, inventory: str, check: bool = False, run_dir: Optional[str] = None,
-                 extravars: Optional[Mapping[str, Any]] = None, cmdline: Sequence[str] = (),
-                 on_event: Optional[Callable[[Dict[str, Any]], None]] = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, envvars: Optional[Mapping[str, str]] = None,
-                 ansible_dir: str = ANSIBLE_DIR) -> PlaybookSummary:
+def run_playbook(
+    playbook: str,
+    inventory: str,
+    check: bool = False,
+    run_dir: Optional[str] = None,
+    extravars: Optional[Mapping[str, Any]] = None,
+    cmdline: Sequence[str] = (),
+    on_event: Optional[Callable[[Dict[str, Any]], None]] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    envvars: Optional[Mapping[str, str]] = None,
+    ansible_dir: str = ANSIBLE_DIR,
+) -> PlaybookSummary:
     """Run `playbook` (a file of ansible/) against `inventory`; never raises for a failed play (see .ok).
 
     `check`: --check (nothing changes). `run_dir`: ansible-runner's private data dir (artifacts/<ident>/:
@@ -166,8 +187,9 @@ def run_playbook(playbook: str, inventory: str, check: bool = False, run_dir: Op
     try:
         import ansible_runner
     except ImportError:
-        raise KitError("the cluster commands need ansible-runner on the controller: pip install -r "
-                       "requirements/dev.txt (scripts/setup --test)") from None
+        raise KitError(
+            "the cluster commands need ansible-runner on the controller: pip install -r requirements/dev.txt (scripts/setup --test)"
+        ) from None
     if not os.path.isfile(os.path.join(ansible_dir, playbook)):
         raise KitError("no playbook %s in %s" % (playbook, ansible_dir))
     inventory = os.path.abspath(inventory)
@@ -184,25 +206,60 @@ def run_playbook(playbook: str, inventory: str, check: bool = False, run_dir: Op
     saved_path = os.environ.get("PATH")
     os.environ["PATH"] = env["PATH"]  # ansible-runner looks ansible-playbook up in this process's PATH
     try:
-        runner = ansible_runner.run(private_data_dir=run_dir, project_dir=ansible_dir, playbook=playbook,
-                                    inventory=inventory, cmdline=" ".join(args) or None, extravars=dict(extravars or {}),
-                                    envvars=env, event_handler=collector, quiet=True, ident=ident,
-                                    timeout=int(timeout_s), rotate_artifacts=0)
+        runner = ansible_runner.run(
+            private_data_dir=run_dir,
+            project_dir=ansible_dir,
+            playbook=playbook,
+            inventory=inventory,
+            cmdline=" ".join(args) or None,
+            extravars=dict(extravars or {}),
+            envvars=env,
+            event_handler=collector,
+            quiet=True,
+            ident=ident,
+            timeout=int(timeout_s),
+            rotate_artifacts=0,
+        )
     finally:
         if saved_path is not None:
             os.environ["PATH"] = saved_path
     seconds = time.monotonic() - t0
     stats = collector.stats or runner.stats
-    summary = PlaybookSummary(playbook=playbook, inventory=inventory, check=check, rc=int(runner.rc or 0),
-                              status=str(runner.status), seconds=round(seconds, 1), hosts=host_counts(stats),
-                              failures=collector.failures, slowest=collector.slowest(), run_dir=run_dir,
-                              artifact_dir=os.path.join(run_dir, "artifacts", ident))
+    summary = PlaybookSummary(
+        playbook=playbook,
+        inventory=inventory,
+        check=check,
+        rc=int(runner.rc or 0),
+        status=str(runner.status),
+        seconds=round(seconds, 1),
+        hosts=host_counts(stats),
+        failures=collector.failures,
+        slowest=collector.slowest(),
+        run_dir=run_dir,
+        artifact_dir=os.path.join(run_dir, "artifacts", ident),
+    )
     if runner.status == "timeout":
-        summary.failures.append({"host": "", "task": "", "play": "", "unreachable": False, "ignored": False,
-                                 "message": "the run passed its %d s limit and was stopped" % timeout_s})
+        summary.failures.append(
+            {
+                "host": "",
+                "task": "",
+                "play": "",
+                "unreachable": False,
+                "ignored": False,
+                "message": "the run passed its %d s limit and was stopped" % timeout_s,
+            }
+        )
     elif not summary.ok and not [f for f in summary.failures if not f["ignored"]]:
         # ansible-playbook failed before any task (a syntax or inventory error): its own words
-        summary.failures.append({"host": "", "task": "", "play": "", "unreachable": False, "ignored": False,
-                                 "message": ansible_error(summary.stdout()) or "ansible-playbook exit %d" % summary.rc})
+        summary.failures.append(
+            {
+                "host": "",
+                "task": "",
+                "play": "",
+                "unreachable": False,
+                "ignored": False,
+                "message": ansible_error(summary.stdout()) or "ansible-playbook exit %d" % summary.rc,
+            }
+        )
     summary.write_json()
     return summary

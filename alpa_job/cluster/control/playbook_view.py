@@ -5,6 +5,7 @@ so far) under the current play. Elsewhere (CI logs, pipes): one line per play, p
 result, no redraws. `render_summary(summary)` is the end screen: per-host counts, failures (host, task,
 message), duration, where the JSON and Ansible's own output are.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,8 +46,7 @@ class Progress:
             self._live = None
 
     def _host(self, name: str) -> Dict[str, Any]:
-        return self.hosts.setdefault(name, {"task": "", "ok": 0, "changed": 0, "failed": 0, "unreachable": 0,
-                                            "skipped": 0})
+        return self.hosts.setdefault(name, {"task": "", "ok": 0, "changed": 0, "failed": 0, "unreachable": 0, "skipped": 0})
 
     def __call__(self, event: Dict[str, Any]) -> None:
         kind = event.get("event", "")
@@ -89,8 +89,15 @@ class Progress:
         from rich.table import Table
 
         table = Table(title="%s  [dim]%s[/dim]" % (self.title, self.play), title_justify="left", expand=False)
-        for col, style in (("host", "bold"), ("task", ""), ("ok", "green"), ("changed", "yellow"),
-                           ("failed", "red"), ("unreachable", "red"), ("skipped", "dim")):
+        for col, style in (
+            ("host", "bold"),
+            ("task", ""),
+            ("ok", "green"),
+            ("changed", "yellow"),
+            ("failed", "red"),
+            ("unreachable", "red"),
+            ("skipped", "dim"),
+        ):
             table.add_column(col, style=style, no_wrap=col != "task", max_width=60 if col == "task" else None)
         for name in sorted(self.hosts):
             h = self.hosts[name]
@@ -107,13 +114,14 @@ def _msg(res: Dict[str, Any]) -> str:
 def render_summary(summary: PlaybookSummary) -> str:
     """The one screen after a run."""
     verdict = "OK" if summary.ok else "FAILED (%s, exit %d)" % (summary.status, summary.rc)
-    lines = ["%s%s on %s: %s in %.0f s, %d change(s)" % (summary.playbook, " --check" if summary.check else "",
-                                                         summary.inventory, verdict, summary.seconds,
-                                                         summary.changed), ""]
+    lines = [
+        "%s%s on %s: %s in %.0f s, %d change(s)"
+        % (summary.playbook, " --check" if summary.check else "", summary.inventory, verdict, summary.seconds, summary.changed),
+        "",
+    ]
     if summary.hosts:
         keys = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
-        lines += grid(("host",) + keys, [(h,) + tuple(str(c.get(k, 0)) for k in keys)
-                                         for h, c in sorted(summary.hosts.items())])
+        lines += grid(("host",) + keys, [(h,) + tuple(str(c.get(k, 0)) for k in keys) for h, c in sorted(summary.hosts.items())])
         lines.append("")
     shown: List[Dict[str, Any]] = [f for f in summary.failures if not f.get("ignored")]
     for f in shown[:MAX_FAILURES_SHOWN]:

@@ -11,6 +11,7 @@ This is what `ray.util.state.list_nodes / list_logs / get_log` and `ray job` cal
 
 Every request has a timeout. Standard library + requests (a Ray dependency): imports on the Alpa image.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Mapping, Optional
@@ -36,26 +37,31 @@ class RayHttp:
         if token:
             self._session.headers["Authorization"] = "Bearer " + token
 
-    def _get(self, path: str, params: Optional[Mapping[str, Any]] = None, stream: bool = False,
-             timeout_s: Optional[float] = None):
+    def _get(self, path: str, params: Optional[Mapping[str, Any]] = None, stream: bool = False, timeout_s: Optional[float] = None):
         import requests
 
         timeout = timeout_s or self.timeout_s
         try:
             r = self._session.get(self.url + path, params=params, stream=stream, timeout=(min(timeout, 5.0), timeout))
         except requests.exceptions.Timeout:
-            raise RayHttpError("Ray's dashboard at %s did not answer %s within %.0f s; check that the head is up and "
-                               "its dashboard port open to this host" % (self.url, path, timeout), EXIT_TIMEOUT) from None
+            raise RayHttpError(
+                "Ray's dashboard at %s did not answer %s within %.0f s; check that the head is up and "
+                "its dashboard port open to this host" % (self.url, path, timeout),
+                EXIT_TIMEOUT,
+            ) from None
         except requests.exceptions.RequestException as err:
-            raise RayHttpError("cannot reach Ray's dashboard at %s (%s); is Ray up on the head "
-                               "(python -m alpa_job cluster up)?" % (self.url, _short(err)), EXIT_TIMEOUT) from None
+            raise RayHttpError(
+                "cannot reach Ray's dashboard at %s (%s); is Ray up on the head (python -m alpa_job cluster up)?" % (self.url, _short(err)),
+                EXIT_TIMEOUT,
+            ) from None
         if r.status_code in (401, 403):
-            raise RayHttpError("Ray at %s refused the request (HTTP %d: token auth is on and %s); set RAY_AUTH_TOKEN "
-                               "or the inventory's ray_cluster_auth_token_file" % (
-                                   self.url, r.status_code, "the token is wrong" if self.token else "no token was given"))
+            raise RayHttpError(
+                "Ray at %s refused the request (HTTP %d: token auth is on and %s); set RAY_AUTH_TOKEN "
+                "or the inventory's ray_cluster_auth_token_file"
+                % (self.url, r.status_code, "the token is wrong" if self.token else "no token was given")
+            )
         if r.status_code >= 400:
-            raise RayHttpError("Ray at %s answered %s with HTTP %d: %s" % (self.url, path, r.status_code,
-                                                                          _short(r.text)))
+            raise RayHttpError("Ray at %s answered %s with HTTP %d: %s" % (self.url, path, r.status_code, _short(r.text)))
         return r
 
     def json(self, path: str, params: Optional[Mapping[str, Any]] = None) -> Any:
@@ -63,20 +69,20 @@ class RayHttp:
         try:
             return r.json()
         except ValueError:
-            raise RayHttpError("Ray at %s answered %s with something that is not JSON: %s"
-                               % (self.url, path, _short(r.text))) from None
+            raise RayHttpError("Ray at %s answered %s with something that is not JSON: %s" % (self.url, path, _short(r.text))) from None
 
     def _state(self, path: str, params: Mapping[str, Any]) -> Any:
         """The data of a state-API response ({"result": bool, "msg", "data": {"result": ...}})."""
         body = self.json(path, params)
         if isinstance(body, Mapping) and body.get("result") is False:
-            raise RayHttpError("Ray's state API at %s%s failed: %s (see the head's dashboard.log)"
-                               % (self.url, path, _short(body.get("msg"))))
+            raise RayHttpError(
+                "Ray's state API at %s%s failed: %s (see the head's dashboard.log)" % (self.url, path, _short(body.get("msg")))
+            )
         return ((body or {}).get("data") or {}).get("result")
 
     # ---- what the cluster commands ask ----------------------------------------------------------------
     def auth_mode(self) -> str:
-        """"token" or "disabled" (a public endpoint); "unknown" on a Ray without it (< 2.52)."""
+        """ "token" or "disabled" (a public endpoint); "unknown" on a Ray without it (< 2.52)."""
         try:
             return str(self.json("/api/authentication_mode").get("authentication_mode") or "unknown")
         except RayHttpError as err:
@@ -107,9 +113,12 @@ class RayHttp:
     def get_log(self, node_ip: str, filename: str, lines: int = -1, timeout_s: Optional[float] = None) -> Iterator[bytes]:
         """A log file's bytes in chunks (get_log, media_type=file); `lines` > 0: only its last lines."""
         timeout = timeout_s or max(self.timeout_s, 60.0)
-        r = self._get("/api/v0/logs/file", {"node_ip": node_ip, "filename": filename, "lines": lines,
-                                            "media_type": "file", "timeout": int(timeout)},
-                      stream=True, timeout_s=timeout)
+        r = self._get(
+            "/api/v0/logs/file",
+            {"node_ip": node_ip, "filename": filename, "lines": lines, "media_type": "file", "timeout": int(timeout)},
+            stream=True,
+            timeout_s=timeout,
+        )
         with r:
             for chunk in r.iter_content(chunk_size=1 << 16):
                 if chunk:

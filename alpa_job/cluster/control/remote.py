@@ -2,6 +2,7 @@
 `ansible_connection: local`: run a command with a time limit, fetch a file. Nothing here waits unbounded:
 the TCP connect, the SSH banner and authentication and every command have their own timeouts.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,14 +63,12 @@ class Remote:
         except ImportError:
             raise RemoteError("fabric is not installed on the controller: pip install -r requirements/dev.txt") from None
         n = self.node
-        kwargs = {"banner_timeout": self.connect_timeout_s,
-                  "auth_timeout": self.connect_timeout_s, "allow_agent": True}
+        kwargs = {"banner_timeout": self.connect_timeout_s, "auth_timeout": self.connect_timeout_s, "allow_agent": True}
         if n.key_file:
             kwargs["key_filename"] = os.path.expanduser(str(n.key_file))
         if n.password:
             kwargs["password"] = str(n.password)
-        conn = fabric.Connection(n.address, user=n.user or None, port=n.port, connect_timeout=self.connect_timeout_s,
-                                 connect_kwargs=kwargs)
+        conn = fabric.Connection(n.address, user=n.user or None, port=n.port, connect_timeout=self.connect_timeout_s, connect_kwargs=kwargs)
         try:
             conn.open()
         except Exception as err:  # socket.timeout, NoValidConnectionsError, AuthenticationException, ...
@@ -87,11 +86,11 @@ class Remote:
         t0 = time.monotonic()
         if self.node.local:
             try:
-                p = subprocess.run(["sh", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   universal_newlines=True, timeout=timeout_s)
+                p = subprocess.run(
+                    ["sh", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=timeout_s
+                )
             except subprocess.TimeoutExpired:
-                raise RemoteError("`%s` did not finish within %.0f s on %s" % (_short(command), timeout_s,
-                                                                                self.node.name)) from None
+                raise RemoteError("`%s` did not finish within %.0f s on %s" % (_short(command), timeout_s, self.node.name)) from None
             return Result(p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
         self.connect()
         try:

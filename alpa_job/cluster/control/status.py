@@ -10,6 +10,7 @@ inventory; a mismatch is exit 3 naming the node.
 Nodes are matched by IP: the inventory's ansible_host when it lies in the cluster CIDR (Ray's node
 IPs always do). A host whose SSH address is elsewhere (a management network) is matched by count only.
 """
+
 from __future__ import annotations
 
 import re
@@ -45,8 +46,10 @@ def head_url(inv: Optional[Inventory], address: Optional[str] = None) -> str:
         return dashboard_url(spec, host)
     ip = inv.head.ip()
     if ip is None:
-        raise KitError("inventory head %s has address %r, which does not resolve; pass --address http://HEAD:%d"
-                       % (inv.head.name, inv.head.address, spec.ports["dashboard"]))
+        raise KitError(
+            "inventory head %s has address %r, which does not resolve; pass --address http://HEAD:%d"
+            % (inv.head.name, inv.head.address, spec.ports["dashboard"])
+        )
     return dashboard_url(spec, ip)
 
 
@@ -65,8 +68,10 @@ def ray_silent(url: str, timeout_s: float, err: KitError, instead: str) -> KitEr
         return err
     errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", str(err))  # requests' chained text: the socket's own words
     why = errno.group(1).strip() if errno else "no answer"
-    return KitError("Ray at %s did not answer within %.0f s (%s); %s, pass --inventory FILE (there is none at %s)"
-                    % (url, timeout_s, why[:200], instead, DEFAULT_INVENTORY))
+    return KitError(
+        "Ray at %s did not answer within %.0f s (%s); %s, pass --inventory FILE (there is none at %s)"
+        % (url, timeout_s, why[:200], instead, DEFAULT_INVENTORY)
+    )
 
 
 def cluster_status(inv: Optional[Inventory], address: Optional[str] = None, timeout_s: float = 10.0) -> Dict[str, Any]:
@@ -91,22 +96,41 @@ def cluster_status(inv: Optional[Inventory], address: Optional[str] = None, time
     names = inv.by_ip() if inv is not None else {}
     nodes = []
     for n in sorted(rows, key=lambda n: (not n.alive, n.ip)):
-        nodes.append({"ip": n.ip, "host": names.get(n.ip), "alive": n.alive, "head": bool(n.is_head),
-                      "node_id": n.node_id, "state_message": _field(n.row, "state_message"),
-                      "node_name": _field(n.row, "node_name"),
-                      "resources": {k: n.resources[k] for k in RESOURCE_COLUMNS if k in n.resources}})
-    result = {"inventory": inv.path if inv is not None else None, "compared": inv is not None, "jobs_api": url,
-              "auth": auth, "token_given": bool(api.token),
-              "ray_version": version.get("ray_version"), "ray_commit": version.get("ray_commit"),
-              "session": version.get("session_name"), "nodes": nodes,
-              "expected": {"head": inv.head.name, "workers": [w.name for w in inv.workers]} if inv is not None
-              else None}
+        nodes.append(
+            {
+                "ip": n.ip,
+                "host": names.get(n.ip),
+                "alive": n.alive,
+                "head": bool(n.is_head),
+                "node_id": n.node_id,
+                "state_message": _field(n.row, "state_message"),
+                "node_name": _field(n.row, "node_name"),
+                "resources": {k: n.resources[k] for k in RESOURCE_COLUMNS if k in n.resources},
+            }
+        )
+    result = {
+        "inventory": inv.path if inv is not None else None,
+        "compared": inv is not None,
+        "jobs_api": url,
+        "auth": auth,
+        "token_given": bool(api.token),
+        "ray_version": version.get("ray_version"),
+        "ray_commit": version.get("ray_commit"),
+        "session": version.get("session_name"),
+        "nodes": nodes,
+        "expected": {"head": inv.head.name, "workers": [w.name for w in inv.workers]} if inv is not None else None,
+    }
     result["problems"] = compare(inv, nodes) if inv is not None else []
     if found_elsewhere:
-        result["problems"].insert(0, {"node": inv.head.name, "problem": "the inventory's head %s (%s) serves no Ray "
-                                      "dashboard; Ray's head answers at %s" % (inv.head.name, inv.head.address,
-                                                                              found_elsewhere),
-                                      "fix": "point ray_head at the node Ray runs its head on, or cluster down + up"})
+        result["problems"].insert(
+            0,
+            {
+                "node": inv.head.name,
+                "problem": "the inventory's head %s (%s) serves no Ray "
+                "dashboard; Ray's head answers at %s" % (inv.head.name, inv.head.address, found_elsewhere),
+                "fix": "point ray_head at the node Ray runs its head on, or cluster down + up",
+            },
+        )
     result["ok"] = not result["problems"]
     result["seconds"] = round(time.monotonic() - t0, 2)
     return result
@@ -148,45 +172,92 @@ def compare(inv: Inventory, nodes: List[Mapping[str, Any]]) -> List[Dict[str, st
         matched.add(ip)
         if ip not in alive:
             dead = [n for n in nodes if n["ip"] == ip]
-            problems.append({"node": node.name, "problem": "%s (%s) is in the inventory but %s" % (
-                node.name, ip, "its Ray node is dead" + (": " + dead[0]["state_message"] if dead[0].get(
-                    "state_message") else "") if dead else "has no Ray node"),
-                "fix": "python -m alpa_job cluster up (or cluster logs to see why it died)"})
+            problems.append(
+                {
+                    "node": node.name,
+                    "problem": "%s (%s) is in the inventory but %s"
+                    % (
+                        node.name,
+                        ip,
+                        "its Ray node is dead" + (": " + dead[0]["state_message"] if dead[0].get("state_message") else "")
+                        if dead
+                        else "has no Ray node",
+                    ),
+                    "fix": "python -m alpa_job cluster up (or cluster logs to see why it died)",
+                }
+            )
             continue
         if node.role == "head" and not alive[ip]["head"]:
-            problems.append({"node": node.name, "problem": "the inventory's head %s (%s) is a worker in Ray; Ray's head "
-                             "is %s" % (node.name, ip, ", ".join(i for i, n in alive.items() if n["head"]) or "unknown"),
-                             "fix": "point ray_head at the node Ray runs its head on, or cluster down + up"})
+            problems.append(
+                {
+                    "node": node.name,
+                    "problem": "the inventory's head %s (%s) is a worker in Ray; Ray's head "
+                    "is %s" % (node.name, ip, ", ".join(i for i, n in alive.items() if n["head"]) or "unknown"),
+                    "fix": "point ray_head at the node Ray runs its head on, or cluster down + up",
+                }
+            )
         if node.role == "worker" and alive[ip]["head"]:
-            problems.append({"node": node.name, "problem": "%s (%s) is Ray's head but a worker in the inventory"
-                             % (node.name, ip), "fix": "put %s under ray_head, or cluster down + up" % node.name})
+            problems.append(
+                {
+                    "node": node.name,
+                    "problem": "%s (%s) is Ray's head but a worker in the inventory" % (node.name, ip),
+                    "fix": "put %s under ray_head, or cluster down + up" % node.name,
+                }
+            )
     extra = sorted(set(alive) - matched)
     if len(extra) > len(unmatched_hosts):  # more alive nodes than the inventory accounts for
-        named = extra if not unmatched_hosts else extra[:len(extra) - len(unmatched_hosts)]
+        named = extra if not unmatched_hosts else extra[: len(extra) - len(unmatched_hosts)]
         for ip in named:
-            problems.append({"node": ip, "problem": "Ray node %s is alive but not in the inventory %s" % (ip, inv.path),
-                             "fix": "add it to ray_workers, or stop Ray there (cluster down with it listed)"})
+            problems.append(
+                {
+                    "node": ip,
+                    "problem": "Ray node %s is alive but not in the inventory %s" % (ip, inv.path),
+                    "fix": "add it to ray_workers, or stop Ray there (cluster down with it listed)",
+                }
+            )
     elif len(extra) < len(unmatched_hosts):
-        problems.append({"node": ", ".join(unmatched_hosts), "problem": "%d inventory host(s) outside the cluster CIDR "
-                         "(%s) but only %d alive Ray node(s) unaccounted for" % (len(unmatched_hosts), cidr, len(extra)),
-                         "fix": "python -m alpa_job cluster up, then cluster status again"})
+        problems.append(
+            {
+                "node": ", ".join(unmatched_hosts),
+                "problem": "%d inventory host(s) outside the cluster CIDR "
+                "(%s) but only %d alive Ray node(s) unaccounted for" % (len(unmatched_hosts), cidr, len(extra)),
+                "fix": "python -m alpa_job cluster up, then cluster status again",
+            }
+        )
     return problems
 
 
 def render_table(result: Mapping[str, Any]) -> str:
     alive = [n for n in result["nodes"] if n["alive"]]
-    lines = ["cluster: %s  Ray %s  auth %s%s  session %s: %s" % (
-        result["jobs_api"], result["ray_version"], result["auth"],
-        "" if result["auth"] != "token" else (" (token given)" if result["token_given"] else " (NO token given)"),
-        result["session"], ("OK" if result["ok"] else "DIFFERS FROM THE INVENTORY") if result.get("compared", True)
-        else "Ray's view; not compared against an inventory (none given: pass --inventory FILE to compare)"), ""]
+    lines = [
+        "cluster: %s  Ray %s  auth %s%s  session %s: %s"
+        % (
+            result["jobs_api"],
+            result["ray_version"],
+            result["auth"],
+            "" if result["auth"] != "token" else (" (token given)" if result["token_given"] else " (NO token given)"),
+            result["session"],
+            ("OK" if result["ok"] else "DIFFERS FROM THE INVENTORY")
+            if result.get("compared", True)
+            else "Ray's view; not compared against an inventory (none given: pass --inventory FILE to compare)",
+        ),
+        "",
+    ]
     rows = []
     for n in result["nodes"]:
         r = n["resources"]
-        rows.append((n["ip"] + (" (head)" if n["head"] else ""), n["host"] or "-", n.get("node_name") or "-",
-                     "alive" if n["alive"] else "DEAD",
-                     _num(r.get("CPU")), _num(r.get("GPU")), _bytes(r.get("memory")),
-                     _bytes(r.get("object_store_memory"))))
+        rows.append(
+            (
+                n["ip"] + (" (head)" if n["head"] else ""),
+                n["host"] or "-",
+                n.get("node_name") or "-",
+                "alive" if n["alive"] else "DEAD",
+                _num(r.get("CPU")),
+                _num(r.get("GPU")),
+                _bytes(r.get("memory")),
+                _bytes(r.get("object_store_memory")),
+            )
+        )
     lines += grid(("node", "inventory host", "Ray node name", "state", "CPU", "GPU", "memory", "object store"), rows)
     lines.append("")
     lines.append("%d alive node(s); jobs: RAY_ADDRESS=%s ray job submit -- ..." % (len(alive), result["jobs_api"]))
@@ -200,7 +271,10 @@ def failure_summary(result: Mapping[str, Any]) -> Optional[str]:
         return None
     first = result["problems"][0]
     return "cluster status: %d difference(s) from the inventory; first: %s -> fix: %s" % (
-        len(result["problems"]), first["problem"], first["fix"])
+        len(result["problems"]),
+        first["problem"],
+        first["fix"],
+    )
 
 
 def render_json(result: Mapping[str, Any]) -> str:

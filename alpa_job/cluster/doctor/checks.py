@@ -2,6 +2,7 @@
 
 Imports on the Alpa image's stack (Python 3.9): standard library only.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -21,8 +22,13 @@ def check(name: str, node: Optional[str], ok: bool, detail: str, fix: str = "", 
 
 
 def deadline_check(seconds: float, what: str) -> Dict[str, Any]:
-    return check("deadline", None, False, "the %.0f s deadline passed %s; the checks above are what is known"
-                 % (seconds, what), "raise --deadline, or fix the nodes named above")
+    return check(
+        "deadline",
+        None,
+        False,
+        "the %.0f s deadline passed %s; the checks above are what is known" % (seconds, what),
+        "raise --deadline, or fix the nodes named above",
+    )
 
 
 def check_node_ip(node: str, ray_ip: str, addresses: Mapping[str, Sequence[str]], cidr: str) -> List[Dict[str, Any]]:
@@ -31,18 +37,29 @@ def check_node_ip(node: str, ray_ip: str, addresses: Mapping[str, Sequence[str]]
     in_cidr = ips_in_cidr(mine, cidr)
     hint = in_cidr[0] if len(in_cidr) == 1 else "<its address in %s>" % cidr
     if ray_ip not in mine:
-        return [check("node_ip", node, False,
-                      "Ray IP %s is not an address of this host (its addresses: %s)" % (ray_ip, ", ".join(mine) or "none"),
-                      "restart it with --node-ip-address=%s" % hint)]
+        return [
+            check(
+                "node_ip",
+                node,
+                False,
+                "Ray IP %s is not an address of this host (its addresses: %s)" % (ray_ip, ", ".join(mine) or "none"),
+                "restart it with --node-ip-address=%s" % hint,
+            )
+        ]
     if ray_ip not in in_cidr:
-        return [check("node_ip", node, False,
-                      "Ray IP %s is not in cluster CIDR %s (its addresses: %s)" % (ray_ip, cidr, ", ".join(mine)),
-                      "restart it with --node-ip-address=%s (python -m alpa_job.cluster.node_ip prints it)" % hint)]
+        return [
+            check(
+                "node_ip",
+                node,
+                False,
+                "Ray IP %s is not in cluster CIDR %s (its addresses: %s)" % (ray_ip, cidr, ", ".join(mine)),
+                "restart it with --node-ip-address=%s (python -m alpa_job.cluster.node_ip prints it)" % hint,
+            )
+        ]
     return [check("node_ip", node, True, "Ray IP %s is this host's address in %s" % (ray_ip, cidr))]
 
 
-def compare_versions(per_node: Mapping[str, Mapping[str, Optional[str]]],
-                     prefer: Optional[str] = None) -> List[Dict[str, Any]]:
+def compare_versions(per_node: Mapping[str, Mapping[str, Optional[str]]], prefer: Optional[str] = None) -> List[Dict[str, Any]]:
     """One check per package in VERSION_KEYS: equal on every node, else name the odd node(s).
 
     The reference value is the most common one (ties: `prefer`'s, i.e. the head's). A package missing
@@ -74,25 +91,40 @@ def _reference(values: Mapping[str, Optional[str]], prefer: Optional[str]) -> Op
 
 def _skew(key: str, node: str, values: Mapping[str, Optional[str]], ref: Optional[str]) -> Dict[str, Any]:
     return check(
-        "versions", node, False,
-        "%s %s here, %s on %s" % (key, values[node] or "missing", ref or "missing",
-                                  ", ".join(n for n in sorted(values) if values[n] == ref)),
-        "install %s %s on %s (one image for every node)" % (key, ref, node) if ref else
-        "remove %s from %s or install it everywhere (one image for every node)" % (key, node))
+        "versions",
+        node,
+        False,
+        "%s %s here, %s on %s"
+        % (key, values[node] or "missing", ref or "missing", ", ".join(n for n in sorted(values) if values[n] == ref)),
+        "install %s %s on %s (one image for every node)" % (key, ref, node)
+        if ref
+        else "remove %s from %s or install it everywhere (one image for every node)" % (key, node),
+    )
 
 
 def check_shm(node: str, shm: Mapping[str, Any], gpus: int) -> Dict[str, Any]:
     size = shm.get("bytes")
     if size is None:
-        return check("shm", node, gpus == 0, "/dev/shm missing (%s)" % shm.get("error", "?"),
-                     "mount a tmpfs on /dev/shm (docker --shm-size=8g or --ipc=host)", warn=True)
+        return check(
+            "shm",
+            node,
+            gpus == 0,
+            "/dev/shm missing (%s)" % shm.get("error", "?"),
+            "mount a tmpfs on /dev/shm (docker --shm-size=8g or --ipc=host)",
+            warn=True,
+        )
     text = "/dev/shm %s" % gib(size)
     if size >= SHM_MIN_BYTES:
         return check("shm", node, True, text)
     # NCCL fails with "posix_fallocate ... No space left" on a small /dev/shm: fatal with GPUs.
-    return check("shm", node, gpus == 0, "%s, below %s%s" % (text, gib(SHM_MIN_BYTES),
-                 "" if gpus else " (no GPUs here: Ray's object store falls back to disk)"),
-                 "give the node a larger /dev/shm (docker --shm-size=8g or --ipc=host)", warn=True)
+    return check(
+        "shm",
+        node,
+        gpus == 0,
+        "%s, below %s%s" % (text, gib(SHM_MIN_BYTES), "" if gpus else " (no GPUs here: Ray's object store falls back to disk)"),
+        "give the node a larger /dev/shm (docker --shm-size=8g or --ipc=host)",
+        warn=True,
+    )
 
 
 def check_gpus(node: str, gpu: Mapping[str, Any], ray_gpus: float) -> Dict[str, Any]:

@@ -1,4 +1,5 @@
 """`python -m alpa_job doctor`: the doctor's CLI entry (the checks themselves: run.py)."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def main(args) -> int:
     deadline = float(getattr(args, "deadline", None) or DEFAULT_DEADLINE_S)
     node_timeout = float(getattr(args, "node_timeout", None) or NODE_TIMEOUT_S)
     skip = [n.strip() for n in (getattr(args, "skip_ports", None) or "").split(",") if n.strip()]
-    result = run_doctor(address, spec, deadline_s=deadline, node_timeout_s=node_timeout, skip_ports=skip,
-                        network=bool(getattr(args, "network", False)))
+    result = run_doctor(
+        address, spec, deadline_s=deadline, node_timeout_s=node_timeout, skip_ports=skip, network=bool(getattr(args, "network", False))
+    )
     print(render_json(result) if getattr(args, "format", "table") == "json" else render_table(result))
     if not result["ok"]:
         print(failure_summary(result), file=sys.stderr)
@@ -38,14 +40,11 @@ def nccl_main(args) -> int:
     fabric = args.fabric or load_spec(getattr(args, "cluster_spec", None)).network.fabric
     summary = nccl_log.read_logs(args.nccl_log)
     if not summary.lines:
-        raise KitError("no NCCL INFO lines in %s; %s and give its log" % (", ".join(args.nccl_log),
-                                                                          nccl_log.NCCL_DEBUG_HINT))
+        raise KitError("no NCCL INFO lines in %s; %s and give its log" % (", ".join(args.nccl_log), nccl_log.NCCL_DEBUG_HINT))
     found = nccl_log.verdicts(summary, fabric)
     line = nccl_log.transports_line(summary)
     if getattr(args, "format", "table") == "json":
-        print(render_json({"ok": not found, "fabric": fabric, "transports": line, "verdicts": found,
-                           "summary": summary.to_dict()}))
+        print(render_json({"ok": not found, "fabric": fabric, "transports": line, "verdicts": found, "summary": summary.to_dict()}))
     else:
         print("\n".join([line] + (["FAIL " + v for v in found] or ["ok   NCCL's transports fit fabric %s" % fabric])))
     return EXIT_CHECK_FAILED if found else EXIT_OK
-

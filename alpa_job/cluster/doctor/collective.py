@@ -8,6 +8,7 @@ own (alpa_job.cluster.network_probe): the doctor measures what a job would see.
 
 The probe side imports jax only inside `all_reduce` (the doctor itself runs on the Alpa image's stack too).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,14 @@ REPEATS = 5
 JOIN_TIMEOUT_S = 30
 
 
-def all_reduce(coordinator: str, processes: int, index: int, nbytes: int = ALL_REDUCE_BYTES,
-               repeats: int = REPEATS, join_timeout_s: int = JOIN_TIMEOUT_S) -> Dict[str, Any]:
+def all_reduce(
+    coordinator: str,
+    processes: int,
+    index: int,
+    nbytes: int = ALL_REDUCE_BYTES,
+    repeats: int = REPEATS,
+    join_timeout_s: int = JOIN_TIMEOUT_S,
+) -> Dict[str, Any]:
     """(probe side, a fresh process) Join the doctor's JAX processes, time a psum of `nbytes` a device: its
     figures, and on GPUs NCCL's own log lines."""
     from alpa_job.cluster.jax_join import init_distributed
@@ -50,26 +57,42 @@ def probe_bytes(slowest_link_gbps: Optional[float]) -> int:
     return max(MIN_BYTES, min(ALL_REDUCE_BYTES, fits))
 
 
-def verdicts(results: Dict[str, Dict[str, Any]], failed: Dict[str, str], declared_gbps: float = 0.0,
-             fabric: str = "ethernet") -> List[Dict[str, Any]]:
+def verdicts(
+    results: Dict[str, Dict[str, Any]], failed: Dict[str, str], declared_gbps: float = 0.0, fabric: str = "ethernet"
+) -> List[Dict[str, Any]]:
     """Checks: nodes whose JAX process did not join or finish, the group's bus bandwidth (against the declared
     bandwidth, where one is declared), and on GPUs what NCCL's own log says."""
-    fix = ("open the xla_grpc range (the coordinator) and the ephemeral range (NCCL, gloo) between members "
-           "(python -m alpa_job.cluster.firewall), and see the link checks: a very slow link outlasts the probe")
-    out = [check("collective", ip, False, "the all-reduce probe did not finish on %s: %s" % (ip, why), fix)
-           for ip, why in sorted(failed.items())]
+    fix = (
+        "open the xla_grpc range (the coordinator) and the ephemeral range (NCCL, gloo) between members "
+        "(python -m alpa_job.cluster.firewall), and see the link checks: a very slow link outlasts the probe"
+    )
+    out = [
+        check("collective", ip, False, "the all-reduce probe did not finish on %s: %s" % (ip, why), fix)
+        for ip, why in sorted(failed.items())
+    ]
     if not results or failed:
         return out
     first = results[sorted(results)[0]]
     gbps = network_probe.bus_gbps(first)
     detail = "all-reduce of %s a device over %d %s device(s) on %d node(s): %.3g ms, bus bandwidth %s Gb/s" % (
-        human_bytes(first["bytes"]), first["devices"], first["backend"], len(results), first["seconds"] * 1e3,
-        "%.3g" % gbps if gbps is not None else "-")
+        human_bytes(first["bytes"]),
+        first["devices"],
+        first["backend"],
+        len(results),
+        first["seconds"] * 1e3,
+        "%.3g" % gbps if gbps is not None else "-",
+    )
     slow = bool(gbps is not None and declared_gbps and gbps < 0.5 * declared_gbps)
-    out.append(check("collective", None, not slow, detail + (" (declared %.3g Gb/s)" % declared_gbps if declared_gbps
-                                                            else ""),
-                     "see the link checks and NCCL's transports above: a collective well below the declared "
-                     "bandwidth usually runs on sockets or a slow link"))
+    out.append(
+        check(
+            "collective",
+            None,
+            not slow,
+            detail + (" (declared %.3g Gb/s)" % declared_gbps if declared_gbps else ""),
+            "see the link checks and NCCL's transports above: a collective well below the declared "
+            "bandwidth usually runs on sockets or a slow link",
+        )
+    )
     out += nccl_checks(results, fabric)
     return out
 

@@ -8,6 +8,7 @@ count the bytes still sitting in its socket buffer as sent).
 
 Imports on the Alpa image's stack (Python 3.9, ray 2.1.0): standard library only.
 """
+
 from __future__ import annotations
 
 import random

@@ -28,6 +28,7 @@ Ray folds identical lines of several processes into one ("[repeated 3x across cl
 line is read once, so channel counts from Ray's stream are a lower bound (the workers' own log files
 are exact). Pure standard library: it runs on the Alpa image's Python 3.9 and needs neither jax nor ray.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ from alpa_job.errors import KitError
 
 NCCL_DEBUG_HINT = "run with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET"
 # How RDMA reaches a container; one place, so every verdict that needs it says the same.
-RDMA_INTO_CONTAINER = ("pass /dev/infiniband, IPC_LOCK and unlimited memlock into the container "
-                       "(Ansible does for fabric ib/roce; k8s: the rdma overlay)")
+RDMA_INTO_CONTAINER = (
+    "pass /dev/infiniband, IPC_LOCK and unlimited memlock into the container (Ansible does for fabric ib/roce; k8s: the rdma overlay)"
+)
 # Files a run directory or a collected-logs folder keeps NCCL's lines in (train.log, ray.log, Ray's
 # worker-*.out/.err); checkpoints and reports are skipped by name.
 LOG_SUFFIXES = (".log", ".out", ".err", ".txt")
@@ -241,8 +243,7 @@ def read_logs(paths: Sequence[str]) -> NcclSummary:
     summary = NcclSummary()
     for path in paths:
         if os.path.isdir(path):
-            files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                           if name.endswith(LOG_SUFFIXES))
+            files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names if name.endswith(LOG_SUFFIXES))
         elif os.path.isfile(path):
             files = [path]
         else:
@@ -283,27 +284,33 @@ def _problems(p: ProcessNccl, fabric: str) -> List[str]:
     problems = []
     ib_disabled = p.env.get("NCCL_IB_DISABLE", "0") not in ("", "0")
     if fabric in RDMA_FABRICS and ib_disabled:
-        problems.append("NCCL_IB_DISABLE=%s is set on {hosts} while the cluster declares fabric %s: remove it"
-                        % (p.env["NCCL_IB_DISABLE"], fabric))
+        problems.append(
+            "NCCL_IB_DISABLE=%s is set on {hosts} while the cluster declares fabric %s: remove it" % (p.env["NCCL_IB_DISABLE"], fabric)
+        )
     elif fabric in RDMA_FABRICS and p.uses_sockets and p.across_hosts:
         if p.ib_failed:
-            problems.append("NCCL fell back to sockets on {hosts}: IB did not initialise (no /dev/infiniband "
-                            "in the container, or NCCL_IB_DISABLE=1 in its environment?) — declared fabric %s: %s"
-                            % (fabric, RDMA_INTO_CONTAINER))
+            problems.append(
+                "NCCL fell back to sockets on {hosts}: IB did not initialise (no /dev/infiniband "
+                "in the container, or NCCL_IB_DISABLE=1 in its environment?) — declared fabric %s: %s" % (fabric, RDMA_INTO_CONTAINER)
+            )
         else:
-            problems.append("NCCL uses sockets on {hosts} though the cluster declares fabric %s (NCCL_NET=Socket, "
-                            "or NCCL_IB_HCA naming no HCA?): rerun with %s and read its NET/IB lines"
-                            % (fabric, NCCL_DEBUG_HINT))
+            problems.append(
+                "NCCL uses sockets on {hosts} though the cluster declares fabric %s (NCCL_NET=Socket, "
+                "or NCCL_IB_HCA naming no HCA?): rerun with %s and read its NET/IB lines" % (fabric, NCCL_DEBUG_HINT)
+            )
     loopback = [iface for iface, address in p.socket_ifaces if _is_loopback(iface, address)]
     if loopback and p.uses_sockets and p.across_hosts:
         ifname = p.env.get("NCCL_SOCKET_IFNAME")  # the usual cause: a setting meant for one machine
-        problems.append("NCCL uses sockets on the loopback interface %s on {hosts}%s: across hosts set "
-                        "NCCL_SOCKET_IFNAME to the cluster interface"
-                        % (", ".join(loopback), " (NCCL_SOCKET_IFNAME=%s there)" % ifname if ifname else ""))
+        problems.append(
+            "NCCL uses sockets on the loopback interface %s on {hosts}%s: across hosts set "
+            "NCCL_SOCKET_IFNAME to the cluster interface"
+            % (", ".join(loopback), " (NCCL_SOCKET_IFNAME=%s there)" % ifname if ifname else "")
+        )
     if p.env.get("NCCL_P2P_DISABLE", "0") not in ("", "0") and p.local_ranks > 1:
-        problems.append("NCCL_P2P_DISABLE=%s is set on {hosts}, which has %d GPUs in one communicator: they "
-                        "talk through host memory instead of NVLink/PCIe; remove it"
-                        % (p.env["NCCL_P2P_DISABLE"], p.local_ranks))
+        problems.append(
+            "NCCL_P2P_DISABLE=%s is set on {hosts}, which has %d GPUs in one communicator: they "
+            "talk through host memory instead of NVLink/PCIe; remove it" % (p.env["NCCL_P2P_DISABLE"], p.local_ranks)
+        )
     return problems
 
 

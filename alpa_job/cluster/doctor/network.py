@@ -8,6 +8,7 @@ A link is slow below a quarter of the median of all the links measured, or of wh
 (`network.gbps`), and still slow when it streams again alone; a host whose every link one way is slow is
 named once, as the cause.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -36,8 +37,9 @@ def round_robin(nodes: Sequence[str]) -> List[List[Tuple[str, str]]]:
     return [r for r in rounds if r]
 
 
-def link_row(src: str, dst: str, sent: Optional[Mapping[str, Any]], received: Optional[Mapping[str, Any]],
-             failure: Optional[str]) -> Dict[str, Any]:
+def link_row(
+    src: str, dst: str, sent: Optional[Mapping[str, Any]], received: Optional[Mapping[str, Any]], failure: Optional[str]
+) -> Dict[str, Any]:
     """One direction's figures: Gb/s by the receiver's clock, the sender's latency; or its error."""
     row: Dict[str, Any] = {"src": src, "dst": dst, "gbps": None, "rtt_ms": None, "error": None}
     if failure or sent is None:
@@ -47,31 +49,40 @@ def link_row(src: str, dst: str, sent: Optional[Mapping[str, Any]], received: Op
     if sent.get("error"):
         row["error"] = sent["error"]
     elif not received or received.get("error") or not received.get("seconds"):
-        row["error"] = "the receiver timed no stream" + (": %s" % received["error"] if received and
-                                                        received.get("error") else "")
+        row["error"] = "the receiver timed no stream" + (": %s" % received["error"] if received and received.get("error") else "")
     else:
-        row.update(bytes=received["bytes"], seconds=received["seconds"],
-                   gbps=round(received["bytes"] * 8 / received["seconds"] / 1e9, 4))
+        row.update(bytes=received["bytes"], seconds=received["seconds"], gbps=round(received["bytes"] * 8 / received["seconds"] / 1e9, 4))
     return row
 
 
-def measure(ray, actors: Mapping[str, Any], spec, deadline, connect_timeout_s: float, node_timeout_s: float,
-            wait_refs) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+def measure(
+    ray, actors: Mapping[str, Any], spec, deadline, connect_timeout_s: float, node_timeout_s: float, wait_refs
+) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """(a row per directed link, checks for nodes that could not take part) over the pinned probe actors."""
     nodes = sorted(actors)
     lo, hi = spec.ranges["ephemeral"]
     hold = deadline.left() + 5
-    ports, failed = wait_refs(ray, {ip: actors[ip].link_listen.remote(ip, (lo, hi), hold) for ip in nodes},
-                              deadline.left(node_timeout_s))
-    checks = [check("network", ip, False, "could not listen for the link probe: %s" % why,
-                    "free a port in the ephemeral range %d-%d on %s" % (lo, hi, ip)) for ip, why in sorted(failed.items())]
+    ports, failed = wait_refs(ray, {ip: actors[ip].link_listen.remote(ip, (lo, hi), hold) for ip in nodes}, deadline.left(node_timeout_s))
+    checks = [
+        check(
+            "network",
+            ip,
+            False,
+            "could not listen for the link probe: %s" % why,
+            "free a port in the ephemeral range %d-%d on %s" % (lo, hi, ip),
+        )
+        for ip, why in sorted(failed.items())
+    ]
+
     def streams(directed: Sequence[Tuple[str, str]]) -> List[Dict[str, Any]]:
         """These directed links' streams at once (no node sends twice, nor receives twice)."""
         keys = {"%s>%s" % (s, d): (s, d) for s, d in directed}
-        sent, send_failed = wait_refs(ray, {k: actors[s].link_send.remote(s, d, ports[d], STREAM_S, connect_timeout_s)
-                                            for k, (s, d) in keys.items()}, deadline.left(STREAM_S + ROUND_SLACK_S))
-        received, _ = wait_refs(ray, {k: actors[d].link_received.remote(s) for k, (s, d) in keys.items()},
-                                deadline.left(node_timeout_s))
+        sent, send_failed = wait_refs(
+            ray,
+            {k: actors[s].link_send.remote(s, d, ports[d], STREAM_S, connect_timeout_s) for k, (s, d) in keys.items()},
+            deadline.left(STREAM_S + ROUND_SLACK_S),
+        )
+        received, _ = wait_refs(ray, {k: actors[d].link_received.remote(s) for k, (s, d) in keys.items()}, deadline.left(node_timeout_s))
         return [link_row(s, d, sent.get(k), received.get(k), send_failed.get(k)) for k, (s, d) in keys.items()]
 
     rows: List[Dict[str, Any]] = []
@@ -91,8 +102,7 @@ def measure(ray, actors: Mapping[str, Any], spec, deadline, connect_timeout_s: f
     return rows, checks
 
 
-def route_checks(routes: Mapping[str, Mapping[str, Any]], ray_ifaces: Mapping[str, Optional[str]],
-                 head: str) -> List[Dict[str, Any]]:
+def route_checks(routes: Mapping[str, Mapping[str, Any]], ray_ifaces: Mapping[str, Optional[str]], head: str) -> List[Dict[str, Any]]:
     """A node whose route to the head leaves from another address than its Ray address: Ray and the traffic
     it starts take different interfaces (the head sees the wrong source, a firewall drops it, or the
     training traffic takes the slow network)."""
@@ -101,11 +111,17 @@ def route_checks(routes: Mapping[str, Mapping[str, Any]], ray_ifaces: Mapping[st
         route = routes[ip]
         if route.get("error") or not route.get("source") or route["source"] == ip:
             continue
-        out.append(check("network", ip, False, "Ray is bound to %s (%s) on %s, but the route to the head %s leaves "
-                         "from %s (%s)" % (ip, ray_ifaces.get(ip) or "?", ip, head, route["source"],
-                                          route.get("iface") or "?"),
-                         "route the cluster CIDR through %s on that node (ip route), or restart its Ray with "
-                         "--node-ip-address %s" % (ray_ifaces.get(ip) or "Ray's interface", route["source"])))
+        out.append(
+            check(
+                "network",
+                ip,
+                False,
+                "Ray is bound to %s (%s) on %s, but the route to the head %s leaves "
+                "from %s (%s)" % (ip, ray_ifaces.get(ip) or "?", ip, head, route["source"], route.get("iface") or "?"),
+                "route the cluster CIDR through %s on that node (ip route), or restart its Ray with "
+                "--node-ip-address %s" % (ray_ifaces.get(ip) or "Ray's interface", route["source"]),
+            )
+        )
     return out
 
 
@@ -120,9 +136,17 @@ def suspects(rows: Sequence[Mapping[str, Any]], declared: float = 0.0) -> List[M
 def verdicts(rows: Sequence[Mapping[str, Any]], declared_gbps: float = 0.0) -> List[Dict[str, Any]]:
     """Checks: failed streams, each slow host (all its links one way slow), other slow links, and one
     summary line of what the links measured."""
-    out = [check("network", r["src"], False, "no stream %s -> %s: %s" % (r["src"], r["dst"], r["error"]),
-                 "open the ephemeral range (cluster spec ranges.ephemeral) between members: python -m "
-                 "alpa_job.cluster.firewall") for r in rows if r["error"]]
+    out = [
+        check(
+            "network",
+            r["src"],
+            False,
+            "no stream %s -> %s: %s" % (r["src"], r["dst"], r["error"]),
+            "open the ephemeral range (cluster spec ranges.ephemeral) between members: python -m alpa_job.cluster.firewall",
+        )
+        for r in rows
+        if r["error"]
+    ]
     measured = [r for r in rows if r["gbps"] is not None]
     if not measured:
         return out
@@ -135,22 +159,51 @@ def verdicts(rows: Sequence[Mapping[str, Any]], declared_gbps: float = 0.0) -> L
     explained = set()
     for host, way, links in _slow_hosts(measured, slow):
         explained.update((r["src"], r["dst"]) for r in links)
-        out.append(check("network", host, False, "every link %s %s is slow: %s (%s)" % (
-            way, host, ", ".join("%s %s Gb/s" % (r["dst"] if way == "from" else r["src"], _gbps(r["gbps"]))
-                                 for r in links), reference),
-            "check %s's network interface (ethtool: speed, duplex, errors), its cable and switch port, and any "
-            "traffic shaping on it (tc qdisc show)" % host))
+        out.append(
+            check(
+                "network",
+                host,
+                False,
+                "every link %s %s is slow: %s (%s)"
+                % (
+                    way,
+                    host,
+                    ", ".join("%s %s Gb/s" % (r["dst"] if way == "from" else r["src"], _gbps(r["gbps"])) for r in links),
+                    reference,
+                ),
+                "check %s's network interface (ethtool: speed, duplex, errors), its cable and switch port, and any "
+                "traffic shaping on it (tc qdisc show)" % host,
+            )
+        )
     for r in slow:
         if (r["src"], r["dst"]) not in explained:
-            out.append(check("network", r["src"], False, "link %s -> %s at %s Gb/s (%s)" % (
-                r["src"], r["dst"], _gbps(r["gbps"]), reference),
-                "check the path between %s and %s (switch ports, routes: ip route get %s)" % (r["src"], r["dst"],
-                                                                                               r["dst"])))
+            out.append(
+                check(
+                    "network",
+                    r["src"],
+                    False,
+                    "link %s -> %s at %s Gb/s (%s)" % (r["src"], r["dst"], _gbps(r["gbps"]), reference),
+                    "check the path between %s and %s (switch ports, routes: ip route get %s)" % (r["src"], r["dst"], r["dst"]),
+                )
+            )
     rtts = [r["rtt_ms"] for r in measured if r["rtt_ms"] is not None]
-    out.append(check("network", None, not slow, "%d link(s) measured both ways: %s Gb/s median (min %s, max %s), "
-                     "round trip %s ms median" % (len(measured), _gbps(statistics.median(rates)), _gbps(min(rates)),
-                                                  _gbps(max(rates)), round(statistics.median(rtts), 3) if rtts else "-"),
-                     "see the slow links above"))
+    out.append(
+        check(
+            "network",
+            None,
+            not slow,
+            "%d link(s) measured both ways: %s Gb/s median (min %s, max %s), "
+            "round trip %s ms median"
+            % (
+                len(measured),
+                _gbps(statistics.median(rates)),
+                _gbps(min(rates)),
+                _gbps(max(rates)),
+                round(statistics.median(rtts), 3) if rtts else "-",
+            ),
+            "see the slow links above",
+        )
+    )
     return out
 
 
@@ -169,9 +222,12 @@ def _slow_hosts(measured: Sequence[Mapping[str, Any]], slow: Sequence[Mapping[st
 def summary(rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     """What the planner reads (`plan --network-from`): the links' median and slowest Gb/s."""
     rates = [r["gbps"] for r in rows if r.get("gbps") is not None]
-    return {"directions": len(rows), "measured": len(rates),
-            "median_gbps": round(statistics.median(rates), 4) if rates else None,
-            "min_gbps": round(min(rates), 4) if rates else None}
+    return {
+        "directions": len(rows),
+        "measured": len(rates),
+        "median_gbps": round(statistics.median(rates), 4) if rates else None,
+        "min_gbps": round(min(rates), 4) if rates else None,
+    }
 
 
 def _gbps(x: Optional[float]) -> str:

@@ -7,6 +7,7 @@ listeners close (they also close themselves after a hold time, and with the acto
 
 Imports on the Alpa image's stack (Python 3.9, ray 2.1.0): standard library at module level.
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,9 +32,15 @@ def node_facts() -> Dict[str, Any]:
     from alpa_job import versions
     from alpa_job.cluster.node_ip import local_ipv4_addresses
 
-    return {"hostname": socket.gethostname(), "ray_ip": ray.util.get_node_ip_address(),
-            "addresses": local_ipv4_addresses(), "versions": versions.collect(), "shm": shm_size(),
-            "gpu": gpu_count(), "pid": os.getpid()}
+    return {
+        "hostname": socket.gethostname(),
+        "ray_ip": ray.util.get_node_ip_address(),
+        "addresses": local_ipv4_addresses(),
+        "versions": versions.collect(),
+        "shm": shm_size(),
+        "gpu": gpu_count(),
+        "pid": os.getpid(),
+    }
 
 
 def shm_size(path: str = "/dev/shm") -> Dict[str, Any]:
@@ -47,11 +54,9 @@ def shm_size(path: str = "/dev/shm") -> Dict[str, Any]:
 def gpu_count() -> Dict[str, Any]:
     """GPUs this host has: nvidia-smi -L when present, else CUDA_VISIBLE_DEVICES of the node."""
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             universal_newlines=True, timeout=10)
+        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=10)
         if out.returncode == 0:
-            return {"count": sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")),
-                    "source": "nvidia-smi"}
+            return {"count": sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")), "source": "nvidia-smi"}
     except (OSError, subprocess.SubprocessError):
         pass
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -68,8 +73,9 @@ class Listeners:
         self.socks: List[socket.socket] = []
         self.lock = threading.Lock()
 
-    def open(self, node_ip: str, fixed: Sequence[Tuple[str, int]], ranges: Sequence[Tuple[str, int, int]],
-             hold_s: float = LISTEN_HOLD_S) -> List[Dict[str, Any]]:
+    def open(
+        self, node_ip: str, fixed: Sequence[Tuple[str, int]], ranges: Sequence[Tuple[str, int, int]], hold_s: float = LISTEN_HOLD_S
+    ) -> List[Dict[str, Any]]:
         """[{name, port, listener: "ours"|"in use"|"none", error}] for the fixed ports and sampled ranges."""
         out = []
         for name, port in fixed:
@@ -140,8 +146,9 @@ def connect_one(ip: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> Dic
     except socket.timeout:
         status = "timeout"
     except OSError as err:
-        status = {errno.ECONNREFUSED: "refused", errno.EHOSTUNREACH: "unreachable",
-                  errno.ENETUNREACH: "unreachable"}.get(err.errno, errno.errorcode.get(err.errno or 0, "error"))
+        status = {errno.ECONNREFUSED: "refused", errno.EHOSTUNREACH: "unreachable", errno.ENETUNREACH: "unreachable"}.get(
+            err.errno, errno.errorcode.get(err.errno or 0, "error")
+        )
     finally:
         s.close()
     return {"ip": ip, "port": port, "status": status, "seconds": round(time.monotonic() - t0, 3)}

@@ -1,4 +1,5 @@
 """The doctor's result as people read it: a table (nodes, TCP matrix, checks), JSON, and the one-line summary."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -14,9 +15,16 @@ def render_json(result: Mapping[str, Any]) -> str:
 
 
 def render_table(result: Mapping[str, Any]) -> str:
-    lines = ["doctor: %s (cidr %s, head %s) in %.1f s: %s" % (
-        result.get("address"), result.get("cluster_cidr"), result.get("head"), result.get("seconds", 0),
-        "OK" if result.get("ok") else "FAILED")]
+    lines = [
+        "doctor: %s (cidr %s, head %s) in %.1f s: %s"
+        % (
+            result.get("address"),
+            result.get("cluster_cidr"),
+            result.get("head"),
+            result.get("seconds", 0),
+            "OK" if result.get("ok") else "FAILED",
+        )
+    ]
     if result.get("nodes"):
         lines += [""] + _nodes_table(result["nodes"])
     if result.get("matrix"):
@@ -34,9 +42,15 @@ def _nodes_table(nodes: Mapping[str, Mapping[str, Any]]) -> List[str]:
     for ip in sorted(nodes):
         n = nodes[ip]
         v = n.get("versions") or {}
-        rows.append((ip + (" (head)" if n.get("head") else ""), n.get("hostname") or "",
-                     gib(n["shm_bytes"]) if n.get("shm_bytes") else "-", str(n.get("gpus")),
-                     *(str(v.get(k) or "-") for k in NODE_VERSION_COLUMNS)))
+        rows.append(
+            (
+                ip + (" (head)" if n.get("head") else ""),
+                n.get("hostname") or "",
+                gib(n["shm_bytes"]) if n.get("shm_bytes") else "-",
+                str(n.get("gpus")),
+                *(str(v.get(k) or "-") for k in NODE_VERSION_COLUMNS),
+            )
+        )
     return grid(header, rows)
 
 
@@ -69,8 +83,13 @@ def _matrix_cell(cell: Optional[Mapping[str, Any]], diagonal: bool) -> str:
 
 def _check_line(c: Mapping[str, Any]) -> str:
     mark = "ok  " if c["ok"] and not c.get("warn") else ("warn" if c["ok"] else "FAIL")
-    return "%s %-9s %-12s %s%s" % (mark, c["name"], c["node"] or "*", c["detail"],
-                                   "  -> fix: " + c["fix"] if not c["ok"] or c.get("warn") else "")
+    return "%s %-9s %-12s %s%s" % (
+        mark,
+        c["name"],
+        c["node"] or "*",
+        c["detail"],
+        "  -> fix: " + c["fix"] if not c["ok"] or c.get("warn") else "",
+    )
 
 
 def grid(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
@@ -86,4 +105,8 @@ def failure_summary(result: Mapping[str, Any]) -> Optional[str]:
         return None
     first = failed[0]
     return "doctor: %d check(s) failed; first: %s%s -> fix: %s" % (
-        len(failed), "node %s: " % first["node"] if first["node"] else "", first["detail"], first["fix"])
+        len(failed),
+        "node %s: " % first["node"] if first["node"] else "",
+        first["detail"],
+        first["fix"],
+    )

@@ -2,6 +2,7 @@
 
 Every wait is bounded by the one `Deadline`; on the deadline the doctor records what it knows and fails.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,9 +52,15 @@ def wait_refs(ray, refs: Mapping[str, Any], timeout_s: float) -> Tuple[Dict[str,
     return done, failed
 
 
-def run_doctor(address: str, spec, deadline_s: float = DEFAULT_DEADLINE_S,
-               node_timeout_s: float = NODE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-               skip_ports: Sequence[str] = (), network: bool = False) -> Dict[str, Any]:
+def run_doctor(
+    address: str,
+    spec,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+    node_timeout_s: float = NODE_TIMEOUT_S,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    skip_ports: Sequence[str] = (),
+    network: bool = False,
+) -> Dict[str, Any]:
     """Run every check against the cluster at `address`; returns the JSON-ready result.
 
     `spec`: the ClusterSpec the entry point resolved. `skip_ports`: names of planned ports/ranges not to
@@ -62,15 +69,29 @@ def run_doctor(address: str, spec, deadline_s: float = DEFAULT_DEADLINE_S,
     """
     unknown = sorted(set(skip_ports) - set(spec.ports) - set(spec.ranges))
     if unknown:
-        raise KitError("--skip-ports names %s, not in the cluster spec; use names from: %s"
-                       % (", ".join(unknown), ", ".join(list(spec.ports) + list(spec.ranges))))
+        raise KitError(
+            "--skip-ports names %s, not in the cluster spec; use names from: %s"
+            % (", ".join(unknown), ", ".join(list(spec.ports) + list(spec.ranges)))
+        )
     t0 = time.monotonic()
     deadline = Deadline(deadline_s)
-    result: Dict[str, Any] = {"address": address, "cluster_cidr": spec.cluster_cidr, "spec": spec.source,
-                              "checks": [], "nodes": {}, "matrix": {}, "skipped_ports": sorted(set(skip_ports))}
+    result: Dict[str, Any] = {
+        "address": address,
+        "cluster_cidr": spec.cluster_cidr,
+        "spec": spec.source,
+        "checks": [],
+        "nodes": {},
+        "matrix": {},
+        "skipped_ports": sorted(set(skip_ports)),
+    }
     address = ray_api.normalize_address(address, spec)
-    ray_api.join_ray(address, max(0.1, deadline.left()), check_timeout_s=deadline.left(HEAD_CONNECT_TIMEOUT_S) or 0.1,
-                     log_to_driver=False, logging_level=logging.ERROR)
+    ray_api.join_ray(
+        address,
+        max(0.1, deadline.left()),
+        check_timeout_s=deadline.left(HEAD_CONNECT_TIMEOUT_S) or 0.1,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+    )
     import ray
 
     try:
@@ -84,8 +105,9 @@ def run_doctor(address: str, spec, deadline_s: float = DEFAULT_DEADLINE_S,
 class Session:
     """One doctor run on a joined cluster: the nodes, a probe actor pinned to each, and the phases."""
 
-    def __init__(self, ray, spec, deadline: Deadline, node_timeout_s: float, connect_timeout_s: float,
-                 result: Dict[str, Any], network: bool = False):
+    def __init__(
+        self, ray, spec, deadline: Deadline, node_timeout_s: float, connect_timeout_s: float, result: Dict[str, Any], network: bool = False
+    ):
         self.ray, self.spec, self.deadline, self.result = ray, spec, deadline, result
         self.network = network
         self.node_timeout_s, self.connect_timeout_s = node_timeout_s, connect_timeout_s
@@ -100,8 +122,7 @@ class Session:
         if not self.find_nodes(address):
             return
         Probe = self.ray.remote(num_cpus=0)(NodeProbe)
-        self.actors = {ip: Probe.options(runtime_env=self.probe_env, **ray_api.pin_to_node(ip)).remote()
-                       for ip in self.nodes}
+        self.actors = {ip: Probe.options(runtime_env=self.probe_env, **ray_api.pin_to_node(ip)).remote() for ip in self.nodes}
         try:
             facts = self.probe_nodes()
             if self.deadline.passed:
@@ -128,9 +149,16 @@ class Session:
             self.checks.append(check("nodes", None, False, "no alive Ray node", "start the head and workers (ray start)"))
             return False
         dead = sorted({n.ip for n in rows if not n.alive} - set(self.nodes))
-        self.checks.append(check("nodes", None, True, "%d alive node(s): %s%s" % (
-            len(self.nodes), ", ".join(sorted(self.nodes)), "; dead earlier: %s" % ", ".join(dead) if dead else ""),
-            warn=bool(dead)))
+        self.checks.append(
+            check(
+                "nodes",
+                None,
+                True,
+                "%d alive node(s): %s%s"
+                % (len(self.nodes), ", ".join(sorted(self.nodes)), "; dead earlier: %s" % ", ".join(dead) if dead else ""),
+                warn=bool(dead),
+            )
+        )
         return True
 
     # ---- phase 0: a probe pinned to every node reports its facts --------------------------------------
@@ -140,12 +168,19 @@ class Session:
         nm_port = self.spec.ports["node_manager"]
         for ip in sorted(failed):
             if failed[ip] == "timeout":
-                detail = ("a task pinned to it did not finish in %.0f s; its node-manager port %d is probably blocked"
-                          % (timeout, nm_port))
+                detail = "a task pinned to it did not finish in %.0f s; its node-manager port %d is probably blocked" % (timeout, nm_port)
             else:
                 detail = "a task pinned to it failed: %s" % failed[ip]
-            self.checks.append(check("tasks", ip, False, detail, "open the ports in the cluster spec (python -m "
-                                     "alpa_job.cluster.firewall) and check its Ray logs under /tmp/ray/session_latest/logs"))
+            self.checks.append(
+                check(
+                    "tasks",
+                    ip,
+                    False,
+                    detail,
+                    "open the ports in the cluster spec (python -m "
+                    "alpa_job.cluster.firewall) and check its Ray logs under /tmp/ray/session_latest/logs",
+                )
+            )
         for ip in sorted(facts):
             self.node_checks(ip, facts[ip])
         if len(facts) > 1:
@@ -156,15 +191,28 @@ class Session:
         """What one node's facts say: its row in result["nodes"] and its checks."""
         ray_gpus = self.nodes[ip].resources.get("GPU", 0)
         cidr = self.spec.cluster_cidr
-        self.result["nodes"][ip] = {"hostname": f["hostname"], "addresses": f["addresses"], "versions": f["versions"],
-                                    "shm_bytes": f["shm"].get("bytes"), "gpus": f["gpu"].get("count"),
-                                    "gpu_source": f["gpu"].get("source"), "head": ip == self.head,
-                                    "ray_gpus": ray_gpus}
+        self.result["nodes"][ip] = {
+            "hostname": f["hostname"],
+            "addresses": f["addresses"],
+            "versions": f["versions"],
+            "shm_bytes": f["shm"].get("bytes"),
+            "gpus": f["gpu"].get("count"),
+            "gpu_source": f["gpu"].get("source"),
+            "head": ip == self.head,
+            "ray_gpus": ray_gpus,
+        }
         self.checks.append(check("tasks", ip, True, "a pinned task ran on %s (%s)" % (ip, f["hostname"])))
         self.checks.extend(check_node_ip(ip, ip, f["addresses"], cidr))
         if f["ray_ip"] != ip:
-            self.checks.append(check("node_ip", ip, False, "a task on node %s sees Ray IP %s" % (ip, f["ray_ip"]),
-                                     "restart it with --node-ip-address=<its address in %s>" % cidr))
+            self.checks.append(
+                check(
+                    "node_ip",
+                    ip,
+                    False,
+                    "a task on node %s sees Ray IP %s" % (ip, f["ray_ip"]),
+                    "restart it with --node-ip-address=<its address in %s>" % cidr,
+                )
+            )
         self.checks.append(check_shm(ip, f["shm"], f["gpu"].get("count") or 0))
         self.checks.append(check_gpus(ip, f["gpu"], ray_gpus))
 
@@ -178,8 +226,9 @@ class Session:
         connected, failed = self.connect_all_pairs(plan, [ip for ip in self.nodes if ip in listening or ip in facts])
         self.close_listeners(listening)
         for src, why in sorted(failed.items()):
-            self.checks.append(check("ports", src, False, "the connect probe from %s did not finish: %s" % (src, why),
-                                     "check the node's Ray logs"))
+            self.checks.append(
+                check("ports", src, False, "the connect probe from %s did not finish: %s" % (src, why), "check the node's Ray logs")
+            )
         self.result["matrix"], blocked = matrix.build_matrix(list(self.nodes), plan, connected)
         self.checks.extend(matrix.blocked_checks(self.spec, blocked))
         if not blocked and connected and len(self.nodes) > 1:
@@ -189,19 +238,15 @@ class Session:
 
     def open_listeners(self, facts, fixed_by_role, ranges) -> Dict[str, List[Dict[str, Any]]]:
         """Phase 1: listeners on every node that answered (head-only ports on the head only)."""
-        refs = {ip: self.actors[ip].listen.remote(ip, fixed_by_role[matrix.role_of(ip, self.head)], ranges,
-                                                  LISTEN_HOLD_S)
-                for ip in facts}
+        refs = {ip: self.actors[ip].listen.remote(ip, fixed_by_role[matrix.role_of(ip, self.head)], ranges, LISTEN_HOLD_S) for ip in facts}
         listening, failed = wait_refs(self.ray, refs, self.deadline.left(self.node_timeout_s))
         for ip, why in sorted(failed.items()):
-            self.checks.append(check("ports", ip, False, "could not open probe listeners: %s" % why,
-                                     "check the node's Ray logs"))
+            self.checks.append(check("ports", ip, False, "could not open probe listeners: %s" % why, "check the node's Ray logs"))
         return listening
 
     def connect_all_pairs(self, plan, sources: Sequence[str]) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, str]]:
         """Phase 2: every responsive node connects to every other node's planned ports; (results, failures)."""
-        refs = {src: self.actors[src].connect.remote(matrix.connect_targets(src, plan), self.connect_timeout_s)
-                for src in sources}
+        refs = {src: self.actors[src].connect.remote(matrix.connect_targets(src, plan), self.connect_timeout_s) for src in sources}
         need = self.connect_timeout_s * 4 + 5  # parallel connects: a few rounds of timeouts at most
         return wait_refs(self.ray, refs, self.deadline.left(max(need, self.node_timeout_s)))
 
@@ -210,8 +255,15 @@ class Session:
         from alpa_job.cluster.doctor import network
 
         declared = self.spec.network.gbps
-        rows, checks = network.measure(self.ray, {ip: self.actors[ip] for ip in nodes}, self.spec, self.deadline,
-                                       self.connect_timeout_s, self.node_timeout_s, wait_refs)
+        rows, checks = network.measure(
+            self.ray,
+            {ip: self.actors[ip] for ip in nodes},
+            self.spec,
+            self.deadline,
+            self.connect_timeout_s,
+            self.node_timeout_s,
+            wait_refs,
+        )
         self.result["network"] = {"links": rows, "declared_gbps": declared, **network.summary(rows)}
         self.checks.extend(checks + network.verdicts(rows, declared))
         self.check_routes(nodes)
@@ -235,11 +287,14 @@ class Session:
         from alpa_job.cluster.doctor import network
 
         others = [ip for ip in nodes if ip != self.head]
-        routes, _ = wait_refs(self.ray, {ip: self.actors[ip].route_to.remote(self.head) for ip in others},
-                              self.deadline.left(self.node_timeout_s))
+        routes, _ = wait_refs(
+            self.ray, {ip: self.actors[ip].route_to.remote(self.head) for ip in others}, self.deadline.left(self.node_timeout_s)
+        )
         self.result["network"]["routes_to_head"] = routes
-        ifaces = {ip: next((name for name, ips in (self.result["nodes"].get(ip, {}).get("addresses") or {}).items()
-                            if ip in ips), None) for ip in others}
+        ifaces = {
+            ip: next((name for name, ips in (self.result["nodes"].get(ip, {}).get("addresses") or {}).items() if ip in ips), None)
+            for ip in others
+        }
         self.checks.extend(network.route_checks(routes, ifaces, self.head or "?"))
 
     def all_reduce(self, nodes: Sequence[str], declared: float) -> None:
@@ -251,9 +306,12 @@ class Session:
         coordinator = "%s:%d" % (ordered[0], self.spec.jax_coordinator_port - 1)
         probe = self.ray.remote(max_calls=1, num_cpus=0)(collective.all_reduce)  # a fresh process each
         nbytes = collective.probe_bytes(self.result["network"].get("min_gbps"))
-        refs = {ip: probe.options(num_gpus=self.nodes[ip].resources.get("GPU", 0), runtime_env=self.probe_env,
-                                  **ray_api.pin_to_node(ip)).remote(coordinator, len(ordered), i, nbytes)
-                for i, ip in enumerate(ordered)}
+        refs = {
+            ip: probe.options(
+                num_gpus=self.nodes[ip].resources.get("GPU", 0), runtime_env=self.probe_env, **ray_api.pin_to_node(ip)
+            ).remote(coordinator, len(ordered), i, nbytes)
+            for i, ip in enumerate(ordered)
+        }
         done, failed = wait_refs(self.ray, refs, self.deadline.left(collective.JOIN_TIMEOUT_S + 30))
         for ip in failed:  # a process still waiting to join: its worker is killed, not left waiting
             try:
@@ -262,9 +320,15 @@ class Session:
                 pass
         fabric = self.spec.network.fabric
         first = done[ordered[0]] if ordered[0] in done else None
-        self.result["network"]["all_reduce"] = None if first is None else {
-            **{k: first[k] for k in ("backend", "devices", "bytes", "seconds")}, "bus_gbps": first["bus_gbps"],
-            "nccl_lines": sum(len(r.get("nccl_lines") or []) for r in done.values())}
+        self.result["network"]["all_reduce"] = (
+            None
+            if first is None
+            else {
+                **{k: first[k] for k in ("backend", "devices", "bytes", "seconds")},
+                "bus_gbps": first["bus_gbps"],
+                "nccl_lines": sum(len(r.get("nccl_lines") or []) for r in done.values()),
+            }
+        )
         self.checks.extend(collective.verdicts(done, failed, declared, fabric))
 
     def close_listeners(self, listening) -> None:

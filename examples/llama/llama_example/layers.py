@@ -7,6 +7,7 @@ so `fsdp` splits every weight over the data axis and `tensor` splits the feed-fo
 the attention heads and the vocabulary over the model axis. This module needs only jax and flax;
 `model.py` turns it into the kit's model spec.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: Optional[Rope
     if scaling is None:
         return inv_freq
     wavelength = 2 * np.pi / inv_freq
-    smooth = ((scaling.original_max_len / wavelength - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smooth = (scaling.original_max_len / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smooth = np.clip(smooth, 0.0, 1.0)
     return (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
 
@@ -107,8 +107,8 @@ def grouped_causal_attention(q, k, v, implementation: str = "auto"):
     """
     fused = getattr(jax.nn, "dot_product_attention", None)
     wants_cudnn = implementation == "cudnn" or (
-        implementation == "auto" and fused is not None and jax.default_backend() == "gpu"
-        and q.dtype in (jnp.bfloat16, jnp.float16))
+        implementation == "auto" and fused is not None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    )
     if wants_cudnn:
         return fused(q, k, v, is_causal=True, implementation="cudnn")
     batch, seq, heads, head_dim = q.shape
@@ -137,15 +137,28 @@ class Attention(nn.Module):
         head_dim = d_model // self.num_heads
 
         def project(heads, name):
-            return nn.DenseGeneral((heads, head_dim), use_bias=False, dtype=self.dtype, name=name,
-                                   kernel_init=logical(_normal, (EMBED, HEADS, KV)), **products())(x)
+            return nn.DenseGeneral(
+                (heads, head_dim),
+                use_bias=False,
+                dtype=self.dtype,
+                name=name,
+                kernel_init=logical(_normal, (EMBED, HEADS, KV)),
+                **products(),
+            )(x)
 
         q = rotary(project(self.num_heads, "query"), self.rope_theta, self.rope_scaling)
         k = rotary(project(self.num_kv_heads, "key"), self.rope_theta, self.rope_scaling)
         v = project(self.num_kv_heads, "value")
         out = grouped_causal_attention(q, k, v, self.attention)
-        return nn.DenseGeneral(d_model, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out",
-                               kernel_init=logical(_normal, (HEADS, KV, EMBED)), **products())(out)
+        return nn.DenseGeneral(
+            d_model,
+            axis=(-2, -1),
+            use_bias=False,
+            dtype=self.dtype,
+            name="out",
+            kernel_init=logical(_normal, (HEADS, KV, EMBED)),
+            **products(),
+        )(out)
 
 
 class SwiGLU(nn.Module):
@@ -157,8 +170,7 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x):
         def dense(features, axes, name):
-            return nn.Dense(features, use_bias=False, dtype=self.dtype, name=name,
-                            kernel_init=logical(_normal, axes), **products())
+            return nn.Dense(features, use_bias=False, dtype=self.dtype, name=name, kernel_init=logical(_normal, axes), **products())
 
         hidden = nn.silu(dense(self.mlp_dim, (EMBED, MLP), "gate")(x)) * dense(self.mlp_dim, (EMBED, MLP), "up")(x)
         return dense(x.shape[-1], (MLP, EMBED), "down")(hidden)
@@ -179,8 +191,9 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         norm = functools.partial(RMSNorm, epsilon=self.rms_norm_eps, dtype=self.dtype)
-        attention = Attention(self.num_heads, self.num_kv_heads, self.dtype, self.rope_theta, self.attention,
-                              self.rope_scaling, name="attention")
+        attention = Attention(
+            self.num_heads, self.num_kv_heads, self.dtype, self.rope_theta, self.attention, self.rope_scaling, name="attention"
+        )
         x = x + attention(norm(name="attention_norm")(x))
         return x + SwiGLU(self.mlp_dim, self.dtype, name="mlp")(norm(name="mlp_norm")(x))
 
@@ -204,9 +217,17 @@ def decoder_block(model: "Llama", name: Optional[str] = None) -> DecoderBlock:
     """The block `model` stacks, with every setting it shares: the one place that lists them, so the
     block the kit's fast initialiser and pipeline build outside the model (model.repeated_blocks) is
     the block inside it."""
-    return block_class(model.remat)(model.num_heads, model.num_kv_heads, model.mlp_dim, model.dtype,
-                                    model.rope_theta, model.attention, model.rope_scaling, model.rms_norm_eps,
-                                    name=name)
+    return block_class(model.remat)(
+        model.num_heads,
+        model.num_kv_heads,
+        model.mlp_dim,
+        model.dtype,
+        model.rope_theta,
+        model.attention,
+        model.rope_scaling,
+        model.rms_norm_eps,
+        name=name,
+    )
 
 
 class Llama(nn.Module):
@@ -234,13 +255,11 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         # dtype: the lookup returns the compute dtype, and a tied head's attend multiplies in it.
-        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype,
-                         embedding_init=logical(_normal, (VOCAB, EMBED)), name="embed")
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, embedding_init=logical(_normal, (VOCAB, EMBED)), name="embed")
         x = embed(tokens)
         for i in range(self.num_layers):
             x = decoder_block(self, name=f"layer_{i}")(x)
         x = RMSNorm(epsilon=self.rms_norm_eps, dtype=self.dtype, name="final_norm")(x)
         if self.tie_embeddings:
             return embed.attend(x)
-        return nn.Dense(self.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head",
-                        kernel_init=logical(_normal, (EMBED, VOCAB)))(x)
+        return nn.Dense(self.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head", kernel_init=logical(_normal, (EMBED, VOCAB)))(x)

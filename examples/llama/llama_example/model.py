@@ -4,6 +4,7 @@
 hint); `build` returns the kit's model spec: the Flax module, the batch field it reads, the
 per-example loss and learnable synthetic data.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,11 +50,12 @@ def check(args: LlamaArgs) -> None:
     if args.remat not in REMAT_POLICIES:
         raise ValueError(f"remat={args.remat!r} is not known; use one of: {', '.join(REMAT_POLICIES)}")
     if args.num_heads % args.num_kv_heads:
-        raise ValueError(f"num_kv_heads={args.num_kv_heads} does not divide num_heads={args.num_heads}; "
-                         f"use a divisor of {args.num_heads}")
+        raise ValueError(f"num_kv_heads={args.num_kv_heads} does not divide num_heads={args.num_heads}; use a divisor of {args.num_heads}")
     if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
-        raise ValueError(f"d_model={args.d_model} must be num_heads={args.num_heads} x an even head size "
-                         "(rotary embeddings turn pairs); e.g. d_model=" + str(args.num_heads * 16))
+        raise ValueError(
+            f"d_model={args.d_model} must be num_heads={args.num_heads} x an even head size "
+            "(rotary embeddings turn pairs); e.g. d_model=" + str(args.num_heads * 16)
+        )
     if args.attention not in ("auto", "cudnn", "einsum"):
         raise ValueError(f"attention={args.attention!r} is not known; use auto, cudnn or einsum")
     check_rope(args)
@@ -65,19 +67,27 @@ def check_rope(args: LlamaArgs) -> None:
     if args.rope_scaling not in ROPE_SCALINGS:
         raise ValueError(f"rope_scaling={args.rope_scaling!r} is not known; use none or llama3")
     if args.rope_low_freq_factor >= args.rope_high_freq_factor:
-        raise ValueError(f"rope_low_freq_factor={args.rope_low_freq_factor} must be below rope_high_freq_factor="
-                         f"{args.rope_high_freq_factor}; e.g. rope_low_freq_factor=1 rope_high_freq_factor=4")
+        raise ValueError(
+            f"rope_low_freq_factor={args.rope_low_freq_factor} must be below rope_high_freq_factor="
+            f"{args.rope_high_freq_factor}; e.g. rope_low_freq_factor=1 rope_high_freq_factor=4"
+        )
     if args.rope_factor <= 0 or args.rope_original_max_len <= 0:
-        raise ValueError(f"rope_factor={args.rope_factor} and rope_original_max_len={args.rope_original_max_len} "
-                         "must be > 0; e.g. rope_factor=8 rope_original_max_len=8192")
+        raise ValueError(
+            f"rope_factor={args.rope_factor} and rope_original_max_len={args.rope_original_max_len} "
+            "must be > 0; e.g. rope_factor=8 rope_original_max_len=8192"
+        )
 
 
 def rope_scaling_of(args: LlamaArgs) -> Optional[RopeScaling]:
     """The layers' RopeScaling for args.rope_scaling (None: plain theta^(-2i/d) frequencies)."""
     if args.rope_scaling == "none":
         return None
-    return RopeScaling(factor=args.rope_factor, low_freq_factor=args.rope_low_freq_factor,
-                       high_freq_factor=args.rope_high_freq_factor, original_max_len=args.rope_original_max_len)
+    return RopeScaling(
+        factor=args.rope_factor,
+        low_freq_factor=args.rope_low_freq_factor,
+        high_freq_factor=args.rope_high_freq_factor,
+        original_max_len=args.rope_original_max_len,
+    )
 
 
 def next_token_loss(logits, batch):
@@ -104,19 +114,36 @@ def repeated_blocks(module: Llama, tokens) -> api.RepeatedBlocks:
         shell=api.NextTokenInputs(module.clone(num_layers=0)),  # clone keeps every other field: eps, tying, rope
         block=decoder_block(module),
         block_input=jax.ShapeDtypeStruct((tokens.shape[0], tokens.shape[1] - 1, module.d_model), module.dtype),
-        names=tuple(f"layer_{i}" for i in range(module.num_layers)))
+        names=tuple(f"layer_{i}" for i in range(module.num_layers)),
+    )
 
 
 def build(args: LlamaArgs, dtype) -> api.Model:
     check(args)
-    module = Llama(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads,
-                   num_kv_heads=args.num_kv_heads, mlp_dim=mlp_dim_of(args), vocab_size=args.vocab_size,
-                   dtype=dtype, rope_theta=args.rope_theta, attention=args.attention,
-                   rope_scaling=rope_scaling_of(args), rms_norm_eps=args.rms_norm_eps,
-                   tie_embeddings=args.tie_embeddings, remat=args.remat)
-    return api.Model(module=api.NextTokenInputs(module), input_field="tokens", loss=next_token_loss,
-                     synthetic=synthetic,
-                     repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
-                     layer_count=args.num_layers, layer_class=DecoderBlock, depth_setting="num_layers",
-                     hf=hf_weights(args, mlp_dim_of(args)),
-                     causal_attention=True)  # API 1.5: the report's MFU counts its attention at half, as MaxText
+    module = Llama(
+        num_layers=args.num_layers,
+        d_model=args.d_model,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        mlp_dim=mlp_dim_of(args),
+        vocab_size=args.vocab_size,
+        dtype=dtype,
+        rope_theta=args.rope_theta,
+        attention=args.attention,
+        rope_scaling=rope_scaling_of(args),
+        rms_norm_eps=args.rms_norm_eps,
+        tie_embeddings=args.tie_embeddings,
+        remat=args.remat,
+    )
+    return api.Model(
+        module=api.NextTokenInputs(module),
+        input_field="tokens",
+        loss=next_token_loss,
+        synthetic=synthetic,
+        repeated_blocks=lambda tokens: repeated_blocks(module, tokens),
+        layer_count=args.num_layers,
+        layer_class=DecoderBlock,
+        depth_setting="num_layers",
+        hf=hf_weights(args, mlp_dim_of(args)),
+        causal_attention=True,
+    )  # API 1.5: the report's MFU counts its attention at half, as MaxText

@@ -7,6 +7,7 @@ sharding rules know (`alpa_job.api` exports the same strings as CHANNELS, CONV_I
 `fsdp` and `tensor` split the convolutions' channels. This module needs only jax and flax;
 `model.py` turns it into the kit's model spec.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Tuple
@@ -27,16 +28,29 @@ def logical(init: Callable, axes: Tuple[Any, ...]) -> Callable:
 
 
 def conv(features: int, kernel: int, strides: int, dtype: Any, name: str) -> nn.Conv:
-    return nn.Conv(features, (kernel, kernel), strides=(strides, strides), padding="SAME", use_bias=False,
-                   dtype=dtype, name=name,
-                   # The window dims are never split.
-                   kernel_init=logical(nn.initializers.kaiming_normal(), (None, None, CONV_IN, CHANNELS)))
+    return nn.Conv(
+        features,
+        (kernel, kernel),
+        strides=(strides, strides),
+        padding="SAME",
+        use_bias=False,
+        dtype=dtype,
+        name=name,
+        # The window dims are never split.
+        kernel_init=logical(nn.initializers.kaiming_normal(), (None, None, CONV_IN, CHANNELS)),
+    )
 
 
 def batch_norm(train: bool, dtype: Any, name: str) -> nn.BatchNorm:
-    return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=dtype, name=name,
-                        scale_init=logical(nn.initializers.ones, (CHANNELS,)),
-                        bias_init=logical(nn.initializers.zeros, (CHANNELS,)))
+    return nn.BatchNorm(
+        use_running_average=not train,
+        momentum=0.9,
+        epsilon=1e-5,
+        dtype=dtype,
+        name=name,
+        scale_init=logical(nn.initializers.ones, (CHANNELS,)),
+        bias_init=logical(nn.initializers.zeros, (CHANNELS,)),
+    )
 
 
 class Bottleneck(nn.Module):
@@ -75,10 +89,13 @@ class ResNet(nn.Module):
         for stage, blocks in enumerate(self.stage_sizes):
             for block in range(blocks):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = Bottleneck(self.base_width * 2 ** stage, strides, self.dtype,
-                               name=f"stage{stage + 1}_block{block + 1}")(x, train)
+                x = Bottleneck(self.base_width * 2**stage, strides, self.dtype, name=f"stage{stage + 1}_block{block + 1}")(x, train)
         x = jnp.mean(x, axis=(1, 2))
-        return nn.Dense(self.num_classes, dtype=self.dtype, name="classifier",
-                        # 10 classes: no device count divides them, so the class dim stays whole.
-                        kernel_init=logical(nn.initializers.lecun_normal(), (EMBED, None)),
-                        bias_init=logical(nn.initializers.zeros, (None,)))(x)
+        return nn.Dense(
+            self.num_classes,
+            dtype=self.dtype,
+            name="classifier",
+            # 10 classes: no device count divides them, so the class dim stays whole.
+            kernel_init=logical(nn.initializers.lecun_normal(), (EMBED, None)),
+            bias_init=logical(nn.initializers.zeros, (None,)),
+        )(x)

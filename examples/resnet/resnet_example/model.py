@@ -5,6 +5,7 @@ hint; `stage_sizes=1,1,1,1 base_width=8` is a tiny variant); `build` returns the
 the Flax module, the batch field it reads, the per-example loss, BatchNorm's running statistics
 and learnable synthetic data. `--dataset cifar10` feeds it the real images and labels.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,10 @@ def stages_of(args: ResNetArgs) -> Tuple[int, ...]:
     except ValueError:
         stages = ()
     if not stages or min(stages) < 1:
-        raise ValueError(f"stage_sizes={args.stage_sizes!r} is not a list of block counts; "
-                         "use positive integers separated by commas, e.g. stage_sizes=3,4,6,3")
+        raise ValueError(
+            f"stage_sizes={args.stage_sizes!r} is not a list of block counts; "
+            "use positive integers separated by commas, e.g. stage_sizes=3,4,6,3"
+        )
     return stages
 
 
@@ -53,5 +56,12 @@ def synthetic(args: ResNetArgs, rng: np.random.Generator, n: int):
 def build(args: ResNetArgs, dtype) -> api.Model:
     stages = stages_of(args)
     module = ResNet(stage_sizes=stages, base_width=args.base_width, num_classes=args.num_classes, dtype=dtype)
-    return api.Model(module=module, input_field="image", loss=classification_loss, batch_stats=True,
-                     synthetic=synthetic, layer_count=sum(stages), layer_class=Bottleneck)
+    return api.Model(
+        module=module,
+        input_field="image",
+        loss=classification_loss,
+        batch_stats=True,
+        synthetic=synthetic,
+        layer_count=sum(stages),
+        layer_class=Bottleneck,
+    )
