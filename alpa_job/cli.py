@@ -327,6 +327,15 @@ def _all_options(parser: argparse.ArgumentParser) -> List[str]:
     return sorted(set(names))
 
 
+def _calibrate(argv: List[str]) -> int:
+    """`python -m alpa_job plan calibrate ...`: measure this machine's accelerator for the planner."""
+    from alpa_job.planner import measure_gpu
+
+    parser = measure_gpu.build_parser(KitArgumentParser)
+    KitArgumentParser.known_options = _all_options(parser)
+    return measure_gpu.run(parser.parse_args(list(argv[2:])), argv)
+
+
 def _command_argv(argv: List[str]) -> List[str]:
     """Bare flags mean `train`; a first word that is no command is an error naming the nearest one."""
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
@@ -342,6 +351,8 @@ def _command_argv(argv: List[str]) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:2] == ["plan", "calibrate"]:  # plan's measuring mode: its own flags (no --nodes)
+            return _calibrate(argv)
         parser = build_parser()
         KitArgumentParser.known_options = _all_options(parser)
         args = parser.parse_args(_command_argv(argv))

@@ -32,7 +32,8 @@ from typing import Any, Iterator, Optional
 
 # Dense matmul rates (FLOP/s) by jax's device_kind and the precision a step's matmuls run in: (measured on
 # the lent GPUs, a jitted product of random matrices, None where not measured; the vendor's datasheet
-# number, dense). MFU is reported on both bases; the planner's GPU peaks are the measured bf16.
+# number, dense). MFU is reported on both bases. The planner's peaks come from its GPU profiles
+# (planner/profiles/, written by `plan calibrate`) where the kit ships one, else from the measured bf16 here.
 PEAKS = {
     "NVIDIA H100 80GB HBM3": {"bf16": (798e12, 989.4e12), "tf32": (None, 494.7e12), "fp8": (None, 1978.9e12)},
     "NVIDIA H200": {"bf16": (788e12, 989.4e12), "tf32": (341e12, 494.7e12), "fp8": (1116e12, 1978.9e12)},

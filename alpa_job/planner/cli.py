@@ -16,6 +16,12 @@ EPILOG = """examples:
   python -m alpa_job plan --preset gpt-12l --nodes 2 --gpus-per-node 8 --gpu l40s --gpu-memory-gb 48 \\
       --gpu-tflops 362 --nvlink-gbps 32 --network-gbps 200
 
+  python -m alpa_job plan --preset gpt-24l --nodes 2 --gpus-per-node 8 --gpu-profile plans/gpu-profile-nvidia-h100.json
+
+`python -m alpa_job plan calibrate [--out FILE]`, on one machine with the GPU you plan for, measures its matmul
+rate by shape, HBM bandwidth, launch overhead (and collectives, with several GPUs) into the profile that
+--gpu-profile reads (python -m alpa_job plan calibrate --help).
+
 Nothing is trained and no GPU is needed: each candidate's train step is compiled for NODES x GPUS emulated
 CPU devices. Writes OUT/plan.json (schema: alpa_job/record/plan.schema.json) and OUT/plan.html.
 """
@@ -49,9 +55,16 @@ def add_parser(sub, add_setting) -> None:
     c.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="GPUs per node")
     c.add_argument(
         "--gpu",
-        default="h100",
         metavar="NAME",
-        help="h100, h200 or a100, or any name with --gpu-memory-gb, --gpu-tflops and --nvlink-gbps (default: h100)",
+        help="h100, h200 or a100, or any name with "
+        "--gpu-memory-gb, --gpu-tflops and --nvlink-gbps (default: h100, or the --gpu-profile's GPU)",
+    )
+    c.add_argument(
+        "--gpu-profile",
+        metavar="FILE",
+        help="a GPU profile written by python -m alpa_job plan "
+        "calibrate: its measured bf16 matmul rate (and, measured on several GPUs, all-reduce bandwidth) "
+        "replace the catalogue's",
     )
     c.add_argument("--gpu-memory-gb", type=float, metavar="GB", help="memory of one GPU")
     c.add_argument("--gpu-tflops", type=float, metavar="T", help="dense bf16 peak of one GPU, TFLOP/s")
@@ -99,7 +112,7 @@ def run(args) -> int:
     from alpa_job.settings import config as config_lib
 
     configure(DEFAULT)
-    gpu = gpus.resolve(args.gpu, args.gpu_memory_gb, args.gpu_tflops, args.nvlink_gbps)
+    gpu = gpus.resolve(args.gpu, args.gpu_memory_gb, args.gpu_tflops, args.nvlink_gbps, profile_path=args.gpu_profile)
     if args.model_parallel < 0 or args.timeout <= 0:
         raise KitError("--model-parallel must be >= 0 and --timeout > 0")
     sizes = {s.name: getattr(args, s.name, None) for s in size_settings()}

@@ -67,7 +67,9 @@ def make_plan(
         raise KitError(f"--network-gbps must be > 0, got {network_gbps}")
     devices = nodes * gpus_per_node
     config, values, batch_how = settings(preset, config_path, cli_values, devices)
-    constants = estimate.fit(calibration or estimate.load())
+    calibration = calibration or estimate.load()
+    constants = estimate.fit(calibration)
+    link_gpus = {e["gpu"] for e in calibration["entries"] if e["nodes"] * e["gpus_per_node"] > 1}
     kept, skipped = candidates_lib.plan_candidates(nodes, gpus_per_node, config.batch_size, strategies, config.micro_batches)
     if model_parallel:
         if devices % model_parallel:
@@ -114,6 +116,7 @@ def make_plan(
         f"GPU peak memory = state part of XLA's CPU estimate + its scratch x {constants.temp_ratio:.3f} (the GPU/CPU "
         f"scratch ratio measured on the calibration runs); fits = at most {usable / 1e9:.1f} GB "
         "(JAX's default share of the card x the kit's usable fraction)",
+        f"GPU: {gpu.describe()}; {gpu.source}" + _link_basis(gpu, link_gpus),
         network_source
         or "not verified on a multi-node GPU cluster: the network term is the model above, with the "
         "bandwidth given (--network-gbps), not measured (--network-from a doctor --network result)",
@@ -126,7 +129,7 @@ def make_plan(
             nodes,
             gpus_per_node,
             devices,
-            PlanGpu(gpu.name, gpu.memory_bytes, gpu.peak_flops, gpu.nvlink_bytes_s, gpu.source),
+            PlanGpu(gpu.name, gpu.memory_bytes, gpu.peak_flops, gpu.nvlink_bytes_s, gpu.source, gpu.profile),
             network_bytes_s,
             usable,
         ),
@@ -136,6 +139,19 @@ def make_plan(
         best=best,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={"jax (compiling)": result.get("jax")},
+    )
+
+
+def _link_basis(gpu: gpus.Gpu, link_gpus) -> str:
+    """Where a profile's measured NVLink bandwidth differs from the figure the factors were fitted with (the
+    catalogue's, of the GPUs of the multi-GPU calibration runs)."""
+    basis = {gpus.CATALOGUE[g].nvlink_bytes_s for g in link_gpus if g in gpus.CATALOGUE}
+    if gpu.profile is None or gpu.nvlink_bytes_s in basis or not basis:
+        return ""
+    return (
+        f" (the factors were fitted with NVLink at {', '.join(f'{b / 1e9:.0f}' for b in sorted(basis))} GB/s, "
+        f"the catalogue's: a measured {gpu.nvlink_bytes_s / 1e9:.0f} GB/s scales the link time by "
+        f"{max(basis) / gpu.nvlink_bytes_s:.2f})"
     )
 
 

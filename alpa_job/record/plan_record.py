@@ -25,6 +25,7 @@ class PlanGpu:
     peak_flops: float
     nvlink_bytes_s: float
     source: str
+    profile: Optional[str] = None  # the GPU profile (plan calibrate) the numbers came from, None: the catalogue
 
 
 @dataclasses.dataclass
