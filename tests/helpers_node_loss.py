@@ -14,7 +14,7 @@ BATCH = 96  # divides 3 x 2 and 2 x 2 devices
 def _cluster(testbed_factory):
     """A 3-host Ray cluster on its own bed (tag nodeloss). A worker host a test killed is started anew and
     its Ray joins the cluster again (the bed and the other hosts' Ray stay), as a site replaces a machine."""
-    import testbed_ray
+    from kit_testbed import ray_layer as testbed_ray
     from fixtures_testbed import _start_ray
 
     bed = testbed_factory(3, tag="nodeloss", revive=True)
