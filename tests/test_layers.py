@@ -170,7 +170,7 @@ def test_the_layer_rules_name_real_packages():
 # the job's settings know no model and no data (a model's settings are its declaration's), models know
 # no settings catalogue, and the readers of a run (record/, inspect/) know no engine.
 PACKAGE_RANKS = (
-    ("errors", "choices", "units", "strict_json", "jax_compat", "shutdown", "progress", "losses", ""),
+    ("errors", "choices", "units", "strict_json", "jax_compat", "cpu_devices", "shutdown", "progress", "losses", ""),
     ("setting",),
     ("api",),
     ("strategies", "versions"),

@@ -37,9 +37,11 @@ JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this plus the TCP check'
 def run_in_process(config, return_state: bool = False, stop=None) -> ProcessResult:
     """Train with the JAX engine in this process without Ray (benchmarks, tests, machines without Ray);
     `stop` (a train.stop.StopPoint) ends it early at a step with a checkpoint (preemption)."""
-    from alpa_job.train.loop import ensure_cpu_devices, train_process
+    from alpa_job.cpu_devices import ensure_cpu_devices
 
-    ensure_cpu_devices(config.devices)
+    ensure_cpu_devices(config.devices)  # before the loop's import: it imports jax
+    from alpa_job.train.loop import train_process
+
     return train_process(config, return_state=return_state, stop=stop)
 
 
@@ -129,7 +131,7 @@ def _resolve_model(config, engine: str, address: str):
 
     brought = not is_built_in(config.model)
     if brought and address == NO_RAY and engine == "jax":
-        from alpa_job.train.loop import ensure_cpu_devices
+        from alpa_job.cpu_devices import ensure_cpu_devices
 
         ensure_cpu_devices(config.devices)
     config = resolve(config)

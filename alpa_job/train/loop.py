@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -31,15 +29,6 @@ from alpa_job.train.profile import StepProfile
 from alpa_job.train.stragglers import StragglerWatch
 from alpa_job.train.rundir import checkpoint_dir
 from alpa_job.train.train_data import TrainData, input_record, prepare_data  # noqa: F401 - callers import them here
-
-
-def ensure_cpu_devices(count: int) -> None:
-    """Emulate `count` CPU devices; nothing once jax is imported in this process (its caller's devices stand)."""
-    if "jax" in sys.modules:
-        return
-    flag = f"--xla_force_host_platform_device_count={count}"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
 
 
 def _open_devices_early() -> None:
