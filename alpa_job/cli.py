@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from alpa_job.choices import did_you_mean
 from alpa_job.errors import EXIT_OK, EXIT_PREEMPTED, KitError
-from alpa_job.models import BUILT_IN, size_settings
+from alpa_job.models import BUILT_IN, size_names, size_settings
 from alpa_job.setting import GROUPS, OUTPUT, ModelArgs, Setting, plain_type
 
 SUBCOMMANDS = ("train", "inspect", "doctor", "cluster", "data", "plan", "hf")
@@ -401,10 +401,10 @@ def _train(args) -> int:
     configure(verbosity, every=args.progress_every)
     if args.progress_every < 0:
         raise KitError(f"--progress-every must be >= 0, got {args.progress_every}")
-    sizes = {s.name for s in size_settings()}
+    sizes = size_names()
     layers = config_lib.load_layers(args.preset, args.config, model_keys=sizes)
     cli_values = {k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}
-    model_flags = {k: v for k, v in vars(args).items() if k in sizes and k not in config_lib.FIELD_NAMES}
+    model_flags = {k: v for k, v in vars(args).items() if k in sizes}
     config = config_lib.build_config(config_lib.merge_layers(layers), cli_values, model_flags)
     explicit = [k for k, v in cli_values.items() if v is not None]
     explicit += list(layers[1])  # what the user's --config chain sets (a --preset's defaults are not)

@@ -24,9 +24,9 @@ EXPORT_DTYPES = ("bfloat16", "float32", "float16")
 def _job_config(values: Dict[str, Any]):
     from alpa_job.settings import config as config_lib
 
-    from alpa_job.models import size_settings
+    from alpa_job.models import size_names
 
-    sizes = {s.name for s in size_settings()}  # a run written before they moved into model_args
+    sizes = size_names()  # a run written before they moved into model_args
     known = {k: v for k, v in values.items() if k in config_lib.FIELD_NAMES}
     return config_lib.build_config(known, {}, {k: v for k, v in values.items() if k in sizes})
 

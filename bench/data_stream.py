@@ -136,11 +136,11 @@ def rss_of(pid: int) -> Dict[str, int]:
 
 
 def job_config(path: str, preset: str, batch_size: Optional[int] = None):
-    from alpa_job.models import size_settings
+    from alpa_job.models import size_names
     from alpa_job.settings.config import build_config, load_settings
 
     cli = {"dataset": "tokens", "data_path": path, "token_dtype": "uint16", "batch_size": batch_size}
-    return build_config(load_settings(preset, None, model_keys={s.name for s in size_settings()}), cli)
+    return build_config(load_settings(preset, None, model_keys=size_names()), cli)
 
 
 # ----------------------------------------------------------------------------- first-batch

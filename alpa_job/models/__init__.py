@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import importlib
 import types
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 from alpa_job import api
 from alpa_job.choices import did_you_mean
@@ -136,6 +136,11 @@ def size_settings() -> Tuple[Setting, ...]:
     """Every built-in's settings, each marked with its model, in `--model` order: the size flags
     (`--num-layers 4` is `--model-arg num_layers=4`) and the top-level YAML keys that mean the same."""
     return tuple(dataclasses.replace(setting, model=name) for name in BUILT_IN for setting in model_settings(name))
+
+
+def size_names() -> FrozenSet[str]:
+    """The names of every built-in's settings: what a flag or a file's top level may give outside model_args."""
+    return frozenset(s.name for s in size_settings())
 
 
 def model_input_field(name: str) -> str:

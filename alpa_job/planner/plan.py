@@ -212,19 +212,19 @@ MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches",
 def load_layers(preset: Optional[str], config_path: Optional[str]):
     """The preset's and the --config file's settings, as train reads them (a built-in's sizes may stand at
     a file's top level)."""
-    from alpa_job.models import size_settings
+    from alpa_job.models import size_names
     from alpa_job.settings import config as config_lib
 
-    return config_lib.load_layers(preset, config_path, model_keys={s.name for s in size_settings()})
+    return config_lib.load_layers(preset, config_path, model_keys=size_names())
 
 
 def job_config(layers, values: Dict[str, Any]):
     """The job config from the file layers and the plan's values, where a built-in's size may be given by
     its own name (`num_layers`, as its flag): that is its model_args entry."""
-    from alpa_job.models import size_settings
+    from alpa_job.models import size_names
     from alpa_job.settings import config as config_lib
 
-    sizes = {s.name for s in size_settings()}
+    sizes = size_names()
     flags = {k: v for k, v in values.items() if k in sizes}
     given = {k: v for k, v in values.items() if k not in sizes}
     return config_lib.build_config(config_lib.merge_layers(layers), given, flags)

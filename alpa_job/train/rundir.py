@@ -262,9 +262,9 @@ def point_latest(root: str, run_dir: str) -> str:
 def _saved_model_values(old: dict, config) -> dict:
     """The model settings a saved run used, typed like the new run's (a run written before the built-ins'
     sizes moved into model_args has them at the top level)."""
-    from alpa_job.models import model_values, size_settings
+    from alpa_job.models import model_values, size_names
 
-    given = {s.name: old[s.name] for s in size_settings() if s.name in old}
+    given = {name: old[name] for name in size_names() if name in old}
     given.update(old.get("model_args") or {})
     try:
         return dict(model_values(config.replace(model_args=given)))
