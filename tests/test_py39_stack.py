@@ -188,7 +188,7 @@ def test_real_ray_210_cluster_and_doctor(py39):
     import json
 
     env = {**os.environ, "REPO": REPO, "PYTHONPATH": REPO, "RAY_USAGE_STATS_ENABLED": "0"}  # workers import alpa_job too
-    result = subprocess.run([py39, "-c", RAY_SCRIPT], capture_output=True, text=True, timeout=600, env=env, cwd="/")
+    result = subprocess.run([py39, "-c", RAY_SCRIPT], capture_output=True, text=True, timeout=180, env=env, cwd="/")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["ray"] == "2.1.0"

@@ -169,6 +169,9 @@ def test_state_api_objects_are_read_like_dicts():
 
 
 # ---- a real local Ray: its own rows, and pinning ---------------------------------------------------
+DEAD_RAY_ADDRESS = "127.0.0.1:9"
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray whose folder is not Ray's default one, as `ray start --temp-dir` makes it (short: Ray's
@@ -178,21 +181,32 @@ def local_ray():
     # Workers inherit the raylet's environment, which this process starts: the kit is importable there from
     # the first task on. (Ray 2.1 adds the driver's folder by a message to every worker that, under load,
     # can arrive after the first task's import: "No module named 'alpa_job'".)
-    saved_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, saved_path) if p)
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "RAY_ADDRESS")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, saved["PYTHONPATH"]) if p)
+    # A cluster address nothing answers at (the discard port): "local" must start its own Ray regardless, as
+    # it must beside a cluster `ray start` left on the machine (Ray's own lookup without an address joins it).
+    os.environ["RAY_ADDRESS"] = DEAD_RAY_ADDRESS
     try:
-        ray_api.join_ray(ray_api.LOCAL, num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+        joined = ray_api.join_ray(ray_api.LOCAL, num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     finally:
-        if saved_path is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = saved_path
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     try:
         ray.temp_dir = temp_dir
+        ray.joined = joined
         yield ray
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_local_starts_its_own_ray_while_ray_address_names_another(local_ray):
+    (node,) = ray_api.alive_nodes()
+    assert local_ray.joined == "local Ray (in-process)" and node.alive
+    assert local_ray._private.worker.global_worker.node.gcs_address != DEAD_RAY_ADDRESS
 
 
 def test_failure_hints_name_the_log_folder_ray_really_uses(local_ray):

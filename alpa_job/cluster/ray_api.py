@@ -113,7 +113,9 @@ def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, check_timeout_s: f
     if ray.is_initialized():
         return "already connected"
     if address == LOCAL:
-        ray.init(**init_kwargs)
+        # Said out loud: ray.init() without an address joins RAY_ADDRESS or the newest cluster `ray start` left
+        # on this machine (a dead one's address too, and Ray 2.1 then retries it for minutes).
+        ray.init(address=LOCAL, **init_kwargs)
         return "local Ray (in-process)"
     deadline = time.monotonic() + timeout_s
     if address != AUTO and not address.startswith("ray://"):
