@@ -188,7 +188,8 @@ def test_real_ray_210_cluster_and_doctor(py39):
     import json
 
     # gRPC 1.49's fork handlers: beside a busy test bed, Ray 2.1's start of its monitor hung inside fork_exec
-    # (its GCS up, no raylet) with gRPC's threads running; without fork support it starts.
+    # (its GCS up, no raylet) with gRPC's threads running; without fork support it starts. Workers import
+    # alpa_job too (PYTHONPATH).
     env = {**os.environ, "REPO": REPO, "PYTHONPATH": REPO, "RAY_USAGE_STATS_ENABLED": "0", "GRPC_ENABLE_FORK_SUPPORT": "0"}
     result = subprocess.run([py39, "-c", RAY_SCRIPT], capture_output=True, text=True, timeout=180, env=env, cwd="/")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

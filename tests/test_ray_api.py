@@ -181,19 +181,12 @@ def local_ray():
     # Workers inherit the raylet's environment, which this process starts: the kit is importable there from
     # the first task on. (Ray 2.1 adds the driver's folder by a message to every worker that, under load,
     # can arrive after the first task's import: "No module named 'alpa_job'".)
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "RAY_ADDRESS")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, saved["PYTHONPATH"]) if p)
-    # A cluster address nothing answers at (the discard port): "local" must start its own Ray regardless, as
-    # it must beside a cluster `ray start` left on the machine (Ray's own lookup without an address joins it).
-    os.environ["RAY_ADDRESS"] = DEAD_RAY_ADDRESS
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+        # A cluster address nothing answers at (the discard port): "local" must start its own Ray regardless, as
+        # it must beside a cluster `ray start` left on the machine (Ray's own lookup without an address joins it).
+        env.setenv("RAY_ADDRESS", DEAD_RAY_ADDRESS)
         joined = ray_api.join_ray(ray_api.LOCAL, num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     try:
         ray.temp_dir = temp_dir
         ray.joined = joined

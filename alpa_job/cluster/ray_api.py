@@ -113,8 +113,8 @@ def join_ray(address: str, timeout_s: float = JOIN_TIMEOUT_S, check_timeout_s: f
     if ray.is_initialized():
         return "already connected"
     if address == LOCAL:
-        # Said out loud: ray.init() without an address joins RAY_ADDRESS or the newest cluster `ray start` left
-        # on this machine (a dead one's address too, and Ray 2.1 then retries it for minutes).
+        # Named, not left out: ray.init() without an address joins RAY_ADDRESS or the newest cluster that
+        # `ray start` left on this machine, even a dead one.
         ray.init(address=LOCAL, **init_kwargs)
         return "local Ray (in-process)"
     deadline = time.monotonic() + timeout_s
