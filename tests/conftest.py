@@ -43,18 +43,19 @@ BED_USE = re.compile(
     r"site_bed)\s*[,):=]"
 )
 BED_LANE = "test-bed"
-# The lane's modules in an order that puts the users of one bed next to each other (site; ssh; node loss's;
+# The lane's modules in an order that puts the users of one bed next to each other (node loss's; site; ssh;
 # ray and the plain bed; mgmt), so that a bed is taken down soon after its last user (fixtures_testbed)
-# instead of idling to the end of the session. The lane outlasts the other worker, so the modules that
-# compile most (three JAX processes on two cores) come last, when they have the cores to themselves.
+# instead of idling to the end of the session. The site's modules come after node loss's: by then the other
+# worker has built the CPU image their site pushes (FIRST_BESIDE_THE_LANE), which a fresh machine (CI) takes
+# minutes of a core to build, so that work is not on the lane that sets the suite's wall time.
 # Modules not named here follow, in file order.
 BED_LANE_ORDER = (
-    "test_ansible_docker",
-    "test_testbed_site",
-    "test_ansible",
     "test_node_loss",
     "test_preemption_testbed",
     "test_watchdog_testbed",
+    "test_ansible_docker",
+    "test_testbed_site",
+    "test_ansible",
     "test_cluster_ops",
     "test_testbed",
     "test_doctor",
@@ -64,6 +65,9 @@ BED_LANE_ORDER = (
     "test_kuberay_testbed",
     "test_multihost",
 )
+# The other worker starts with these: the image builds (the site's CPU image among them, under the image
+# cache's lock) run while the lane trains on node loss's bed.
+FIRST_BESIDE_THE_LANE = ("test_image_build",)
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
 
 
@@ -93,13 +97,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The heaviest groups first, so that the longest never starts last (a module keeps its own order; the
-    bed lane's modules go in BED_LANE_ORDER)."""
+    """The bed lane first, then FIRST_BESIDE_THE_LANE, then the heaviest groups first, so that the longest never
+    starts last (a module keeps its own order; the bed lane's modules go in BED_LANE_ORDER)."""
     weight: dict = {}
     for item in items:
         group = group_of(item.nodeid)
         weight[group] = weight.get(group, 0) + (SLOW_TEST_WEIGHT if item.get_closest_marker("slow") else 1)
-    rank = {group: i for i, group in enumerate(sorted(weight, key=lambda g: -weight[g]))}
+
+    def order(group: str) -> tuple:
+        return (group != BED_LANE, group not in FIRST_BESIDE_THE_LANE, -weight[group])
+
+    rank = {group: i for i, group in enumerate(sorted(weight, key=order))}
 
     def place_in_group(item) -> int:
         stem = PurePath(item.nodeid.split("::", 1)[0]).stem
