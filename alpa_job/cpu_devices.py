@@ -6,11 +6,17 @@ from __future__ import annotations
 import os
 import sys
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_device_count(xla_flags: str, count: int) -> str:
+    """`xla_flags` with its device count (if any) replaced by `count`: every other flag is the user's and stays."""
+    flags = [f for f in xla_flags.split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join(flags + [f"{DEVICE_COUNT_FLAG}={count}"])
+
 
 def ensure_cpu_devices(count: int) -> None:
     """Emulate `count` CPU devices; nothing once jax is imported in this process (its caller's devices stand)."""
     if "jax" in sys.modules:
         return
-    flag = f"--xla_force_host_platform_device_count={count}"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), count)

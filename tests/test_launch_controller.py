@@ -184,3 +184,15 @@ def test_the_controller_fails_with_the_policys_reason_once_nodes_are_counted(scr
     with pytest.raises(LostProcessError, match=r"^no node the job may use is left \(lost: .*10\.77\.0\.2.*\); add nodes"):
         job.run()
     assert job.state is JobState.FAILED and len(scripted.made) == 1
+
+
+def test_every_jax_process_keeps_the_drivers_xla_flags_with_its_own_device_count(spec, monkeypatch):
+    """Ray's env_vars replace a variable: a flag the user gave the driver (a dump folder, an optimisation level)
+    must reach the JAX processes, with only the device count set by --devices."""
+    from alpa_job.launch.worker_group import worker_env
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dumps --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    flags = worker_env(tiny_config(devices=2), spec)["XLA_FLAGS"].split()
+    assert flags == ["--xla_dump_to=/tmp/dumps", "--xla_backend_optimization_level=0", "--xla_force_host_platform_device_count=2"]
+    monkeypatch.delenv("XLA_FLAGS")
+    assert worker_env(tiny_config(devices=3), spec)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 from alpa_job.progress.channel import ProgressChannel
 from alpa_job.cluster import ray_api
 from alpa_job.cluster.worker_path import worker_pythonpath
+from alpa_job.cpu_devices import with_device_count
 from alpa_job.errors import EXIT_TIMEOUT, Diverged, KitError
 from alpa_job.launch import failures, shared_out
 from alpa_job.launch.failures import Lost, node_alive
@@ -54,9 +55,10 @@ def training_nodes(nodes: List[ray_api.RayNode]) -> List[ray_api.RayNode]:
 
 
 def worker_env(config, spec) -> Dict[str, str]:
-    """The environment of every JAX process: its device count, the kit on its path, XLA's ports."""
+    """The environment of every JAX process: the driver's XLA flags with the process's device count, the kit on
+    its path, XLA's ports. (Ray's env_vars replace a variable: the driver's other XLA flags would be lost.)"""
     env = {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={config.devices}",
+        "XLA_FLAGS": with_device_count(os.environ.get("XLA_FLAGS", ""), config.devices),
         "PYTHONPATH": worker_pythonpath(),
     }
     env.update(spec.xla_env())

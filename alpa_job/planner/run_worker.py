@@ -9,14 +9,14 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
+from alpa_job.cpu_devices import with_device_count
 from alpa_job.errors import KitError
 
 
 def compile_in_worker(request: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
     """The worker's result for `request` (its `devices` CPU devices); a KitError naming the fix on failure."""
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={request['devices']}"])
+    env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), request["devices"])
     env["JAX_PLATFORMS"] = "cpu"
     # The worker imports this very alpa_job (a checkout beside an installed copy must not mix the two).
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
