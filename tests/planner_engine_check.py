@@ -5,7 +5,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from alpa_job.cpu_devices import with_device_count
+
+os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)  # the caller's other flags stay
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+from alpa_job.cpu_devices import with_device_count
 from alpa_job.engines import compile_cache, executable_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ RUN = textwrap.dedent("""
 
 
 def _run(cache_home: str, **settings) -> dict:
-    env = dict(os.environ, XDG_CACHE_HOME=cache_home, PYTHONPATH=REPO, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home, PYTHONPATH=REPO, XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), 2))
     proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(settings)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -201,8 +202,9 @@ def test_auto_never_keeps_a_winner_jax_loaded_from_its_own_cache(tmp_path):
     ]
     old_kit_entries = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"; os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, %r)
+from alpa_job.cpu_devices import ensure_cpu_devices; ensure_cpu_devices(8)
 import jax
 from alpa_job.settings.config import JobConfig
 from alpa_job.models import get_model

@@ -133,8 +133,9 @@ def test_fsdp_gathers_parameters_not_activations():
     code = (
         r"""
 import os, sys, json
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"; os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, %r)
+from alpa_job.cpu_devices import ensure_cpu_devices; ensure_cpu_devices(2)
 import jax, numpy as np
 from alpa_job.settings.config import JobConfig
 from alpa_job.models import get_model
@@ -230,8 +231,9 @@ def test_remat_weights_gathers_each_weight_again_under_fsdp():
     code = (
         r"""
 import os, re, sys, json
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"; os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, %r)
+from alpa_job.cpu_devices import ensure_cpu_devices; ensure_cpu_devices(2)
 import numpy as np
 from alpa_job.settings.config import JobConfig
 from alpa_job.models import get_model

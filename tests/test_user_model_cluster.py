@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import helpers_hf
+from alpa_job.cpu_devices import with_device_count
 from helpers_cli import run_cli
 from helpers_report import assert_valid_report
 
@@ -164,7 +165,7 @@ def test_working_dir_reaches_every_nodes_process_and_a_fine_tune_starts_from_its
         "none",
         "--init-from",
         "hf:%s" % (ray_cluster.testbed.ray_dir("head") / "akt-user-src" / "llama" / "hf-tiny"),
-        env={"PYTHONPATH": "%s:%s" % (REPO, LLAMA_DIR), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={"PYTHONPATH": "%s:%s" % (REPO, LLAMA_DIR), "XLA_FLAGS": with_device_count(os.environ.get("XLA_FLAGS", ""), 2)},
     )
     assert q.returncode == 0, q.stderr[-3000:]
     first = json.loads((alone / "report.json").read_text())["summary"]["loss_first"]

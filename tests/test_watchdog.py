@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from alpa_job.cli import main
+from alpa_job.cpu_devices import with_device_count
 from alpa_job.errors import KitError
 from alpa_job.settings.config import JobConfig
 from helpers_watchdog import _stop_and_wait
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _python(code: str, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), 2), JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=str(cwd), env=env
     )
