@@ -295,7 +295,8 @@ def _start_ray(bed: Testbed, ray_env: Optional[Dict[str, str]] = None) -> RayClu
 @pytest.fixture(scope="session")
 def ray_cluster(testbed_factory) -> RayCluster:
     pytest.importorskip("ray")
-    bed = testbed_factory(3, tag="ray", held=True)
+    # cgroups: a process sees its own cgroup's CPU quota (the straggler watch reads how long it throttled).
+    bed = testbed_factory(3, tag="ray", held=True, cgroups=True)
     try:
         cluster = _start_ray(bed)
     except BaseException:

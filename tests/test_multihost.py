@@ -264,7 +264,7 @@ def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ra
 
     clean, _, _ = _submit(ray_cluster, "head", *SMALL_MLP, "--steps", "300")
     stragglers = clean["stragglers"]
-    assert stragglers["every"] == 5 and stragglers["measure"]["kind"] == "cpu time + run-queue wait"
+    assert stragglers["every"] == 5 and stragglers["measure"]["kind"] == "cpu time + run-queue wait or quota throttling"
     assert sorted(u["host"] for u in stragglers["units"]) == sorted(ray_cluster.testbed.ips)
     print("clean run's own work a step, ms (each process's 50-step window at the end):", stragglers["latest"]["work_ms"])
     # Nobody named (a window's total alone may pass 1.10 on this shared machine; the rule also asks for

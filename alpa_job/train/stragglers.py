@@ -5,8 +5,9 @@ cannot say who is slow. So every `--straggler-every` steps, at the same step on 
 measures its own share, the work that nothing waits on:
 - its devices. A GPU: the same fixed probe (a chain of matmuls in the run's dtype) timed on each GPU while it
   is idle. A CPU host, whose devices are its cores: the CPU time its threads used since the last round plus
-  the time they were ready to run but got no CPU (the kernel's schedstat: a CPU quota's throttling counts
-  there too); time blocked waiting for the other processes counts in neither.
+  the longer of the time they were ready to run but got no CPU (the kernel's schedstat) and the time its
+  cgroup's CPU quota held it back (cpu.stat: a container's CPU limit, which schedstat does not always show);
+  time blocked waiting for the other processes counts in neither.
 - its input: the time its host spent producing and placing its batches.
 The processes exchange these numbers in one small all-gather, and every process judges them alike. Over the
 last WINDOW_STEPS steps, a device is named when its total is SLOWER x the median of the other devices' and
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import math
+import os
 import socket
 import time
 from collections import deque
@@ -265,37 +267,83 @@ class GpuProbe:
 
 
 class ThreadTime:
-    """A CPU host's own work a step since the last round (`every` steps ago): its threads' CPU time plus their
-    wait for a CPU (Linux's /proc/self/task/*/schedstat; a thread that exited takes its last counts with it)."""
+    """A CPU host's own work a step since the last round (`every` steps ago): its threads' CPU time plus the
+    longer of their wait for a CPU (Linux's /proc/self/task/*/schedstat; a thread that exited takes its last
+    counts with it) and the time its cgroup's CPU quota throttled it (cpu.stat; 0 where no quota or no
+    cgroupfs). The kernel counts a throttled thread's time as its wait in some cases and not in others: the
+    longer of the two sees the quota either way, without counting it twice."""
 
     labels = [""]
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, cgroup_root: str = "/sys/fs/cgroup"):
         self.every = every
+        self._cpu_stat = cgroup_cpu_stat(cgroup_root)
         self._last = _schedstat()
+        self._last_throttled = _throttled_ns(self._cpu_stat)
 
     def measure(self) -> List[float]:
-        now = _schedstat()
-        spent = sum(total - self._last.get(tid, 0) for tid, total in now.items() if total >= self._last.get(tid, 0))
-        self._last = now
-        return [spent / 1e9 / self.every]
+        now, throttled = _schedstat(), _throttled_ns(self._cpu_stat)
+        on_cpu = waiting = 0
+        for tid, (cpu, wait) in now.items():
+            cpu0, wait0 = self._last.get(tid, (0, 0))
+            if cpu >= cpu0 and wait >= wait0:  # a reused thread id starts from 0 again: its counts since then
+                on_cpu, waiting = on_cpu + cpu - cpu0, waiting + wait - wait0
+        held_back = max(waiting, throttled - self._last_throttled)
+        self._last, self._last_throttled = now, throttled
+        return [(on_cpu + held_back) / 1e9 / self.every]
 
     @staticmethod
     def describe() -> Dict[str, Any]:
-        return {"kind": "cpu time + run-queue wait"}
+        return {"kind": "cpu time + run-queue wait or quota throttling"}
 
 
-def _schedstat() -> Dict[str, int]:
-    """Per thread of this process: nanoseconds on a CPU + nanoseconds ready but waiting for one."""
+def _schedstat() -> Dict[str, Tuple[int, int]]:
+    """Per thread of this process: (nanoseconds on a CPU, nanoseconds ready but waiting for one)."""
     out = {}
     for path in glob.glob("/proc/self/task/*/schedstat"):
         try:
             with open(path) as f:
                 on_cpu, waiting = f.read().split()[:2]
-            out[path.split("/")[4]] = int(on_cpu) + int(waiting)
+            out[path.split("/")[4]] = (int(on_cpu), int(waiting))
         except (OSError, ValueError):
             continue  # the thread ended between the listing and the read
     return out
+
+
+def cgroup_cpu_stat(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> Optional[str]:
+    """The cpu.stat file of this process's CPU cgroup (v2's unified one, or v1's `cpu` hierarchy), or None
+    where it cannot be read (no cgroupfs mounted, as in a network namespace's own sysfs)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):  # v1: mounted as cpu or cpu,cpuacct
+            candidates += [os.path.join(root, name) + path for name in ("cpu", "cpu,cpuacct", controllers)]
+        elif controllers == "":  # v2
+            candidates.append(root + path)
+    for directory in candidates:
+        stat = os.path.join(directory, "cpu.stat")
+        if os.path.exists(stat):
+            return stat
+    return None
+
+
+def _throttled_ns(cpu_stat: Optional[str]) -> int:
+    """The cgroup's total throttled time so far: v1's throttled_time (ns) or v2's throttled_usec; 0 without one."""
+    if cpu_stat is None:
+        return 0
+    try:
+        with open(cpu_stat) as f:
+            fields = dict(line.split()[:2] for line in f if line.strip())
+    except (OSError, ValueError):
+        return 0
+    if "throttled_time" in fields:
+        return int(fields["throttled_time"])
+    return int(fields.get("throttled_usec", 0)) * 1000
 
 
 def _gather_hostnames() -> List[str]:
