@@ -7,7 +7,7 @@ import sys
 
 from alpa_job.cpu_devices import with_device_count
 
-os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)  # the caller's other flags stay
+os.environ["XLA_FLAGS"] = with_device_count(8)  # the caller's other flags stay
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

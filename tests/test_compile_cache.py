@@ -40,7 +40,7 @@ RUN = textwrap.dedent("""
 
 
 def _run(cache_home: str, **settings) -> dict:
-    env = dict(os.environ, XDG_CACHE_HOME=cache_home, PYTHONPATH=REPO, XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), 2))
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home, PYTHONPATH=REPO, XLA_FLAGS=with_device_count(2))
     proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(settings)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

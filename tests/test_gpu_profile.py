@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from alpa_job import cli
+from alpa_job.cpu_devices import with_device_count
 from alpa_job.errors import KitError
 from alpa_job.planner import estimate, gpu_profile, gpus
 
@@ -22,10 +23,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def cpu_profile(tmp_path_factory):
     """A profile measured for real on this machine's CPU (2 emulated devices), with the command's output."""
     path = tmp_path_factory.mktemp("calibrate") / "cpu.json"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
     env = {
         **os.environ,
-        "XLA_FLAGS": " ".join(flags + ["--xla_force_host_platform_device_count=2"]),
+        "XLA_FLAGS": with_device_count(2),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": REPO,
     }

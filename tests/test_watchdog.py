@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _python(code: str, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), 2), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=with_device_count(2), JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=str(cwd), env=env
     )

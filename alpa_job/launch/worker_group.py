@@ -58,7 +58,7 @@ def worker_env(config, spec) -> Dict[str, str]:
     """The environment of every JAX process: the driver's XLA flags with the process's device count, the kit on
     its path, XLA's ports. (Ray's env_vars replace a variable: the driver's other XLA flags would be lost.)"""
     env = {
-        "XLA_FLAGS": with_device_count(os.environ.get("XLA_FLAGS", ""), config.devices),
+        "XLA_FLAGS": with_device_count(config.devices),
         "PYTHONPATH": worker_pythonpath(),
     }
     env.update(spec.xla_env())

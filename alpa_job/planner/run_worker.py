@@ -16,7 +16,7 @@ from alpa_job.errors import KitError
 def compile_in_worker(request: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
     """The worker's result for `request` (its `devices` CPU devices); a KitError naming the fix on failure."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), request["devices"])
+    env["XLA_FLAGS"] = with_device_count(request["devices"], env.get("XLA_FLAGS", ""))
     env["JAX_PLATFORMS"] = "cpu"
     # The worker imports this very alpa_job (a checkout beside an installed copy must not mix the two).
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
