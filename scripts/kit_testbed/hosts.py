@@ -739,56 +739,76 @@ def host_pids(host_pid: int) -> List[int]:
     return pids
 
 
-class CpuQuota:
-    """A host slowed on purpose: every process of it (and every one they start later, which inherit it) in a
-    CPU cgroup of ``cores`` CPUs' worth of time. ``with CpuQuota(bed, "w1", 0.25): ...``; on exit the processes
-    go back to the machine's root group and the group is removed. cgroup v1 (a `cpu` hierarchy) or v2."""
+class QuotaGroup:
+    """A CPU cgroup of ``cores`` CPUs' worth of time (cgroup v1's `cpu` hierarchy, or v2), made on enter and
+    removed on exit (its processes must have left it by then: each ends, or goes back to ``.root``)."""
 
-    def __init__(self, bed: "Testbed", host: str, cores: float, period_us: int = 100_000):
-        self.bed, self.host, self.cores, self.period_us = bed, host, cores, period_us
+    def __init__(self, name: str, cores: float, period_us: int = 100_000):
         v1 = Path("/sys/fs/cgroup/cpu")
         self.root = v1 if (v1 / "cpu.cfs_quota_us").exists() else Path("/sys/fs/cgroup")
-        self.group = self.root / f"{bed.prefix}-{host}-quota"
+        self.path = self.root / name
+        self.procs = self.path / "cgroup.procs"  # write a PID here to put that process in the group
+        self.cores, self.period_us = cores, period_us
 
-    def __enter__(self) -> "CpuQuota":
+    def __enter__(self) -> "QuotaGroup":
         if self.root == Path("/sys/fs/cgroup"):  # cgroup v2: the cpu controller handed down to child groups
             control = self.root / "cgroup.subtree_control"
             if "cpu" not in control.read_text().split():
                 control.write_text("+cpu")
-        self.group.mkdir(exist_ok=True)
+        self.path.mkdir(exist_ok=True)
         quota = max(1000, int(self.cores * self.period_us))
-        if (self.group / "cpu.cfs_quota_us").exists():
-            (self.group / "cpu.cfs_period_us").write_text(str(self.period_us))
-            (self.group / "cpu.cfs_quota_us").write_text(str(quota))
+        if (self.path / "cpu.cfs_quota_us").exists():
+            (self.path / "cpu.cfs_period_us").write_text(str(self.period_us))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
         else:
-            (self.group / "cpu.max").write_text(f"{quota} {self.period_us}")
-        moved, error = self._move(self.group)
-        if not moved:  # a slowdown that never happened must not pass for one that was not seen
-            raise TestbedError(f"could not put any process of host {self.host} into {self.group}: {error}")
-        self.throttled: Dict[str, float] = {}
+            (self.path / "cpu.max").write_text(f"{quota} {self.period_us}")
         return self
 
     def __exit__(self, *exc) -> None:
-        self.throttled = self.throttling()
-        self._move(self.root)
         for _ in range(50):  # a process still leaving keeps the group busy for a moment
             try:
-                self.group.rmdir()
+                self.path.rmdir()
                 return
             except OSError:
                 time.sleep(0.1)
 
     def throttling(self) -> Dict[str, float]:
-        """How often and how long the quota held the host back so far: {"periods", "throttled", "seconds"}."""
-        stat = dict(line.split() for line in (self.group / "cpu.stat").read_text().splitlines() if line.strip())
+        """How often and how long the quota held the group back so far: {"periods", "throttled", "seconds"}."""
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines() if line.strip())
         seconds = int(stat["throttled_time"]) / 1e9 if "throttled_time" in stat else int(stat["throttled_usec"]) / 1e6
         return {"periods": int(stat["nr_periods"]), "throttled": int(stat["nr_throttled"]), "seconds": seconds}
 
-    def _move(self, group: Path) -> Tuple[int, str]:
+
+class CpuQuota:
+    """A host slowed on purpose: every process of it (and every one they start later, which inherit it) in a
+    QuotaGroup of ``cores`` CPUs' worth of time. ``with CpuQuota(bed, "w1", 0.25): ...``; on exit the processes
+    go back to the machine's root group and the group is removed."""
+
+    def __init__(self, bed: "Testbed", host: str, cores: float, period_us: int = 100_000):
+        self.bed, self.host = bed, host
+        self.group = QuotaGroup(f"{bed.prefix}-{host}-quota", cores, period_us)
+
+    def __enter__(self) -> "CpuQuota":
+        self.group.__enter__()
+        moved, error = self._move(self.group.procs)
+        if not moved:  # a slowdown that never happened must not pass for one that was not seen
+            raise TestbedError(f"could not put any process of host {self.host} into {self.group.path}: {error}")
+        self.throttled: Dict[str, float] = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.throttled = self.group.throttling()
+        self._move(self.group.root / "cgroup.procs")
+        self.group.__exit__(*exc)
+
+    def throttling(self) -> Dict[str, float]:
+        return self.group.throttling()
+
+    def _move(self, procs: Path) -> Tuple[int, str]:
         moved, error = 0, "the host has no processes"
         for pid in host_pids(self.bed.host(self.host).pid):
             try:
-                (group / "cgroup.procs").write_text(str(pid))
+                procs.write_text(str(pid))
                 moved += 1
             except OSError as e:
                 error = f"pid {pid}: {e}"  # it ended, or is a kernel thread
