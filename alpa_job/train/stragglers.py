@@ -321,8 +321,8 @@ def cgroup_cpu_stat(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self
     candidates = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "cpu" in controllers.split(","):  # v1: mounted as cpu or cpu,cpuacct
-            candidates += [os.path.join(root, name) + path for name in ("cpu", "cpu,cpuacct", controllers)]
+        if "cpu" in controllers.split(","):  # v1: mounted under its controllers' names (a `cpu` link beside)
+            candidates += [os.path.join(root, name) + path for name in dict.fromkeys((controllers, "cpu"))]
         elif controllers == "":  # v2
             candidates.append(root + path)
     for directory in candidates:
