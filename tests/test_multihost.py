@@ -102,9 +102,14 @@ def test_job_submit_from_head(ray_cluster):
 
 
 def test_job_submit_from_a_worker(ray_cluster):
+    first, _, _ = _submit(ray_cluster, "head")
     report, seconds, p = _submit(ray_cluster, "w1")
     _check_report(ray_cluster, report)  # asserts the 3-host, 3-process, one-compile run
     assert "succeeded" in p.stdout + p.stderr  # ray job submit itself reported success from w1
+    # The same job a second time: every process loads its own stored step (JAX's cache would have served
+    # process 0 alone), and trains the same numbers.
+    assert [q["step_source"] for q in report["processes"]] == ["stored"] * 3, report["processes"]
+    assert report["losses"] == first["losses"]
 
 
 def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_on_one_winner(ray_cluster):

@@ -337,7 +337,7 @@ ADDED_LATER = {
         "network_measured",
         "stragglers",
     },
-    "process": {"rows_read", "bytes_read", "stopped_at_step", "nccl"},
+    "process": {"rows_read", "bytes_read", "stopped_at_step", "nccl", "step_source"},
     "searchCandidate": {"predicted_from", "copy_step_time_s", "whole_compile_s"},
 }
 

@@ -15,8 +15,12 @@ broadcast_multiply_fusion not found"). So the step is named after its key (`step
 written for another key or by an older kit can match) and compiled without writing a JAX entry
 (compile_cache.writes_skipped): a fresh compile is always what gets serialised.
 
-One process only (a multi-process step is one program over every process's devices: those runs
-use JAX's cache). Entries live in `<compile cache>/alpa_job-steps/<key>.{xla,json}`.
+A multi-process step is one program over every process's devices, but each process holds its own
+executable: each one keeps and loads its own entry (`<key>.p<index>`), on a cache folder every node sees or
+on each node's own. JAX's cache cannot do that for them: it writes entries from process 0 only, and on CPU
+hosts each process's key differs (its topology's fingerprint does), so every process but the first compiled
+the step again on every run. The step's name comes from the key every process shares.
+Entries live in `<compile cache>/alpa_job-steps/<key>[.p<index>].{xla,json}`.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
             "kind": devices[0].device_kind,
             "platform_version": getattr(backend, "platform_version", None),
             "count": jax.device_count(),
+            **({"processes": jax.process_count()} if jax.process_count() > 1 else {}),
         },
         "versions": versions.collect(),  # python, jax, jaxlib, flax, optax, numpy, CUDA, NCCL, ...
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_"))},
@@ -99,11 +104,12 @@ def key_digest(key: Dict[str, Any]) -> str:
 class StepStore:
     """The store under one compile-cache folder; `load` and `save` for one step key."""
 
-    def __init__(self, cache_dir: str, key: Dict[str, Any]):
+    def __init__(self, cache_dir: str, key: Dict[str, Any], process: Optional[int] = None):
+        """`process`: this process's index in a multi-process job (each keeps its own executable)."""
         self.key = key
         self.folder = os.path.join(cache_dir, FOLDER)
-        self.digest = key_digest(key)
-        self.path = os.path.join(self.folder, self.digest)
+        self.digest = key_digest(key)  # the same on every process of a job
+        self.path = os.path.join(self.folder, self.digest + ("" if process is None else f".p{process}"))
         self._saving: Optional[threading.Thread] = None
 
     @property
@@ -117,7 +123,7 @@ class StepStore:
 
         from alpa_job.engines import compile_cache
 
-        if jax.process_count() != 1 or not compile_cache.can_skip_writes():
+        if not compile_cache.can_skip_writes():
             return False
         try:
             from jax.experimental import serialize_executable  # noqa: F401

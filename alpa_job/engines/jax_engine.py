@@ -480,7 +480,8 @@ class JaxEngine(Engine):
         """The step store for this engine's step key, built once (the key hashes the kit's source)."""
         if not self.stats.compile_cache_dir or not StepStore.supported():
             return None
-        return StepStore(self.stats.compile_cache_dir, step_key(self.config, self._horizon, self.strategy, self.mesh, self._example))
+        key = step_key(self.config, self._horizon, self.strategy, self.mesh, self._example)
+        return StepStore(self.stats.compile_cache_dir, key, process=jax.process_index() if jax.process_count() > 1 else None)
 
     def keep_step(self) -> None:
         """Put the step compiled by compile_step() in the step store (auto search's winner), so an

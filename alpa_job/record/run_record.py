@@ -151,6 +151,8 @@ class ProcessInfo:
     stopped_at_step: Optional[int] = None
     # GPUs of a multi-process run: the transports NCCL chose for this process, and what is wrong with them.
     nccl: Optional[Dict[str, Any]] = None
+    # JAX: where this process's train step came from, "compiled" or "stored" (its own step store entry).
+    step_source: Optional[str] = None
 
 
 @dataclasses.dataclass

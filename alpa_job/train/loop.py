@@ -247,6 +247,7 @@ def train_process(
             "stopped_at_step": looped.stopped_at,
             "rows_read": read.rows_read,
             "bytes_read": read.bytes_read,
+            "step_source": engine.stats.step_source,
         },
     )
     if config.out:
