@@ -119,7 +119,6 @@ class StepStore:
 
     @staticmethod
     def supported() -> bool:
-        import jax
 
         from alpa_job.engines import compile_cache
 
