@@ -265,7 +265,7 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
 def test_prefilter_drops_what_cannot_fit_or_is_slow():
     from alpa_job.strategies import auto_candidates
     from alpa_job.planner.plan import job_config
-    from alpa_job.planner.prefilter import drop_candidates
+    from alpa_job.planner.prefilter import predict_candidates, sort_out
 
     values = {k: v for k, v in TINY_GPT.items() if k not in ("num_samples", "dataset", "compile_cache")}
     config = job_config(({}, {}), values)
@@ -273,10 +273,12 @@ def test_prefilter_drops_what_cannot_fit_or_is_slow():
 
     example = {"tokens": np.zeros((16, 33), np.int32), "mask": np.ones((16,), np.float32)}
     candidates = auto_candidates(8)
-    kept, dropped = drop_candidates(config, None, example, candidates, budget_bytes=10**12, nodes=2, gpus_per_node=4)
+    # drop_candidates is these two: the candidates compiled and predicted once, then sorted out per budget
+    predictions = predict_candidates(config, None, example, candidates, nodes=2, gpus_per_node=4)
+    kept, dropped = sort_out(predictions, budget_bytes=10**12, devices=8)
     assert kept and len(kept) + len(dropped) == len(candidates)
     assert all("planner: predicted" in d["note"] for d in dropped)
-    tight, dropped_tight = drop_candidates(config, None, example, candidates, budget_bytes=1, nodes=2, gpus_per_node=4)
+    tight, dropped_tight = sort_out(predictions, budget_bytes=1, devices=8)
     assert tight == [] and all("budget" in d["note"] for d in dropped_tight)
 
 

@@ -33,6 +33,23 @@ def drop_candidates(
 ) -> Tuple[List[Candidate], List[Dict[str, Any]]]:
     """(candidates worth compiling on the GPUs, one row {strategy, mesh_shape, note} per dropped one).
     `model` is the caller's (the worker builds the same one from `config`); `example_batch` gives the batch."""
+    predictions = predict_candidates(config, model, example_batch, candidates, nodes, gpus_per_node, gpu, network_gbps, timeout_s)
+    return sort_out(predictions, budget_bytes, nodes * gpus_per_node)
+
+
+def predict_candidates(
+    config,
+    model,
+    example_batch: Dict[str, Any],
+    candidates: Sequence[Candidate],
+    nodes: int,
+    gpus_per_node: int,
+    gpu: Union[str, gpus.Gpu] = "h100",
+    network_gbps: float = DEFAULT_NETWORK_GBPS,
+    timeout_s: float = 1800.0,
+) -> List[Tuple[Candidate, Dict[str, Any]]]:
+    """Each candidate with its prediction for the cluster (estimate.predict's dict), or {"error": why} where it
+    does not compile: the compiling half of drop_candidates."""
     del model  # rebuilt in the worker from config: a model object does not cross a process boundary
     device = gpus.resolve(gpu) if isinstance(gpu, str) else gpu
     batch = int(len(example_batch["mask"]))
@@ -46,13 +63,24 @@ def drop_candidates(
     }
     rows = compile_in_worker(request, timeout_s)["candidates"]
     constants = estimate.fit(estimate.load())
+
+    def predicted(row: Dict[str, Any]) -> Dict[str, Any]:
+        return row if "error" in row else estimate.predict(row, nodes * gpus_per_node, device, network_gbps * 1e9 / 8, constants)
+
+    return [((strategy, tuple(mesh)), predicted(row)) for (strategy, mesh), row in zip(candidates, rows)]
+
+
+def sort_out(
+    predictions: Sequence[Tuple[Candidate, Dict[str, Any]]], budget_bytes: int, devices: int
+) -> Tuple[List[Candidate], List[Dict[str, Any]]]:
+    """The deciding half of drop_candidates: drop what does not compile, needs more than `budget_bytes` a
+    GPU, or is predicted over SLOWER_THAN_BEST x the best."""
     predicted = {}
     dropped: List[Dict[str, Any]] = []
-    for (strategy, mesh), row in zip(candidates, rows):
-        if "error" in row:
-            dropped.append(_row(strategy, mesh, f"does not compile for {nodes * gpus_per_node} devices: {row['error']}"))
+    for (strategy, mesh), p in predictions:
+        if "error" in p:
+            dropped.append(_row(strategy, mesh, f"does not compile for {devices} devices: {p['error']}"))
             continue
-        p = estimate.predict(row, nodes * gpus_per_node, device, network_gbps * 1e9 / 8, constants)
         if p["gpu_peak_bytes"] is not None and p["gpu_peak_bytes"] > budget_bytes:
             dropped.append(
                 _row(strategy, mesh, f"planner: needs ~{p['gpu_peak_bytes'] / 1e9:.1f} GB per GPU, budget {budget_bytes / 1e9:.1f} GB")
@@ -69,7 +97,7 @@ def drop_candidates(
                     )
                 )
                 del predicted[key]
-    kept = [(s, tuple(m)) for s, m in candidates if (s, tuple(m)) in predicted]
+    kept = [(s, tuple(m)) for (s, m), _ in predictions if (s, tuple(m)) in predicted]
     return kept, dropped
 
 
