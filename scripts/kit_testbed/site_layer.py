@@ -130,7 +130,7 @@ def kit_source_hash() -> str:
     root = tb.REPO_ROOT
     files = [
         f
-        for pattern in ("alpa_job/**/*.py", "alpa_job/**/*.yaml", "alpa_job/**/*.json", "docker/**/*")
+        for pattern in ("alpa_job/**/*.py", "alpa_job/**/*.yaml", "alpa_job/**/*.json", "docker/**/*", "requirements/image-*.txt")
         for f in root.glob(pattern)
         if f.is_file() and "__pycache__" not in f.parts
     ]
