@@ -467,3 +467,15 @@ def test_ansible_and_k8s_use_the_spec_tags(spec):
                         used.add("%s:%s" % (entry.get("newName", entry["name"]), entry["newTag"]))
     assert used, "no image: lines found under k8s/"
     assert used <= set(spec.images.values()), sorted(used - set(spec.images.values()))
+
+
+def test_the_images_uv_is_the_pinned_uv():
+    """The modern image installs its locks with the uv scripts/setup pins (docker/make-locks jax-uv
+    hashes that pin): one version of the installer, and a hash for it."""
+    with open(os.path.join(REPO, "requirements", "setup.txt")) as f:
+        (pin,) = re.findall(r"^uv==(\S+)$", f.read(), flags=re.M)
+    with open(os.path.join(REPO, "requirements", "image-jax-uv.txt")) as f:
+        lock = f.read()
+    assert re.findall(r"^uv==(\S+) \\\n    --hash=sha256:[0-9a-f]{64}$", lock, flags=re.M) == [pin], lock
+    with open(JAX_DF) as f:
+        assert "-r /tmp/requirements/image-jax-uv.txt" in f.read()
