@@ -222,3 +222,44 @@ def test_stage_layout_from_seed_dp_result():
     assert rows[0].layers == list(range(8)) and rows[1].submesh_shape == [1, 2]
     assert rows[0].memory_bytes_forward == 10 and rows[0].memory_bytes_backward == 40
     assert stage_layout((None, None, None, None, None)) == []
+
+
+@pytest.mark.slow
+def test_alpa_side_actor_death_is_named_with_host_ip_and_node(tmp_path):
+    """The Alpa engine's mesh workers are Ray actors the kit does not own: a RayActorError about one is
+    turned into a line naming its host, node IP, Ray node id and pid (real local Ray, a real actor death)."""
+    code = r"""
+import os, socket, ray
+from alpa_job.launch.failures import actor_error_message
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class MeshWorker:
+    def pid(self):
+        return os.getpid()
+    def crash(self):
+        os._exit(1)
+
+w = MeshWorker.remote()
+pid = ray.get(w.pid.remote())
+try:
+    ray.get(w.crash.remote())
+except ray.exceptions.RayActorError as err:
+    print("MSG " + actor_error_message(err))
+print("EXPECT %s %s %d" % (socket.gethostname(), ray.get_runtime_context().get_node_id(), pid))
+ray.shutdown()
+"""
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(Path(__file__).resolve().parent.parent),
+        env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"),
+    )
+    msg = [x[4:] for x in p.stdout.splitlines() if x.startswith("MSG ")]
+    expect = [x.split()[1:] for x in p.stdout.splitlines() if x.startswith("EXPECT ")]
+    assert msg and expect, p.stdout[-2000:] + p.stderr[-3000:]
+    host, node_id, pid = expect[0]
+    assert msg[0].startswith("an Alpa mesh worker (MeshWorker) died on host %s" % host), msg[0]
+    assert "Ray node id %s" % node_id in msg[0] and "pid %s" % pid in msg[0] and "\n" not in msg[0]

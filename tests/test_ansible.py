@@ -4,13 +4,15 @@ against 3 test-bed hosts (ray_runtime: process); the checks read the run's summa
 The controller runs inside the head host (the bridge has no IP in the root namespace), managing the
 head through SSH to its own IP like every other node. Order matters and is the file's order: the bad
 inventories first (nothing may be started by them), then the cluster up, doctor green, a job, the
-idempotent re-run, --check, and teardown.
+idempotent re-run, --check, `cluster status` and `cluster logs` (then again with one node's Ray dead), and
+teardown (and the logs after it, over SSH).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -95,9 +97,13 @@ def test_site_brings_the_cluster_up_and_the_doctor_is_green(ansible):
     p, summary = _site(ansible)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
+    assert summary["ok"] and summary["status"] == "successful" and summary["playbook"] == "site.yml"
     counts = summary["hosts"]
     assert set(counts) == {"localhost", "head", "w1", "w2"}
     assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), counts
+    assert counts["head"]["changed"] > 0 and summary["failures"] == []
+    assert "site.yml on %s: OK" % ansible.good_inventory() in p.stdout  # `cluster up`'s end screen
+    assert "doctor: " in (Path(summary["artifact_dir"]) / "stdout").read_text()  # Ansible's own output kept
     text = played(summary)
     assert re.search(r"doctor: 10\.77\.0\.1:6379 .*: OK", text), text[-4000:]
     assert "3 alive node(s): 10.77.0.1, 10.77.0.2, 10.77.0.3" in text
@@ -179,10 +185,49 @@ def test_check_mode_on_a_running_cluster_changes_nothing(ansible):
     assert ansible.ray_processes() == before  # same PIDs: nothing restarted
 
 
-def test_teardown_leaves_the_hosts_clean(ansible):
+def test_status_and_logs_then_a_node_whose_ray_died_is_named_and_its_logs_come_over_ssh(ansible, tmp_path):
+    """`cluster status` and `cluster logs` on the cluster site.yml brought up: every node alive, the jax stack's
+    token auth, each node's logs through Ray's log API. Then w2's Ray crashes (its raylet killed by PID):
+    status exits 3 naming w2 once the GCS marks it dead, and w2's logs come over SSH instead. The teardown
+    below then takes down the cluster as this leaves it."""
     assert _site(ansible)[0].returncode == 0
-    p, _ = ansible.run("teardown.yml", ansible.good_inventory())
+    bed, inventory = ansible.bed, ansible.good_inventory()
+    p = ansible.cluster("status", "-i", inventory, "--format", "json")
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
+    status = json.loads(p.stdout)
+    assert sorted(n["host"] for n in status["nodes"] if n["alive"]) == ["head", "w1", "w2"]
+    assert status["auth"] == "token" and status["token_given"]
+    p = ansible.cluster("logs", "-i", inventory, "--out", tmp_path / "up", timeout=240)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
+    collection = json.loads((tmp_path / "up" / "collection.json").read_text())
+    assert {h["host"]: h["how"] for h in collection["hosts"]} == {"head": "api", "w1": "api", "w2": "api"}
+    assert (tmp_path / "up" / "w2" / "raylet.out").stat().st_size > 0
+
+    raylets = bed.exec("w2", "pgrep", "-x", "raylet", check=False).stdout.split()
+    assert len(raylets) == 1, raylets
+    bed.exec("w2", "kill", "-9", raylets[0])
+    deadline = time.monotonic() + 90
+    while True:  # the GCS marks the node dead after its health checks fail
+        p = ansible.cluster("status", "-i", inventory, "--format", "json")
+        if p.returncode == 3:
+            break
+        assert time.monotonic() < deadline, "w2 still alive in Ray 90 s after its raylet was killed"
+        time.sleep(2)
+    assert any(x["node"] == "w2" for x in json.loads(p.stdout)["problems"])
+    p = ansible.cluster("logs", "-i", inventory, "--out", tmp_path / "crash", timeout=240)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
+    how = {h["host"]: h["how"] for h in json.loads((tmp_path / "crash" / "collection.json").read_text())["hosts"]}
+    assert how == {"head": "api", "w1": "api", "w2": "ssh"}, how
+    assert (tmp_path / "crash" / "w2" / "raylet.out").stat().st_size > 0
+
+
+def test_teardown_leaves_the_hosts_clean(ansible, tmp_path):
+    """`cluster down` on the cluster the test above left with one raylet dead; then the logs still come, every
+    node's over SSH (no Ray answers), and a second teardown finds nothing to do."""
+    assert _site(ansible)[0].returncode == 0
+    p, summary = ansible.run("teardown.yml", ansible.good_inventory())
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
+    assert summary["playbook"] == "teardown.yml"
     assert ansible.ray_processes() == {"head": "", "w1": "", "w2": ""}
     for name in ansible.bed.ips:  # the token leaves with the cluster
         assert not (ansible.bed.host_dir(name) / "etc" / "alpa-kit" / "ray_auth_token").exists()
@@ -190,6 +235,13 @@ def test_teardown_leaves_the_hosts_clean(ansible):
         assert "alpa_kit" not in tables, (name, tables)
         conf = ansible.bed.host_dir(name) / "etc" / "nftables.conf"
         assert "alpa_kit" not in conf.read_text()  # the boot-time include is gone too
+    # Ray is gone everywhere: the logs come over SSH
+    p = ansible.cluster("logs", "-i", ansible.good_inventory(), "--out", tmp_path / "down", timeout=240)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
+    collection = json.loads((tmp_path / "down" / "collection.json").read_text())
+    assert collection["api"] is None and "cannot reach Ray's dashboard" in collection["api_error"]
+    assert {h["host"]: h["how"] for h in collection["hosts"]} == {"head": "ssh", "w1": "ssh", "w2": "ssh"}
+    assert (tmp_path / "down" / "head" / "gcs_server.out").exists()
     # a second teardown finds nothing to do
     p2, summary2 = ansible.run("teardown.yml", ansible.good_inventory())
     assert p2.returncode == 0 and summary2["hosts"], (p2.stdout + p2.stderr)[-4000:]

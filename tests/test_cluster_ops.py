@@ -1,6 +1,7 @@
 """`python -m alpa_job cluster up|down|status|logs|preflight` (alpa_job/cluster/control) on the test bed, for real:
-sshd in 3 hosts (ssh_bed) for preflight and the fabric paths, a Ray cluster (ray_cluster) for status and
-Ray's log API, and an up/status/logs/down round trip of site.yml (process runtime) through ansible-runner.
+sshd in 3 hosts (ssh_bed) for preflight and the fabric paths, and a Ray cluster (ray_cluster) for status and
+Ray's log API. `cluster up`, then status and logs on the cluster it brought up, a node's Ray dying, and `cluster
+down` (site.yml / teardown.yml, process runtime, through ansible-runner): tests/test_ansible.py.
 
 Every command runs inside the bed's head host (the bridge has no address in the machine's own
 namespace), the way an operator on a node would run it; the JSON outputs are what the tests read.
@@ -13,7 +14,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import pytest
 import yaml
@@ -386,132 +387,3 @@ def test_logs_and_status_on_the_head_need_no_inventory(ray_cluster, tmp_path):
         assert len(lines) == 1 and "did not answer within" in lines[0] and "pass --inventory FILE" in lines[0], lines
         assert seconds < 30, (action, seconds)
     assert not (tmp_path / "none").exists()
-
-
-# ---- the round trip: up / status / logs / a node dies / logs over SSH / down (ssh_bed, process runtime) --
-class Site:
-    """The ssh bed as a site: the inventory site.yml needs (test_ansible.py's setup), commands run in the head."""
-
-    def __init__(self, sb):
-        self.sb = sb
-        self.bed = sb.testbed
-        self.work = self.bed.state_dir / "cluster-ops" / "roundtrip"
-        self.work.mkdir(parents=True, exist_ok=True)
-
-    def inventory(self) -> Path:
-        bed = self.bed
-
-        def per_host(name):  # the hosts share the machine's filesystem: every node gets its own /etc-like paths
-            etc = bed.host_dir(name) / "etc"
-            return {
-                "alpa_kit_config_dir": str(etc / "alpa-kit"),
-                "ray_node_prep_sysctl_file": str(etc / "sysctl.d" / "90-alpa-kit.conf"),
-                "ray_node_prep_limits_file": str(etc / "limits.d" / "90-alpa-kit.conf"),
-                "ray_firewall_persist_conf": str(etc / "nftables.conf"),
-            }
-
-        v = ssh_vars(
-            self.sb,
-            {
-                "ray_cluster_python": str(VENV_PYTHON),
-                "ray_cluster_python_manage": False,
-                "ray_cluster_num_cpus": 2,
-                "ray_cluster_object_store_memory": 200_000_000,
-                # Test bed only: the GCS asks each raylet every second (Ray's default: every
-                # 3 s), so the raylet the round trip kills is listed dead in ~5 s, not ~15 s.
-                "ray_cluster_env_extra": {"PYTHONPATH": str(REPO), "RAY_health_check_period_ms": "1000"},
-                "ray_cluster_auth_token_file": str(self.work / "ray_auth_token"),
-            },
-        )
-        v.pop("alpa_kit_cluster_cidr")  # the plan's default 10.0.0.0/8 holds the bed
-        ips = bed.ips
-        return write_inventory(self.work / "hosts.yml", [("head", ips["head"])], [(n, ips[n]) for n in ("w1", "w2")], v, host_vars=per_host)
-
-    def cli(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-        # own ControlPersist sockets: Ansible's default dir names a socket by host+port+user only, so another
-        # test bed's 10.77.0.1 (same address, other namespace) would answer through a live one
-        return cli(
-            self.bed,
-            *args,
-            timeout=timeout,
-            env={"ANSIBLE_HOME": str(self.work / "ansible-home"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.work / "cp")},
-        )
-
-    def ray_pids(self, host: str) -> Dict[str, List[int]]:
-        p = self.bed.exec(host, "pgrep", "-l", "-x", "raylet|gcs_server", check=False)  # "PID NAME" lines
-        out: Dict[str, List[int]] = {}
-        for line in p.stdout.splitlines():
-            pid, name = line.split()[:2]
-            out.setdefault(name, []).append(int(pid))
-        return out
-
-
-def test_up_status_logs_down_round_trip(ssh_bed, tmp_path):
-    site = Site(ssh_bed)
-    bed = site.bed
-    inventory = site.inventory()
-    run_dir = tmp_path / "up"
-    try:
-        up = site.cli("up", "-i", inventory, "--run-dir", run_dir, "--timeout", 480, timeout=560)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert up.returncode == 0, "\n".join(
-            ["rc=%d" % up.returncode, up.stderr[-2000:]] + ["%(host)s / %(task)s: %(message)s" % f for f in summary["failures"]]
-        )
-        assert summary["ok"] and summary["status"] == "successful" and summary["playbook"] == "site.yml"
-        assert set(summary["hosts"]) == {"localhost", "head", "w1", "w2"}
-        assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in summary["hosts"].values())
-        assert summary["hosts"]["head"]["changed"] > 0 and summary["failures"] == []
-        assert "site.yml on %s: OK" % inventory in up.stdout  # the end screen
-        assert "doctor: " in (Path(summary["artifact_dir"]) / "stdout").read_text()  # Ansible's own output kept
-
-        p = site.cli("status", "-i", inventory, "--format", "json")
-        status_result = as_json(p)
-        assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
-        assert sorted(n["host"] for n in status_result["nodes"] if n["alive"]) == ["head", "w1", "w2"]
-        assert status_result["auth"] == "token" and status_result["token_given"]  # the jax stack's token auth
-
-        out = tmp_path / "logs-up"
-        p = site.cli("logs", "-i", inventory, "--out", out, timeout=240)
-        assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
-        assert {h["host"]: h["how"] for h in json.loads((out / "collection.json").read_text())["hosts"]} == {
-            "head": "api",
-            "w1": "api",
-            "w2": "api",
-        }
-        assert (out / "w2" / "raylet.out").stat().st_size > 0
-
-        # w2's Ray crashes (its raylet killed by PID): the log API cannot serve it, SSH still can
-        raylets = site.ray_pids("w2").get("raylet", [])
-        assert len(raylets) == 1, site.ray_pids("w2")
-        bed.exec("w2", "kill", "-9", str(raylets[0]))
-        deadline = time.monotonic() + 90
-        while True:  # the GCS marks the node dead after its health checks fail
-            p = site.cli("status", "-i", inventory, "--format", "json")
-            if p.returncode == 3:
-                break
-            assert time.monotonic() < deadline, "w2 still alive in Ray 90 s after its raylet was killed"
-            time.sleep(3)
-        assert any(x["node"] == "w2" for x in as_json(p)["problems"])
-        out = tmp_path / "logs-crash"
-        p = site.cli("logs", "-i", inventory, "--out", out, timeout=240)
-        assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
-        how = {h["host"]: h["how"] for h in json.loads((out / "collection.json").read_text())["hosts"]}
-        assert how == {"head": "api", "w1": "api", "w2": "ssh"}, how
-        assert "raylet" in (out / "w2" / "raylet.out").read_text(errors="replace") or (out / "w2" / "raylet.out").stat().st_size > 0
-
-        down = site.cli("down", "-i", inventory, "--run-dir", tmp_path / "down", timeout=300)
-        assert down.returncode == 0, (down.stdout[-4000:], down.stderr[-2000:])
-        assert json.loads((tmp_path / "down" / "summary.json").read_text())["playbook"] == "teardown.yml"
-        assert all(not site.ray_pids(h) for h in ("head", "w1", "w2"))
-
-        # Ray is gone everywhere: everything over SSH
-        out = tmp_path / "logs-down"
-        p = site.cli("logs", "-i", inventory, "--out", out, timeout=240)
-        assert p.returncode == 0, (p.stdout[-3000:], p.stderr)
-        collection = json.loads((out / "collection.json").read_text())
-        assert collection["api"] is None and "cannot reach Ray's dashboard" in collection["api_error"]
-        assert {h["host"]: h["how"] for h in collection["hosts"]} == {"head": "ssh", "w1": "ssh", "w2": "ssh"}
-        assert (out / "head" / "gcs_server.out").exists()
-    finally:
-        if any(site.ray_pids(h) for h in ("head", "w1", "w2")):
-            site.cli("down", "-i", inventory, "--run-dir", tmp_path / "cleanup", timeout=300)

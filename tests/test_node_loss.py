@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -236,6 +235,9 @@ LLAMA = (
     "--model-arg",
     "vocab_size=64",
 )
+# As many micro-batches as the most stages here (3): the schedule's loops are unrolled, so the default (4 a
+# stage) compiles a program 3x as long on each attempt; which stages run where does not depend on it.
+PIPELINE = ("--strategy", "pipeline", "--micro-batches", "3")
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_PATH = os.pathsep.join([str(REPO), str(REPO / "examples" / "llama")])
 
@@ -287,8 +289,7 @@ def test_worker_host_killed_job_restarts_on_the_survivors(testbed_factory):
         "w2",
         "--max-restarts",
         "1",
-        "--strategy",
-        "pipeline",
+        *PIPELINE,
         model=LLAMA,
         env={"PYTHONPATH": LLAMA_PATH, "ALPA_JOB_INPUT_TRACE": str(out / "trace")},
     )
@@ -379,7 +380,7 @@ def test_resume_on_more_hosts_than_saved(testbed_factory):
     cluster = _cluster(testbed_factory)
     out = _SAVED_ON_TWO_HOSTS[0]
     assert latest_complete_step(str(out / "checkpoints")) == STEPS
-    argv = _train_argv(cluster, str(out), "--resume", "--strategy", "pipeline", steps=STEPS + 10, model=LLAMA)
+    argv = _train_argv(cluster, str(out), "--resume", *PIPELINE, steps=STEPS + 10, model=LLAMA)
     p = cluster.testbed.exec("head", *argv, timeout=400, check=False, env={"RAY_ADDRESS": cluster.address, "PYTHONPATH": LLAMA_PATH})
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     report = json.loads((out / "report.json").read_text())
@@ -438,47 +439,6 @@ def test_process_killed_on_a_live_node_is_named_with_its_log_and_the_node_is_use
     assert report["summary"]["hosts"] == 3 and report["steps"] == STEPS
     assert "last " in text and "lines of process 1's log (host w1" in text, text[-4000:]
     shutil.rmtree(out, ignore_errors=True)
-
-
-@pytest.mark.slow
-def test_alpa_side_actor_death_is_named_with_host_ip_and_node(tmp_path):
-    """The Alpa engine's mesh workers are Ray actors the kit does not own: a RayActorError about one is
-    turned into a line naming its host, node IP, Ray node id and pid (real local Ray, a real actor death)."""
-    code = r"""
-import os, socket, ray
-from alpa_job.launch.failures import actor_error_message
-ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-
-@ray.remote(num_cpus=0)
-class MeshWorker:
-    def pid(self):
-        return os.getpid()
-    def crash(self):
-        os._exit(1)
-
-w = MeshWorker.remote()
-pid = ray.get(w.pid.remote())
-try:
-    ray.get(w.crash.remote())
-except ray.exceptions.RayActorError as err:
-    print("MSG " + actor_error_message(err))
-print("EXPECT %s %s %d" % (socket.gethostname(), ray.get_runtime_context().get_node_id(), pid))
-ray.shutdown()
-"""
-    p = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=str(Path(__file__).resolve().parent.parent),
-        env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"),
-    )
-    msg = [x[4:] for x in p.stdout.splitlines() if x.startswith("MSG ")]
-    expect = [x.split()[1:] for x in p.stdout.splitlines() if x.startswith("EXPECT ")]
-    assert msg and expect, p.stdout[-2000:] + p.stderr[-3000:]
-    host, node_id, pid = expect[0]
-    assert msg[0].startswith("an Alpa mesh worker (MeshWorker) died on host %s" % host), msg[0]
-    assert "Ray node id %s" % node_id in msg[0] and "pid %s" % pid in msg[0] and "\n" not in msg[0]
 
 
 @pytest.mark.slow

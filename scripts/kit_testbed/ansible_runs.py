@@ -9,6 +9,7 @@ from the site's controller.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -65,7 +66,9 @@ class Ansible:
             "ray_cluster_python_manage": False,
             "ray_cluster_num_cpus": 2,
             "ray_cluster_object_store_memory": 200_000_000,
-            "ray_cluster_env_extra": {"PYTHONPATH": str(REPO)},
+            # Test bed only: the GCS asks each raylet every second (Ray's default: every 3 s), so a raylet a
+            # test kills is listed dead in ~5 s, not ~15 s.
+            "ray_cluster_env_extra": {"PYTHONPATH": str(REPO), "RAY_health_check_period_ms": "1000"},
             "ray_cluster_auth_token_file": str(self.token_file),
         }
         vars_.update(file_vars or {})  # the inventory FILE's vars beat the kit's (role) defaults
@@ -87,20 +90,20 @@ class Ansible:
         """(the CLI's CompletedProcess, its summary.json as a dict)."""
         self.runs += 1
         run_dir = self.work / ("run-%d-%s" % (self.runs, playbook.split(".")[0]))
-        p = self.bed.exec(
+        p = self.cluster(ACTIONS[playbook], "-i", inventory, "--run-dir", run_dir, "--timeout", int(timeout) - 10, *extra, timeout=timeout)
+        summary_file = run_dir / "summary.json"
+        assert summary_file.exists(), (p.stdout + p.stderr)[-4000:]
+        return p, json.loads(summary_file.read_text())
+
+    def cluster(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+        """`python -m alpa_job cluster ARGS...` in the head (where an operator on a node runs it)."""
+        return self.bed.exec(
             "head",
             str(VENV_PYTHON),
             "-m",
             "alpa_job",
             "cluster",
-            ACTIONS[playbook],
-            "-i",
-            str(inventory),
-            "--run-dir",
-            str(run_dir),
-            "--timeout",
-            str(int(timeout) - 10),
-            *extra,
+            *map(str, args),
             cwd=str(REPO),
             timeout=timeout,
             check=False,
@@ -113,9 +116,6 @@ class Ansible:
                 "ANSIBLE_NOCOLOR": "1",
             },
         )
-        summary_file = run_dir / "summary.json"
-        assert summary_file.exists(), (p.stdout + p.stderr)[-4000:]
-        return p, json.loads(summary_file.read_text())
 
     def ray_processes(self) -> dict:
         out = {}
