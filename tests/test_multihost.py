@@ -112,6 +112,10 @@ def test_job_submit_from_a_worker(ray_cluster):
     assert report["losses"] == first["losses"]
 
 
+# A compile cache of this session's own (so the search runs, and saves its table for the test after it).
+AUTO = ("--strategy", "auto", "--auto-trial-steps", "1", "--compile-cache", "/tmp/akt-multihost-cache-%s" % uuid.uuid4().hex[:8])
+
+
 def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_on_one_winner(ray_cluster):
     """Six devices in three processes, each reading its own third of the batch: a tensor mesh whose model
     axis spans processes (2x3, 1x6) would need rows another process read (it used to fail the run:
@@ -120,7 +124,7 @@ def test_auto_on_three_hosts_tries_only_meshes_each_process_can_feed_and_agrees_
     The four others are timed, and
     every process takes process 0's times, so all train the one winner (processes on different programs
     would hang each other)."""
-    report, _, _ = _submit(ray_cluster, "head", "--strategy", "auto", "--auto-trial-steps", "1", "--compile-cache", "none")
+    report, _, _ = _submit(ray_cluster, "head", *AUTO)
     table = report["search"]
     assert report["summary"]["processes"] == 3 and report["steps"] == 5
     timed = [row for row in table if row["step_time_s"]]
@@ -226,6 +230,29 @@ def test_pipeline_across_three_hosts_runs_a_stage_on_each_and_trains_as_data_doe
     assert [row["processes"] for row in stages] == [[0], [1], [2]]  # a stage a host
     assert report["pipeline"]["micro_batches"] == 12
     assert report["losses"] == pytest.approx(data["losses"], rel=1e-5)
+
+
+def test_a_saved_search_that_only_some_hosts_have_is_searched_again_on_all(ray_cluster):
+    """The same auto job again, now with w2's compile cache empty (a node that never ran it: a tmpfs over the
+    folder in w2's own mount namespace; each node keeping its own cache is the default). Two processes
+    reusing the saved search while w2 searched would run other programs than w2's and hang the job: every
+    process searches again, and all train one winner."""
+    first, _, _ = _submit(ray_cluster, "head", *AUTO)
+    cache = AUTO[AUTO.index("--compile-cache") + 1]
+    bed = ray_cluster.testbed
+    bed.exec("w2", "mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", cache)
+    try:
+        out, p = _job(ray_cluster, "head", *AUTO)
+    finally:
+        bed.exec("w2", "umount", cache, check=False)
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    w2 = next(q["id"] for q in report["processes"] if q["host"] == "w2")
+    assert "the saved search is not the same on every process (process(es) [%d] have none" % w2 in text, text[-3000:]
+    assert report["summary"]["processes"] == 3 and report["steps"] == 5
+    assert not [row for row in report["search"] if "from the saved search" in row["note"]], report["search"]
+    assert len([row for row in report["search"] if row["step_time_s"]]) == len([row for row in first["search"] if row["step_time_s"]])
 
 
 def test_every_address_the_job_used_is_its_hosts_own(ray_cluster):

@@ -189,3 +189,17 @@ def test_bfloat16_compute_keeps_float32_parameters():
     result = run_in_process(tiny_config("mlp", steps=8, epochs=10, dtype="bfloat16"))
     assert np.mean(result.losses[-2:]) < np.mean(result.losses[:2])
     assert {r.dtype for r in result.params if r.path.startswith("params/")} == {"float32"}
+
+
+def test_a_saved_search_is_reused_only_when_every_process_saved_the_same_winner():
+    from alpa_job.engines.auto_search import _chosen_index, agreed_winner
+
+    candidates = [("data", (8, 1)), ("fsdp", (8, 1)), ("tensor", (4, 2))]
+    table = [{"strategy": "fsdp", "mesh_shape": [8, 1], "chosen": True}, {"strategy": "data", "mesh_shape": [8, 1], "chosen": False}]
+    assert _chosen_index(candidates, table) == 1
+    assert _chosen_index(candidates, None) == -1  # no saved search on this process
+    assert _chosen_index(candidates[:1], table) == -1  # its winner is no longer a candidate
+    assert agreed_winner([1, 1, 1]) == 1
+    assert agreed_winner([1, 1, -1]) is None  # a node without the table: every process searches
+    assert agreed_winner([1, 2, 1]) is None  # two tables that chose differently
+    assert agreed_winner([-1, -1]) is None

@@ -64,7 +64,7 @@ def search(
     budget = device_memory_budget(config.memory_limit_gb)
     candidates = strategies.auto_candidates(len(jax.devices()), jax.local_device_count())
     saved = SavedSearch.open(config, schedule_steps, candidates, example_batch, budget)
-    reused = saved.load() if saved is not None else None
+    reused = _reused_everywhere(candidates, saved.load() if saved is not None else None)
     if reused is not None:
         return _rebuild_winner(config, model, example_batch, schedule_steps, reused, saved.path)
 
@@ -444,6 +444,43 @@ def _time_steps(engine: JaxEngine, config, batches) -> float:
     times.sort()
     del state
     return times[len(times) // 2]
+
+
+def _reused_everywhere(candidates, reused: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
+    """A saved search is reused on every process of a job or on none. Each node may keep its own cache (the
+    default), so a job placed on a node that never ran it, or on a replaced one, finds the table on some
+    processes only: one that searched while the others rebuilt the winner would run other programs than
+    theirs and hang them. Reused only where every process saved the same winner."""
+    if jax.process_count() == 1:
+        return reused
+    from jax.experimental import multihost_utils
+
+    mine = _chosen_index(candidates, reused)
+    every_process.wait("auto-saved-search")  # the first collective's rendezvous: every process at once
+    winners = [int(i) for i in np.ravel(multihost_utils.process_allgather(np.asarray(mine, np.int32)))]
+    if agreed_winner(winners) is None:
+        if mine >= 0 or any(i >= 0 for i in winners):
+            missing = [p for p, i in enumerate(winners) if i < 0]
+            phase(
+                f"[auto] the saved search is not the same on every process (process(es) {missing} have none, "
+                f"winners {sorted({i for i in winners if i >= 0})} elsewhere): searching again on all"
+            )
+        return None
+    return reused
+
+
+def agreed_winner(winners: List[int]) -> Optional[int]:
+    """The candidate every process's saved search chose (its index), or None unless all saved the same one."""
+    return winners[0] if winners and winners[0] >= 0 and all(i == winners[0] for i in winners) else None
+
+
+def _chosen_index(candidates, table: Optional[List[Dict[str, Any]]]) -> int:
+    """Where the saved table's winner is in `candidates`; -1 for no table (or a winner no longer among them)."""
+    row = next((r for r in table or [] if r.get("chosen")), None)
+    if row is None:
+        return -1
+    wanted = (row["strategy"], tuple(row["mesh_shape"]))
+    return next((i for i, (strategy, mesh) in enumerate(candidates) if (strategy, tuple(mesh)) == wanted), -1)
 
 
 def _rebuild_winner(config, model, example_batch, schedule_steps, table, path: str):
