@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job import shutdown
@@ -60,6 +61,7 @@ ABANDON_TIMEOUT_S = 20.0  # a failed run waits this long for a save in flight (a
 
 SPACE_MARGIN = 1 / 20  # a save may grow a little (metadata, a larger step number)
 SPACE_SLACK_BYTES = 64 * 1024
+PARTIAL_SETTLE_S = 10.0  # how long a failed save's partial folders are removed again while its threads end
 EXIT_SAVE_FAILED = 1  # the run stopped part-way: the report says how far it got
 
 
@@ -235,18 +237,24 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - the save already failed; its error is the one reported
             pass
 
-    def remove_partial(self) -> List[str]:
-        """Remove the `*.orbax-checkpoint-tmp*` folders a failed save left (they only fill the disk)."""
-        removed = []
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return removed
-        for name in names:
-            if TMP_MARK in name:
+    def remove_partial(self, settle_s: float = PARTIAL_SETTLE_S) -> List[str]:
+        """Remove the `*.orbax-checkpoint-tmp*` folders a failed save left (they only fill the disk). A writer
+        thread of the failed save may still be ending (a busy machine: a file created while the folder was
+        being removed leaves it there), so the removal is repeated until none is left, for up to `settle_s`."""
+        removed: List[str] = []
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                left = [name for name in os.listdir(self.directory) if TMP_MARK in name]
+            except OSError:
+                return removed
+            if not left or time.monotonic() > deadline:
+                return removed
+            for name in left:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-                removed.append(name)
-        return removed
+                if name not in removed:
+                    removed.append(name)
+            time.sleep(0.05)
 
     def restore(self, abstract_state: Any, step: Optional[int] = None) -> Tuple[Any, Optional[Dict[str, Any]]]:
         """(state, the data item or None for a checkpoint without one) of `step` (default: the newest
