@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import pytest
 import yaml
+from kit_testbed.ansible_runs import cluster_cli
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -75,10 +76,7 @@ def bed_inventory(sb, name: str, extra_hosts=(), **extra) -> Path:
     )
 
 
-def cli(bed, *args, host: str = "head", timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    return bed.exec(
-        host, str(VENV_PYTHON), "-m", "alpa_job", "cluster", *map(str, args), timeout=timeout, check=False, cwd=str(REPO), env=env
-    )
+cli = cluster_cli  # the commands run inside a bed host (kit_testbed.ansible_runs)
 
 
 def preflight(bed, inventory: Path, *extra, host: str = "head"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -29,6 +30,13 @@ def played(summary: dict) -> str:
 
 def failure_lines(summary: dict) -> str:
     return "\n".join("%s: %s%s" % (f["host"], "UNREACHABLE: " if f.get("unreachable") else "", f["message"]) for f in summary["failures"])
+
+
+def cluster_cli(bed, *args, host: str = "head", timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`python -m alpa_job cluster ARGS...` inside `host` of the bed (the bridge has no address outside)."""
+    return bed.exec(
+        host, str(VENV_PYTHON), "-m", "alpa_job", "cluster", *map(str, args), timeout=timeout, check=False, cwd=str(REPO), env=env
+    )
 
 
 class Ansible:
@@ -97,16 +105,10 @@ class Ansible:
 
     def cluster(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
         """`python -m alpa_job cluster ARGS...` in the head (where an operator on a node runs it)."""
-        return self.bed.exec(
-            "head",
-            str(VENV_PYTHON),
-            "-m",
-            "alpa_job",
-            "cluster",
-            *map(str, args),
-            cwd=str(REPO),
+        return cluster_cli(
+            self.bed,
+            *args,
             timeout=timeout,
-            check=False,
             # own ControlPersist sockets: the default ~/.ansible/cp names a socket by
             # host+port+user only, so another test bed's 10.77.0.2 would answer ours
             env={
