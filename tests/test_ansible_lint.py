@@ -256,8 +256,9 @@ FABRICS = {  # alpa_kit_network as an inventory sets it (merged key by key over 
 
 
 def nccl_fabric_drift(env, spec) -> list:
-    """Where a runtime's NCCL_IB_* environment differs from what spec.nccl_env() renders for the fabric."""
-    have = {k: v for k, v in env.items() if k.startswith("NCCL_IB_")}
+    """Where a runtime's NCCL_IB_* and socket settings differ from what spec.nccl_env() renders for the fabric."""
+    rendered = set(spec.network.socket_env())
+    have = {k: v for k, v in env.items() if k.startswith("NCCL_IB_") or k in rendered}
     want = spec.nccl_env()
     return [
         "%s = %r, the fabric (%s) says %r" % (k, have.get(k), spec.network.fabric, want.get(k))
@@ -290,9 +291,17 @@ def test_the_nccl_drift_check_fails_when_a_runtime_overrides_the_fabric():
     r = Render("docker", alpa_kit_network=FABRICS["ib"], ray_cluster_env_extra={"NCCL_IB_DISABLE": "1"})
     env = dict(r.task_args("docker.yml", "community.docker.docker_container")["env"])
     assert nccl_fabric_drift(env, spec) == ["NCCL_IB_DISABLE = '1', the fabric (ib) says '0'"]
-    assert nccl_fabric_drift({"NCCL_IB_DISABLE": "1", "NCCL_IB_HCA": "mlx5_0"}, _fabric_spec({})) == [
+    ethernet = _fabric_spec({})
+    assert nccl_fabric_drift(dict(ethernet.nccl_env(), NCCL_IB_HCA="mlx5_0"), ethernet) == [
         "NCCL_IB_HCA = 'mlx5_0', the fabric (ethernet) says None"
     ]
+
+
+def test_the_nccl_drift_check_fails_when_a_runtime_lacks_the_socket_settings():
+    spec = _fabric_spec({})
+    env = dict(Render("process").var("__ray_cluster_process_env"))
+    del env["NCCL_NSOCKS_PERTHREAD"]
+    assert nccl_fabric_drift(env, spec) == ["NCCL_NSOCKS_PERTHREAD = None, the fabric (ethernet) says '4'"]
 
 
 @pytest.mark.parametrize("fabric", ["ib", "roce"])

@@ -6,8 +6,12 @@ import textwrap
 
 import pytest
 
+from alpa_job.cluster.fabric import apply_socket_defaults
 from alpa_job.cluster.spec import load_spec
 from alpa_job.errors import EXIT_USER_ERROR, KitError
+
+# NCCL's socket transport settings, rendered on every fabric (NCCL's documented recommendation for 100G).
+SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 
 
 def spec_with(tmp_path, text):
@@ -28,7 +32,7 @@ def test_the_default_is_sockets_declared_as_ethernet():
     spec = load_spec()
     assert (spec.network.fabric, spec.network.gbps, spec.network.ib_hca, spec.network.ib_gid_index) == ("ethernet", 0, "", None)
     assert not spec.network.rdma
-    assert spec.nccl_env() == {"NCCL_IB_DISABLE": "1"}
+    assert spec.nccl_env() == {"NCCL_IB_DISABLE": "1", **SOCKETS}
 
 
 def test_infiniband_enables_nccls_ib_transport_on_the_declared_hcas(tmp_path):
@@ -39,9 +43,9 @@ def test_infiniband_enables_nccls_ib_transport_on_the_declared_hcas(tmp_path):
     """,
     )
     assert spec.network.rdma and spec.network.gbps == 400
-    assert spec.nccl_env() == {"NCCL_IB_DISABLE": "0", "NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1"}
-    # No HCA named: NCCL takes every one it finds, so only the switch is set.
-    assert spec_with(tmp_path, "network: {fabric: ib}\n").nccl_env() == {"NCCL_IB_DISABLE": "0"}
+    assert spec.nccl_env() == {"NCCL_IB_DISABLE": "0", "NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1", **SOCKETS}
+    # No HCA named: NCCL takes every one it finds, so only the switch is set (and the socket fallback's settings).
+    assert spec_with(tmp_path, "network: {fabric: ib}\n").nccl_env() == {"NCCL_IB_DISABLE": "0", **SOCKETS}
 
 
 def test_roce_also_sets_the_gid_index(tmp_path):
@@ -55,8 +59,26 @@ def test_roce_also_sets_the_gid_index(tmp_path):
           ib_gid_index: 3
     """,
     )
-    assert spec.nccl_env() == {"NCCL_IB_DISABLE": "0", "NCCL_IB_HCA": "=mlx5_2", "NCCL_IB_GID_INDEX": "3"}
+    assert spec.nccl_env() == {"NCCL_IB_DISABLE": "0", "NCCL_IB_HCA": "=mlx5_2", "NCCL_IB_GID_INDEX": "3", **SOCKETS}
     assert spec.as_dict()["network"] == {"fabric": "roce", "gbps": 100, "ib_hca": "=mlx5_2", "ib_gid_index": 3}
+
+
+def test_every_fabric_renders_the_same_socket_settings(tmp_path):
+    for fabric in ("ethernet", "ib", "roce"):
+        assert spec_with(tmp_path, "network: {fabric: %s}\n" % fabric).network.socket_env() == SOCKETS
+
+
+def test_socket_defaults_fill_in_what_the_environment_lacks():
+    environ = {"PATH": "/usr/bin"}
+    assert apply_socket_defaults(load_spec().network, environ) == SOCKETS
+    assert environ == {"PATH": "/usr/bin", **SOCKETS}
+    assert apply_socket_defaults(load_spec().network, environ) == {}  # a second call sets nothing
+
+
+def test_socket_defaults_leave_a_users_own_value_alone():
+    environ = {"NCCL_SOCKET_NTHREADS": "8"}
+    assert apply_socket_defaults(load_spec().network, environ) == {"NCCL_NSOCKS_PERTHREAD": "4"}
+    assert environ == {"NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "4"}
 
 
 def test_a_user_file_changes_only_the_network_keys_it_sets(tmp_path):

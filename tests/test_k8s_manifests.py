@@ -413,9 +413,10 @@ def cluster_drift(spec: ClusterSpec, label: str, cluster: Mapping[str, Any], sta
 def nccl_fabric_drift(
     spec: ClusterSpec, where: str, role: str, group: Mapping[str, Any], env: Mapping[str, Mapping[str, Any]]
 ) -> List[str]:
-    """NCCL's fabric variables equal spec.nccl_env(); GPU workers on RDMA get the device and IPC_LOCK."""
+    """NCCL's fabric and socket variables equal spec.nccl_env(); GPU workers on RDMA get the device and IPC_LOCK."""
     errors = []
-    have = {k: e.get("value") for k, e in env.items() if k.startswith("NCCL_IB_")}
+    rendered = set(spec.network.socket_env())
+    have = {k: e.get("value") for k, e in env.items() if k.startswith("NCCL_IB_") or k in rendered}
     want = spec.nccl_env()
     for key in sorted(set(have) | set(want)):
         if have.get(key) != want.get(key):
@@ -544,9 +545,12 @@ def test_drift_check_fails_when_a_manifest_differs(spec):
     bad = copy.deepcopy(docs)
     del bad[0]["spec"]["workerGroupSpecs"][0]["rayStartParams"]["object-manager-port"]  # random again
     bad[1]["spec"]["ingress"][0]["ports"].pop()  # ephemeral range closed
+    worker = kuberay.ray_container(bad[0]["spec"]["workerGroupSpecs"][0])
+    worker["env"] = [e for e in worker["env"] if e["name"] != "NCCL_SOCKET_NTHREADS"]  # NCCL's single-thread default
     errors = drift_errors(spec, bad, "legacy")
     assert any("object-manager-port" in e for e in errors), errors
     assert any("missing [(40000, 49999)]" in e for e in errors), errors
+    assert any("env NCCL_SOCKET_NTHREADS = None, network.fabric ethernet says '4'" in e for e in errors), errors
     (job,) = copy.deepcopy(load_manifest("rayjob.yaml"))
     job["spec"]["entrypointNumCpus"] = 1
     assert any("entrypointNumCpus" in e for e in drift_errors(spec, [job], "legacy"))
@@ -585,6 +589,11 @@ def test_rdma_overlay_is_the_jax_overlay_plus_the_fabric_only():
     spec = source_spec("kustomize", "overlays/rdma")
     assert spec.network.rdma and spec.nccl_env()["NCCL_IB_DISABLE"] == "0"
     rdma = copy.deepcopy(render("overlays/rdma"))
+    for doc in rdma:  # the base's socket settings survive the overlay's patches by env index
+        for _, cluster in cluster_specs(doc):
+            for _, _, group in groups(cluster):
+                env = {e["name"]: e.get("value") for e in kuberay.ray_container(group)["env"]}
+                assert spec.network.socket_env().items() <= env.items()
     for doc in rdma:
         for _, cluster in cluster_specs(doc):
             for role, _, group in groups(cluster):

@@ -3,6 +3,7 @@ lines of two H200 processes held to sockets), the verdicts for the declared fabr
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -52,3 +53,27 @@ def test_a_process_reads_its_own_nccl_lines_and_says_when_ib_was_declared(tmp_pa
     schema, report = load_schema(), record.to_dict()
     jsonschema.validate(report["network_measured"], schema["properties"]["network_measured"])
     jsonschema.validate(report["processes"][0], {**schema["$defs"]["process"], "$defs": schema["$defs"]})
+
+
+def test_a_run_measures_its_links_when_it_has_any():
+    """Several processes always; one process only over several GPUs (NCCL between them); one process's CPU
+    devices share its memory, and one GPU has nothing to talk to."""
+    assert own_network.worth_measuring("cpu", 3, 3)
+    assert own_network.worth_measuring("gpu", 2, 2)
+    assert own_network.worth_measuring("gpu", 1, 2)
+    assert not own_network.worth_measuring("gpu", 1, 1)
+    assert not own_network.worth_measuring("cpu", 1, 8)
+
+
+def test_a_process_takes_the_socket_settings_its_node_lacks_and_keeps_its_own(monkeypatch, tmp_path):
+    """What a training process and the doctor's probes do before NCCL starts: the cluster's NCCL socket
+    settings fill what the node's environment lacks (a `ray start` by hand), never replacing the node's own;
+    a spec file this node cannot read falls back to the package's network section."""
+    keys = ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
+    for key in keys:  # recorded by monkeypatch, so whatever prepare_nccl sets is undone after the test
+        monkeypatch.setenv(key, "x")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("NCCL_NSOCKS_PERTHREAD", "2")
+    log = network_probe.prepare_nccl(str(tmp_path / "no-such-cluster.yaml"))
+    assert os.environ["NCCL_SOCKET_NTHREADS"] == "4" and os.environ["NCCL_NSOCKS_PERTHREAD"] == "2"
+    assert log == network_probe.own_nccl_log() and os.environ["NCCL_DEBUG"] == "INFO"

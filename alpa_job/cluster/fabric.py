@@ -3,13 +3,17 @@
 Declared once, rendered everywhere: `nccl_env()` is the NCCL environment every runtime sets (Ansible's
 containers and processes, the KubeRay pods), and tests hold each of them to it. Sockets are a choice
 too: `fabric: ethernet` renders NCCL_IB_DISABLE=1, so NCCL never probes for an HCA it was not given.
+Every fabric also renders `socket_env()`, the settings of NCCL's socket transport (NCCL_SOCKET_NTHREADS,
+NCCL_NSOCKS_PERTHREAD): sockets carry the data on ethernet, and on ib/roce whenever NCCL falls back to
+them. `apply_socket_defaults()` sets those in a process's own environment where nothing set them.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, MutableMapping, Optional
 
 from alpa_job.errors import KitError
 
@@ -20,6 +24,12 @@ RDMA_FABRICS = ("ib", "roce")
 
 # NCCL_IB_HCA's grammar: an optional `^` (exclude) or `=` (exact names), then `device[:port]`, comma-separated.
 _HCA_LIST = re.compile(r"[\^=]?[A-Za-z0-9_.-]+(:[0-9]+)?(,[A-Za-z0-9_.-]+(:[0-9]+)?)*")
+
+# NCCL's socket transport defaults to one helper thread with one socket per connection, and a single TCP
+# stream cannot fill a fast link. These are NCCL's documented recommendation for generic 100G networks;
+# their product may not exceed 64. They affect the socket transport only, so every fabric gets them.
+SOCKET_NTHREADS = 4
+NSOCKS_PERTHREAD = 4
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,10 @@ class NetworkSpec:
 
     def nccl_env(self) -> Dict[str, str]:
         """The NCCL environment for this fabric; the only place these variables are decided."""
+        return dict(self.fabric_env(), **self.socket_env())
+
+    def fabric_env(self) -> Dict[str, str]:
+        """NCCL's transport choice: sockets for ethernet, the IB transport (on the declared HCAs) for ib/roce."""
         if not self.rdma:
             return {"NCCL_IB_DISABLE": "1"}
         env = {"NCCL_IB_DISABLE": "0"}
@@ -51,8 +65,22 @@ class NetworkSpec:
             env["NCCL_IB_GID_INDEX"] = str(self.ib_gid_index)
         return env
 
+    def socket_env(self) -> Dict[str, str]:
+        """NCCL's socket transport settings, the same on every fabric (they matter wherever sockets carry data)."""
+        return {"NCCL_SOCKET_NTHREADS": str(SOCKET_NTHREADS), "NCCL_NSOCKS_PERTHREAD": str(NSOCKS_PERTHREAD)}
+
     def as_dict(self) -> Dict[str, Any]:
         return {"fabric": self.fabric, "gbps": self.gbps, "ib_hca": self.ib_hca, "ib_gid_index": self.ib_gid_index}
+
+
+def apply_socket_defaults(network: NetworkSpec, environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Set each of network.socket_env() that `environ` lacks, before NCCL starts; returns what it set.
+
+    A value already there (the user's, or the node's runtime) wins: this fills gaps, it never overrides.
+    """
+    added = {key: value for key, value in network.socket_env().items() if key not in environ}
+    environ.update(added)
+    return added
 
 
 def network_from_dict(raw: Any, source: str) -> NetworkSpec:

@@ -1,6 +1,7 @@
-"""A multi-process run's own network, measured where it runs: an all-reduce over every device timed at the
-start (bus bandwidth as nccl-tests reports it, 2 (n - 1) / n x bytes / time), and on GPUs the transports NCCL
-chose, read from NCCL's own INFO lines, which each process has NCCL write to a file of its own.
+"""A run's own network, measured where it runs: an all-reduce over every device timed at the start (bus
+bandwidth as nccl-tests reports it, 2 (n - 1) / n x bytes / time), and on GPUs the transports NCCL chose,
+read from NCCL's own INFO lines, which each process has NCCL write to a file of its own. Before NCCL starts,
+each process also takes the cluster's socket settings for NCCL where its node set none.
 
 The doctor (`doctor --network`) runs the same all-reduce in processes of its own.
 """
@@ -15,6 +16,22 @@ from typing import Any, Dict, List, Optional
 
 NCCL_FILE_PREFIX = "/tmp/alpa_job-nccl"  # + .HOST.PID.log: NCCL expands %h and %p itself
 NCCL_LINES_KEPT = 400
+
+
+def prepare_nccl(cluster_spec: Optional[str] = None) -> Optional[str]:
+    """Before NCCL starts in this process: the fabric's socket settings where the node's environment has none
+    (a `ray start` by hand gets what Ansible and KubeRay render), and NCCL's own log asked for; the log's path
+    (see ask_nccl_for_its_log)."""
+    from alpa_job.cluster.fabric import apply_socket_defaults
+    from alpa_job.cluster.spec import load_spec
+    from alpa_job.errors import KitError
+
+    try:
+        spec = load_spec(cluster_spec)
+    except KitError:  # a spec file the driver read but this node cannot: the package's network section
+        spec = load_spec(None)
+    apply_socket_defaults(spec.network)
+    return ask_nccl_for_its_log()
 
 
 def ask_nccl_for_its_log() -> Optional[str]:

@@ -88,10 +88,12 @@ def actor_class():
             send_to(channel)  # process 0 feeds the driver's display; the others keep quiet
             if process_id == 0 and coordinator:
                 wait_port_free(int(coordinator.rpartition(":")[2]))
-            if num_processes > 1:  # NCCL's transports, for the report (train/own_network.py)
-                from alpa_job.cluster.network_probe import ask_nccl_for_its_log
+            # NCCL's settings and its log (its transports, for the report: train/own_network.py), in every
+            # process: whether this one drives several GPUs is known only once jax has started, and NCCL reads
+            # its settings once. A process that never starts NCCL (CPU, one GPU) writes no file.
+            from alpa_job.cluster.network_probe import prepare_nccl
 
-                ask_nccl_for_its_log()
+            prepare_nccl(cfg.cluster_spec)
             init_distributed(coordinator, num_processes, process_id)  # before the loop touches a device
             return train_process(cfg, coordinator, on_step=on_step, stop=self.stop)
 

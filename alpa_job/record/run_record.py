@@ -272,7 +272,7 @@ class ProcessResult:
     network_traffic: Optional[Dict[str, Any]] = None
     # The JAX engine's pipeline: stages, micro-batches, schedule, bubble fraction, blocks and processes a stage.
     pipeline: Optional[Dict[str, Any]] = None
-    # A multi-process run: an all-reduce over every device timed before the first step (train/own_network.py).
+    # A run over several processes or GPUs: an all-reduce over every device timed before the first step.
     network_measured: Optional[Dict[str, Any]] = None
     # A multi-process run: each process's own share timed every few steps, and who was slow (train/stragglers.py).
     stragglers: Optional[Dict[str, Any]] = None

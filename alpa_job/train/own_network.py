@@ -1,7 +1,8 @@
-"""A multi-process run measures the network it runs on before its first step: an all-reduce over every device
-(its bus bandwidth, into the report, inspect and TensorBoard) and, on GPUs, the transports NCCL chose (each
-process's own, into its row of the report). A cluster that declares InfiniBand or RoCE while NCCL runs on
-sockets hears it in the progress output then, not hours later from a slow run."""
+"""A run over several processes, or over several GPUs of one process, measures the links it runs on before its
+first step: an all-reduce over every device (its bus bandwidth, into the report, inspect and TensorBoard) and,
+on GPUs, the transports NCCL chose (each process's own, into its row of the report: NVLink/P2P within a node,
+NET/... across nodes). A cluster that declares InfiniBand or RoCE while NCCL runs on sockets hears it in the
+progress output then, not hours later from a slow run."""
 
 from __future__ import annotations
 
@@ -16,15 +17,21 @@ PROBE_BYTES = {"gpu": 32 << 20, "cpu": 4 << 20}
 PROBE_REPEATS = 3
 
 
+def worth_measuring(backend: str, process_count: int, device_count: int) -> bool:
+    """Several processes always talk over a link; one process only when it drives several GPUs (NCCL over
+    NVLink or PCIe). One process's CPU devices share its memory: nothing there is a link."""
+    return process_count > 1 or (backend == "gpu" and device_count > 1)
+
+
 def measure(config, process_count: int) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]]]:
-    """(the timed all-reduce, this process's NCCL transports and verdicts); (None, None) for one process."""
-    if process_count <= 1:
-        return None, None
+    """(the timed all-reduce, this process's NCCL transports and verdicts); (None, None) where no link is used."""
     import jax
 
     from alpa_job.cluster import network_probe
 
     backend = jax.default_backend()
+    if not worth_measuring(backend, process_count, jax.device_count()):
+        return None, None
     measured = network_probe.time_all_reduce(PROBE_BYTES.get(backend, PROBE_BYTES["gpu"]), PROBE_REPEATS)
     note(
         f"[alpa_job] network: all-reduce of {measured['bytes'] >> 20} MiB a device over "

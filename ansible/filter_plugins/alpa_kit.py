@@ -276,7 +276,8 @@ def xla_env(raw_spec):
 
 
 def nccl_env(raw_spec):
-    """NCCL's environment for the declared fabric (ClusterSpec.nccl_env): sockets for ethernet, IB for ib/roce."""
+    """NCCL's environment for the declared fabric (ClusterSpec.nccl_env): sockets for ethernet, IB for ib/roce,
+    and the socket transport's threads and sockets on every fabric."""
     return dict(_spec(raw_spec).nccl_env())
 
 

@@ -36,7 +36,7 @@ def all_reduce(
     figures, and on GPUs NCCL's own log lines."""
     from alpa_job.cluster.jax_join import init_distributed
 
-    log = network_probe.ask_nccl_for_its_log()
+    log = network_probe.prepare_nccl()
     init_distributed(coordinator, processes, index, join_timeout_s)
     result = network_probe.time_all_reduce(nbytes, repeats)
     result["nccl_lines"] = network_probe.nccl_lines([log] if log else [])
