@@ -6,9 +6,11 @@
      bandwidth and NCCL's transports;
    - a training run: its report's `network_measured`, each process's `nccl` transports, its `stragglers`;
    - the same run while another process keeps node B's GPU busy (a matmul loop on it): the straggler named.
-2. One Ray node with both GPUs, NCCL's own choice: `doctor --network`, whose all-reduce runs over NVLink.
+2. One Ray node with both GPUs, NCCL's own choice: `doctor --network`, whose all-reduce runs over NVLink,
+   and the same training run on it: one process of two GPUs, whose report must carry the same transports.
 
     python3 bench/gpu_network.py --whl .whl --out "$OUT/results"
+    python3 bench/gpu_network.py --whl .whl --parts one-node     # only part 2
 
 Prints what each phase found and saves OUT/gpu_network-<UTC time>.json.
 """
@@ -47,6 +49,10 @@ class QuietNodes(two.Cluster):
         return env
 
 
+class Skipped(Exception):
+    """A part not asked for (--parts)."""
+
+
 def doctor(address: str, env: Dict[str, str], timeout_s: float) -> dict:
     argv = [sys.executable, "-m", "alpa_job", "doctor", "--address", address, "--network", "--format", "json", "--deadline", "90"]
     two.log("doctor: " + two.shown(argv))
@@ -78,14 +84,14 @@ def doctor(address: str, env: Dict[str, str], timeout_s: float) -> dict:
     return found
 
 
-def train(cluster, args, out: str, steps: int, env: Dict[str, str], deadline: two.Deadline) -> dict:
+def train(address: str, out: str, steps: int, env: Dict[str, str], deadline: two.Deadline) -> dict:
     argv = [
         sys.executable,
         "-m",
         "alpa_job",
         "train",
         "--address",
-        cluster.address,
+        address,
         "--model",
         "gpt",
         "--num-layers",
@@ -141,7 +147,8 @@ def train(cluster, args, out: str, steps: int, env: Dict[str, str], deadline: tw
 
 
 def one_node(args, env: Dict[str, str], scratch: str, deadline: two.Deadline) -> dict:
-    """Both GPUs in one Ray node, NCCL's own transports: the doctor's all-reduce over them."""
+    """Both GPUs in one Ray node, NCCL's own transports: the doctor's all-reduce over them, and a training run's
+    report (one process driving both GPUs)."""
     tag = "tw2n-one-" + str(os.getpid())
     node_env = dict(env, CUDA_VISIBLE_DEVICES="0,1", **{two.TAG_VAR: tag})
     port = args.port + 7
@@ -168,7 +175,9 @@ def one_node(args, env: Dict[str, str], scratch: str, deadline: two.Deadline) ->
     if p.returncode != 0:
         return {"error": (p.stdout + p.stderr)[-1500:]}
     try:
-        return doctor(f"127.0.0.1:{port}", env, deadline.phase())
+        found = {"doctor": doctor(f"127.0.0.1:{port}", env, deadline.phase())}
+        found["train"] = train(f"127.0.0.1:{port}", os.path.join(scratch, "one-node"), args.steps, env, deadline)
+        return found
     finally:
         two.stop_tagged(tag)
 
@@ -182,6 +191,7 @@ def main() -> int:
     parser.add_argument("--agent-port", type=int, default=52366)
     parser.add_argument("--deadline", type=float, default=560)
     parser.add_argument("--timeout", type=float, default=200)
+    parser.add_argument("--parts", nargs="+", choices=["two-nodes", "one-node"], default=["two-nodes", "one-node"])
     args = parser.parse_args()
     # What gpu_two_nodes' Cluster reads from its own arguments.
     args.cpu, args.gpus_per_node, args.num_cpus, args.progress_every = False, 1, 8, 25
@@ -193,15 +203,19 @@ def main() -> int:
     cluster = QuietNodes(args, env, scratch, sockets=True)
     hog = None
     try:
+        if "two-nodes" not in args.parts:
+            raise Skipped()
         cluster.start(deadline)
         result["two_nodes_doctor"] = doctor(cluster.address, env, deadline.phase())
-        result["two_nodes_train"] = train(cluster, args, os.path.join(scratch, "clean"), args.steps, env, deadline)
+        result["two_nodes_train"] = train(cluster.address, os.path.join(scratch, "clean"), args.steps, env, deadline)
         hog = subprocess.Popen(
             [sys.executable, "-c", HOG.format(seconds=int(deadline.left()))],
             env=dict(env, CUDA_VISIBLE_DEVICES="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.1"),
         )
         time.sleep(8)  # its compile done: node B's GPU is shared from the first step on
-        result["two_nodes_train_gpu1_busy"] = train(cluster, args, os.path.join(scratch, "busy"), args.steps, env, deadline)
+        result["two_nodes_train_gpu1_busy"] = train(cluster.address, os.path.join(scratch, "busy"), args.steps, env, deadline)
+    except Skipped:
+        pass
     except (two.Failed, subprocess.TimeoutExpired) as err:
         result["error"] = str(err)
         two.log(f"FAILED: {err}")
@@ -210,7 +224,8 @@ def main() -> int:
             hog.kill()
         cluster.stop()
     try:
-        result["one_node_doctor"] = one_node(args, env, scratch, deadline)
+        if "one-node" in args.parts:
+            result["one_node"] = one_node(args, env, scratch, deadline)
     except (two.Failed, subprocess.TimeoutExpired) as err:
         result["one_node_error"] = str(err)
     path = results.write_json("gpu_network", {"command": results.command("python3"), **result}, args.out)
