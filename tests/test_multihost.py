@@ -1,10 +1,12 @@
 """Training across hosts on the test bed: `ray job submit` from the head and from a worker, and the
 addresses the kit used (every JAX process's IP is its own host's; the coordinator is the head's)."""
 
+import concurrent.futures
 import json
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from kit_testbed import hosts as testbed_lib
@@ -22,11 +24,15 @@ print("NODES " + json.dumps([n.ip for n in ray_api.alive_nodes()]))
 _JOBS = {}  # (host, extra train flags) -> (report, seconds, CompletedProcess): each job runs once a session
 
 
-def _job(ray_cluster, host: str, *train_flags: str):
+def _run_folder(host: str) -> Path:
+    return Path("/tmp") / ("akt-multihost-%s-%s" % (host, uuid.uuid4().hex[:8]))
+
+
+def _job(ray_cluster, host: str, *train_flags: str, out: Optional[Path] = None):
     """`ray job submit` from `host` of a 5-step MLP run over the cluster: (its run folder, the finished
     submit). /tmp outside /tmp/ray is the machine's /tmp, shared by every host: the driver (on the head
     under `ray job submit`) writes the report there and the test reads it from outside."""
-    out = Path("/tmp") / ("akt-multihost-%s-%s" % (host, uuid.uuid4().hex[:8]))
+    out = out or _run_folder(host)
     p = ray_cluster.testbed.exec(
         host,
         "ray",
@@ -286,6 +292,16 @@ def test_head_with_mgmt_nic_joins_by_cluster_cidr_address(mgmt_cluster):
     assert head.ip in nodes and head.mgmt_ip not in nodes
 
 
+def _wait_for_line(path: Path, words: str, job, timeout_s: float) -> bool:
+    """Whether `words` appeared in the file at `path` before `job` ended or the time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not job.done():
+        if path.exists() and words in path.read_text(errors="replace"):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 SMALL_MLP = ("--hidden-dim", "64", "--devices", "1")  # steps of a few ms of work: 300 of them are cheap
 
 
@@ -303,10 +319,19 @@ def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ra
     # three quarters of its rounds, which noise does not give).
     assert stragglers["events"] == [] and stragglers["slow_now"] == [], stragglers
 
-    # 0.15 of a CPU: held back by more than a busy 2-core machine's run-queue waits slow the others.
+    # w1 starts (imports, compile) at 0.15 of a CPU, and runs its steps at 0.05: held back far more than a
+    # busy 2-core machine's run-queue waits slow the others (at 0.15 all through, a loaded machine once
+    # slowed the other two hosts more than the quota slowed w1).
+    out = _run_folder("head")
     with testbed_lib.CpuQuota(ray_cluster.testbed, "w1", 0.15) as quota:
-        out, p = _job(ray_cluster, "head", *SMALL_MLP, "--steps", "70")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slowed = pool.submit(_job, ray_cluster, "head", *SMALL_MLP, "--steps", "70", out=out)
+            stepping = _wait_for_line(out / "train.log", "[train] step ", slowed, timeout_s=300)
+            if stepping:
+                quota.set_cores(0.05)
+            out, p = slowed.result()
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert stepping, "the slowed run's train.log showed no step before it ended: %s" % (out / "train.log")
     report = json.loads((out / "report.json").read_text())
     assert_valid_report(report)
     print("slowed run: w1's quota", quota.throttled, "- the last window:", report["stragglers"]["latest"])

@@ -756,13 +756,18 @@ class QuotaGroup:
             if "cpu" not in control.read_text().split():
                 control.write_text("+cpu")
         self.path.mkdir(exist_ok=True)
-        quota = max(1000, int(self.cores * self.period_us))
+        self.set_cores(self.cores)
+        return self
+
+    def set_cores(self, cores: float) -> None:
+        """Change the group's share while its processes run (the kernel applies it from the next period)."""
+        self.cores = cores
+        quota = max(1000, int(cores * self.period_us))
         if (self.path / "cpu.cfs_quota_us").exists():
             (self.path / "cpu.cfs_period_us").write_text(str(self.period_us))
             (self.path / "cpu.cfs_quota_us").write_text(str(quota))
         else:
             (self.path / "cpu.max").write_text(f"{quota} {self.period_us}")
-        return self
 
     def __exit__(self, *exc) -> None:
         for _ in range(50):  # a process still leaving keeps the group busy for a moment
@@ -803,6 +808,9 @@ class CpuQuota:
 
     def throttling(self) -> Dict[str, float]:
         return self.group.throttling()
+
+    def set_cores(self, cores: float) -> None:
+        self.group.set_cores(cores)
 
     def _move(self, procs: Path) -> Tuple[int, str]:
         moved, error = 0, "the host has no processes"
