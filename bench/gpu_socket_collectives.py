@@ -25,15 +25,8 @@ import sys
 import time
 from typing import Dict, List
 
+from gpu_two_nodes import NCCL_OVER_SOCKETS  # held to sockets as gpu_two_nodes' two hosts are
 from lib import results
-
-SOCKETS = {
-    "NCCL_P2P_DISABLE": "1",
-    "NCCL_SHM_DISABLE": "1",
-    "NCCL_IB_DISABLE": "1",
-    "NCCL_SOCKET_IFNAME": "lo",
-    "NCCL_NVLS_ENABLE": "0",
-}
 
 
 def timed(fn, *args, repeats: int = 5) -> float:
@@ -100,7 +93,7 @@ def worker(process: int, port: int) -> None:
 def run_variant(name: str, extra: Dict[str, str], port: int, timeout_s: float) -> Dict[str, object]:
     procs = []
     for process in range(2):
-        env = dict(os.environ, **SOCKETS, **extra, CUDA_VISIBLE_DEVICES=str(process), NCCL_HOSTID=f"host{process}")
+        env = dict(os.environ, **NCCL_OVER_SOCKETS, **extra, CUDA_VISIBLE_DEVICES=str(process), NCCL_HOSTID=f"host{process}")
         procs.append(
             subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", str(process), "--port", str(port)],

@@ -70,14 +70,14 @@ def test_every_fabric_renders_the_same_socket_settings(tmp_path):
 
 def test_socket_defaults_fill_in_what_the_environment_lacks():
     environ = {"PATH": "/usr/bin"}
-    assert apply_socket_defaults(load_spec().network, environ) == SOCKETS
+    assert apply_socket_defaults(environ) == SOCKETS
     assert environ == {"PATH": "/usr/bin", **SOCKETS}
-    assert apply_socket_defaults(load_spec().network, environ) == {}  # a second call sets nothing
+    assert apply_socket_defaults(environ) == {}  # a second call sets nothing
 
 
 def test_socket_defaults_leave_a_users_own_value_alone():
     environ = {"NCCL_SOCKET_NTHREADS": "8"}
-    assert apply_socket_defaults(load_spec().network, environ) == {"NCCL_NSOCKS_PERTHREAD": "4"}
+    assert apply_socket_defaults(environ) == {"NCCL_NSOCKS_PERTHREAD": "4"}
     assert environ == {"NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "4"}
 
 

@@ -66,19 +66,24 @@ class NetworkSpec:
         return env
 
     def socket_env(self) -> Dict[str, str]:
-        """NCCL's socket transport settings, the same on every fabric (they matter wherever sockets carry data)."""
-        return {"NCCL_SOCKET_NTHREADS": str(SOCKET_NTHREADS), "NCCL_NSOCKS_PERTHREAD": str(NSOCKS_PERTHREAD)}
+        return socket_env()
 
     def as_dict(self) -> Dict[str, Any]:
         return {"fabric": self.fabric, "gbps": self.gbps, "ib_hca": self.ib_hca, "ib_gid_index": self.ib_gid_index}
 
 
-def apply_socket_defaults(network: NetworkSpec, environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
-    """Set each of network.socket_env() that `environ` lacks, before NCCL starts; returns what it set.
+def socket_env() -> Dict[str, str]:
+    """NCCL's socket transport settings, the same on every fabric (they matter wherever sockets carry data)."""
+    return {"NCCL_SOCKET_NTHREADS": str(SOCKET_NTHREADS), "NCCL_NSOCKS_PERTHREAD": str(NSOCKS_PERTHREAD)}
+
+
+def apply_socket_defaults(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """Set each of socket_env() that `environ` lacks, before NCCL starts; returns what it set.
 
     A value already there (the user's, or the node's runtime) wins: this fills gaps, it never overrides.
+    No cluster spec is read: the settings are the same for every fabric.
     """
-    added = {key: value for key, value in network.socket_env().items() if key not in environ}
+    added = {key: value for key, value in socket_env().items() if key not in environ}
     environ.update(added)
     return added
 

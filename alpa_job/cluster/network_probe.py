@@ -18,19 +18,13 @@ NCCL_FILE_PREFIX = "/tmp/alpa_job-nccl"  # + .HOST.PID.log: NCCL expands %h and 
 NCCL_LINES_KEPT = 400
 
 
-def prepare_nccl(cluster_spec: Optional[str] = None) -> Optional[str]:
-    """Before NCCL starts in this process: the fabric's socket settings where the node's environment has none
+def prepare_nccl() -> Optional[str]:
+    """Before NCCL starts in this process: NCCL's socket settings where the node's environment has none
     (a `ray start` by hand gets what Ansible and KubeRay render), and NCCL's own log asked for; the log's path
     (see ask_nccl_for_its_log)."""
     from alpa_job.cluster.fabric import apply_socket_defaults
-    from alpa_job.cluster.spec import load_spec
-    from alpa_job.errors import KitError
 
-    try:
-        spec = load_spec(cluster_spec)
-    except KitError:  # a spec file the driver read but this node cannot: the package's network section
-        spec = load_spec(None)
-    apply_socket_defaults(spec.network)
+    apply_socket_defaults()
     return ask_nccl_for_its_log()
 
 

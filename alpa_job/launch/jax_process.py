@@ -93,7 +93,7 @@ def actor_class():
             # its settings once. A process that never starts NCCL (CPU, one GPU) writes no file.
             from alpa_job.cluster.network_probe import prepare_nccl
 
-            prepare_nccl(cfg.cluster_spec)
+            prepare_nccl()
             init_distributed(coordinator, num_processes, process_id)  # before the loop touches a device
             return train_process(cfg, coordinator, on_step=on_step, stop=self.stop)
 
