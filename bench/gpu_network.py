@@ -49,10 +49,6 @@ class QuietNodes(two.Cluster):
         return env
 
 
-class Skipped(Exception):
-    """A part not asked for (--parts)."""
-
-
 def doctor(address: str, env: Dict[str, str], timeout_s: float) -> dict:
     argv = [sys.executable, "-m", "alpa_job", "doctor", "--address", address, "--network", "--format", "json", "--deadline", "90"]
     two.log("doctor: " + two.shown(argv))
@@ -182,6 +178,31 @@ def one_node(args, env: Dict[str, str], scratch: str, deadline: two.Deadline) ->
         two.stop_tagged(tag)
 
 
+def two_nodes(args, env: Dict[str, str], scratch: str, deadline: two.Deadline) -> Dict[str, object]:
+    """Two Ray nodes of one GPU each over sockets: the doctor, a clean training run, and one beside a GPU hog."""
+    result: Dict[str, object] = {}
+    cluster = QuietNodes(args, env, scratch, sockets=True)
+    hog = None
+    try:
+        cluster.start(deadline)
+        result["two_nodes_doctor"] = doctor(cluster.address, env, deadline.phase())
+        result["two_nodes_train"] = train(cluster.address, os.path.join(scratch, "clean"), args.steps, env, deadline)
+        hog = subprocess.Popen(
+            [sys.executable, "-c", HOG.format(seconds=int(deadline.left()))],
+            env=dict(env, CUDA_VISIBLE_DEVICES="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.1"),
+        )
+        time.sleep(8)  # its compile done: node B's GPU is shared from the first step on
+        result["two_nodes_train_gpu1_busy"] = train(cluster.address, os.path.join(scratch, "busy"), args.steps, env, deadline)
+    except (two.Failed, subprocess.TimeoutExpired) as err:
+        result["error"] = str(err)
+        two.log(f"FAILED: {err}")
+    finally:
+        if hog is not None:
+            hog.kill()
+        cluster.stop()
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--whl", default=None)
@@ -200,29 +221,8 @@ def main() -> int:
     two.ensure_ray(args.whl, env)
     scratch = tempfile.mkdtemp(prefix="gpu-network-")
     result: Dict[str, object] = {}
-    cluster = QuietNodes(args, env, scratch, sockets=True)
-    hog = None
-    try:
-        if "two-nodes" not in args.parts:
-            raise Skipped()
-        cluster.start(deadline)
-        result["two_nodes_doctor"] = doctor(cluster.address, env, deadline.phase())
-        result["two_nodes_train"] = train(cluster.address, os.path.join(scratch, "clean"), args.steps, env, deadline)
-        hog = subprocess.Popen(
-            [sys.executable, "-c", HOG.format(seconds=int(deadline.left()))],
-            env=dict(env, CUDA_VISIBLE_DEVICES="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.1"),
-        )
-        time.sleep(8)  # its compile done: node B's GPU is shared from the first step on
-        result["two_nodes_train_gpu1_busy"] = train(cluster.address, os.path.join(scratch, "busy"), args.steps, env, deadline)
-    except Skipped:
-        pass
-    except (two.Failed, subprocess.TimeoutExpired) as err:
-        result["error"] = str(err)
-        two.log(f"FAILED: {err}")
-    finally:
-        if hog is not None:
-            hog.kill()
-        cluster.stop()
+    if "two-nodes" in args.parts:
+        result.update(two_nodes(args, env, scratch, deadline))
     try:
         if "one-node" in args.parts:
             result["one_node"] = one_node(args, env, scratch, deadline)
