@@ -15,7 +15,7 @@ import jax  # noqa: E402
 from alpa_job.engines.jax_engine import JaxEngine  # noqa: E402
 from alpa_job.planner import worker  # noqa: E402
 from alpa_job.planner.compile_plan import compile_candidate  # noqa: E402
-from alpa_job.record import hlo  # noqa: E402
+from alpa_job.record import hlo, traffic  # noqa: E402
 
 request = json.loads(sys.argv[1])
 config, model, example = worker.build(request)
@@ -30,7 +30,10 @@ for strategy, mesh in request["candidates"]:
         for shard in leaf.addressable_shards
         if shard.device == jax.devices()[0]
     )
-    real = {k: v["count"] for k, v in hlo.count_collectives(engine.stats.hlo_texts[0]).items()}
+    # The real engine's compiled step, its collectives counted as the planner counts them (as on GPUs).
+    real = {k: 0 for k in hlo.COLLECTIVE_KINDS}
+    for row in traffic.step_traffic(engine.stats.hlo_texts[0], 8, request["gpus_per_node"], as_on_gpu=True):
+        real[row.kind] += 1
     planned = compile_candidate(config, model, example, strategy, tuple(mesh), request["gpus_per_node"])
     out[f"{strategy}{tuple(mesh)}"] = {
         "real_state_bytes_device0": on_device0,

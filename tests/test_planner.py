@@ -88,7 +88,7 @@ def test_replica_group_formats_and_traffic_split():
     assert placement.node_axes((2, 4), 4) == {"model": "inside a node", "data": "across nodes"}
 
 
-def test_calibration_predicts_every_measured_run_within_20_percent_and_the_same_winner():
+def test_calibration_predicts_every_measured_run_within_20_percent_and_a_winner_within_5_percent():
     """Reads calibration.json: holds for whatever measured runs it holds."""
     data = estimate.load()
     constants = estimate.fit(data)
@@ -104,27 +104,38 @@ def test_calibration_predicts_every_measured_run_within_20_percent_and_the_same_
     for key, rows in groups.items():
         if len(rows) < 2:
             continue
-        measured = min(rows, key=lambda r: r[0]["measured_step_ms"])[0]["strategy"]
-        planned = min(rows, key=lambda r: r[1])[0]["strategy"]
-        assert planned == measured, key
+        # The winner as a user judges it: the planned strategy measured within 5 % of the fastest
+        # (two strategies a few ms apart swap places between calls).
+        best_ms = min(entry["measured_step_ms"] for entry, _ in rows)
+        planned = min(rows, key=lambda r: r[1])[0]
+        assert planned["measured_step_ms"] <= 1.05 * best_ms, (key, planned["id"])
         for entry, _ in rows:
-            assert entry.get("auto_chose") in (None, measured), entry["id"]
+            chose = entry.get("auto_chose")
+            assert chose is None or min(e["measured_step_ms"] for e, _ in rows if e["strategy"] == chose) <= 1.05 * best_ms, entry["id"]
     known = [e for e in data["entries"] if e.get("measured_peak_gb")]
     for entry in known:
         peak = estimate.gpu_peak_bytes(entry["cpu"]["memory"], constants) / 1e9
         assert abs(peak - entry["measured_peak_gb"]) / entry["measured_peak_gb"] <= 0.10, entry["id"]
 
 
-def test_communication_longer_than_compute_is_exposed_whatever_the_factor():
+def test_nvlink_time_is_scaled_by_the_factor_and_network_time_exposed_in_full():
+    """NVLink: the fitted factor (what one-node runs hid), but never less than what compute cannot hide. The
+    network: its measured bandwidth, none of it hidden, whatever the factor."""
     constants = estimate.Constants(efficiency=0.5, comm_factor={"fsdp": 0.05}, default_comm_factor=0.5, temp_ratio=1.0, fitted_from=[])
     gpu = gpus.CATALOGUE["h100"]
     compute_s = 1e15 / (gpu.peak_flops * 0.5)
-    network = {"all-gather": {"nvlink_bytes": 0.0, "network_bytes": 2 * compute_s * 1e9}}  # 2x compute at 1 GB/s
-    row = {"flops_per_step": 1e15, "collectives": network, "strategy": "fsdp", "memory": None}
-    slow = estimate.predict(row, 1, gpu, 1e9, constants)
-    assert slow["communication_s"] == pytest.approx(compute_s)  # links 2x compute: half exposed
-    fast = estimate.predict(row, 1, gpu, 1e12, constants)  # the same bytes at 1 TB/s: hidden but the factor
-    assert fast["communication_s"] == pytest.approx(0.05 * 2 * compute_s * 1e9 / 1e12)
+
+    def communication(nvlink_bytes, network_bytes, network_bytes_s=1e9):
+        collectives = {"all-gather": {"nvlink_bytes": nvlink_bytes, "network_bytes": network_bytes}}
+        row = {"flops_per_step": 1e15, "collectives": collectives, "strategy": "fsdp", "memory": None}
+        return estimate.predict(row, 1, gpu, network_bytes_s, constants)["communication_s"]
+
+    long_nvlink = 2 * compute_s * gpu.nvlink_bytes_s  # NVLink bytes of twice the compute: half exposed
+    assert communication(long_nvlink, 0.0) == pytest.approx(compute_s)
+    short_nvlink = 0.5 * compute_s * gpu.nvlink_bytes_s  # hidden but the factor
+    assert communication(short_nvlink, 0.0) == pytest.approx(0.05 * 0.5 * compute_s)
+    assert communication(0.0, 2 * compute_s * 1e9) == pytest.approx(2 * compute_s)  # 2x compute at 1 GB/s
+    assert communication(short_nvlink, 1e6, 1e12) == pytest.approx(0.05 * 0.5 * compute_s + 1e-6)
 
 
 def test_calibration_cpu_block_is_current():
@@ -211,18 +222,22 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     # data: the gradient all-reduce crosses nodes; tensor 2x4 keeps model in a node.
     assert by[("data", (8, 1))]["network_bytes"] > 0
     assert by[("tensor", (2, 4))]["axes"]["model"] == "inside a node"
-    # hsdp gathers inside a node and sends only its gradients' reduction across: fewer network bytes than fsdp
-    assert by[("hsdp", (2, 4))]["axes"] == {"data": "across nodes", "fsdp": "inside a node"}
-    assert 0 < by[("hsdp", (2, 4))]["network_bytes"] < by[("fsdp", (8, 1))]["network_bytes"]
+    # hsdp gathers inside a node and sends only its gradients' reduction across; fsdp's gathers cross too
+    hsdp, fsdp = by[("hsdp", (2, 4))], by[("fsdp", (8, 1))]
+    assert hsdp["axes"] == {"data": "across nodes", "fsdp": "inside a node"}
+    assert hsdp["collectives"]["all-gather"]["network_bytes"] == 0 < fsdp["collectives"]["all-gather"]["network_bytes"]
+    assert 0 < hsdp["network_bytes"] == hsdp["collectives"]["all-reduce"]["network_bytes"]
     assert "hsdp, pipeline, pipeline-fsdp: no measured run yet" in " ".join(plan["assumptions"])
     # pipeline: activations cross (permutes), and of the gradients only the shell's (the blocks' stay on their
     # stage); every stage's FLOPs are counted, its bubble too
     pipeline = by[("pipeline", (2, 4))]
     assert pipeline["axes"] == {"stage": "across nodes", "data": "inside a node"}
     assert pipeline["collectives"]["collective-permute"]["network_bytes"] > 0
-    assert (
-        0 < pipeline["collectives"]["all-reduce"]["network_bytes"] < by[("data", (8, 1))]["collectives"]["all-reduce"]["network_bytes"] / 2
-    )
+
+    def reduction(row):  # the gradients' reduction: an all-reduce, or on GPUs a reduce-scatter where it is sliced
+        return sum(row["collectives"].get(k, {}).get("network_bytes", 0) for k in ("all-reduce", "reduce-scatter"))
+
+    assert 0 < reduction(pipeline) < reduction(by[("data", (8, 1))]) / 2
     assert pipeline["flops_per_step"] > by[("data", (8, 1))]["flops_per_step"]
     # fsdp within a stage: a quarter of the state a GPU, its gathers inside a node
     split = by[("pipeline-fsdp", (2, 4))]
@@ -230,7 +245,7 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     assert split["collectives"]["all-gather"]["nvlink_bytes"] > 0
     assert plan["candidates"][plan["best"]]["params"]
     page = (out / "plan.html").read_text()
-    assert "<svg" in page and "overlap" in page
+    assert "<svg" in page and "none of it assumed hidden" in page
     assert "rank" in proc.stdout and "plan.html" in proc.stdout
 
 

@@ -31,7 +31,7 @@ def compile_candidate(
     stats = engine.compile_step()
     text = stats.hlo_texts[0]
     num_devices = mesh_shape[0] * mesh_shape[1]
-    rows = traffic.step_traffic(text, num_devices, gpus_per_node)
+    rows = traffic.step_traffic(text, num_devices, gpus_per_node, as_on_gpu=True)  # compiled for CPU, costed for GPUs
     by_kind: Dict[str, Dict[str, Any]] = {
         k: {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0} for k in hlo.COLLECTIVE_KINDS
     }

@@ -1,17 +1,17 @@
 """Step time and memory of a compiled candidate on real GPUs, with constants fitted to measured runs.
 
-    step = compute + communication
+    step = compute + NVLink time + network time
     compute = FLOPs per device / (GPU peak x efficiency)
-    communication = max(factor[strategy] x links, links - compute)
-    links = NVLink bytes / NVLink bandwidth + network bytes / network bandwidth
+    NVLink time = max(factor[strategy] x NVLink bytes / NVLink bandwidth, that - compute)
+    network time = network bytes / network bandwidth
 
-Overlap assumption: the model adds communication to compute. Whatever part of it the measured runs hid
-behind compute (or lost to small messages and launch latency) is in `factor`, fitted per strategy from
-the multi-GPU runs (factor < 1: partly hidden; > 1: slower than the links' bandwidth). Compute can hide
-at most its own length: where the links need longer (a slow network), the rest is exposed whatever the
-factor, which was fitted on NVLink runs that hid nearly all of it. The efficiency is
-the geometric mean of the one-GPU runs' measured FLOP rate over the GPU's peak. A strategy with no
-multi-GPU run takes the median factor of those that have one.
+The bytes are what the step's collectives send as XLA:GPU runs them (record/gpu_view.py), per link.
+NVLink: whatever part of it the measured runs hid behind compute (or lost to small messages and launch
+latency) is in `factor`, fitted per strategy from the one-node multi-GPU runs (factor < 1: partly hidden;
+> 1: slower than the catalogue's bandwidth); compute can hide at most its own length. The network: its
+bandwidth is a measured one (the doctor's all-reduce, or one given), so no factor fitted on NVLink scales
+it, and none of it is assumed hidden. The efficiency is the geometric mean of the one-GPU runs' measured
+FLOP rate over the GPU's peak. A strategy with no multi-GPU run takes the median factor of those that have one.
 
 Memory: XLA's CPU compile keeps far more scratch (temp) than the GPU's (no fused attention, other
 fusion); the state part (arguments + outputs - aliased) is exact. The GPU peak is estimated as the
@@ -60,11 +60,13 @@ def _cpu(entry: Dict[str, Any]) -> Dict[str, Any]:
     return cpu
 
 
-def link_seconds(collectives: Dict[str, Dict[str, float]], gpu: gpus.Gpu, network_bytes_s: float) -> float:
-    """Seconds on the links if every byte went at full bandwidth, one collective after the other."""
-    nvlink = sum(c["nvlink_bytes"] for c in collectives.values())
-    network = sum(c["network_bytes"] for c in collectives.values())
-    return nvlink / gpu.nvlink_bytes_s + network / network_bytes_s
+def nvlink_seconds(collectives: Dict[str, Dict[str, float]], gpu: gpus.Gpu) -> float:
+    """Seconds on NVLink if every byte went at its full bandwidth, one collective after the other."""
+    return sum(c["nvlink_bytes"] for c in collectives.values()) / gpu.nvlink_bytes_s
+
+
+def network_seconds(collectives: Dict[str, Dict[str, float]], network_bytes_s: float) -> float:
+    return sum(c["network_bytes"] for c in collectives.values()) / network_bytes_s
 
 
 def state_part(memory: Dict[str, int]) -> int:
@@ -85,9 +87,10 @@ def fit(calibration: Dict[str, Any]) -> Constants:
             continue
         cpu, gpu = _cpu(e), gpus.CATALOGUE[e["gpu"]]
         compute = cpu["flops_per_step"] / devices / (gpu.peak_flops * efficiency)
-        links = link_seconds(cpu["collectives"], gpu, e.get("network_gbps", 400) * 1e9 / 8)
-        if links > 0:
-            factors.setdefault(e["strategy"], []).append(max(e["measured_step_ms"] / 1e3 - compute, 0.0) / links)
+        network = network_seconds(cpu["collectives"], e.get("network_gbps", 400) * 1e9 / 8)
+        nvlink = nvlink_seconds(cpu["collectives"], gpu)
+        if nvlink > 0:
+            factors.setdefault(e["strategy"], []).append(max(e["measured_step_ms"] / 1e3 - compute - network, 0.0) / nvlink)
     comm_factor = {s: statistics.median(v) for s, v in factors.items()}
     default = statistics.median(comm_factor.values()) if comm_factor else 1.0
     ratios = []
@@ -108,12 +111,14 @@ def gpu_peak_bytes(memory: Optional[Dict[str, int]], constants: Constants) -> Op
 def predict(row: Dict[str, Any], devices: int, gpu: gpus.Gpu, network_bytes_s: float, constants: Constants) -> Dict[str, Any]:
     """compute_s, communication_s, step_s and the corrected peak for one compiled candidate."""
     compute = (row["flops_per_step"] or 0.0) / devices / (gpu.peak_flops * constants.efficiency)
-    links = link_seconds(row["collectives"], gpu, network_bytes_s)
+    nvlink = nvlink_seconds(row["collectives"], gpu)
+    network = network_seconds(row["collectives"], network_bytes_s)
     factor = constants.comm_factor.get(row["strategy"], constants.default_comm_factor)
-    communication = max(factor * links, links - compute)
+    communication = max(factor * nvlink, nvlink - compute) + network
     return {
         "compute_s": compute,
-        "link_s": links,
+        "link_s": nvlink + network,
+        "network_s": network,
         "comm_factor": factor,
         "communication_s": communication,
         "step_s": compute + communication,

@@ -103,13 +103,15 @@ def make_plan(
         rows[best].params = _leaves(result["candidates"], rows[best])
     assumptions = [
         f"global batch {config.batch_size}: {batch_how}",
-        "step = compute + communication, added (no overlap beyond what the fitted factor absorbs): compute = "
+        "step = compute + NVLink time + network time: compute = "
         f"FLOPs per GPU / ({gpu.peak_flops / 1e12:.0f} TFLOP/s x efficiency {constants.efficiency:.3f}); "
-        "communication = factor[strategy] x links, links = NVLink bytes / NVLink bandwidth + network bytes / "
-        "network bandwidth, and at least the part of links that compute cannot hide (links - compute)",
+        "NVLink time = factor[strategy] x NVLink bytes / NVLink bandwidth, and at least the part compute cannot "
+        "hide; network time = network bytes / network bandwidth, none of it assumed hidden; bytes as the "
+        "collectives run on GPUs (bf16 where XLA:CPU widened them to f32, reduce-scatters where it kept "
+        "an all-reduce and a slice)",
         "factors fitted to measured multi-GPU runs: "
         + ", ".join(f"{s} {f:.3f}" for s, f in sorted(constants.comm_factor.items()))
-        + f" (a factor < 1: the measured runs hid part of it behind compute); "
+        + f" (fitted on one-node runs; a factor < 1: they hid part of NVLink's time behind compute); "
         f"{_unfitted(rows, constants)}efficiency from the one-GPU runs",
         f"devices are placed node-major: device i on node i // {gpus_per_node}; each collective's nodes come from "
         "its replica groups in the compiled HLO (ring / hierarchical traffic per device)",

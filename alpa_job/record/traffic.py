@@ -146,15 +146,29 @@ def traffic(
     return Traffic(kind, output_bytes, n, g, intra, inter, read)
 
 
-def step_traffic(hlo_text: str, num_devices: int, gpus_per_node: int, node_of: Optional[Sequence[int]] = None) -> List[Traffic]:
-    """Every collective of a compiled step (hlo.collective_instances' bytes) with its traffic."""
+def step_traffic(
+    hlo_text: str, num_devices: int, gpus_per_node: int, node_of: Optional[Sequence[int]] = None, as_on_gpu: bool = False
+) -> List[Traffic]:
+    """Every collective of a compiled step (hlo.collective_instances' bytes) with its traffic; `as_on_gpu`: a
+    step compiled for CPU devices counted as XLA:GPU would run it (record/gpu_view.py)."""
     attributes: Dict[str, str] = {}
     for line in hlo_text.splitlines():
         inst = hlo.parse_instruction(line)
         if inst is not None and ("replica_groups" in inst[3] or "source_target_pairs" in inst[3]):
             attributes[inst[0]] = inst[3]
+
+    def group_size(name: str) -> int:
+        groups = replica_groups(attributes.get(name, ""), num_devices)
+        return max((len(g) for g in groups), default=num_devices) if groups else num_devices
+
+    if as_on_gpu:
+        from alpa_job.record import gpu_view
+
+        instances = gpu_view.collective_instances(hlo_text, group_size)
+    else:
+        instances = hlo.collective_instances(hlo_text)
     out = []
-    for kind, name, nbytes in hlo.collective_instances(hlo_text):
+    for kind, name, nbytes in instances:
         groups = replica_groups(attributes.get(name, ""), num_devices)
         out.append(traffic(kind, nbytes, groups, num_devices, gpus_per_node, node_of))
     return out
