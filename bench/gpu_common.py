@@ -37,7 +37,7 @@ def gpt_case(name: str, **overrides):
 
     fields = {"num_samples": GPT_CASES[name]["batch_size"], "learning_rate": 1e-4, **GPT_CASES[name], **overrides}
     sizes = {k: fields.pop(k) for k in list(fields) if k in MODEL_SIZES}
-    config = resolve(JobConfig(model="gpt", dtype="bfloat16", address="none", model_args=sizes, **fields))
+    config = resolve(JobConfig(model="gpt", dtype="bfloat16", address="none", model_args=sizes, **fields).validated())
     batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
     return config, get_model(config), batch
 

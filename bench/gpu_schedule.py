@@ -11,6 +11,7 @@ Needs JAX's CUDA plugin (`pip install "jax[cuda13]"` at the kit's jax version, a
 Python that runs it; no GPU, no driver. Every XLA flag in $XLA_FLAGS applies, as on a GPU.
 
     python3 bench/gpu_schedule.py --strategy data [--data-update replicated] [--case gpt24] [--dump FILE]
+    python3 bench/gpu_schedule.py --strategy pipeline --micro-batches 8 --batch-size 32 [--num-layers 4]
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def main() -> None:
     parser.add_argument("--data-update", default="sharded")
     parser.add_argument("--case", default="gpt24")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=0, help="pipeline: micro-batches (the kit's default: 4 a stage)")
+    parser.add_argument("--num-layers", type=int, default=0, help="the case's layers, fewer to compile faster")
+    parser.add_argument("--batch-size", type=int, default=0, help="global batch (default: the case's a device)")
     parser.add_argument("--dump", default="", help="write the compiled HLO here")
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "bench", "results")))
     args = parser.parse_args()
@@ -107,17 +111,21 @@ def main() -> None:
     from jax.experimental import topologies
 
     from alpa_job.engines import jax_engine, memory_fit
-    from alpa_job.strategies import MESH_AXES
     from alpa_job.record import jax_program
     from gpu_common import GPT_CASES, gpt_case
     from lib.results import save_result
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET, topology=f"1x1x{args.devices}")
-    jax_engine.make_mesh = lambda shape: topologies.make_mesh(topology, shape, MESH_AXES)
+    jax_engine.make_mesh = lambda shape, axes: topologies.make_mesh(topology, shape, axes)
     memory_fit.check_state_fits = lambda *a, **k: None  # it reads the local devices' memory: there are none
-    mesh = (args.devices, 1) if args.strategy in ("data", "fsdp") else (1, args.devices)
-    rows = GPT_CASES[args.case]["batch_size"] * args.devices
-    config, model, batch = gpt_case(args.case, batch_size=rows, num_samples=rows, compile_cache="none", data_update=args.data_update)
+    mesh = (args.devices, 1) if args.strategy in ("data", "fsdp", "pipeline") else (1, args.devices)
+    rows = args.batch_size or GPT_CASES[args.case]["batch_size"] * args.devices
+    extra = {"num_layers": args.num_layers} if args.num_layers else {}
+    if args.strategy == "pipeline":
+        extra.update(micro_batches=args.micro_batches)
+    config, model, batch = gpt_case(
+        args.case, batch_size=rows, num_samples=rows, compile_cache="none", data_update=args.data_update, **extra
+    )
     engine = jax_engine.JaxEngine(config, model, batch, args.strategy, mesh)
     start = time.perf_counter()
     _jitted, lowered = engine._lower("train_step", engine._abstract_batch())

@@ -283,3 +283,21 @@ def test_a_pipelined_run_resumes_from_its_checkpoint_to_the_same_losses(tmp_path
     resumed = train(tmp_path / "parts", 6, "--resume")
     assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 2
     np.testing.assert_allclose(resumed["losses"], whole["losses"][4:], rtol=1e-5)
+
+
+def test_a_bf16_run_sums_the_gradients_between_stages_in_bf16():
+    """The shell's gradients (the tied embedding: stage 0's lookup, the last stage's head) cross between the
+    stages in the compute dtype, half fp32's bytes over the network, as XLA sums data's on GPUs. The step is
+    lowered, not compiled: XLA:CPU would widen the sum back to f32, where XLA:GPU keeps it."""
+    import re
+
+    from alpa_job.engines.jax_engine import JaxEngine
+    from alpa_job.models import get_model
+
+    config = tiny_config("gpt", dtype="bfloat16", micro_batches=2, **GPT4)
+    batch = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))[0]
+    engine = JaxEngine(config, get_model(config), batch, "pipeline", (2, 4))
+    text = engine._lower("train_step", engine._abstract_batch())[1].as_text()
+    summed = re.findall(r"stablehlo\.all_reduce.*?\}\) : \(tensor<([^>]*)>", text, re.S)
+    vocab, width = config.model_args["vocab_size"], config.model_args["d_model"]
+    assert f"{vocab}x{width}xbf16" in summed and f"{vocab}x{width}xf32" not in summed, summed

@@ -177,6 +177,7 @@ class JaxEngine(Engine):
             strategies.micro_batches(config.micro_batches, self.mesh.shape["stage"]),
             self._example,
             repeats=config.pipeline_repeats,
+            sum_dtype=jnp.bfloat16 if config.dtype == "bfloat16" else None,
         )
 
     def _make_pipelined_state(self, params, batch_stats):
