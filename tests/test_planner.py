@@ -15,6 +15,7 @@ import pytest
 
 from alpa_job import cli
 from alpa_job.planner import estimate, gpus, placement
+from alpa_job.planner import plan as plan_lib
 from alpa_job.record import traffic
 from alpa_job.planner.calibrate import cpu_features, request_for
 from alpa_job.planner.run_worker import compile_in_worker
@@ -116,6 +117,19 @@ def test_calibration_predicts_every_measured_run_within_20_percent_and_a_winner_
     for entry in known:
         peak = estimate.gpu_peak_bytes(entry["cpu"]["memory"], constants) / 1e9
         assert abs(peak - entry["measured_peak_gb"]) / entry["measured_peak_gb"] <= 0.10, entry["id"]
+
+
+def test_the_expected_error_comes_from_runs_across_hosts_the_fit_never_saw():
+    """validation.json's measured runs (2 hosts x 1 and 2 H200s, NCCL over sockets) predicted with the constants
+    fitted to calibration.json: none of them among the fitted, the worst within 30 %, and the plan states the
+    median and worst it finds."""
+    constants = estimate.fit(estimate.load())
+    checked = estimate.validation(constants)
+    ids = {run["id"] for run in checked["runs"]}
+    assert len(ids) >= 7 and not ids & set(constants.fitted_from)
+    assert checked["worst"] <= 0.30, checked["runs"]
+    line = plan_lib._expected_error(constants)
+    assert f"{checked['median']:.0%} median, {checked['worst']:.0%} worst, over {len(ids)} measured" in line
 
 
 def test_nvlink_time_is_scaled_by_the_factor_and_network_time_exposed_in_full():
@@ -246,6 +260,9 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     assert plan["candidates"][plan["best"]]["params"]
     page = (out / "plan.html").read_text()
     assert "<svg" in page and "none of it assumed hidden" in page
+    # each row names its largest term, and the plan its expected error on measured runs across hosts
+    assert {r["dominant"] for r in ranked} <= {"compute", "NVLink", "network"} and by[("data", (8, 1))]["dominant"]
+    assert any(a.startswith("expected error of a step time: ") for a in plan["assumptions"])
     assert "rank" in proc.stdout and "plan.html" in proc.stdout
 
 

@@ -1,4 +1,4 @@
-"""`python -m alpa_job.planner.calibrate`: recompute the `cpu` block of every calibration entry.
+"""`python -m alpa_job.planner.calibrate`: recompute the `cpu` block of every calibration and validation entry.
 
 Each measured run is compiled the way a plan compiles a candidate (on emulated CPU devices, one
 worker process per device count), and its FLOPs, traffic and XLA memory analysis are written beside
@@ -22,13 +22,14 @@ def request_for(entry: Dict[str, Any]) -> Dict[str, Any]:
         "devices": entry["nodes"] * entry["gpus_per_node"],
         "gpus_per_node": entry["gpus_per_node"],
         "candidates": [[entry["strategy"], entry["mesh"]]],
-        "cli_values": plan_values(entry["batch_size"]),
+        "cli_values": plan_values(entry["batch_size"], entry.get("micro_batches", 0)),
     }
 
 
-def plan_values(batch_size: int) -> Dict[str, Any]:
+def plan_values(batch_size: int, micro_batches: int = 0) -> Dict[str, Any]:
     """The settings a plan forces: generated data of one batch (only its shape matters), no compile cache."""
-    return {"batch_size": batch_size, "num_samples": batch_size, "dataset": "synthetic", "compile_cache": "none"}
+    values = {"batch_size": batch_size, "num_samples": batch_size, "dataset": "synthetic", "compile_cache": "none"}
+    return {**values, "micro_batches": micro_batches} if micro_batches else values
 
 
 def cpu_features(row: Dict[str, Any]) -> Dict[str, Any]:
@@ -52,13 +53,14 @@ def features(entries: List[Dict[str, Any]], timeout_s: float = 900.0) -> None:
 
 
 def main(argv=None) -> int:
-    path = estimate.CALIBRATION_PATH
-    with open(path) as f:
-        data = json.load(f)
-    features(data["entries"])
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    for path in (estimate.CALIBRATION_PATH, estimate.VALIDATION_PATH):
+        with open(path) as f:
+            data = json.load(f)
+        features(data["entries"])
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+    data = estimate.load()
     constants = estimate.fit(data)
     print(json.dumps(constants.to_dict(), indent=1))
     return 0

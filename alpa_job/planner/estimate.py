@@ -31,6 +31,7 @@ from alpa_job.errors import KitError
 from alpa_job.planner import gpus
 
 CALIBRATION_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
+VALIDATION_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "validation.json")
 
 
 @dataclasses.dataclass
@@ -124,3 +125,17 @@ def predict(row: Dict[str, Any], devices: int, gpu: gpus.Gpu, network_bytes_s: f
         "step_s": compute + communication,
         "gpu_peak_bytes": gpu_peak_bytes(row.get("memory"), constants),
     }
+
+
+def validation(constants: Constants, path: str = VALIDATION_PATH) -> Dict[str, Any]:
+    """The error the plan can be expected to have: each measured run of `path` (runs across hosts the
+    constants were not fitted on) predicted now, and the median and worst of the errors."""
+    rows = []
+    for entry in load(path)["entries"]:
+        devices = entry["nodes"] * entry["gpus_per_node"]
+        row = {**_cpu(entry), "strategy": entry["strategy"]}
+        predicted = predict(row, devices, gpus.CATALOGUE[entry["gpu"]], entry["network_gbps"] * 1e9 / 8, constants)["step_s"] * 1e3
+        measured = entry["measured_step_ms"]
+        rows.append({"id": entry["id"], "predicted_ms": predicted, "measured_ms": measured, "error": predicted / measured - 1})
+    errors = sorted(abs(r["error"]) for r in rows)
+    return {"runs": rows, "median": statistics.median(errors) if errors else None, "worst": errors[-1] if errors else None}

@@ -122,6 +122,7 @@ def make_plan(
         network_source
         or "not verified on a multi-node GPU cluster: the network term is the model above, with the "
         "bandwidth given (--network-gbps), not measured (--network-from a doctor --network result)",
+        _expected_error(constants),
     ]
     return PlanRecord(
         model=config.model,
@@ -141,6 +142,19 @@ def make_plan(
         best=best,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={"jax (compiling)": result.get("jax")},
+    )
+
+
+def _expected_error(constants: estimate.Constants) -> str:
+    """How far the step times may be off: the planner's error on measured runs it was not fitted on."""
+    checked = estimate.validation(constants)
+    if checked["median"] is None:
+        return "expected error: unknown (no validation runs)"
+    hosts = sorted({run["id"].split("-", 1)[0] for run in checked["runs"]})
+    return (
+        f"expected error of a step time: {checked['median']:.0%} median, {checked['worst']:.0%} worst, over "
+        f"{len(checked['runs'])} measured GPT 24L runs across hosts ({', '.join(hosts)} GPUs, NCCL over sockets) "
+        "it was not fitted on (validation.json beside calibration.json); a model or cluster unlike them may be off by more"
     )
 
 
@@ -185,6 +199,8 @@ def _candidate(
     out.nvlink_bytes = sum(c.nvlink_bytes for c in out.collectives.values())
     out.network_bytes = sum(c.network_bytes for c in out.collectives.values())
     out.compute_s, out.communication_s, out.step_s = p["compute_s"], p["communication_s"], p["step_s"]
+    terms = {"compute": p["compute_s"], "NVLink": p["communication_s"] - p["network_s"], "network": p["network_s"]}
+    out.dominant = max(terms, key=terms.get)  # the term a faster GPU, link or network would shorten most
     out.compile_s = row.get("compile_s")
     out.fits = out.gpu_peak_bytes is not None and out.gpu_peak_bytes <= usable
     if not out.fits:

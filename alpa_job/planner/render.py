@@ -22,6 +22,7 @@ COLUMNS = (
     "compute ms",
     "comm ms",
     "step ms",
+    "mostly",
     "note",
 )
 
@@ -47,6 +48,7 @@ def cells(row: PlanCandidate) -> List[str]:
         _ms(row.compute_s),
         _ms(row.communication_s),
         _ms(row.step_s),
+        row.dominant or "-",
         row.note,
     ]
 

@@ -66,6 +66,7 @@ class PlanCandidate:
     compute_s: Optional[float] = None
     communication_s: Optional[float] = None
     step_s: Optional[float] = None
+    dominant: Optional[str] = None  # the largest term of step_s: compute, NVLink or network
     compile_s: Optional[float] = None
     note: str = ""
     params: List[Leaf] = dataclasses.field(default_factory=list)  # the best candidate's, for its mesh picture
