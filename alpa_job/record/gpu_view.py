@@ -102,15 +102,8 @@ class _Program:
 
 def _operand_text(rest: str) -> str:
     """The operand list of `rest` (the text after the opcode's opening parenthesis), without attributes."""
-    depth = 1
-    for i, ch in enumerate(rest):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                return rest[:i]
-    return rest
+    end = hlo.closing_paren(rest, depth=1)
+    return rest[:end] if end >= 0 else rest
 
 
 def _dtype(shape: str) -> str:

@@ -80,19 +80,25 @@ def _array_bytes_list(shape_text: str) -> List[int]:
     return [shape_bytes(f"{d}[{dims}]") for d, dims in _ARRAY_RE.findall(shape_text)]
 
 
+def closing_paren(text: str, depth: int = 0) -> int:
+    """The index of the ')' that closes the parentheses open at the start of `text` (`depth` of them already
+    open before it), or -1 where they never close."""
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
 def _split_shape(rest: str) -> Tuple[str, str]:
     """Split ``<shape> <opcode>(...`` into (shape, remainder); tuple shapes may nest."""
     rest = rest.lstrip()
     if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            if ch == "(":
-                depth += 1
-            elif ch == ")":
-                depth -= 1
-                if depth == 0:
-                    return rest[: i + 1], rest[i + 1 :]
-        return rest, ""
+        end = closing_paren(rest)
+        return (rest[: end + 1], rest[end + 1 :]) if end >= 0 else (rest, "")
     # a plain shape: up to the first whitespace that is not inside {...} (layouts)
     depth = 0
     for i, ch in enumerate(rest):
