@@ -325,7 +325,7 @@ def test_a_slowed_host_is_named_within_fifty_steps_and_a_clean_run_names_none(ra
     out = _run_folder("head")
     with testbed_lib.CpuQuota(ray_cluster.testbed, "w1", 0.15) as quota:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            slowed = pool.submit(_job, ray_cluster, "head", *SMALL_MLP, "--steps", "70", out=out)
+            slowed = pool.submit(_job, ray_cluster, "head", *SMALL_MLP, "--steps", "56", out=out)
             stepping = _wait_for_line(out / "train.log", "[train] step ", slowed, timeout_s=300)
             if stepping:
                 quota.set_cores(0.05)
