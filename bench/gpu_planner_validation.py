@@ -32,6 +32,8 @@ CASES = {
     "llama1b-2-fsdp": (2, ["--preset", "llama3.2-1b", "--seq-len", "2048", "--batch-size", "8", "--strategy", "fsdp"]),
     "gpt12l-2-tensor": (2, ["--preset", "gpt-12l", "--strategy", "tensor"]),
     "gpt12l-2-data": (2, ["--preset", "gpt-12l", "--strategy", "data"]),
+    "gpt12l-2-fsdp": (2, ["--preset", "gpt-12l", "--strategy", "fsdp"]),
+    "gpt-small-2-fsdp": (2, ["--preset", "gpt-small", "--strategy", "fsdp"]),
     "resnet50-2-fsdp": (2, ["--model", "resnet_example.model:build", "--batch-size", "256", "--strategy", "fsdp"]),
     "llama1b-2-data": (2, ["--preset", "llama3.2-1b", "--seq-len", "2048", "--batch-size", "8", "--strategy", "data"]),
 }
