@@ -73,8 +73,9 @@ def run_case(name: str, gpus: int, flags, steps: int, timeout_s: float, scratch:
         return {**row, "error": tail}
     steady = find(report, "steady_step") or {}
     row["step_ms"] = round(steady["median_s"] * 1e3, 3) if steady.get("median_s") else None
-    row["peak_gb"] = round(find(report, "peak_memory_bytes") / 1e9, 3) if find(report, "peak_memory_bytes") else None
-    row["estimate_gb"] = round(find(report, "peak_estimate_bytes") / 1e9, 3) if find(report, "peak_estimate_bytes") else None
+    for key, field in (("peak_gb", "peak_memory_bytes"), ("estimate_gb", "peak_estimate_bytes")):
+        value = find(report, field)
+        row[key] = round(value / 1e9, 3) if value else None
     return row
 
 

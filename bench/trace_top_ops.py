@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
 import json
 import os
 import re
 from collections import defaultdict
 
+import lib.checkout  # noqa: F401 - first: alpa_job from this checkout
+from alpa_job.record import trace_summary
+
 KINDS = (
-    ("nccl", re.compile(r"nccl|sendrecv|allreduce|allgather|reducescatter", re.I)),
     ("matmul", re.compile(r"gemm|cublas|cutlass|nvjet|sm90_xmma|sm100|cudnn|flash|fmha", re.I)),
     ("copy / slice / update", re.compile(r"copy|memcpy|memset|dynamic.update.slice|dynamic.slice|slice|concatenate", re.I)),
 )
 
 
 def kind_of(name: str, hlo_op: str) -> str:
+    if trace_summary.collective_kind(hlo_op) or trace_summary.collective_kind(name):
+        return "nccl"
     for kind, pattern in KINDS:
         if pattern.search(name) or pattern.search(hlo_op):
             return kind
@@ -34,16 +37,13 @@ def kind_of(name: str, hlo_op: str) -> str:
 
 def device_kernels(path: str):
     """{device pid: [(name, hlo_op, dur_us)]} for the GPU timelines of one trace."""
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    devices = {pid for pid, name in names.items() if name.startswith("/device:GPU")}
-    kernels = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e:
-            kernels[e["pid"]].append((e.get("name", ""), str(e.get("args", {}).get("hlo_op", "")), float(e["dur"])))
-    return kernels
+    platform, by_device = trace_summary.timelines(trace_summary.load_events(path))
+    if platform != "gpu":
+        return {}
+    return {
+        pid: [(e.get("name", ""), str(e.get("args", {}).get("hlo_op", "")), float(e["dur"])) for e in events]
+        for pid, events in by_device.items()
+    }
 
 
 def summarise(run_dir: str, steps: int, top: int) -> dict:

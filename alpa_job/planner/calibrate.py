@@ -53,14 +53,13 @@ def features(entries: List[Dict[str, Any]], timeout_s: float = 900.0) -> None:
 
 
 def main(argv=None) -> int:
-    for path in (estimate.CALIBRATION_PATH, estimate.VALIDATION_PATH):
+    for path in (estimate.VALIDATION_PATH, estimate.CALIBRATION_PATH):  # the calibration last: it is fitted below
         with open(path) as f:
             data = json.load(f)
         features(data["entries"])
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
-    data = estimate.load()
     constants = estimate.fit(data)
     print(json.dumps(constants.to_dict(), indent=1))
     return 0

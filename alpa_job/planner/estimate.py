@@ -115,10 +115,12 @@ def predict(row: Dict[str, Any], devices: int, gpu: gpus.Gpu, network_bytes_s: f
     nvlink = nvlink_seconds(row["collectives"], gpu)
     network = network_seconds(row["collectives"], network_bytes_s)
     factor = constants.comm_factor.get(row["strategy"], constants.default_comm_factor)
-    communication = max(factor * nvlink, nvlink - compute) + network
+    nvlink_exposed = max(factor * nvlink, nvlink - compute)
+    communication = nvlink_exposed + network
     return {
         "compute_s": compute,
         "link_s": nvlink + network,
+        "nvlink_s": nvlink_exposed,
         "network_s": network,
         "comm_factor": factor,
         "communication_s": communication,
@@ -136,6 +138,14 @@ def validation(constants: Constants, path: str = VALIDATION_PATH) -> Dict[str, A
         row = {**_cpu(entry), "strategy": entry["strategy"]}
         predicted = predict(row, devices, gpus.CATALOGUE[entry["gpu"]], entry["network_gbps"] * 1e9 / 8, constants)["step_s"] * 1e3
         measured = entry["measured_step_ms"]
-        rows.append({"id": entry["id"], "predicted_ms": predicted, "measured_ms": measured, "error": predicted / measured - 1})
+        rows.append(
+            {
+                "id": entry["id"],
+                "layout": f"{entry['nodes']}x{entry['gpus_per_node']}",
+                "predicted_ms": predicted,
+                "measured_ms": measured,
+                "error": predicted / measured - 1,
+            }
+        )
     errors = sorted(abs(r["error"]) for r in rows)
     return {"runs": rows, "median": statistics.median(errors) if errors else None, "worst": errors[-1] if errors else None}

@@ -150,7 +150,7 @@ def _expected_error(constants: estimate.Constants) -> str:
     checked = estimate.validation(constants)
     if checked["median"] is None:
         return "expected error: unknown (no validation runs)"
-    hosts = sorted({run["id"].split("-", 1)[0] for run in checked["runs"]})
+    hosts = sorted({run["layout"] for run in checked["runs"]})
     return (
         f"expected error of a step time: {checked['median']:.0%} median, {checked['worst']:.0%} worst, over "
         f"{len(checked['runs'])} measured GPT 24L runs across hosts ({', '.join(hosts)} GPUs, NCCL over sockets) "
@@ -199,7 +199,7 @@ def _candidate(
     out.nvlink_bytes = sum(c.nvlink_bytes for c in out.collectives.values())
     out.network_bytes = sum(c.network_bytes for c in out.collectives.values())
     out.compute_s, out.communication_s, out.step_s = p["compute_s"], p["communication_s"], p["step_s"]
-    terms = {"compute": p["compute_s"], "NVLink": p["communication_s"] - p["network_s"], "network": p["network_s"]}
+    terms = {"compute": p["compute_s"], "NVLink": p["nvlink_s"], "network": p["network_s"]}
     out.dominant = max(terms, key=terms.get)  # the term a faster GPU, link or network would shorten most
     out.compile_s = row.get("compile_s")
     out.fits = out.gpu_peak_bytes is not None and out.gpu_peak_bytes <= usable

@@ -70,13 +70,13 @@ class _Program:
         if inst is None:
             return None
         if inst.opcode == "convert":
-            return [_dtype(self.insts[o].shape) for o in inst.operands if o in self.insts] + [_dtype(inst.shape)]
+            return [hlo.array_dtype(self.insts[o].shape) for o in inst.operands if o in self.insts] + [hlo.array_dtype(inst.shape)]
         if inst.opcode != "fusion" or inst.calls not in self.computations:
             return None
         body = [self.insts[n] for n in self.computations[inst.calls]]
         if not body or any(b.opcode not in _CONVERT_ONLY for b in body):
             return None
-        return [_dtype(b.shape) for b in body]
+        return [hlo.array_dtype(b.shape) for b in body]
 
     def rounds_through_narrow(self, name: str) -> bool:
         """An f32 value that was bf16 a moment ago (XLA:CPU widened it for the collective)."""
@@ -91,6 +91,9 @@ class _Program:
         operands = self.insts[name].operands if name in self.insts else []
         return any(self.insts[o].opcode == "partition-id" for o in operands if o in self.insts)
 
+    def elements(self, name: str) -> int:
+        return hlo.array_elements(self.insts[name].shape)
+
     def outputs(self, name: str) -> List[Tuple[str, List[str]]]:
         """(shape, users) of each of a collective's outputs: its tuple's elements, or the value itself."""
         inst = self.insts[name]
@@ -104,22 +107,6 @@ def _operand_text(rest: str) -> str:
     """The operand list of `rest` (the text after the opcode's opening parenthesis), without attributes."""
     end = hlo.closing_paren(rest, depth=1)
     return rest[:end] if end >= 0 else rest
-
-
-def _dtype(shape: str) -> str:
-    m = re.match(r"\s*\(?\s*([a-z][a-z0-9]*)\[", shape)
-    return m.group(1) if m else ""
-
-
-def _elements(shape: str) -> int:
-    m = re.match(r"\s*([a-z][a-z0-9]*)\[([^\]]*)\]", shape)
-    if not m:
-        return 0
-    n = 1
-    for d in m.group(2).split(","):
-        if d.strip():
-            n *= int(d.strip().lstrip("<="))
-    return n
 
 
 def collective_instances(hlo_text: str, group_size_of) -> List[Tuple[str, str, int]]:
@@ -138,14 +125,14 @@ def collective_instances(hlo_text: str, group_size_of) -> List[Tuple[str, str, i
         for shape, users in program.outputs(name):
             size = hlo.shape_bytes(shape)
             narrow_out = bool(users) and all(program.narrowed(u) for u in users)
-            if _dtype(shape) == "f32" and (widened_in or narrow_out):
+            if hlo.array_dtype(shape) == "f32" and (widened_in or narrow_out):
                 size /= 2
             ends = [e for u in users for e in (program.users.get(u, []) if program.narrowed(u) else [u])]
             sliced = (
                 kind == "all-reduce"
                 and n > 1
                 and bool(ends)
-                and all(program.takes_partition_id(e) and _elements(program.insts[e].shape) * n == _elements(shape) for e in ends)
+                and all(program.takes_partition_id(e) and program.elements(e) * n == hlo.array_elements(shape) for e in ends)
             )
             target = "reduce-scatter" if sliced else kind
             counted[target] = counted.get(target, 0.0) + (size / n if sliced else size)

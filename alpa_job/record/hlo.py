@@ -59,21 +59,34 @@ def dtype_bits(dtype: str) -> int:
     return 0
 
 
+def _elements(dims: str) -> int:
+    """Elements of an array's dimension list (``8,8``, ``<=8``); an unreadable one counts 0."""
+    n = 1
+    for d in dims.split(","):
+        d = d.strip().lstrip("<=").strip()
+        if d:
+            try:
+                n *= int(d)
+            except ValueError:
+                return 0
+    return n
+
+
 def shape_bytes(shape_text: str) -> int:
     """Bytes of an HLO shape: ``f32[8,8]{1,0}``, ``(f32[2], s32[])``, ``f32[<=8]``; token -> 0."""
-    total = 0
-    for dtype, dims in _ARRAY_RE.findall(shape_text):
-        bits = dtype_bits(dtype)
-        n = 1
-        for d in dims.split(","):
-            d = d.strip().lstrip("<=").strip()
-            if d:
-                try:
-                    n *= int(d)
-                except ValueError:
-                    n *= 0
-        total += -(-(n * bits) // 8)
-    return total
+    return sum(-(-(_elements(dims) * dtype_bits(dtype)) // 8) for dtype, dims in _ARRAY_RE.findall(shape_text))
+
+
+def array_elements(shape_text: str) -> int:
+    """Elements of an array shape (``f32[8,8]{1,0}``: 64); a tuple or token shape counts 0."""
+    m = re.match(r"\s*" + _ARRAY_RE.pattern, shape_text)
+    return _elements(m.group(2)) if m else 0
+
+
+def array_dtype(shape_text: str) -> str:
+    """The element type of a shape (of its first element for a tuple), or ''."""
+    m = re.match(r"\s*\(?\s*" + _ARRAY_RE.pattern, shape_text)
+    return m.group(1) if m else ""
 
 
 def _array_bytes_list(shape_text: str) -> List[int]:

@@ -76,7 +76,7 @@ def _minus(a: List[Interval], b: List[Interval]) -> float:
     return total
 
 
-def _timelines(events: List[Dict[str, Any]]) -> Tuple[str, Dict[Any, List[Dict[str, Any]]]]:
+def timelines(events: List[Dict[str, Any]]) -> Tuple[str, Dict[Any, List[Dict[str, Any]]]]:
     """('gpu', {device pid: its kernel events}) or ('cpu', {host pid: XLA op events})."""
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     devices = {pid for pid, name in names.items() if name.startswith("/device:") and "CPU" not in name}
@@ -97,10 +97,10 @@ def _timelines(events: List[Dict[str, Any]]) -> Tuple[str, Dict[Any, List[Dict[s
 
 
 def summarise_events(events: List[Dict[str, Any]], steps: int) -> Dict[str, Any]:
-    platform, timelines = _timelines(events)
+    platform, by_device = timelines(events)
     per_device = []
     by_kind: Dict[str, float] = defaultdict(float)
-    for evs in timelines.values():
+    for evs in by_device.values():
         if not evs:
             continue
         comm, compute = [], []
@@ -128,9 +128,13 @@ def summarise_events(events: List[Dict[str, Any]], steps: int) -> Dict[str, Any]
     }
 
 
-def summarise_trace(path: str, steps: int) -> Dict[str, Any]:
-    """The shares for a `.trace.json.gz` holding `steps` steps."""
+def load_events(path: str) -> List[Dict[str, Any]]:
+    """The events of a `.trace.json.gz` (JAX's profiler, Chrome trace format)."""
     with gzip.open(path, "rt") as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    return summarise_events(events, steps)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def summarise_trace(path: str, steps: int) -> Dict[str, Any]:
+    """The shares for a `.trace.json.gz` holding `steps` steps."""
+    return summarise_events(load_events(path), steps)

@@ -157,8 +157,10 @@ def step_traffic(
         if inst is not None and ("replica_groups" in inst[3] or "source_target_pairs" in inst[3]):
             attributes[inst[0]] = inst[3]
 
+    groups_of = {name: replica_groups(text, num_devices) for name, text in attributes.items()}
+
     def group_size(name: str) -> int:
-        groups = replica_groups(attributes.get(name, ""), num_devices)
+        groups = groups_of.get(name)
         return max((len(g) for g in groups), default=num_devices) if groups else num_devices
 
     if as_on_gpu:
@@ -169,7 +171,7 @@ def step_traffic(
         instances = hlo.collective_instances(hlo_text)
     out = []
     for kind, name, nbytes in instances:
-        groups = replica_groups(attributes.get(name, ""), num_devices)
+        groups = groups_of.get(name)  # None: unreadable, counted as spanning every device
         out.append(traffic(kind, nbytes, groups, num_devices, gpus_per_node, node_of))
     return out
 
