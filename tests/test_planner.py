@@ -205,6 +205,8 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
             str(out),
             "--network-from",
             str(tmp_path / "doctor.json"),
+            "--cost-model",
+            "flops",
         ],
         capture_output=True,
         text=True,

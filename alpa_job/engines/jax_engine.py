@@ -94,7 +94,7 @@ class JaxEngine(Engine):
         self.stats = StepStats()
         self.config, self.model = config, model
         self.strategy_record = strategies.get(strategy)  # the strategy's one record: rules, update split, XLA options
-        self.mesh = make_mesh(mesh_shape, self.strategy_record.mesh_axes)
+        self.mesh = self.make_mesh(mesh_shape, self.strategy_record.mesh_axes)
         self.config_precision = getattr(config, "precision", "dtype")
         self._precision_notes = self._check_precision(self.mesh.devices.flat)
         self.rules = self.strategy_record.param_rules
@@ -370,6 +370,11 @@ class JaxEngine(Engine):
         )
         self._store_step()
         return stats
+
+    def make_mesh(self, mesh_shape: Tuple[int, int], axis_names: Tuple[str, str]) -> Mesh:
+        """The step's mesh: of this process's devices (a planner compiling for GPUs it does not have
+        gives their description instead)."""
+        return make_mesh(mesh_shape, axis_names)
 
     def compile_step(self, with_initializer: bool = True) -> CompileStats:
         """The step for auto search's candidates, its initialiser compiling beside it (every candidate

@@ -87,6 +87,14 @@ def add_parser(sub, add_setting) -> None:
         "--strategy", default="all", choices=("all", *strategy_records.STRATEGIES), help="which strategies to plan (default: all)"
     )
     o.add_argument("--model-parallel", type=int, default=0, metavar="M", help="tensor: only this model axis size")
+    o.add_argument(
+        "--cost-model",
+        default="auto",
+        choices=("auto", "kernels", "flops"),
+        help="kernels: compile each candidate for the GPU and cost its kernels one by one (needs JAX's CUDA "
+        "plugin, no GPU); flops: compile for CPU devices and cost the step's FLOPs and traffic; auto (default): "
+        "kernels where it can run",
+    )
     o.add_argument("--out", metavar="DIR", default="plans/latest", help="where plan.json and plan.html go (default: plans/latest)")
     o.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds the compiling may take in all (default: 1800)")
 
@@ -134,6 +142,7 @@ def run(args) -> int:
         args.model_parallel,
         args.timeout,
         network_source=network_source,
+        cost_model=args.cost_model,
     )
     try:
         os.makedirs(args.out, exist_ok=True)

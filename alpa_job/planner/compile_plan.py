@@ -10,37 +10,64 @@ Runs in the worker process (worker.py), whose device count was set before jax wa
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.planner import gpu_target, kernel_cost
 from alpa_job.record import hlo, traffic
 
 
 class PlanEngine(JaxEngine):
-    """The JAX engine for devices this host does not have: their memory is checked by the plan."""
+    """The JAX engine for devices this host does not have: their memory is checked by the plan. Its mesh is
+    of `target_devices` where set (GPUs described to XLA, gpu_target.py), else of the emulated CPU devices."""
 
     check_memory = False
+    target_devices: Optional[List[Any]] = None
+
+    def make_mesh(self, mesh_shape, axis_names):
+        if self.target_devices is None:
+            return super().make_mesh(mesh_shape, axis_names)
+        return gpu_target.mesh(self.target_devices, mesh_shape, axis_names)
 
 
 def compile_candidate(
-    config, model, example: Dict[str, Any], strategy: str, mesh_shape: Tuple[int, int], gpus_per_node: int
+    config,
+    model,
+    example: Dict[str, Any],
+    strategy: str,
+    mesh_shape: Tuple[int, int],
+    gpus_per_node: int,
+    for_gpu: bool = False,
 ) -> Dict[str, Any]:
-    """Plain data (JSON-able) about one compiled candidate."""
+    """Plain data (JSON-able) about one compiled candidate; `for_gpu`: compiled for PlanEngine.target_devices,
+    with its kernels (kernel_cost.features) under "kernels"."""
     start = time.perf_counter()
     engine = PlanEngine(config, model, example, strategy, tuple(mesh_shape))
-    stats = engine.compile_step()
+    stats = engine.compile_step(with_initializer=not for_gpu)
     text = stats.hlo_texts[0]
     num_devices = mesh_shape[0] * mesh_shape[1]
-    rows = traffic.step_traffic(text, num_devices, gpus_per_node, as_on_gpu=True)  # compiled for CPU, costed for GPUs
     by_kind: Dict[str, Dict[str, Any]] = {
         k: {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0} for k in hlo.COLLECTIVE_KINDS
     }
-    for row in rows:
-        slot = by_kind[row.kind]
-        slot["count"] += 1
-        slot["bytes"] += row.output_bytes
-        slot["nvlink_bytes"] += row.nvlink_bytes
-        slot["network_bytes"] += row.network_bytes
+    kernels = None
+    if for_gpu:
+        kernels = kernel_cost.features(text, num_devices, gpus_per_node)
+        for c in kernels["collectives"]:
+            slot = by_kind[c["kind"]]
+            slot["count"] += c["runs"]
+            slot["bytes"] += c["bytes"] * c["runs"]
+            slot["nvlink_bytes"] += c["nvlink_bytes"] * c["runs"]
+            slot["network_bytes"] += c["network_bytes"] * c["runs"]
+        groups_read = all(c["groups_read"] for c in kernels["collectives"])
+    else:
+        rows = traffic.step_traffic(text, num_devices, gpus_per_node, as_on_gpu=True)  # compiled for CPU, costed for GPUs
+        for row in rows:
+            slot = by_kind[row.kind]
+            slot["count"] += 1
+            slot["bytes"] += row.output_bytes
+            slot["nvlink_bytes"] += row.nvlink_bytes
+            slot["network_bytes"] += row.network_bytes
+        groups_read = all(r.groups_read for r in rows)
     plan = engine.plan()
     return {
         "strategy": strategy,
@@ -49,7 +76,8 @@ def compile_candidate(
         "memory": stats.memory,
         "flops_per_step": stats.flops_per_step,
         "collectives": by_kind,
-        "groups_read": all(r.groups_read for r in rows),
+        "groups_read": groups_read,
+        "kernels": kernels,
         "compile_s": round(time.perf_counter() - start, 2),
         "params": [leaf.__dict__ for leaf in plan.leaf_records() if leaf.path.startswith("params/")],
     }

@@ -134,6 +134,8 @@ def validation(constants: Constants, path: str = VALIDATION_PATH) -> Dict[str, A
     constants were not fitted on) predicted now, and the median and worst of the errors."""
     rows = []
     for entry in load(path)["entries"]:
+        if entry["nodes"] < 2:  # the runs across hosts: what this model was validated on
+            continue
         devices = entry["nodes"] * entry["gpus_per_node"]
         row = {**_cpu(entry), "strategy": entry["strategy"]}
         predicted = predict(row, devices, gpus.CATALOGUE[entry["gpu"]], entry["network_gbps"] * 1e9 / 8, constants)["step_s"] * 1e3

@@ -22,6 +22,7 @@ class Gpu:
     hbm_bytes_s: Optional[float] = None  # memory bandwidth (a profile's measured one, else the datasheet's)
     launch_s: Optional[float] = None  # one more kernel inside a compiled program (a profile's)
     profile: Optional[str] = None  # the GPU profile (plan calibrate) the numbers come from
+    measured: Optional[Dict[str, Any]] = dataclasses.field(default=None, compare=False, repr=False)  # that profile
 
     def describe(self) -> str:
         hbm = f", HBM {self.hbm_bytes_s / 1e9:.0f} GB/s" if self.hbm_bytes_s else ""
@@ -89,6 +90,7 @@ def from_profile(profile: Dict[str, Any], where: str, name: str, base: Optional[
         hbm_bytes_s=profile["hbm"]["bytes_s"],
         launch_s=profile["launch"]["kernel_seconds"],
         profile=where,
+        measured=profile,
     )
 
 
@@ -104,9 +106,13 @@ def _catalogue() -> Dict[str, Gpu]:
             DATASHEET["h100"],
             peak_flops=h200.peak_flops,
             launch_s=h200.launch_s,
+            measured=h200.measured,
+            # the measured H200 HBM scaled by the datasheets' ratio
+            hbm_bytes_s=h200.hbm_bytes_s * DATASHEET["h100"].hbm_bytes_s / DATASHEET["h200"].hbm_bytes_s,
             source=f"H100 80GB HBM3: not measured by plan calibrate (no H100 lent); bf16 matmul rate of {where} "
-            f"({h200.peak_flops / 1e12:.0f} TFLOP/s: the same GH100 compute by the datasheet); memory, HBM "
-            "and NVLink datasheet",
+            f"({h200.peak_flops / 1e12:.0f} TFLOP/s: the same GH100 compute by the datasheet), its matmul grid, "
+            "launch and collectives; HBM its measured figure x the datasheets' H100/H200 ratio; memory and NVLink "
+            "datasheet",
         )
     return out
 

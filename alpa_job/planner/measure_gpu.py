@@ -9,8 +9,9 @@ With jax on the local devices, bounded in time (`--budget-s`), one progress line
 - hbm: `y = 2x + 1` over an array several times any cache (read once, written once);
 - launch: a chain of tiny adds kept apart by optimization barriers (one kernel each) minus a chain of one:
   the cost of one more kernel inside a compiled program; and `dispatch`, one trivial jitted call from Python;
-- collectives (more than one local device): all-reduce and all-gather over all of them, a few sizes, as
-  bus bandwidth (nccl-tests' convention: all-reduce bytes x 2(n-1)/n / time, all-gather output bytes x
+- collectives (more than one local device): all-reduce and all-gather over all of them, a few sizes, each
+  call a chain of several that depend on each other (so a call's dispatch to every device is paid once, as
+  inside a compiled step), as bus bandwidth (nccl-tests' convention: all-reduce bytes x 2(n-1)/n / time, all-gather output bytes x
   (n-1)/n / time), the per-device link figure the planner's traffic model divides by.
 
 Each measurement is the median of 3 timed batches. On a CPU it runs too, on small sizes, and the profile
@@ -62,6 +63,7 @@ SIZES = {  # per measurement kind: GPU and CPU
     "batch_s": (0.15, 0.01),  # seconds of queued calls a timed batch aims at
 }
 LAUNCH_CHAIN = 256
+COLLECTIVE_CHAIN = 16  # collectives a timed call holds at most (fewer of the largest sizes)
 BATCHES = 3
 IN_FLIGHT = 8  # queued calls not yet waited for
 
@@ -213,20 +215,35 @@ def collective_rate(kind: str, size_bytes: int, batch_s: float) -> Dict[str, Any
     count = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
     elements = size_bytes // 4 // count * count
+    chain = max(1, min(COLLECTIVE_CHAIN, (64 * 2**20) // max(size_bytes, 1)))
     if kind == "all-reduce":
-        body = _shard_map(lambda v: jax.lax.psum(v, "d"), mesh, P("d"), P("d"))
+
+        def reduce_chain(v):
+            for _ in range(chain):
+                v = jax.lax.psum(v, "d") * (1.0 / count)  # each waits for the last; values stay put
+            return v
+
+        body = _shard_map(reduce_chain, mesh, P("d"), P("d"))
         global_elements, factor = elements * count, 2.0 * (count - 1) / count
     else:
-        body = _shard_map(lambda v: jax.lax.all_gather(v, "d", tiled=True), mesh, P("d"), P("d"))
+        shard = elements // count
+
+        def gather_chain(v):
+            for _ in range(chain):
+                v = jax.lax.all_gather(v, "d", tiled=True)[:shard] * 1.0
+            return v
+
+        body = _shard_map(gather_chain, mesh, P("d"), P("d"))
         global_elements, factor = elements, (count - 1) / count
     x = jax.device_put(jnp.ones((global_elements,), jnp.float32), NamedSharding(mesh, P("d")))
     step = jax.jit(body)
-    seconds = timed_batches(lambda: step(x), batch_s)
+    seconds = timed_batches(lambda: step(x), batch_s) / chain
     nbytes = elements * 4
     return {
         "op": kind,
         "devices": count,
         "bytes": nbytes,
+        "chain": chain,
         "seconds": seconds,
         "algbw_bytes_s": nbytes / seconds,
         "busbw_bytes_s": factor * nbytes / seconds,

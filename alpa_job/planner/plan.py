@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job import strategies as strategy_records
 from alpa_job.errors import KitError
-from alpa_job.planner import candidates as candidates_lib, estimate, gpus, placement
+from alpa_job.planner import candidates as candidates_lib, estimate, gpu_target, gpus, kernel_estimate, placement
 from alpa_job.planner.calibrate import plan_values
 from alpa_job.planner.run_worker import compile_in_worker
 from alpa_job.record.plan_record import PlanCandidate, PlanCluster, PlanCollective, PlanGpu, PlanRecord
@@ -60,6 +60,7 @@ def make_plan(
     timeout_s: float = 1800.0,
     calibration: Optional[Dict[str, Any]] = None,
     network_source: Optional[str] = None,
+    cost_model: str = "auto",
 ) -> PlanRecord:
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
@@ -78,6 +79,7 @@ def make_plan(
                 f"{devices} devices; use a divisor of {devices}"
             )
         kept = [(s, m) for s, m in kept if not strategy_records.get(s).model_axis or m[1] == model_parallel]
+    kernels = _kernel_model(cost_model, gpu, calibration)
     request = {
         "preset": preset,
         "config": config_path,
@@ -85,11 +87,12 @@ def make_plan(
         "gpus_per_node": gpus_per_node,
         "candidates": [[s, list(m)] for s, m in kept],
         "cli_values": values,
+        "target_gpu": gpu.name if kernels else None,
     }
     result = compile_in_worker(request, timeout_s)
     network_bytes_s = network_gbps * 1e9 / 8
     usable = usable_bytes(gpu)
-    rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants) for r in result["candidates"]]
+    rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants, kernels) for r in result["candidates"]]
     rows += [PlanCandidate(strategy=s["strategy"], mesh_shape=s["mesh_shape"], note=s["note"]) for s in skipped]
     compiled = [r for r in rows if r.step_s is not None]
     if not compiled:
@@ -101,8 +104,104 @@ def make_plan(
     best = _rank(rows)
     if best is not None:
         rows[best].params = _leaves(result["candidates"], rows[best])
-    assumptions = [
-        f"global batch {config.batch_size}: {batch_how}",
+    assumptions = (
+        _kernel_assumptions(kernels, gpu, batch_how, config.batch_size, network_source, usable)
+        if kernels
+        else _flops_assumptions(gpu, constants, rows, link_gpus, batch_how, config.batch_size, network_source, usable, gpus_per_node)
+    )
+    record_constants = {**constants.to_dict(), "cost_model": "kernels" if kernels else "flops"}
+    if kernels:
+        record_constants["kernel"] = kernels[1].to_dict()
+    return PlanRecord(
+        model=config.model,
+        preset=preset,
+        settings=_model_settings(config),
+        cluster=PlanCluster(
+            nodes,
+            gpus_per_node,
+            devices,
+            PlanGpu(gpu.name, gpu.memory_bytes, gpu.peak_flops, gpu.nvlink_bytes_s, gpu.source, gpu.profile),
+            network_bytes_s,
+            usable,
+        ),
+        constants=record_constants,
+        assumptions=assumptions,
+        candidates=rows,
+        best=best,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        versions={"jax (compiling)": result.get("jax")},
+    )
+
+
+COST_MODELS = ("auto", "kernels", "flops")
+
+
+def _kernel_model(cost_model: str, gpu: gpus.Gpu, calibration: Dict[str, Any]):
+    """(rates, constants) of the kernel cost model where it is chosen or (auto) can run, else None."""
+    if cost_model not in COST_MODELS:
+        raise KitError(f"--cost-model {cost_model!r} is not one of {', '.join(COST_MODELS)}")
+    if cost_model == "flops":
+        return None
+    missing = None
+    if gpu.measured is None:
+        missing = f"no GPU profile for {gpu.name} (pass --gpu-profile FILE from python -m alpa_job plan calibrate)"
+    elif not gpu_target.supported(gpu.name):
+        missing = f"XLA cannot be told how to compile for {gpu.name} (the kit knows {', '.join(gpu_target.TARGETS)})"
+    elif gpu_target.plugin() is None:
+        missing = "JAX's CUDA plugin is not installed for the plan: " + gpu_target.install_hint()
+    if missing:
+        if cost_model == "kernels":
+            raise KitError(f"--cost-model kernels cannot run: {missing}")
+        return None
+    rates = kernel_estimate.rates_from_profile(gpu.measured, hbm_bytes_s=gpu.hbm_bytes_s, where=gpu.profile or "")
+    calibration_rates = kernel_estimate.rates_from_profile(gpus.CATALOGUE["h200"].measured) if gpus.CATALOGUE["h200"].measured else rates
+    return rates, kernel_estimate.fit(calibration["entries"], calibration_rates)
+
+
+def _kernel_assumptions(kernels, gpu, batch_how: str, batch: int, network_source: Optional[str], usable: int) -> List[str]:
+    rates, constants = kernels
+    bf16, start = rates.product("bf16")
+    links = ", ".join(f"{op} {bw / 1e9:.0f} GB/s + {s * 1e6:.0f} us" for op, (bw, s) in sorted(rates.links.items()))
+    return [
+        f"global batch {batch}: {batch_how}",
+        f"each candidate compiled for {gpu.name} GPUs (XLA's deviceless compile: the GPU's fusions, cuBLAS and cuDNN "
+        "calls, collectives and buffer assignment; autotuning left at XLA's defaults); every kernel costed in the "
+        "order it runs: max(FLOPs / matmul rate + start, bytes / HBM + launch), other kernels launch + bytes / HBM; "
+        "an async collective hidden by the kernels between its start and its done",
+        f"rates from {gpu.profile}: bf16 matmul {bf16 / 1e12:.0f} TFLOP/s + {start * 1e6:.1f} us a product (fitted to "
+        f"its matmul grid) x {constants.matmul_factor:.3f}, fused attention at {constants.attention_share:.3f} of "
+        f"that, HBM {rates.hbm_bytes_s / 1e9:.0f} GB/s x {constants.hbm_factor:.3f}, {rates.launch_s * 1e6:.2f} us a "
+        f"kernel; collectives on NVLink: {links or 'none measured: the catalogue NVLink and 20 us each'} (the "
+        f"factors fitted to the profiled kernel times of {', '.join(constants.fitted_from) or 'no run'})",
+        "devices are placed node-major; each collective's nodes come from its replica groups (ring / hierarchical "
+        "traffic per device); the network's time is its bytes / the network bandwidth, hidden only by kernels "
+        "beside it",
+        f"GPU peak memory = XLA's estimate for the program compiled for the GPU; fits = at most {usable / 1e9:.1f} GB "
+        "(JAX's default share of the card x the kit's usable fraction)",
+        f"GPU: {gpu.describe()}; {gpu.source}",
+        network_source
+        or "not verified on a multi-node GPU cluster: the network term is the model above, with the "
+        "bandwidth given (--network-gbps), not measured (--network-from a doctor --network result)",
+        _kernel_expected_error(kernels),
+    ]
+
+
+def _kernel_expected_error(kernels) -> str:
+    checked = kernel_estimate.validation(*kernels, path=estimate.VALIDATION_PATH)
+    if checked["median"] is None:
+        return "expected error: unknown (no validation runs with kernels)"
+    return (
+        f"expected error of a step time: {checked['median']:.0%} median, {checked['worst']:.0%} worst, over "
+        f"{len(checked['runs'])} measured runs it was not fitted on ({', '.join(checked['models'])}; "
+        "validation.json beside calibration.json)"
+    )
+
+
+def _flops_assumptions(
+    gpu, constants, rows, link_gpus, batch_how: str, batch: int, network_source, usable: int, gpus_per_node: int
+) -> List[str]:
+    return [
+        f"global batch {batch}: {batch_how}",
         "step = compute + NVLink time + network time: compute = "
         f"FLOPs per GPU / ({gpu.peak_flops / 1e12:.0f} TFLOP/s x efficiency {constants.efficiency:.3f}); "
         "NVLink time = factor[strategy] x NVLink bytes / NVLink bandwidth, and at least the part compute cannot "
@@ -124,25 +223,6 @@ def make_plan(
         "bandwidth given (--network-gbps), not measured (--network-from a doctor --network result)",
         _expected_error(constants),
     ]
-    return PlanRecord(
-        model=config.model,
-        preset=preset,
-        settings=_model_settings(config),
-        cluster=PlanCluster(
-            nodes,
-            gpus_per_node,
-            devices,
-            PlanGpu(gpu.name, gpu.memory_bytes, gpu.peak_flops, gpu.nvlink_bytes_s, gpu.source, gpu.profile),
-            network_bytes_s,
-            usable,
-        ),
-        constants=constants.to_dict(),
-        assumptions=assumptions,
-        candidates=rows,
-        best=best,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        versions={"jax (compiling)": result.get("jax")},
-    )
 
 
 def _expected_error(constants: estimate.Constants) -> str:
@@ -178,7 +258,14 @@ def _unfitted(rows: List[PlanCandidate], constants: estimate.Constants) -> str:
 
 
 def _candidate(
-    row: Dict[str, Any], devices: int, gpus_per_node: int, gpu: gpus.Gpu, network_bytes_s: float, usable: int, constants: estimate.Constants
+    row: Dict[str, Any],
+    devices: int,
+    gpus_per_node: int,
+    gpu: gpus.Gpu,
+    network_bytes_s: float,
+    usable: int,
+    constants: estimate.Constants,
+    kernels=None,
 ) -> PlanCandidate:
     mesh = tuple(row["mesh_shape"])
     out = PlanCandidate(
@@ -189,17 +276,28 @@ def _candidate(
     if "error" in row:
         out.note = f"does not compile for {devices} devices: {row['error']}"
         return out
-    p = estimate.predict(row, devices, gpu, network_bytes_s, constants)
     memory = row.get("memory") or {}
+    if kernels and row.get("kernels"):
+        k = kernel_estimate.predict(row["kernels"], kernels[0], kernels[1], network_bytes_s, gpu.nvlink_bytes_s)
+        t = k["terms"]
+        p = {
+            "compute_s": k["kernels_s"],
+            "communication_s": t["NVLink"] + t["network"],
+            "step_s": k["step_s"],
+            "gpu_peak_bytes": memory.get("peak_estimate_bytes"),
+        }
+        terms = {"compute": t["compute"], "memory": t["memory"], "launches": t["launches"], "NVLink": t["NVLink"], "network": t["network"]}
+    else:
+        p = estimate.predict(row, devices, gpu, network_bytes_s, constants)
+        terms = {"compute": p["compute_s"], "NVLink": p["nvlink_s"], "network": p["network_s"]}
     out.state_bytes_per_device = row["state_bytes_per_device"]
-    out.cpu_peak_bytes = memory.get("peak_estimate_bytes")
+    out.cpu_peak_bytes = None if kernels else memory.get("peak_estimate_bytes")
     out.gpu_peak_bytes = p["gpu_peak_bytes"]
     out.flops_per_step = row["flops_per_step"]
     out.collectives = {k: PlanCollective(**v) for k, v in row["collectives"].items() if v["count"]}
     out.nvlink_bytes = sum(c.nvlink_bytes for c in out.collectives.values())
     out.network_bytes = sum(c.network_bytes for c in out.collectives.values())
     out.compute_s, out.communication_s, out.step_s = p["compute_s"], p["communication_s"], p["step_s"]
-    terms = {"compute": p["compute_s"], "NVLink": p["nvlink_s"], "network": p["network_s"]}
     out.dominant = max(terms, key=terms.get)  # the term a faster GPU, link or network would shorten most
     out.compile_s = row.get("compile_s")
     out.fits = out.gpu_peak_bytes is not None and out.gpu_peak_bytes <= usable

@@ -29,9 +29,18 @@ def build(request: Dict[str, Any]):
 
 
 def run(request: Dict[str, Any]) -> Dict[str, Any]:
+    target = request.get("target_gpu")  # compile for that GPU (gpu_target.py), else for the CPU devices
+    if target:
+        from alpa_job.planner import gpu_target
+
+        gpu_target.prepare()
     import jax
 
-    from alpa_job.planner.compile_plan import compile_candidate
+    from alpa_job.planner.compile_plan import PlanEngine, compile_candidate
+
+    if target:
+        gpu_target.present_as_gpu()
+        PlanEngine.target_devices = gpu_target.devices(target, request["devices"])
 
     config, model, example = build(request)
     found = len(jax.devices())
@@ -46,10 +55,10 @@ def run(request: Dict[str, Any]) -> Dict[str, Any]:
     for number, (strategy, mesh_shape) in enumerate(candidates, 1):
         phase(
             f"[plan] candidate {number}/{len(candidates)}: {strategy} on mesh {tuple(mesh_shape)}: "
-            f"compiling for {found} emulated devices ..."
+            + (f"compiling for {request['devices']} x {target} ..." if target else f"compiling for {found} emulated devices ...")
         )
         try:
-            row = compile_candidate(config, model, example, strategy, tuple(mesh_shape), request["gpus_per_node"])
+            row = compile_candidate(config, model, example, strategy, tuple(mesh_shape), request["gpus_per_node"], bool(target))
             bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", compile_s=row["compile_s"])
         except Exception as err:  # noqa: BLE001 - one candidate XLA cannot compile is a row, not the plan's end
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -57,7 +66,7 @@ def run(request: Dict[str, Any]) -> Dict[str, Any]:
             bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", result="does not compile")
         out.append(row)
     bar.close()
-    return {"candidates": out, "jax": jax.__version__}
+    return {"candidates": out, "jax": jax.__version__, "target_gpu": target}
 
 
 def main(argv=None) -> int:
