@@ -31,10 +31,7 @@ _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_KIND = re.compile(r"\bkind=(k[A-Za-z]+)")
-_WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
-_FEATURE_GROUPS = re.compile(r"feature_group_count=(\d+)")
 _INDEX = re.compile(r"\s*(\d+)\)")  # a parameter's number, after "parameter("
 
 # Instructions that launch nothing: they name, reshape or group buffers the kernels around them own.
@@ -410,10 +407,6 @@ class Costs:
         return total + out_bytes
 
 
-def kernels(text: str) -> List[Kernel]:
-    return Costs(text).kernels
-
-
 def features(text: str, num_devices: int, gpus_per_node: int) -> Dict[str, Any]:
     """What the planner's time model reads of a compiled step, as plain data (JSON):
 
@@ -453,12 +446,3 @@ def features(text: str, num_devices: int, gpus_per_node: int) -> Dict[str, Any]:
             }
         )
     return {"kernels": table, "collectives": collectives}
-
-
-def summary(found: List[Kernel]) -> Dict[str, Tuple[int, float, float]]:
-    """{kind: (kernels a step, FLOPs, bytes)}."""
-    out: Dict[str, Tuple[int, float, float]] = {}
-    for k in found:
-        n, f, b = out.get(k.kind, (0, 0.0, 0.0))
-        out[k.kind] = (n + k.runs, f + k.flops * k.runs, b + k.bytes * k.runs)
-    return out
