@@ -132,6 +132,8 @@ def test_plan_with_a_profile_says_which_it_used(cpu_profile, tmp_path):
             "2",
             "--strategy",
             "data",
+            "--cost-model",
+            "flops",  # the factors' link basis is the FLOPs model's (the kernel model reads the profile's links)
             "--gpu-profile",
             path,
             "--out",

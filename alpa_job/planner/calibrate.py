@@ -6,8 +6,8 @@ the measurement, so planning itself never recompiles them:
 - `kernels`, `memory_gpu` (where JAX's CUDA plugin is there, gpu_target.py): compiled for the entry's GPU, its
   kernels and collectives (kernel_cost.features) and XLA's memory analysis of the GPU program. An entry with
   `kernels_from` {archive, case} takes them from the program the GPU itself ran, saved with its profiled
-  kernel times by `bench/gpu_planner_validation.py --kernels`, and `kernel_ms` (the measured kernel time of
-  each kind), which kernel_estimate.py fits its constants to.
+  kernel times by the repository's GPU planner validation benchmark (run with --kernels), and `kernel_ms`
+  (the measured kernel time of each kind), which kernel_estimate.py fits its constants to.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import sys
 import tarfile
 from typing import Any, Dict, List, Optional
@@ -63,8 +64,8 @@ def _compiled(entry: Dict[str, Any], target_gpu: Optional[str], timeout_s: float
 
 
 def from_archive(source: Dict[str, str], devices: int, gpus_per_node: int) -> Dict[str, Any]:
-    """{kernels, kernel_ms} of the program a GPU ran: its HLO and profiled kernel times from an archive of
-    gpu_planner_validation.py --kernels (a path relative to the repository)."""
+    """{kernels, kernel_ms} of the program a GPU ran: its HLO and profiled kernel times from an archive the
+    GPU planner validation benchmark saved (a path relative to the repository)."""
     with tarfile.open(os.path.join(REPO, source["archive"])) as tar:
         text = gzip.decompress(tar.extractfile(f"kernels/{source['case']}.hlo.txt.gz").read()).decode()
         times = json.load(tar.extractfile(f"kernels/{source['case']}.kernels.json"))
@@ -76,7 +77,8 @@ def from_archive(source: Dict[str, str], devices: int, gpus_per_node: int) -> Di
 
 
 def features(entries: List[Dict[str, Any]], timeout_s: float = 900.0, for_gpu: bool = False, cpu: bool = True) -> None:
-    for entry in entries:
+    for number, entry in enumerate(entries, 1):
+        print(f"[calibrate] {number}/{len(entries)} {entry['id']}", file=sys.stderr, flush=True)
         if cpu or "cpu" not in entry:
             row = _compiled(entry, None, timeout_s)
             entry["cpu"] = {**cpu_features(row), "jax": row["jax"]}
@@ -90,6 +92,15 @@ def features(entries: List[Dict[str, Any]], timeout_s: float = 900.0, for_gpu: b
             entry["kernels"] = row["kernels"]
 
 
+_FLAT = re.compile(r'\[(?:[^\[\]{}"]|"[^"\n]*")*\n(?:[^\[\]{}"]|"[^"\n]*")*\]')  # a list of scalars, one a line
+
+
+def dumps(data: Dict[str, Any]) -> str:
+    """Indented JSON with each list of scalars on one line (a kernels block is thousands of short rows)."""
+    text = json.dumps(data, indent=1)
+    return _FLAT.sub(lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cpu = "--kernels-only" not in argv  # keep the cpu blocks that are there (the slow half)
@@ -101,8 +112,7 @@ def main(argv=None) -> int:
             data = json.load(f)
         features(data["entries"], for_gpu=for_gpu, cpu=cpu)
         with open(path, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
+            f.write(dumps(data))
     constants = estimate.fit(data)
     print(json.dumps(constants.to_dict(), indent=1))
     return 0

@@ -16,6 +16,8 @@ A JSON object (version 1); the planner reads the fields marked *, the rest is th
                       dispatch_seconds: one jitted call from Python}
     collectives       [{op, devices, bytes, seconds, algbw_bytes_s, busbw_bytes_s}]
     collective_busbw * {op: {bytes, busbw_bytes_s, devices}}: each collective's largest size ({} on one device)
+    loop *            [{devices, steps, step_seconds, p90_seconds}]: the kit's training loop over a near-empty
+                      model on that many devices, the host's floor under a step (optional: older profiles)
     skipped           what the time budget or the device left out, and why
     measured_seconds, versions {jax, jaxlib, python}, created (UTC, ISO 8601), command, note (CPU only)
 
@@ -92,6 +94,9 @@ def validate(data: Any, where: str) -> Dict[str, Any]:
     for op, row in bus.items():
         if not isinstance(row, dict) or not _number(row.get("busbw_bytes_s")) or not isinstance(row.get("devices"), int):
             raise bad(f"collective_busbw.{op}", "needs busbw_bytes_s > 0 and devices")
+    for row in data.get("loop", []) if isinstance(data.get("loop", []), list) else [None]:
+        if not isinstance(row, dict) or not isinstance(row.get("devices"), int) or not _number(row.get("step_seconds")):
+            raise bad("loop", "needs a list of {devices, step_seconds > 0}")
     for field in ("matmul", "collectives", "skipped"):
         if not isinstance(data.get(field), list):
             raise bad(field, "is missing or not a list")

@@ -29,7 +29,10 @@ _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([A-Za-z0-9_.\-]+)\s+\(.*\)\s*->\s*.*\{\
 _OPERAND = re.compile(r"%([A-Za-z0-9_.\-]+(?:#\d+)?)")  # name#k: the k-th array of a tuple-shaped result
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([A-Za-z0-9_.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# Backend configs are JSON whose spacing differs by how XLA printed them (a GPU's dump or a deviceless compile).
+_TRIP = re.compile(r'"known_trip_count":\s*\{\s*"n":\s*"(\d+)"\s*\}')
+_INTERMEDIATE = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
+_CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
 _INDEX = re.compile(r"\s*(\d+)\)")  # a parameter's number, after "parameter("
@@ -164,8 +167,8 @@ def _contracting(rest: str, key: str = "lhs_contracting_dims") -> List[int]:
     m = re.search(key + r"=\{([0-9,]*)\}", rest)
     if m:
         return [int(d) for d in m.group(1).split(",") if d]
-    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)  # a library call's backend config
-    return [int(d.strip('"')) for d in m.group(1).split(",") if d.strip()] if m else []
+    m = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', rest)  # a library call's backend config
+    return [int(d.strip(' "')) for d in m.group(1).split(",") if d.strip()] if m else []
 
 
 def dot_flops(out_shape: str, lhs_shape: str, rest: str) -> float:
@@ -191,14 +194,14 @@ def conv_flops(out_shape: str, kernel_shape: str, rest: str) -> float:
 def attention_flops(inst: _Inst, shapes: Dict[str, str]) -> float:
     """cuDNN fused attention: forward 2 products of B x H x S x S x D (2 FLOPs a multiply-add), backward
     5; half of it where the mask is causal (the masked blocks are skipped)."""
-    m = re.search(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]', inst.rest)
+    m = _INTERMEDIATE.search(inst.rest)
     if not m or not inst.operands:
         return 0.0
-    b, h, s_q, s_k = (int(d.strip('"')) for d in m.group(1).split(","))
+    b, h, s_q, s_k = (int(d.strip(' "')) for d in m.group(1).split(","))
     q = _dims(shapes.get(inst.operands[0], ""))
     d = q[-1] if q else 0
     products = 5 if "Backward" in _TARGET.search(inst.rest).group(1) else 2
-    causal = 0.5 if '"mask_type":"CAUSAL"' in inst.rest else 1.0
+    causal = 0.5 if _CAUSAL.search(inst.rest) else 1.0
     return products * 2.0 * b * h * s_q * s_k * d * causal
 
 

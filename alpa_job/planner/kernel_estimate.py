@@ -9,8 +9,10 @@ Each kernel takes the longer of its compute and its memory traffic, plus the cos
 start over the measured shapes, so small products pay what small products measured), HBM and launch are the
 profile's. A collective takes latency + bytes on NVLink / the profile's bus bandwidth for its kind + bytes on
 the network / the network's bandwidth; an async one is hidden by the kernels that run between its start and
-its done, and only what they do not cover is added. The step is the kernels in order, the collectives' exposed
-time, and the profile's dispatch of one jitted call.
+its done, and only what they do not cover is added. The device's step is the kernels in order, the
+collectives' exposed time, and the profile's dispatch of one jitted call; the step is at least the profile's
+floor of the kit's training loop on as many devices as a process drives (the host's share of a step: a
+small model waits for it, not for its kernels), and `host` is what that floor adds.
 
 Three constants are fitted to profiled runs of the calibration model (calibration.json's `kernel_ms`: the
 kernel time of each kind that the GPU's profiler measured): how much faster a compiled step's matmuls run
@@ -28,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 PRODUCTS = ("matmul", "convolution", "attention")
 NCCL_LATENCY_S = 20e-6  # a small collective between GPUs of one node, where no profile measured one
-TERMS = ("compute", "memory", "launches", "NVLink", "network")
+TERMS = ("compute", "memory", "launches", "NVLink", "network", "host")
 
 
 @dataclasses.dataclass
@@ -39,9 +41,18 @@ class Rates:
     dispatch_s: float
     links: Dict[str, Tuple[float, float]]  # collective kind -> (NVLink bus bytes/s, seconds to start one)
     source: str
+    loop_floors: Dict[int, float] = dataclasses.field(default_factory=dict)  # devices -> the loop's step seconds
 
     def product(self, precision: str) -> Tuple[float, float]:
         return self.matmul.get(precision) or self.matmul["bf16"]
+
+    def loop_floor(self, local_devices: int) -> float:
+        """The loop's floor measured on the most devices not above `local_devices` (else the fewest); 0 where
+        the profile has none."""
+        if not self.loop_floors:
+            return 0.0
+        below = [n for n in self.loop_floors if n <= local_devices]
+        return self.loop_floors[max(below) if below else min(self.loop_floors)]
 
 
 @dataclasses.dataclass
@@ -95,6 +106,7 @@ def rates_from_profile(profile: Dict[str, Any], hbm_bytes_s: Optional[float] = N
         dispatch_s=profile["launch"]["dispatch_seconds"],
         links={op: fit_grid(points) for op, points in sizes.items()},
         source=where,
+        loop_floors={row["devices"]: row["step_seconds"] for row in profile.get("loop", [])},
     )
 
 
@@ -121,10 +133,16 @@ def kernel_seconds(row: List[Any], rates: Rates, constants: KernelConstants) -> 
 
 
 def predict(
-    features: Dict[str, Any], rates: Rates, constants: KernelConstants, network_bytes_s: float, nvlink_bytes_s: float
+    features: Dict[str, Any],
+    rates: Rates,
+    constants: KernelConstants,
+    network_bytes_s: float,
+    nvlink_bytes_s: float,
+    local_devices: int = 1,
 ) -> Dict[str, Any]:
     """step_s and its terms (seconds a step): compute, memory, launches (kernels), NVLink and network (the
-    collectives' time that no kernel hides), and kernels_s, their sum."""
+    collectives' time that no kernel hides), host (what the loop's floor adds on `local_devices` devices a
+    process), and kernels_s, the kernels' sum."""
     per_row = [kernel_seconds(row, rates, constants) for row in features["kernels"]]
     terms = {t: 0.0 for t in TERMS}
     for row, split in zip(features["kernels"], per_row):
@@ -143,7 +161,9 @@ def predict(
         terms["NVLink"] += exposed * (start + nvlink) / busy * c["runs"]
         terms["network"] += exposed * network / busy * c["runs"]
     kernels = terms["compute"] + terms["memory"] + terms["launches"]
-    step = kernels + terms["NVLink"] + terms["network"] + rates.dispatch_s
+    device = kernels + terms["NVLink"] + terms["network"] + rates.dispatch_s
+    terms["host"] = max(rates.loop_floor(local_devices) - device, 0.0)
+    step = device + terms["host"]
     return {"step_s": step, "kernels_s": kernels, "terms": terms, "dominant": max(terms, key=terms.get)}
 
 
@@ -159,16 +179,16 @@ def kind_seconds(features: Dict[str, Any], rates: Rates, constants: KernelConsta
 
 def fit(entries: List[Dict[str, Any]], rates: Rates, rounds: int = 8) -> KernelConstants:
     """The constants from runs whose kernel time per kind was measured (entry["kernel_ms"]) beside the
-    features of the program they ran (entry["gpu"]): each kind's factor is moved by measured / predicted
+    features of the program they ran (entry["kernels"]): each kind's factor is moved by measured / predicted
     (the geometric mean over the runs) until they agree."""
-    runs = [e for e in entries if e.get("kernel_ms") and e.get("gpu")]
+    runs = [e for e in entries if e.get("kernel_ms") and e.get("kernels")]
     constants = KernelConstants(fitted_from=tuple(e["id"] for e in runs))
     fields = {"products": "matmul_factor", "attention": "attention_share", "memory": "hbm_factor"}
     for _ in range(rounds if runs else 0):
         for kind, name in fields.items():
             ratios = []
             for e in runs:
-                measured, predicted = e["kernel_ms"].get(kind), kind_seconds(e["gpu"], rates, constants)[kind]
+                measured, predicted = e["kernel_ms"].get(kind), kind_seconds(e["kernels"], rates, constants)[kind]
                 if measured and predicted > 0:
                     ratios.append(predicted / (measured / 1e3))
             if ratios:
@@ -189,7 +209,7 @@ def validation(rates: Rates, constants: KernelConstants, path: str) -> Dict[str,
         if not e.get("kernels"):
             continue
         network = e.get("network_gbps", 400.0) * 1e9 / 8
-        predicted = predict(e["kernels"], rates, constants, network, 450e9)["step_s"] * 1e3
+        predicted = predict(e["kernels"], rates, constants, network, 450e9, e["gpus_per_node"])["step_s"] * 1e3
         rows.append(
             {
                 "id": e["id"],

@@ -9,6 +9,9 @@ With jax on the local devices, bounded in time (`--budget-s`), one progress line
 - hbm: `y = 2x + 1` over an array several times any cache (read once, written once);
 - launch: a chain of tiny adds kept apart by optimization barriers (one kernel each) minus a chain of one:
   the cost of one more kernel inside a compiled program; and `dispatch`, one trivial jitted call from Python;
+- loop: the kit's own training loop (`python -m alpa_job train`) over a model that leaves the device next
+  to nothing, on one device and on all: its steady step time is the host's share of every step (the loop's
+  bookkeeping, the batch's transfer, the step's dispatch), the floor under any model's step;
 - collectives (more than one local device): all-reduce and all-gather over all of them, a few sizes, each
   call a chain of several that depend on each other (so a call's dispatch to every device is paid once, as
   inside a compiled step), as bus bandwidth (nccl-tests' convention: all-reduce bytes x 2(n-1)/n / time, all-gather output bytes x
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import json
 import math
 import os
 import platform
@@ -29,6 +33,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -65,6 +70,10 @@ SIZES = {  # per measurement kind: GPU and CPU
 LAUNCH_CHAIN = 256
 COLLECTIVE_CHAIN = 16  # collectives a timed call holds at most (fewer of the largest sizes)
 BATCHES = 3
+# The loop floor's model: a 2-block GPT of width 64 on 16 tokens, one sample a device; 60 steps make 20
+# timing windows of 3 (the loop's windows for a run of that length).
+LOOP_MODEL = ["--preset", "gpt-small", "--num-layers", "2", "--d-model", "64", "--num-heads", "2", "--seq-len", "16"]
+LOOP_STEPS = 60
 IN_FLIGHT = 8  # queued calls not yet waited for
 
 
@@ -193,6 +202,29 @@ def launch_overhead(batch_s: float) -> Dict[str, Any]:
     }
 
 
+def loop_floor(devices: int, on_gpu: bool, timeout_s: float) -> Dict[str, Any]:
+    """The steady step time of the kit's loop over LOOP_MODEL on the first `devices` local devices (a
+    process of its own: this one holds the GPUs' memory, so the child allocates as it goes)."""
+    with tempfile.TemporaryDirectory(prefix="alpa-job-loop-floor-") as out:
+        argv = [sys.executable, "-m", "alpa_job", "train", "--address", "none", "--steps", str(LOOP_STEPS)]
+        argv += ["--compile-cache", "none", "--quiet", "--no-tensorboard", "--out", out, *LOOP_MODEL]
+        argv += ["--batch-size", str(devices), "--strategy", "data"]
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        if not on_gpu:
+            argv += ["--devices", str(devices)]  # the CPU devices this process measured, not the kit's default 8
+        else:
+            visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d] or [str(i) for i in range(devices)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:devices])
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+        try:
+            with open(os.path.join(out, "report.json")) as f:
+                steady = json.load(f)["timing"]["steady_step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            raise RuntimeError(f"the training loop did not report a step time: {tail[0][:160]}") from None
+    return {"devices": devices, "steps": LOOP_STEPS, "step_seconds": steady["median_s"], "p90_seconds": steady["p90_s"]}
+
+
 def _shard_map(fn, mesh, in_spec, out_spec):
     import jax
 
@@ -288,7 +320,9 @@ def device_memory_bytes(device) -> Optional[int]:
         return None
 
 
-def measure(budget_s: float = 90.0, shapes: Optional[List[Shape]] = None, stream=None, collectives: bool = True) -> Dict[str, Any]:
+def measure(
+    budget_s: float = 90.0, shapes: Optional[List[Shape]] = None, stream=None, collectives: bool = True, loop: bool = True
+) -> Dict[str, Any]:
     """The profile's measured part (gpu_profile.py's schema), on jax's default backend's local devices;
     `shapes`: these in every precision instead of the default grid."""
     import jax
@@ -300,7 +334,8 @@ def measure(budget_s: float = 90.0, shapes: Optional[List[Shape]] = None, stream
     count = len(jax.local_devices())
     sizes = SIZES["collective_bytes"][pick] if collectives and count > 1 else ()
     batch_s, call_flops = SIZES["batch_s"][pick], SIZES["call_flops"][pick]
-    clock = Clock(budget_s, 2 + sum(map(len, grid.values())) + 2 * len(sizes), stream)
+    loop_counts = sorted({1, count}) if on_gpu and loop else [count] if loop else []
+    clock = Clock(budget_s, 2 + sum(map(len, grid.values())) + 2 * len(sizes) + len(loop_counts), stream)
     what = "its numbers are the CPU's, not a GPU's" if not on_gpu else f"{count} device(s)"
     print(
         f"[calibrate] {device.device_kind} ({device.platform}, jax {jax.__version__}): {what}; budget {budget_s:.0f} s",
@@ -318,12 +353,18 @@ def measure(budget_s: float = 90.0, shapes: Optional[List[Shape]] = None, stream
     rest = [(p, s) for p in grid if p != "bf16" for s in grid[p]]
     matmul: List[Dict[str, Any]] = []
     comms: List[Dict[str, Any]] = []
+    floors: List[Dict[str, Any]] = []
     jobs: List[Tuple[str, Any]] = [("matmul", j) for j in order]
     jobs += [("collective", (kind, size)) for size in sizes for kind in ("all-reduce", "all-gather")]
+    jobs += [("loop", n) for n in loop_counts]
     jobs += [("matmul", j) for j in rest]
     for what, job in jobs:
         label = (
-            f"matmul {job[0]} {'x'.join(map(str, job[1]))}" if what == "matmul" else f"{job[0]} {job[1] / 2**20:g} MiB over {count} devices"
+            f"matmul {job[0]} {'x'.join(map(str, job[1]))}"
+            if what == "matmul"
+            else f"the training loop's floor on {job} device(s)"
+            if what == "loop"
+            else f"{job[0]} {job[1] / 2**20:g} MiB over {count} devices"
         )
         if clock.over():
             skipped.append(label)
@@ -334,6 +375,10 @@ def measure(budget_s: float = 90.0, shapes: Optional[List[Shape]] = None, stream
                 row = matmul_rate(job[1], job[0], call_flops, batch_s)
                 matmul.append(row)
                 clock.line(f"{label}: {_tflops(row['flops_s'])} TFLOP/s")
+            elif what == "loop":
+                row = loop_floor(job, on_gpu, timeout_s=max(60.0, budget_s))
+                floors.append(row)
+                clock.line(f"{label}: {row['step_seconds'] * 1e3:.2f} ms a step")
             else:
                 row = collective_rate(job[0], job[1], batch_s)
                 comms.append(row)
@@ -361,6 +406,7 @@ def measure(budget_s: float = 90.0, shapes: Optional[List[Shape]] = None, stream
         "launch": launch,
         "collectives": comms,
         "collective_busbw": bus,
+        "loop": floors,
         "skipped": skipped,
     }
 
@@ -378,8 +424,10 @@ def versions() -> Dict[str, str]:
     return out
 
 
-def profile(budget_s: float, command: str, shapes: Optional[List[Shape]] = None, stream=None, collectives: bool = True) -> Dict[str, Any]:
-    measured = measure(budget_s, shapes, stream, collectives)
+def profile(
+    budget_s: float, command: str, shapes: Optional[List[Shape]] = None, stream=None, collectives: bool = True, loop: bool = True
+) -> Dict[str, Any]:
+    measured = measure(budget_s, shapes, stream, collectives, loop)
     out = {
         "schema": gpu_profile.SCHEMA,
         "version": gpu_profile.VERSION,
@@ -415,6 +463,8 @@ def table(prof: Dict[str, Any]) -> str:
     lines.append(f"| one jitted call from Python | {launch['dispatch_seconds'] * 1e6:.1f} us |")
     for row in prof["collectives"]:
         lines.append(f"| {row['op']} {row['bytes'] / 2**20:g} MiB, {row['devices']} devices | bus {row['busbw_bytes_s'] / 1e9:.1f} GB/s |")
+    for row in prof.get("loop", []):
+        lines.append(f"| the kit's training loop, near-empty step, {row['devices']} device(s) | {row['step_seconds'] * 1e3:.2f} ms |")
     lines += [f"| skipped | {s} |" for s in prof["skipped"]]
     return "\n".join(lines)
 
@@ -454,6 +504,7 @@ def build_parser(parser_class):
         help="measure this matmul shape (in every precision) instead of the default grid, e.g. your model's 8192x2048x2048; repeatable",
     )
     p.add_argument("--no-collectives", action="store_true", help="skip the collectives even with several devices")
+    p.add_argument("--no-loop", action="store_true", help="skip timing the kit's training loop over a near-empty model")
     return p
 
 
@@ -472,7 +523,7 @@ def run(args, argv: Sequence[str]) -> int:
         raise KitError(f"--budget-s must be > 0, got {args.budget_s}")
     shapes = [parse_shape(s) for s in args.shape or ()]
     command = "python -m alpa_job " + " ".join(shlex.quote(a) for a in argv)
-    prof = profile(args.budget_s, command, shapes=shapes or None, collectives=not args.no_collectives)
+    prof = profile(args.budget_s, command, shapes=shapes or None, collectives=not args.no_collectives, loop=not args.no_loop)
     path = args.out or default_path(prof["device_kind"])
     gpu_profile.write(prof, path)
     print(table(prof), flush=True)

@@ -278,7 +278,7 @@ def _candidate(
         return out
     memory = row.get("memory") or {}
     if kernels and row.get("kernels"):
-        k = kernel_estimate.predict(row["kernels"], kernels[0], kernels[1], network_bytes_s, gpu.nvlink_bytes_s)
+        k = kernel_estimate.predict(row["kernels"], kernels[0], kernels[1], network_bytes_s, gpu.nvlink_bytes_s, gpus_per_node)
         t = k["terms"]
         p = {
             "compute_s": k["kernels_s"],
@@ -286,7 +286,7 @@ def _candidate(
             "step_s": k["step_s"],
             "gpu_peak_bytes": memory.get("peak_estimate_bytes"),
         }
-        terms = {"compute": t["compute"], "memory": t["memory"], "launches": t["launches"], "NVLink": t["NVLink"], "network": t["network"]}
+        terms = dict(t)
     else:
         p = estimate.predict(row, devices, gpu, network_bytes_s, constants)
         terms = {"compute": p["compute_s"], "NVLink": p["nvlink_s"], "network": p["network_s"]}
