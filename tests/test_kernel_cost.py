@@ -180,7 +180,8 @@ def test_the_constants_fitted_to_recorded_kernel_times_reproduce_them():
 
 def test_the_stated_error_covers_models_the_fit_never_saw():
     """validation.json: every run with a kernels block predicted with constants fitted elsewhere; issue 41's
-    targets are a median within 15 % and a worst within 30 %."""
+    targets are a median within 15 %, a worst within 30 %, and a predicted winner within 5 % of the measured
+    winner's step wherever a model ran with several strategies."""
     rates = kernel_estimate.rates_from_profile(gpus.CATALOGUE["h200"].measured)
     constants = kernel_estimate.fit(estimate.load()["entries"], rates)
     checked = kernel_estimate.validation(rates, constants, estimate.VALIDATION_PATH)
@@ -189,6 +190,7 @@ def test_the_stated_error_covers_models_the_fit_never_saw():
     assert len(checked["runs"]) >= 12 and not {r["id"] for r in checked["runs"]} & set(constants.fitted_from)
     assert {"gpt-small", "llama3.2-1b", "resnet50 (examples/resnet)"} <= set(checked["models"])
     assert checked["median"] <= 0.15 and checked["worst"] <= 0.30, checked["runs"]
+    assert len(checked["winners"]) >= 4 and all(w["slower_by"] <= 0.05 for w in checked["winners"]), checked["winners"]
 
 
 def test_cost_model_kernels_without_the_plugin_is_one_line(tmp_path):
@@ -212,7 +214,7 @@ def test_plan_compiled_for_gpus_this_machine_lacks(tmp_path):
     jsonschema.validate(plan, load_plan_schema())
     assert plan["constants"]["cost_model"] == "kernels"
     (row,) = plan["candidates"]
-    assert row["step_s"] > 0 and row["dominant"] in ("compute", "memory", "launches", "NVLink")
+    assert row["step_s"] > 0 and row["dominant"] in ("compute", "memory", "launches", "NVLink", "host")
     assert row["collectives"] and row["gpu_peak_bytes"] > row["state_bytes_per_device"]
     assert any(a.startswith("expected error of a step time") for a in plan["assumptions"])
     assert plan_lib.COST_MODELS == ("auto", "kernels", "flops")

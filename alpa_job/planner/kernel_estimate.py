@@ -9,10 +9,11 @@ Each kernel takes the longer of its compute and its memory traffic, plus the cos
 start over the measured shapes, so small products pay what small products measured), HBM and launch are the
 profile's. A collective takes latency + bytes on NVLink / the profile's bus bandwidth for its kind + bytes on
 the network / the network's bandwidth; an async one is hidden by the kernels that run between its start and
-its done, and only what they do not cover is added. The device's step is the kernels in order, the
-collectives' exposed time, and the profile's dispatch of one jitted call; the step is at least the profile's
-floor of the kit's training loop on as many devices as a process drives (the host's share of a step: a
-small model waits for it, not for its kernels), and `host` is what that floor adds.
+its done, and only what they do not cover is added. The step is the kernels in order, the collectives' exposed
+time, and the host's time a step (`host`): the profile's floor of the kit's training loop on as many devices
+as a process drives (its loop over a near-empty model: bookkeeping, the batch's transfer, the dispatch), or,
+in a profile without one, the dispatch of one jitted call. The floor is added, not hidden behind the
+kernels: the profiled calibration run's step is its kernels' sum plus about that floor.
 
 Three constants are fitted to profiled runs of the calibration model (calibration.json's `kernel_ms`: the
 kernel time of each kind that the GPU's profiler measured): how much faster a compiled step's matmuls run
@@ -48,7 +49,7 @@ class Rates:
 
     def loop_floor(self, local_devices: int) -> float:
         """The loop's floor measured on the most devices not above `local_devices` (else the fewest); 0 where
-        the profile has none."""
+        the profile measured none."""
         if not self.loop_floors:
             return 0.0
         below = [n for n in self.loop_floors if n <= local_devices]
@@ -141,8 +142,8 @@ def predict(
     local_devices: int = 1,
 ) -> Dict[str, Any]:
     """step_s and its terms (seconds a step): compute, memory, launches (kernels), NVLink and network (the
-    collectives' time that no kernel hides), host (what the loop's floor adds on `local_devices` devices a
-    process), and kernels_s, the kernels' sum."""
+    collectives' time that no kernel hides), host (the loop's floor on `local_devices` devices a process),
+    and kernels_s, the kernels' sum."""
     per_row = [kernel_seconds(row, rates, constants) for row in features["kernels"]]
     terms = {t: 0.0 for t in TERMS}
     for row, split in zip(features["kernels"], per_row):
@@ -161,9 +162,8 @@ def predict(
         terms["NVLink"] += exposed * (start + nvlink) / busy * c["runs"]
         terms["network"] += exposed * network / busy * c["runs"]
     kernels = terms["compute"] + terms["memory"] + terms["launches"]
-    device = kernels + terms["NVLink"] + terms["network"] + rates.dispatch_s
-    terms["host"] = max(rates.loop_floor(local_devices) - device, 0.0)
-    step = device + terms["host"]
+    terms["host"] = rates.loop_floor(local_devices) or rates.dispatch_s
+    step = kernels + terms["NVLink"] + terms["network"] + terms["host"]
     return {"step_s": step, "kernels_s": kernels, "terms": terms, "dominant": max(terms, key=terms.get)}
 
 
@@ -199,7 +199,9 @@ def fit(entries: List[Dict[str, Any]], rates: Rates, rounds: int = 8) -> KernelC
 
 def validation(rates: Rates, constants: KernelConstants, path: str) -> Dict[str, Any]:
     """The error to expect: each measured run of `path` with a `kernels` block (runs the constants were not
-    fitted on) predicted now; the median and worst of the errors, and the models they cover."""
+    fitted on) predicted now; the median and worst of the errors, the models they cover, and for each model
+    measured with several strategies on one device count, the predicted winner's measured step against the
+    measured winner's (`winners`)."""
     import json
 
     with open(path) as f:
@@ -209,14 +211,20 @@ def validation(rates: Rates, constants: KernelConstants, path: str) -> Dict[str,
         if not e.get("kernels"):
             continue
         network = e.get("network_gbps", 400.0) * 1e9 / 8
-        predicted = predict(e["kernels"], rates, constants, network, 450e9, e["gpus_per_node"])["step_s"] * 1e3
+        got = predict(e["kernels"], rates, constants, network, 450e9, e["gpus_per_node"])
+        peak = (e.get("memory_gpu") or {}).get("peak_estimate_bytes")
         rows.append(
             {
                 "id": e["id"],
                 "model": e.get("model_name") or e.get("preset"),
-                "predicted_ms": predicted,
+                "gpus": e["nodes"] * e["gpus_per_node"],
+                "strategy": e["strategy"],
+                "predicted_ms": got["step_s"] * 1e3,
                 "measured_ms": e["measured_step_ms"],
-                "error": predicted / e["measured_step_ms"] - 1,
+                "error": got["step_s"] * 1e3 / e["measured_step_ms"] - 1,
+                "dominant": got["dominant"],
+                "predicted_peak_gb": peak / 1e9 if peak else None,
+                "measured_peak_gb": e.get("measured_peak_gb"),
             }
         )
     errors = sorted(abs(r["error"]) for r in rows)
@@ -225,4 +233,27 @@ def validation(rates: Rates, constants: KernelConstants, path: str) -> Dict[str,
         "median": statistics.median(errors) if errors else None,
         "worst": errors[-1] if errors else None,
         "models": sorted({str(r["model"]) for r in rows}),
+        "winners": _winners(rows),
     }
+
+
+def _winners(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    groups: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((str(r["model"]), r["gpus"]), []).append(r)
+    out = []
+    for (model, gpus), runs in sorted(groups.items()):
+        if len(runs) < 2:
+            continue
+        chosen = min(runs, key=lambda r: r["predicted_ms"])
+        best = min(runs, key=lambda r: r["measured_ms"])
+        out.append(
+            {
+                "model": model,
+                "gpus": gpus,
+                "predicted_winner": chosen["strategy"],
+                "measured_winner": best["strategy"],
+                "slower_by": chosen["measured_ms"] / best["measured_ms"] - 1,
+            }
+        )
+    return out
