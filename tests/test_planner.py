@@ -205,8 +205,6 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
             str(out),
             "--network-from",
             str(tmp_path / "doctor.json"),
-            "--cost-model",
-            "flops",
         ],
         capture_output=True,
         text=True,
@@ -219,6 +217,8 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
     assert plan["cluster"]["network_bytes_s"] == pytest.approx(median / 4 * 1e9 / 8, rel=1e-6)
     assert any(a.startswith("network ") and "doctor.json) shared by 4 GPU(s) a node" in a for a in plan["assumptions"])
     assert "candidate 7/7" in proc.stderr  # progress per candidate
+    # auto costs FLOPs here: the pipelined candidates across the 2 nodes are slow to compile for the GPU
+    assert plan["constants"]["cost_model"] == "flops" and plan["assumptions"][0].startswith("cost model: FLOPs (auto:")
     plan = json.loads((out / "plan.json").read_text())
     jsonschema.validate(plan, load_plan_schema())
     rows = plan["candidates"]

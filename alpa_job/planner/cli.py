@@ -93,7 +93,7 @@ def add_parser(sub, add_setting) -> None:
         choices=("auto", "kernels", "flops"),
         help="kernels: compile each candidate for the GPU and cost its kernels one by one (needs JAX's CUDA "
         "plugin, no GPU); flops: compile for CPU devices and cost the step's FLOPs and traffic; auto (default): "
-        "kernels where it can run",
+        "kernels where it can run, flops where a candidate pipelines across nodes (slow to compile for the GPU)",
     )
     o.add_argument("--out", metavar="DIR", default="plans/latest", help="where plan.json and plan.html go (default: plans/latest)")
     o.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds the compiling may take in all (default: 1800)")

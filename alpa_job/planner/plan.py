@@ -79,7 +79,8 @@ def make_plan(
                 f"{devices} devices; use a divisor of {devices}"
             )
         kept = [(s, m) for s, m in kept if not strategy_records.get(s).model_axis or m[1] == model_parallel]
-    kernels = _kernel_model(cost_model, gpu, calibration)
+    pipelined_across = nodes > 1 and any(strategy_records.get(s).pipelined for s, _ in kept)
+    kernels = _kernel_model(cost_model, gpu, calibration, pipelined_across)
     request = {
         "preset": preset,
         "config": config_path,
@@ -109,6 +110,9 @@ def make_plan(
         if kernels
         else _flops_assumptions(gpu, constants, rows, link_gpus, batch_how, config.batch_size, network_source, usable, gpus_per_node)
     )
+    if cost_model == "auto" and pipelined_across:
+        why = "auto: a candidate pipelines across nodes, and such a step does not compile for the GPU in minutes"
+        assumptions.insert(0, f"cost model: FLOPs ({why})")
     record_constants = {**constants.to_dict(), "cost_model": "kernels" if kernels else "flops"}
     if kernels:
         record_constants["kernel"] = kernels[1].to_dict()
@@ -136,11 +140,13 @@ def make_plan(
 COST_MODELS = ("auto", "kernels", "flops")
 
 
-def _kernel_model(cost_model: str, gpu: gpus.Gpu, calibration: Dict[str, Any]):
-    """(rates, constants) of the kernel cost model where it is chosen or (auto) can run, else None."""
+def _kernel_model(cost_model: str, gpu: gpus.Gpu, calibration: Dict[str, Any], pipelined_across: bool = False):
+    """(rates, constants) of the kernel cost model where it is chosen or (auto) can run, else None. Auto
+    leaves it out where a candidate pipelines across nodes: such a step does not compile for the GPU in
+    minutes (the FLOPs model, compiled for CPU devices, ranks it with the others)."""
     if cost_model not in COST_MODELS:
         raise KitError(f"--cost-model {cost_model!r} is not one of {', '.join(COST_MODELS)}")
-    if cost_model == "flops":
+    if cost_model == "flops" or (cost_model == "auto" and pipelined_across):
         return None
     missing = None
     if gpu.measured is None:
