@@ -25,7 +25,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from alpa_job.record import hlo, traffic
 
-_HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([A-Za-z0-9_.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _OPERAND = re.compile(r"%([A-Za-z0-9_.\-]+(?:#\d+)?)")  # name#k: the k-th array of a tuple-shaped result
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([A-Za-z0-9_.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -72,21 +71,10 @@ class Module:
     def __init__(self, text: str):
         self.computations: Dict[str, List[_Inst]] = {}
         self.entry: Optional[str] = None
-        current: Optional[str] = None
-        for line in text.splitlines():
-            header = _HEADER.match(line)
-            if header:
-                current = header.group(2)
-                self.computations[current] = []
-                if header.group(1):
-                    self.entry = current
-                continue
-            parsed = hlo.parse_instruction(line) if current else None
-            if parsed is None:
-                continue
-            name, shape, opcode, rest = parsed
-            operand_text = rest[: max(hlo.closing_paren(rest, depth=1), 0)]
-            self.computations[current].append(_Inst(name, shape, opcode, rest, _OPERAND.findall(operand_text)))
+        for computation, is_entry, (name, shape, opcode, rest), operands in hlo.instructions(text):
+            self.computations.setdefault(computation, []).append(_Inst(name, shape, opcode, rest, _OPERAND.findall(operands)))
+            if is_entry:
+                self.entry = computation
         if self.entry is None:
             raise ValueError("no ENTRY computation in the HLO text")
         self.shapes = _Shapes({i.name: i.shape for insts in self.computations.values() for i in insts})

@@ -25,7 +25,6 @@ _NARROW = ("bf16", "f16")
 _CALLS = re.compile(r"calls=%?([A-Za-z0-9_.\-]+)")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _OPERAND = re.compile(r"%([A-Za-z0-9_.\-]+)")
-_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([A-Za-z0-9_.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _CONVERT_ONLY = {"parameter", "convert", "bitcast", "copy", "reshape"}
 
 
@@ -45,22 +44,11 @@ class _Program:
         self.insts: Dict[str, _Inst] = {}
         self.computations: Dict[str, List[str]] = {}
         self.users: Dict[str, List[str]] = {}
-        current: Optional[str] = None
-        for line in text.splitlines():
-            header = _HEADER.match(line)
-            if header:
-                current = header.group(1)
-                self.computations[current] = []
-                continue
-            parsed = hlo.parse_instruction(line)
-            if parsed is None:
-                continue
-            name, shape, opcode, rest = parsed
-            operands = _OPERAND.findall(_operand_text(rest))
+        for computation, _, (name, shape, opcode, rest), operand_text in hlo.instructions(text):
+            operands = _OPERAND.findall(operand_text)
             calls, index = _CALLS.search(rest), _INDEX.search(rest)
             self.insts[name] = _Inst(shape, opcode, operands, calls and calls.group(1), index and int(index.group(1)))
-            if current is not None:
-                self.computations[current].append(name)
+            self.computations.setdefault(computation, []).append(name)
             for operand in operands:
                 self.users.setdefault(operand, []).append(name)
 
@@ -101,12 +89,6 @@ class _Program:
             return [(inst.shape, self.users.get(name, []))]
         elements = [u for u in self.users.get(name, []) if self.insts[u].opcode == "get-tuple-element"]
         return [(self.insts[u].shape, self.users.get(u, [])) for u in elements]
-
-
-def _operand_text(rest: str) -> str:
-    """The operand list of `rest` (the text after the opcode's opening parenthesis), without attributes."""
-    end = hlo.closing_paren(rest, depth=1)
-    return rest[:end] if end >= 0 else rest
 
 
 def collective_instances(hlo_text: str, group_size_of) -> List[Tuple[str, str, int]]:

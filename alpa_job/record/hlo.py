@@ -17,7 +17,7 @@ tuple results summed over their arrays.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -134,6 +134,25 @@ def parse_instruction(line: str) -> Optional[Tuple[str, str, str, str]]:
     if not om:
         return None
     return m.group(1), shape, om.group(1), rest[om.end() :]
+
+
+_HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([A-Za-z0-9_.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+
+
+def instructions(text: str) -> Iterator[Tuple[str, bool, Tuple[str, str, str, str], str]]:
+    """Every instruction of an HLO module's text, in order: (its computation's name, whether that is the
+    ENTRY, parse_instruction's (name, shape, opcode, rest), the operand list: `rest` up to the parenthesis
+    that closes it, without the attributes)."""
+    current, entry = None, False
+    for line in text.splitlines():
+        header = _HEADER_RE.match(line)
+        if header:
+            current, entry = header.group(2), bool(header.group(1))
+            continue
+        parsed = parse_instruction(line) if current else None
+        if parsed is not None:
+            end = closing_paren(parsed[3], depth=1)
+            yield current, entry, parsed, parsed[3][:end] if end >= 0 else parsed[3]
 
 
 def collective_phase(opcode: str) -> Tuple[Optional[str], str]:
