@@ -7,8 +7,8 @@ done (the compute it can hide behind), and how many of its bytes finish after th
 tail that nothing overlaps. It answers "where did the collectives go" in a minute, without a GPU; how long
 they take still needs one (bench/gpu_multi.py).
 
-Needs JAX's CUDA plugin (`pip install "jax[cuda13]"` at the kit's jax version, about 4.5 GB) in the
-Python that runs it; no GPU, no driver. Every XLA flag in $XLA_FLAGS applies, as on a GPU.
+Needs JAX's CUDA plugin where the planner finds it (alpa_job/planner/gpu_target.py: `scripts/setup --test`
+installs it); no GPU, no driver. Every XLA flag in $XLA_FLAGS applies, as on a GPU.
 
     python3 bench/gpu_schedule.py --strategy data [--data-update replicated] [--case gpt24] [--dump FILE]
     python3 bench/gpu_schedule.py --strategy pipeline --micro-batches 8 --batch-size 32 [--num-layers 4]
@@ -25,24 +25,6 @@ import time
 from lib.checkout import REPO  # first: alpa_job from this checkout
 from alpa_job.record import hlo
 from alpa_job.record.hlo import shape_bytes
-
-# What XLA needs to know of an H100 SXM to compile for it (the values nvidia-smi and the CUDA
-# device query report for the lent H100s).
-H100_TARGET = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-runtime_version { major: 13 minor: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
 
 
 def entry_schedule(hlo_text: str):
@@ -104,19 +86,18 @@ def main() -> None:
     parser.add_argument("--dump", default="", help="write the compiled HLO here")
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "bench", "results")))
     args = parser.parse_args()
-    # Before JAX starts its backends: no driver here to report CUDA's version, and no GPU to open.
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+    from alpa_job.planner import gpu_target
 
-    from jax.experimental import topologies
+    gpu_target.prepare()  # before JAX starts its backends: no driver here, no GPU to open
 
     from alpa_job.engines import jax_engine, memory_fit
     from alpa_job.record import jax_program
     from gpu_common import GPT_CASES, gpt_case
     from lib.results import save_result
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET, topology=f"1x1x{args.devices}")
-    jax_engine.make_mesh = lambda shape, axes: topologies.make_mesh(topology, shape, axes)
+    gpu_target.present_as_gpu()
+    targets = gpu_target.devices("h100", args.devices)
+    jax_engine.make_mesh = lambda shape, axes: gpu_target.mesh(targets, shape, axes)
     memory_fit.check_state_fits = lambda *a, **k: None  # it reads the local devices' memory: there are none
     mesh = (args.devices, 1) if args.strategy in ("data", "fsdp", "pipeline") else (1, args.devices)
     rows = args.batch_size or GPT_CASES[args.case]["batch_size"] * args.devices
