@@ -25,13 +25,16 @@ the gather's gradient is a reduce-scatter, so each device updates only its share
    stage 0 feeds micro-batch t at tick t, each stage runs its blocks and permutes its output to the
    next, for M + S - 1 ticks (the S - 1 extra ticks are the bubble); later calls of the layer class
    return their input (their blocks already ran);
-3. the head and the loss count on the last stage only; autodiff runs the schedule backwards (the
-   permutes reversed), and the gradients are summed over the data axis (blocks) or every device (shell,
-   which only stage 0's embedding and the last stage's head touch), in the compute dtype: a bf16 run sends
+3. the last stage's outputs are split among the stages (a reduce-scatter over `stage`: the other stages
+   hold zeros), so each stage runs what follows the blocks (final norm, head, loss) on its own rows only,
+   not the whole slot: an SPMD pipeline runs the shell on every stage, and the head of a large vocabulary
+   costs about two blocks; autodiff runs the schedule backwards (the permutes reversed), and the gradients
+   are summed over the data axis (blocks) or every device (shell), in the compute dtype: a bf16 run sends
    half the bytes, as XLA's own reduction of data's gradients does on GPUs.
 
-The model must declare `repeated_blocks` (alpa_job.api.RepeatedBlocks) and call its blocks one after
-the other, each on the previous one's output (GPT's and LLaMA's decoders do).
+The model must declare `repeated_blocks` (alpa_job.api.RepeatedBlocks), call its blocks one after the
+other, each on the previous one's output, and treat rows independently after them (GPT's and LLaMA's
+decoders do).
 """
 
 from __future__ import annotations
@@ -183,22 +186,23 @@ class Pipeline:
         """This device's rows and those of the other stages of its data-parallel slot."""
         return jax.tree_util.tree_map(lambda x: lax.all_gather(x, STAGE, axis=0, tiled=True), batch)
 
-    def _local_value_and_grad(self, params, batch):
-        batch = self._slot_rows(batch)
-        real_rows = lax.psum(batch["mask"].sum(), DATA)  # the same on every stage
+    def _local_value_and_grad(self, params, own):
+        slot = self._slot_rows(own)
+        real_rows = lax.psum(slot["mask"].sum(), DATA)  # the same on every stage
 
         def objective(p):
-            return self._last_stage_loss_sum(self._gathered(p), batch) / jnp.maximum(real_rows, 1.0)
+            return self._own_loss_sum(self._gathered(p), slot, own) / jnp.maximum(real_rows, 1.0)
 
         loss, grads = jax.value_and_grad(objective)(params)
         return lax.psum(loss, (STAGE, DATA)), self._reduced(grads)
 
-    def _local_eval_sums(self, params, batch):
-        batch = self._slot_rows(batch)
-        return (lax.psum(self._last_stage_loss_sum(self._gathered(params), batch), (STAGE, DATA)), lax.psum(batch["mask"].sum(), DATA))
+    def _local_eval_sums(self, params, own):
+        slot = self._slot_rows(own)
+        return (lax.psum(self._own_loss_sum(self._gathered(params), slot, own), (STAGE, DATA)), lax.psum(slot["mask"].sum(), DATA))
 
-    def _last_stage_loss_sum(self, params, batch):
-        """Sum of the per-example loss over this slot's real rows, counted on the last stage only."""
+    def _own_loss_sum(self, params, slot, own):
+        """Sum of the per-example loss over this device's own real rows: the slot's rows run through the
+        stages, and what follows the blocks runs on this stage's share of their outputs (its own rows)."""
         shell = {key: value for key, value in params.items() if key != BLOCKS}
         calls = {"blocks": 0, "inside": False}
 
@@ -210,24 +214,29 @@ class Pipeline:
                 return args[0]  # this block already ran inside the pipeline
             calls["inside"] = True
             try:
-                return self._run_stages(params[BLOCKS], args[0], args[1:], kwargs)
+                return self._own_share(self._run_stages(params[BLOCKS], args[0], args[1:], kwargs))
             finally:
                 calls["inside"] = False
 
         with nn.intercept_methods(intercept):
-            outputs, _ = self.model.apply_train({"params": shell}, batch)
+            outputs, _ = self.model.apply_train({"params": shell}, slot)
         if calls["blocks"] != len(self.names):
             raise KitError(
                 f"--model {self.model.name} called its layer class {calls['blocks']} time(s) in one forward, "
                 f"and declares {len(self.names)} repeated blocks; a pipeline needs each block called "
                 "once, in order"
             )
-        per_example = self.model.loss(outputs, batch).astype(jnp.float32) * batch["mask"]
-        return jnp.where(lax.axis_index(STAGE) == self.stages - 1, per_example.sum(), 0.0)
+        return (self.model.loss(outputs, own).astype(jnp.float32) * own["mask"]).sum()
+
+    def _own_share(self, outputs):
+        """This stage's rows of the last stage's outputs (the slot's rows are the stages' own rows in stage
+        order); the other stages' outputs are zeros, so a reduce-scatter over `stage` hands each its share."""
+        shares = outputs.reshape((self.stages, outputs.shape[0] // self.stages) + outputs.shape[1:])
+        return lax.psum_scatter(shares, STAGE, scatter_dimension=0, tiled=False)
 
     def _run_stages(self, blocks, x, rest, kwargs):
-        """The schedule over the stage axis: the first block's input in, the last block's output out (valid on
-        the last stage; zeros elsewhere, which only the masked-out head reads)."""
+        """The schedule over the stage axis: the first block's input in, the last block's output out (on the
+        last stage; zeros elsewhere)."""
         stages, micro, repeats = self.stages, self.micro_batches, self.repeats
         inputs = x.reshape((micro, x.shape[0] // micro) + x.shape[1:])
         stage = lax.axis_index(STAGE)
