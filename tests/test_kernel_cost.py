@@ -129,6 +129,45 @@ def test_backend_configs_printed_with_spaces_read_the_same():
     ]
 
 
+CONDITIONAL = """HloModule cond_step
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%cheap (c: f32[1024]) -> f32[1024] {
+  %c = f32[1024]{0} parameter(0)
+  ROOT %cheap_copy = f32[1024]{0} copy(%c)
+}
+
+%costly (d: f32[1024]) -> f32[1024] {
+  %d = f32[1024]{0} parameter(0)
+  %twice = f32[1024]{0} add(%d, %d)
+  %ar-start = f32[1024]{0} all-reduce-start(%twice), replica_groups={{0,1}}, to_apply=%sum
+  %busy = f32[1024]{0} multiply(%d, %d)
+  %ar-done = f32[1024]{0} all-reduce-done(%ar-start)
+  ROOT %out = f32[1024]{0} add(%ar-done, %busy)
+}
+
+ENTRY %main (p: pred[], v: f32[1024]) -> f32[1024] {
+  %p = pred[] parameter(0)
+  %v = f32[1024]{0} parameter(1)
+  %before = f32[1024]{0} negate(%v)
+  ROOT %branch = f32[1024]{0} conditional(%p, %before, %before), true_computation=%costly, false_computation=%cheap
+}
+"""
+
+
+def test_a_conditional_counts_its_costliest_branch_with_its_collectives():
+    costs = kernel_cost.Costs(CONDITIONAL)
+    assert [k.name for k in costs.kernels] == ["before", "twice", "busy", "out"]
+    (reduce,) = costs.collectives
+    assert (reduce.kind, reduce.bytes) == ("all-reduce", 4 * 1024)
+    assert [k.name for k in costs.kernels[reduce.first : reduce.stop]] == ["busy"]  # indices in the step's order
+
+
 def test_features_group_alike_kernels_and_cost_the_collective_on_its_link():
     f = kernel_cost.features(HLO, 2, 2)
     assert sum(row[4] for row in f["kernels"]) == len(kernel_cost.Costs(HLO).kernels) + 3  # the loop's 4 runs

@@ -19,6 +19,7 @@ Stdlib only: the text comes from the worker, and tests build it by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -297,14 +298,19 @@ class Costs:
         return None
 
     def _costliest_branch(self, inst: _Inst, runs: int) -> None:
-        best: List[Kernel] = []
+        """A conditional runs one branch: the costliest's kernels and collectives are counted."""
+        best: Optional[Costs] = None
         for branch in self.module.called(inst):
             sub = Costs.__new__(Costs)
             sub.module, sub.kernels, sub.collectives, sub._pending = self.module, [], [], {}
             sub._walk(branch, runs)
-            if sum(k.bytes + k.flops for k in sub.kernels) >= sum(k.bytes + k.flops for k in best):
-                best = sub.kernels
-        self.kernels.extend(best)
+            if best is None or sum(k.bytes + k.flops for k in sub.kernels) >= sum(k.bytes + k.flops for k in best.kernels):
+                best = sub
+        if best is None:
+            return
+        offset = len(self.kernels)  # the branch's kernel indices become the step's
+        self.kernels.extend(best.kernels)
+        self.collectives.extend(dataclasses.replace(c, first=c.first + offset, stop=c.stop + offset) for c in best.collectives)
 
     def _operand_bytes(self, inst: _Inst) -> float:
         return float(sum(hlo.shape_bytes(self.module.shapes.get(o, "")) for o in inst.operands))
