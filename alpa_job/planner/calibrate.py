@@ -20,6 +20,7 @@ import sys
 import tarfile
 from typing import Any, Dict, List, Optional
 
+from alpa_job import strategies as strategy_records
 from alpa_job.planner import estimate, gpu_target, kernel_cost, kernel_estimate
 from alpa_job.planner.run_worker import compile_in_worker
 
@@ -82,7 +83,7 @@ def features(entries: List[Dict[str, Any]], timeout_s: float = 900.0, for_gpu: b
         if cpu or "cpu" not in entry:
             row = _compiled(entry, None, timeout_s)
             entry["cpu"] = {**cpu_features(row), "jax": row["jax"]}
-        if not for_gpu or (entry["nodes"] > 1 and "pipeline" in entry["strategy"]):
+        if not for_gpu or (entry["nodes"] > 1 and strategy_records.get(entry["strategy"]).pipelined):
             continue  # a pipelined step across hosts does not compile for the GPU in minutes (see README)
         if entry.get("kernels_from"):
             entry.update(from_archive(entry["kernels_from"], entry["nodes"] * entry["gpus_per_node"], entry["gpus_per_node"]))
