@@ -13,7 +13,7 @@ import sys
 import traceback
 from typing import Any, Dict
 
-from alpa_job.progress.events import Progress, phase
+from alpa_job.progress.events import phase
 from alpa_job.errors import KitError
 
 
@@ -50,22 +50,22 @@ def run(request: Dict[str, Any]) -> Dict[str, Any]:
             "JAX_PLATFORMS in the environment and run the plan again"
         )
     candidates = request["candidates"]
-    bar = Progress("plan", len(candidates), unit="candidate")
+    # Its share of the plan's candidates (run_worker deals them to several workers): their numbers in the plan.
+    numbers, total = request.get("numbers") or list(range(1, len(candidates) + 1)), request.get("of") or len(candidates)
     out = []
-    for number, (strategy, mesh_shape) in enumerate(candidates, 1):
+    for number, (strategy, mesh_shape) in zip(numbers, candidates):
         phase(
-            f"[plan] candidate {number}/{len(candidates)}: {strategy} on mesh {tuple(mesh_shape)}: "
+            f"[plan] candidate {number}/{total}: {strategy} on mesh {tuple(mesh_shape)}: "
             + (f"compiling for {request['devices']} x {target} ..." if target else f"compiling for {found} emulated devices ...")
         )
         try:
             row = compile_candidate(config, model, example, strategy, tuple(mesh_shape), request["gpus_per_node"], bool(target))
-            bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", compile_s=row["compile_s"])
+            phase(f"[plan] {number}/{total} candidate={strategy}{tuple(mesh_shape)} compile_s={row['compile_s']}")
         except Exception as err:  # noqa: BLE001 - one candidate XLA cannot compile is a row, not the plan's end
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             row = {"strategy": strategy, "mesh_shape": list(mesh_shape), "error": f"{type(err).__name__}: {first}"}
-            bar.update(1, candidate=f"{strategy}{tuple(mesh_shape)}", result="does not compile")
+            phase(f"[plan] {number}/{total} candidate={strategy}{tuple(mesh_shape)} result=does not compile")
         out.append(row)
-    bar.close()
     return {"candidates": out, "jax": jax.__version__, "target_gpu": target}
 
 
