@@ -26,7 +26,7 @@ def _gb(value) -> str:
 def main() -> None:
     rates = kernel_estimate.rates_from_profile(gpus.CATALOGUE["h200"].measured)
     constants = kernel_estimate.fit(estimate.load()["entries"], rates)
-    checked = kernel_estimate.validation(rates, constants, estimate.VALIDATION_PATH)
+    checked = kernel_estimate.validation(rates, constants, estimate.load(estimate.VALIDATION_PATH)["entries"])
     rows = [
         [
             r["id"],

@@ -70,11 +70,15 @@ def from_archive(source: Dict[str, str], devices: int, gpus_per_node: int) -> Di
     with tarfile.open(os.path.join(REPO, source["archive"])) as tar:
         text = gzip.decompress(tar.extractfile(f"kernels/{source['case']}.hlo.txt.gz").read()).decode()
         times = json.load(tar.extractfile(f"kernels/{source['case']}.kernels.json"))
+    costs = kernel_cost.Costs(text)
     measured = {"products": 0.0, "attention": 0.0, "memory": 0.0}
-    for k in kernel_cost.Costs(text).kernels:
+    for k in costs.kernels:
         kind = "attention" if k.kind == "attention" else "products" if k.kind in kernel_estimate.PRODUCTS else "memory"
         measured[kind] += times.get(k.name, {}).get("us", 0.0) / 1e3
-    return {"kernels": kernel_cost.features(text, devices, gpus_per_node), "kernel_ms": {k: round(v, 3) for k, v in measured.items()}}
+    return {
+        "kernels": kernel_cost.costed_features(costs, devices, gpus_per_node),
+        "kernel_ms": {k: round(v, 3) for k, v in measured.items()},
+    }
 
 
 def features(entries: List[Dict[str, Any]], timeout_s: float = 900.0, for_gpu: bool = False, cpu: bool = True) -> None:

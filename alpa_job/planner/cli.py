@@ -8,7 +8,7 @@ import os
 
 from alpa_job import strategies as strategy_records
 from alpa_job.errors import EXIT_OK, KitError
-from alpa_job.planner.plan import MODEL_SETTINGS  # the job settings a plan reads
+from alpa_job.planner.plan import COST_MODELS, MODEL_SETTINGS  # the job settings a plan reads
 
 EPILOG = """examples:
   python -m alpa_job plan --preset gpt-24l --nodes 4 --gpus-per-node 8 --gpu h100
@@ -90,7 +90,7 @@ def add_parser(sub, add_setting) -> None:
     o.add_argument(
         "--cost-model",
         default="auto",
-        choices=("auto", "kernels", "flops"),
+        choices=COST_MODELS,
         help="kernels: compile each candidate for the GPU and cost its kernels one by one (needs JAX's CUDA "
         "plugin, no GPU); flops: compile for CPU devices and cost the step's FLOPs and traffic; auto (default): "
         "kernels where it can run, flops where a candidate pipelines across nodes (slow to compile for the GPU)",

@@ -50,24 +50,19 @@ def compile_candidate(
         k: {"count": 0, "bytes": 0, "nvlink_bytes": 0.0, "network_bytes": 0.0} for k in hlo.COLLECTIVE_KINDS
     }
     kernels = None
-    if for_gpu:
+    if for_gpu:  # each collective once per run: (kind, runs, bytes, NVLink bytes, network bytes, groups read)
         kernels = kernel_cost.features(text, num_devices, gpus_per_node)
-        for c in kernels["collectives"]:
-            slot = by_kind[c["kind"]]
-            slot["count"] += c["runs"]
-            slot["bytes"] += c["bytes"] * c["runs"]
-            slot["nvlink_bytes"] += c["nvlink_bytes"] * c["runs"]
-            slot["network_bytes"] += c["network_bytes"] * c["runs"]
-        groups_read = all(c["groups_read"] for c in kernels["collectives"])
-    else:
-        rows = traffic.step_traffic(text, num_devices, gpus_per_node, as_on_gpu=True)  # compiled for CPU, costed for GPUs
-        for row in rows:
-            slot = by_kind[row.kind]
-            slot["count"] += 1
-            slot["bytes"] += row.output_bytes
-            slot["nvlink_bytes"] += row.nvlink_bytes
-            slot["network_bytes"] += row.network_bytes
-        groups_read = all(r.groups_read for r in rows)
+        sent = [(c["kind"], c["runs"], c["bytes"], c["nvlink_bytes"], c["network_bytes"], c["groups_read"]) for c in kernels["collectives"]]
+    else:  # compiled for CPU, costed for GPUs
+        rows = traffic.step_traffic(text, num_devices, gpus_per_node, as_on_gpu=True)
+        sent = [(r.kind, 1, r.output_bytes, r.nvlink_bytes, r.network_bytes, r.groups_read) for r in rows]
+    for kind, runs, nbytes, nvlink, network, _ in sent:
+        slot = by_kind[kind]
+        slot["count"] += runs
+        slot["bytes"] += nbytes * runs
+        slot["nvlink_bytes"] += nvlink * runs
+        slot["network_bytes"] += network * runs
+    groups_read = all(s[5] for s in sent)
     plan = engine.plan()
     return {
         "strategy": strategy,

@@ -20,6 +20,7 @@ Stdlib only: the text comes from the worker, and tests build it by hand.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -132,26 +133,6 @@ class _Shapes(dict):
         return default
 
 
-def _dims(shape: str) -> List[int]:
-    m = re.search(r"\[([^\]]*)\]", shape)
-    if not m or not m.group(1).strip():
-        return []
-    return [int(d.strip().lstrip("<=")) for d in m.group(1).split(",")]
-
-
-def _first_array(shape: str) -> str:
-    """The first array of a (possibly tuple) shape: a library call's result before its scratch space."""
-    m = re.search(r"[a-z][a-z0-9]*\[[^\]]*\]", shape)
-    return m.group(0) if m else shape
-
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 def _contracting(rest: str, key: str = "lhs_contracting_dims") -> List[int]:
     m = re.search(key + r"=\{([0-9,]*)\}", rest)
     if m:
@@ -162,22 +143,22 @@ def _contracting(rest: str, key: str = "lhs_contracting_dims") -> List[int]:
 
 def dot_flops(out_shape: str, lhs_shape: str, rest: str) -> float:
     """2 x output elements x contracted size."""
-    lhs = _dims(lhs_shape)
-    k = _product(lhs[d] for d in _contracting(rest) if d < len(lhs))
-    return 2.0 * hlo.array_elements(_first_array(out_shape)) * k
+    lhs = hlo.array_dims(lhs_shape)
+    k = math.prod(lhs[d] for d in _contracting(rest) if d < len(lhs))
+    return 2.0 * hlo.array_elements(hlo.first_array(out_shape)) * k
 
 
 def conv_flops(out_shape: str, kernel_shape: str, rest: str) -> float:
     """2 x output elements x the kernel's window x its input features (per group): a forward, backward-input
     or backward-filter convolution alike, each written as a convolution with its own dimension labels."""
     labels = _DIM_LABELS.search(rest)
-    kernel = _dims(kernel_shape)
+    kernel = hlo.array_dims(kernel_shape)
     if not labels or len(labels.group(2)) != len(kernel):
         return 0.0
     kernel_labels = labels.group(2)
-    per_output = _product(size for label, size in zip(kernel_labels, kernel) if label.isdigit())
+    per_output = math.prod(size for label, size in zip(kernel_labels, kernel) if label.isdigit())
     per_output *= kernel[kernel_labels.index("i")]
-    return 2.0 * hlo.array_elements(_first_array(out_shape)) * per_output
+    return 2.0 * hlo.array_elements(hlo.first_array(out_shape)) * per_output
 
 
 def attention_flops(inst: _Inst, shapes: Dict[str, str]) -> float:
@@ -187,7 +168,7 @@ def attention_flops(inst: _Inst, shapes: Dict[str, str]) -> float:
     if not m or not inst.operands:
         return 0.0
     b, h, s_q, s_k = (int(d.strip(' "')) for d in m.group(1).split(","))
-    q = _dims(shapes.get(inst.operands[0], ""))
+    q = hlo.array_dims(shapes.get(inst.operands[0], ""))
     d = q[-1] if q else 0
     products = 5 if "Backward" in _TARGET.search(inst.rest).group(1) else 2
     causal = 0.5 if _CAUSAL.search(inst.rest) else 1.0
@@ -293,7 +274,8 @@ class Costs:
         """The collective an async-start wraps, or None."""
         for callee in self.module.called(inst):
             for inner in self.module.computations[callee]:
-                if hlo.collective_phase(inner.opcode)[0] is not None and hlo.collective_phase(inner.opcode)[1] == "sync":
+                kind, phase = hlo.collective_phase(inner.opcode)
+                if kind is not None and phase == "sync":
                     return inner
         return None
 
@@ -312,6 +294,13 @@ class Costs:
         self.kernels.extend(best.kernels)
         self.collectives.extend(dataclasses.replace(c, first=c.first + offset, stop=c.stop + offset) for c in best.collectives)
 
+    def _product(self, inst: _Inst) -> Tuple[float, List[str]]:
+        """(FLOPs, operand dtypes) of a dot or a convolution."""
+        lhs = self.module.shapes.get(inst.operands[0], "") if inst.operands else ""
+        rhs = self.module.shapes.get(inst.operands[1], "") if len(inst.operands) > 1 else ""
+        flops = dot_flops(inst.shape, lhs, inst.rest) if inst.opcode == "dot" else conv_flops(inst.shape, rhs, inst.rest)
+        return flops, [hlo.array_dtype(lhs), hlo.array_dtype(rhs)]
+
     def _operand_bytes(self, inst: _Inst) -> float:
         return float(sum(hlo.shape_bytes(self.module.shapes.get(o, "")) for o in inst.operands))
 
@@ -321,7 +310,7 @@ class Costs:
         if inst.opcode == "custom-call":
             target = _TARGET.search(inst.rest)
             target = target.group(1) if target else ""
-            result = _first_array(inst.shape)
+            result = hlo.first_array(inst.shape)
             moved = self._operand_bytes(inst) + hlo.shape_bytes(result)
             dtypes = [hlo.array_dtype(shapes.get(o, "")) for o in inst.operands] + [hlo.array_dtype(result)]
             if "$fmha" in target:
@@ -337,10 +326,7 @@ class Costs:
         if inst.opcode == "fusion":
             return self._fusion(inst, runs, out_bytes)
         if inst.opcode in ("dot", "convolution"):
-            lhs = shapes.get(inst.operands[0], "") if inst.operands else ""
-            rhs = shapes.get(inst.operands[1], "") if len(inst.operands) > 1 else ""
-            flops = dot_flops(inst.shape, lhs, inst.rest) if inst.opcode == "dot" else conv_flops(inst.shape, rhs, inst.rest)
-            dtypes = [hlo.array_dtype(lhs), hlo.array_dtype(rhs)]
+            flops, dtypes = self._product(inst)
             return Kernel(inst.name, "matmul", flops, self._operand_bytes(inst) + out_bytes, _precision(dtypes, inst.rest), runs)
         kind = "copy" if inst.opcode in ("copy", "transpose", "dynamic-slice", "dynamic-update-slice", "slice", "concatenate") else "other"
         moved = out_bytes * 2 if inst.opcode == "dynamic-update-slice" else self._operand_bytes(inst) + out_bytes
@@ -357,13 +343,8 @@ class Costs:
         for inner in body:
             if inner.opcode in ("dot", "convolution"):
                 has_product = True
-                lhs = module.shapes.get(inner.operands[0], "") if inner.operands else ""
-                rhs = module.shapes.get(inner.operands[1], "") if len(inner.operands) > 1 else ""
-                dtypes += [hlo.array_dtype(lhs), hlo.array_dtype(rhs)]
-                if inner.opcode == "dot":
-                    flops += dot_flops(inner.shape, lhs, inner.rest)
-                else:
-                    flops += conv_flops(inner.shape, rhs, inner.rest)
+                inner_flops, inner_dtypes = self._product(inner)
+                flops, dtypes = flops + inner_flops, dtypes + inner_dtypes
         moved = self._fusion_bytes(inst, fused, out_bytes)
         if has_product:
             return Kernel(inst.name, "matmul", flops, moved, _precision(dtypes, inst.rest), runs)
@@ -412,7 +393,11 @@ def features(text: str, num_devices: int, gpus_per_node: int) -> Dict[str, Any]:
     collectives  [{kind, name, runs, nvlink_bytes, network_bytes, groups_read, beside}], beside: [[row of
                  kernels, count]] the compute that runs between an async collective's start and done
     """
-    costs = Costs(text)
+    return costed_features(Costs(text), num_devices, gpus_per_node)
+
+
+def costed_features(costs: Costs, num_devices: int, gpus_per_node: int) -> Dict[str, Any]:
+    """`features` of a module already walked."""
     table: List[List[Any]] = []
     rows: Dict[Tuple[str, str, float, float], int] = {}
     row_of: List[int] = []

@@ -197,15 +197,11 @@ def fit(entries: List[Dict[str, Any]], rates: Rates, rounds: int = 8) -> KernelC
     return constants
 
 
-def validation(rates: Rates, constants: KernelConstants, path: str) -> Dict[str, Any]:
-    """The error to expect: each measured run of `path` with a `kernels` block (runs the constants were not
+def validation(rates: Rates, constants: KernelConstants, entries: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The error to expect: each measured run of `entries` (validation.json's) with a `kernels` block (runs the constants were not
     fitted on) predicted now; the median and worst of the errors, the models they cover, and for each model
     measured with several strategies on one device count, the predicted winner's measured step against the
     measured winner's (`winners`)."""
-    import json
-
-    with open(path) as f:
-        entries = json.load(f)["entries"]
     rows = []
     for e in entries:
         if not e.get("kernels"):

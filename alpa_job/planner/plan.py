@@ -193,7 +193,7 @@ def _kernel_assumptions(kernels, gpu, batch_how: str, batch: int, network_source
 
 
 def _kernel_expected_error(kernels) -> str:
-    checked = kernel_estimate.validation(*kernels, path=estimate.VALIDATION_PATH)
+    checked = kernel_estimate.validation(*kernels, estimate.load(estimate.VALIDATION_PATH)["entries"])
     if checked["median"] is None:
         return "expected error: unknown (no validation runs with kernels)"
     return (

@@ -83,6 +83,20 @@ def array_elements(shape_text: str) -> int:
     return _elements(m.group(2)) if m else 0
 
 
+def array_dims(shape_text: str) -> List[int]:
+    """The dimensions of the first array of a shape (``f32[8,<=4]{1,0}``: [8, 4]); [] for a scalar or token."""
+    m = _ARRAY_RE.search(shape_text)
+    if not m:
+        return []
+    return [int(d.strip().lstrip("<=").strip()) for d in m.group(2).split(",") if d.strip()]
+
+
+def first_array(shape_text: str) -> str:
+    """The first array of a (possibly tuple) shape, e.g. a library call's result before its scratch space."""
+    m = _ARRAY_RE.search(shape_text)
+    return m.group(0) if m else shape_text
+
+
 def array_dtype(shape_text: str) -> str:
     """The element type of a shape (of its first element for a tuple), or ''."""
     m = re.match(r"\s*\(?\s*" + _ARRAY_RE.pattern, shape_text)
