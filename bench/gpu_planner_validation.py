@@ -9,7 +9,7 @@ GPU count (on any machine), and RESULTS.md sets the two side by side.
 
 --kernels also profiles steps 20-22 of each case and dumps its compiled step (XLA_FLAGS --xla_dump_to), and
 saves OUT/kernels-<UTC>.tar.gz: per case the optimized HLO the GPU ran and each HLO op's kernel time a step
-(device 0), which bench/kernel_cost_check.py sets beside the planner's per-kernel costs.
+(device 0): what `python -m alpa_job.planner.calibrate` reads for a calibration entry's `kernels_from`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ CASES = {
     # The planner's calibration runs' model (GPT 24L), for the per-kernel comparison: not validation rows.
     "gpt24l-1-data": (1, ["--preset", "gpt-24l", "--batch-size", "8", "--strategy", "data"]),
     "gpt24l-2-fsdp": (2, ["--preset", "gpt-24l", "--batch-size", "16", "--strategy", "fsdp"]),
-    # One host's pipeline against data at the same global batch (issue 38 asks pipeline >= 0.85 of data).
+    # One host's pipeline against data at the same global batch (the target: pipeline >= 0.85 of data's speed).
     "gpt24l-2-data-b32": (2, ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "data"]),
     "gpt24l-2-pipeline-b32": (2, ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", "8"]),
     **{
