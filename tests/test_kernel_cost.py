@@ -218,7 +218,7 @@ def test_the_constants_fitted_to_recorded_kernel_times_reproduce_them():
 
 
 def test_the_stated_error_covers_models_the_fit_never_saw():
-    """validation.json: every run with a kernels block predicted with constants fitted elsewhere; issue 41's
+    """validation.json: every run with a kernels block predicted with constants fitted elsewhere; the planner's
     targets are a median within 15 %, a worst within 30 %, and a predicted winner within 5 % of the measured
     winner's step wherever a model ran with several strategies."""
     rates = kernel_estimate.rates_from_profile(gpus.CATALOGUE["h200"].measured)
