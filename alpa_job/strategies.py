@@ -56,6 +56,9 @@ class Strategy:
     # one per host by default, so what crosses hosts is the activations between stages.
     pipelined: bool = False
     mesh_axes: Tuple[str, str] = MESH_AXES
+    # Gathers every split parameter whole before use (fsdp's way), so each layer can gather its own just in
+    # time and free it after (--fsdp-gather layer).
+    gathers_layers: bool = False
     # Offered to a user whose state does not fit another strategy (memory advice): why it helps.
     memory_relief: Optional[str] = None
 
@@ -162,6 +165,7 @@ FSDP = Strategy(
     major_dimension_first=True,
     compiler_options=COMBINED_GATHERS,
     splits_parameters=True,
+    gathers_layers=True,
     memory_relief="shards the state over the devices",
 )
 
@@ -188,6 +192,7 @@ HSDP = Strategy(
     major_dimension_first=True,
     compiler_options=COMBINED_GATHERS,
     splits_parameters=True,
+    gathers_layers=True,
     host_level=True,
     mesh_axes=("data", "fsdp"),
     # No memory advice: it shards over one host's devices, never more than fsdp does, and on one host it is

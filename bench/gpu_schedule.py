@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="data")
     parser.add_argument("--data-update", default="sharded")
     parser.add_argument("--case", default="gpt24")
+    parser.add_argument("--fsdp-gather", default="layer", choices=("layer", "xla"))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=0, help="pipeline: micro-batches (the kit's default: 4 a stage)")
     parser.add_argument("--num-layers", type=int, default=0, help="the case's layers, fewer to compile faster")
@@ -105,7 +106,13 @@ def main() -> None:
     if args.strategy == "pipeline":
         extra.update(micro_batches=args.micro_batches)
     config, model, batch = gpt_case(
-        args.case, batch_size=rows, num_samples=rows, compile_cache="none", data_update=args.data_update, **extra
+        args.case,
+        batch_size=rows,
+        num_samples=rows,
+        compile_cache="none",
+        data_update=args.data_update,
+        fsdp_gather=args.fsdp_gather,
+        **extra,
     )
     engine = jax_engine.JaxEngine(config, model, batch, args.strategy, mesh)
     start = time.perf_counter()
@@ -147,6 +154,7 @@ def main() -> None:
                 "case": args.case,
                 "strategy": args.strategy,
                 "data_update": args.data_update,
+                "fsdp_gather": args.fsdp_gather,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "compile_s": seconds,
                 "memory": memory,

@@ -34,7 +34,8 @@ def job_config(**fields) -> JobConfig:
     moved into model_args, validated and typed by the model's declaration, as a run resolves it."""
     sizes = {s.name for s in size_settings()}
     given = {k: fields.pop(k) for k in list(fields) if k in sizes}
-    config = JobConfig(**fields, model_args={**fields.pop("model_args", {}), **given}).validated()
+    model_args = {**fields.pop("model_args", {}), **given}
+    config = JobConfig(**fields, model_args=model_args).validated()
     return config.replace(model_args=model_values(config))
 
 

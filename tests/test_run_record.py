@@ -332,6 +332,7 @@ ADDED_LATER = {
         "stopped_at_step",
         "tensorboard",
         "compiler_options",
+        "weight_gather",
         "network_traffic",
         "pipeline",
         "network_measured",

@@ -226,7 +226,7 @@ def test_remat_weights_keeps_activations_but_not_the_weights_bf16_copies():
 
 
 def test_remat_weights_gathers_each_weight_again_under_fsdp():
-    """Under fsdp, `weights` turns the forward's one all-gather per weight into two (forward and backward),
+    """Under fsdp with XLA placing the gathers, `weights` turns the forward's one all-gather per weight into two (forward and backward),
     `mlp-weights` only the MLP's, and no matmul is run again: the compiled step on 2 CPU devices shows it."""
     code = (
         r"""
@@ -243,7 +243,7 @@ counts = {}
 for remat in ("none", "mlp-weights", "weights"):
     config = JobConfig(model="gpt", model_args=dict(num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=128,
                        remat=remat), batch_size=8, num_samples=8, dtype="bfloat16", address="none",
-                       compile_cache="none").validated()
+                       compile_cache="none", fsdp_gather="xla").validated()
     batch = {"tokens": np.zeros((8, 33), np.int32), "mask": np.ones((8,), np.float32)}
     stats = JaxEngine(config, get_model(config), batch, "fsdp", (2, 1)).compile_step()
     hlo = stats.hlo_texts[0]

@@ -121,6 +121,8 @@ class JaxEngine(Engine):
         self.state_sharding = self._state_sharding(strategy, config, unboxed)
         if self.pipeline is not None:
             self.pipeline.place(jax.tree_util.tree_map(lambda s: s.spec, self.state_sharding.params))
+        self._gather_note = None
+        self.layer_gather = self._layer_gather(config, model, unboxed)
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding
         )
@@ -166,6 +168,33 @@ class JaxEngine(Engine):
                 "training), but run emulated, no faster than bf16"
             ]
         return []
+
+    def _layer_gather(self, config, model, unboxed):
+        """fsdp's per-layer gathers (engines/layer_gather.py) where the strategy gathers its parameters, the
+        user did not ask for XLA's, and the model names its layer class; a note says why not otherwise."""
+        if not self.strategy_record.gathers_layers or getattr(config, "fsdp_gather", "layer") != "layer":
+            return None
+        missing = "no layer_class" if model.layer_class is None else "BatchNorm statistics" if model.has_batch_stats else None
+        if missing:
+            self._gather_note = f"--fsdp-gather layer: --model {model.name} has {missing}, so XLA places the gathers"
+            return None
+        from alpa_job.engines import layer_gather
+
+        dtypes = weight_reads.gather_dtypes(model, unboxed.params, unboxed.batch_stats, self._example, config.dtype)
+        return layer_gather.LayerGather(model.layer_class, self.mesh, PartitionSpec(self.batch_axis), dtypes, self.state_sharding.params)
+
+    def _weight_gather(self) -> Dict[str, Any]:
+        """Where the step gathers fsdp's weights, for the report. A step loaded from the store was never traced
+        here: one abstract trace of the loss then counts the layers."""
+        gather = self.layer_gather
+        if gather is None:
+            return {"placement": "xla", "reason": self._gather_note or "--fsdp-gather xla"}
+        if not gather.gathered_layers and not gather.under_own_remat:
+            state = self.abstract_state
+            jax.eval_shape(lambda p, b: gather.run(self.model.masked_loss, p, state.batch_stats, b), state.params, self._example)
+        if gather.gathered_layers:
+            return {"placement": "per layer", "layers": gather.gathered_layers}
+        return {"placement": "xla", "reason": "the model's blocks run under its own remat, whose backward gathers the weights again"}
 
     # ----- pipeline stages (engines/pipeline.py) ------------------------------------------------
     def _pipeline(self, config, model):
@@ -321,6 +350,8 @@ class JaxEngine(Engine):
             return state.apply_gradients(grads=grads), loss
 
         def loss_fn(params):
+            if self.layer_gather is not None:
+                return self.layer_gather.run(model.masked_loss, params, state.batch_stats, batch)
             return model.masked_loss(params, state.batch_stats, batch)
 
         if self.strategy_record.update_split(self.config.data_update) is None:
@@ -630,10 +661,12 @@ class JaxEngine(Engine):
         }
 
     def notes(self) -> List[str]:
-        return list(self._notes) + self._precision_notes
+        return list(self._notes) + self._precision_notes + ([self._gather_note] if self._gather_note else [])
 
     def extra_report(self) -> Dict[str, Any]:
         out = {"search": self.search_table, "compiler_options": self.compiler_options or None, "network_traffic": self.network_traffic()}
+        if self.strategy_record.gathers_layers:
+            out["weight_gather"] = self._weight_gather()
         if self.pipeline is not None:
             rows = self.mesh.devices  # (stage, data): a stage's devices are a row
             out["pipeline"] = self.pipeline.describe([sorted({d.process_index for d in row}) for row in rows])

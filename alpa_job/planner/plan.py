@@ -328,7 +328,7 @@ def _leaves(compiled: List[Dict[str, Any]], row: PlanCandidate) -> List[Leaf]:
     return []
 
 
-MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches", "pipeline_repeats")
+MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches", "pipeline_repeats", "fsdp_gather")
 
 
 def load_layers(preset: Optional[str], config_path: Optional[str]):

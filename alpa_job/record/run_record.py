@@ -268,6 +268,7 @@ class ProcessResult:
     alpa_method: Optional[Dict[str, Any]] = None  # the Alpa method settings (strategy, micro batches, ...)
     plan_cache: Optional[Dict[str, Any]] = None  # Alpa pipeshard-auto plan cache decision
     compiler_options: Optional[Dict[str, Any]] = None  # XLA options the JAX step compiled with (xla_options)
+    weight_gather: Optional[Dict[str, Any]] = None  # fsdp/hsdp: per layer or XLA's placement, and why
     # Per device per train step: bytes sent within its host and across hosts (record/traffic.py's summary).
     network_traffic: Optional[Dict[str, Any]] = None
     # The JAX engine's pipeline: stages, micro-batches, schedule, bubble fraction, blocks and processes a stage.

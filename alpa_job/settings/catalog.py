@@ -123,6 +123,17 @@ HOW_TO_RUN = (
         choices=("sharded", "replicated"),
     ),
     Setting(
+        "fsdp_gather",
+        str,
+        "layer",
+        "fsdp, hsdp: layer (each layer of the model's layer class gathers its weights just before it runs and "
+        "again in the backward, so one or two layers' weights are whole at a time, as ZeRO-3; more gather "
+        "bytes) or xla (XLA places the gathers: fewer bytes, but without --remat the whole model's gathered "
+        "weights are held from the forward to the backward)",
+        PARALLELISM,
+        choices=("layer", "xla"),
+    ),
+    Setting(
         "model_parallel",
         int,
         0,
