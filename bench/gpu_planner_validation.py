@@ -48,6 +48,16 @@ CASES = {
     # The planner's calibration runs' model (GPT 24L), for the per-kernel comparison: not validation rows.
     "gpt24l-1-data": (1, ["--preset", "gpt-24l", "--batch-size", "8", "--strategy", "data"]),
     "gpt24l-2-fsdp": (2, ["--preset", "gpt-24l", "--batch-size", "16", "--strategy", "fsdp"]),
+    # fsdp's weights gathered per layer against XLA's placement, at the same batch; no flag: auto (XLA's where it fits).
+    **{
+        f"gpt24l-2-fsdp-{mode}": (2, ["--preset", "gpt-24l", "--batch-size", "16", "--strategy", "fsdp", "--fsdp-gather", mode])
+        for mode in ("layer", "xla")
+    },
+    **{
+        f"llama7b-2-fsdp-b{b}{suffix}": (2, ["--preset", "llama2-7b", "--batch-size", str(b), "--strategy", "fsdp", *flags])
+        for b in (4, 6)
+        for suffix, flags in (("", []), ("-layer", ["--fsdp-gather", "layer"]), ("-xla", ["--fsdp-gather", "xla"]))
+    },
     # One host's pipeline against data at the same global batch (the target: pipeline >= 0.85 of data's speed).
     "gpt24l-2-data-b32": (2, ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "data"]),
     "gpt24l-2-pipeline-b32": (2, ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", "8"]),

@@ -133,3 +133,50 @@ def test_a_model_with_batch_statistics_keeps_xlas_gathers_and_says_so():
     engine, _ = _engine(tiny_config("wide_resnet", fsdp_gather="layer"))
     assert engine.layer_gather is None
     assert any("--fsdp-gather layer" in note and "BatchNorm" in note for note in engine.notes()), engine.notes()
+
+
+def test_auto_gathers_per_layer_once_xlas_placement_does_not_fit(monkeypatch, tmp_path):
+    """--fsdp-gather auto (the default) compiles XLA's placement first; where that step does not fit (here: the
+    memory check refuses its first step, as it would over a device's budget), it compiles per-layer gathers
+    instead, says so, and the report names the placement. The step store keeps that step under its placement,
+    so an identical run starts with per-layer gathers and compiles once."""
+    from alpa_job.engines import memory_fit
+    from alpa_job.errors import KitError
+
+    offered = []
+
+    def refuse_the_first(memory, *args, gather_layers=False, **kwargs):
+        offered.append(gather_layers)
+        if len(offered) == 1:
+            raise KitError("XLA's estimate for the train step needs more than the devices have")
+
+    monkeypatch.setattr(memory_fit, "check_step_fits", refuse_the_first)
+    config = tiny_config("gpt", compile_cache=str(tmp_path / "cache"), **GPT)
+    losses, engine, _ = _losses(config, steps=3)
+    assert offered == [True, False]  # the first refusal could still name --fsdp-gather layer as a way out
+    assert engine.extra_report()["weight_gather"] == {"placement": "per layer", "layers": 4}
+    assert any(note.startswith("--fsdp-gather auto: the step did not fit") for note in engine.notes())
+    engine.finish(str(tmp_path / "run"))  # the store's write, finished
+
+    again, engine, stats = _losses(config, steps=3)
+    assert offered == [True, False, False] and engine.layer_gather is not None
+    np.testing.assert_allclose(again, losses, rtol=1e-6)
+
+
+def test_auto_keeps_xlas_placement_where_the_step_fits():
+    engine, _ = _engine(tiny_config("gpt", compile_cache="none", **GPT))
+    engine.compile()
+    assert engine.layer_gather is None
+    assert engine.extra_report()["weight_gather"] == {
+        "placement": "xla",
+        "reason": "--fsdp-gather auto: the step fits with XLA's placement",
+    }
+
+
+def test_a_step_over_the_budget_names_per_layer_gathers_as_a_way_out(monkeypatch):
+    from alpa_job.engines import memory_fit
+    from alpa_job.errors import KitError
+
+    monkeypatch.setattr(memory_fit, "budget", lambda devices: (10**9, 1, "a device has 1 GB"))
+    with pytest.raises(KitError, match=r"use --fsdp-gather layer \(holds a layer's gathered weights at a time"):
+        memory_fit.check_step_fits({"peak_estimate_bytes": 2 * 10**9}, "fsdp", (8, 1), devices=[object()], gather_layers=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -122,7 +123,8 @@ class JaxEngine(Engine):
         if self.pipeline is not None:
             self.pipeline.place(jax.tree_util.tree_map(lambda s: s.spec, self.state_sharding.params))
         self._gather_note = None
-        self.layer_gather = self._layer_gather(config, model, unboxed)
+        self._layer_gather_maker = self._layer_gather_for(config, model, unboxed)
+        self.layer_gather = self._layer_gather_maker() if self._layer_gather_maker and config.fsdp_gather == "layer" else None
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding
         )
@@ -169,26 +171,34 @@ class JaxEngine(Engine):
             ]
         return []
 
-    def _layer_gather(self, config, model, unboxed):
-        """fsdp's per-layer gathers (engines/layer_gather.py) where the strategy gathers its parameters, the
-        user did not ask for XLA's, and the model names its layer class; a note says why not otherwise."""
-        if not self.strategy_record.gathers_layers or getattr(config, "fsdp_gather", "layer") != "layer":
+    def _layer_gather_for(self, config, model, unboxed):
+        """A maker of fsdp's per-layer gathers (engines/layer_gather.py) where the strategy gathers its
+        parameters and the model names its layer class, else None with a note saying why."""
+        if not self.strategy_record.gathers_layers or config.fsdp_gather == "xla":
             return None
         missing = "no layer_class" if model.layer_class is None else "BatchNorm statistics" if model.has_batch_stats else None
         if missing:
-            self._gather_note = f"--fsdp-gather layer: --model {model.name} has {missing}, so XLA places the gathers"
+            if config.fsdp_gather == "layer":
+                self._gather_note = f"--fsdp-gather layer: --model {model.name} has {missing}, so XLA places the gathers"
             return None
-        from alpa_job.engines import layer_gather
 
-        dtypes = weight_reads.gather_dtypes(model, unboxed.params, unboxed.batch_stats, self._example, config.dtype)
-        return layer_gather.LayerGather(model.layer_class, self.mesh, PartitionSpec(self.batch_axis), dtypes, self.state_sharding.params)
+        def make():
+            from alpa_job.engines import layer_gather
+
+            dtypes = weight_reads.gather_dtypes(model, unboxed.params, unboxed.batch_stats, self._example, config.dtype)
+            rows = PartitionSpec(self.batch_axis)
+            return layer_gather.LayerGather(model.layer_class, self.mesh, rows, dtypes, self.state_sharding.params)
+
+        return make
 
     def _weight_gather(self) -> Dict[str, Any]:
         """Where the step gathers fsdp's weights, for the report. A step loaded from the store was never traced
         here: one abstract trace of the loss then counts the layers."""
         gather = self.layer_gather
         if gather is None:
-            return {"placement": "xla", "reason": self._gather_note or "--fsdp-gather xla"}
+            chosen = self.config.fsdp_gather
+            reason = {"xla": "--fsdp-gather xla", "auto": "--fsdp-gather auto: the step fits with XLA's placement"}.get(chosen)
+            return {"placement": "xla", "reason": self._gather_note or reason or f"--fsdp-gather {chosen}"}
         if not gather.gathered_layers and not gather.under_own_remat:
             state = self.abstract_state
             jax.eval_shape(lambda p, b: gather.run(self.model.masked_loss, p, state.batch_stats, b), state.params, self._example)
@@ -388,19 +398,49 @@ class JaxEngine(Engine):
         # The store's key first: it reads every source file of the kit, and each read waits its turn for the
         # interpreter while the initialiser's thread traces (Python) beside it.
         store = self._step_store()
+        if store is not None and not store.present() and self._gather_layers_instead(stored_only=True):
+            store = self._step_store()  # an earlier identical run found the step fits only with per-layer gathers
         if store is None or not store.present():
             self._seed_ahead = None  # a step compiled beside it would autotune in less device memory
         if self._init_compiled is None:
             self._start_init_compile()
         stats = self._compile_step()
+        try:
+            self._check_step_fits(stats)
+        except KitError:
+            if not self._gather_layers_instead():
+                raise
+            stats = self._compile_step()
+            self._check_step_fits(stats)
+        self._store_step()
+        return stats
+
+    def _check_step_fits(self, stats: CompileStats) -> None:
         memory_fit.check_step_fits(
             stats.memory,
             self.strategy,
             self.mesh.devices.shape,  # before the first step
             stronger_remat=models.stronger_remat(self.config),
+            gather_layers=self.layer_gather is None and self._layer_gather_maker is not None,
         )
-        self._store_step()
-        return stats
+
+    def _gather_layers_instead(self, stored_only: bool = False) -> bool:
+        """--fsdp-gather auto, once XLA's placement of the gathers did not fit (or the step store holds this
+        step with per-layer gathers, which an earlier identical run found it needs): per-layer gathers from
+        now on (fewer bytes held, more gathered), said in the progress output and the report's notes."""
+        if self.config.fsdp_gather != "auto" or self.layer_gather is not None or self._layer_gather_maker is None:
+            return False
+        if stored_only and not self._store_for(self.config.replace(fsdp_gather="layer")).present():
+            return False
+        self.layer_gather = self._layer_gather_maker()
+        self._gather_note = (
+            "--fsdp-gather auto: the step did not fit with XLA's placement of the gathers, so each layer gathers "
+            "its weights just before it runs and again in the backward (less memory, more gather traffic)"
+        )
+        print(f"[train] {self._gather_note}", file=sys.stderr, flush=True)
+        self.__dict__.pop("_keyed_store", None)  # the step's key names the placement
+        self._compiled = self._jitted = None
+        return True
 
     def make_mesh(self, mesh_shape: Tuple[int, int], axis_names: Tuple[str, str]) -> Mesh:
         """The step's mesh: of this process's devices (a planner compiling for GPUs it does not have
@@ -517,7 +557,11 @@ class JaxEngine(Engine):
         """The step store for this engine's step key, built once (the key hashes the kit's source)."""
         if not self.stats.compile_cache_dir or not StepStore.supported():
             return None
-        key = step_key(self.config, self._horizon, self.strategy, self.mesh, self._example)
+        # Under --fsdp-gather auto the key names the placement in use: per-layer once XLA's did not fit.
+        return self._store_for(self.config.replace(fsdp_gather="layer") if self.layer_gather is not None else self.config)
+
+    def _store_for(self, config) -> StepStore:
+        key = step_key(config, self._horizon, self.strategy, self.mesh, self._example)
         return StepStore(self.stats.compile_cache_dir, key, process=jax.process_index() if jax.process_count() > 1 else None)
 
     def keep_step(self) -> None:

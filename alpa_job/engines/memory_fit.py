@@ -102,9 +102,11 @@ def check_step_fits(
     mesh_shape: Tuple[int, ...],
     devices: Optional[List[Any]] = None,
     stronger_remat: Sequence[str] = (),
+    gather_layers: bool = False,
 ) -> None:
     """After compiling: XLA's estimate for one step (jax_program.memory_analysis's dict) fits.
-    `stronger_remat`: the model's --remat policies that keep less than the one it runs with (a way out)."""
+    `stronger_remat`: the model's --remat policies that keep less than the one it runs with (a way out);
+    `gather_layers`: --fsdp-gather layer would hold less of the gathered weights (another)."""
     need = (memory or {}).get("peak_estimate_bytes")
     if need:
         _check(
@@ -115,6 +117,7 @@ def check_step_fits(
             devices,
             batch=True,
             stronger_remat=stronger_remat,
+            gather_layers=gather_layers,
         )
 
 
@@ -126,6 +129,7 @@ def _check(
     devices: Optional[List[Any]],
     batch: bool,
     stronger_remat: Sequence[str] = (),
+    gather_layers: bool = False,
 ) -> None:
     devices = devices if devices is not None else jax.local_devices()
     found = budget(devices)
@@ -138,12 +142,13 @@ def _check(
     raise KitError(
         f"{what} needs {_gb(need)} per device{total} with --strategy {strategy} on mesh "
         f"{tuple(mesh_shape)}, and {words}, of which {int(FRACTION * 100)}% ({_gb(FRACTION * available)}) "
-        f"counts as usable; {_ways_out(strategy, batch, stronger_remat, getattr(devices[0], 'platform', '') == 'gpu')}"
+        f"counts as usable; {_ways_out(strategy, batch, stronger_remat, getattr(devices[0], 'platform', '') == 'gpu', gather_layers)}"
     )
 
 
-def _ways_out(strategy: str, batch: bool, stronger_remat: Sequence[str] = (), gpu: bool = False) -> str:
-    ways = [f"--remat {' / '.join(stronger_remat)} (keeps fewer activations)"] if stronger_remat else []
+def _ways_out(strategy: str, batch: bool, stronger_remat: Sequence[str] = (), gpu: bool = False, gather_layers: bool = False) -> str:
+    ways = ["--fsdp-gather layer (holds a layer's gathered weights at a time, not every layer's)"] if gather_layers else []
+    ways += [f"--remat {' / '.join(stronger_remat)} (keeps fewer activations)"] if stronger_remat else []
     ways += [f"--strategy {s.name} ({s.memory_relief})" for s in strategies.STRATEGIES.values() if s.memory_relief and s.name != strategy]
     if gpu and float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")) < 0.9:
         # JAX takes 75 % of a card by default: a run that misses by a little fits at 95 %.

@@ -94,6 +94,10 @@ def make_plan(
     network_bytes_s = network_gbps * 1e9 / 8
     usable = usable_bytes(gpu)
     rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants, kernels) for r in result["candidates"]]
+    if config.fsdp_gather == "auto":  # train would then gather per layer: say how to plan that step
+        for row in rows:
+            if row.fits is False and strategy_records.get(row.strategy).gathers_layers:
+                row.note += "; train's --fsdp-gather auto gathers per layer then (plan it: --fsdp-gather layer)"
     rows += [PlanCandidate(strategy=s["strategy"], mesh_shape=s["mesh_shape"], note=s["note"]) for s in skipped]
     compiled = [r for r in rows if r.step_s is not None]
     if not compiled:

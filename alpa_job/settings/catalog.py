@@ -125,13 +125,14 @@ HOW_TO_RUN = (
     Setting(
         "fsdp_gather",
         str,
-        "layer",
-        "fsdp, hsdp: layer (each layer of the model's layer class gathers its weights just before it runs and "
-        "again in the backward, so one or two layers' weights are whole at a time, as ZeRO-3; more gather "
-        "bytes) or xla (XLA places the gathers: fewer bytes, but without --remat the whole model's gathered "
-        "weights are held from the forward to the backward)",
+        "auto",
+        "fsdp, hsdp: where the step gathers the split weights. xla: XLA places the gathers (fewest bytes; "
+        "without --remat every layer's gathered weights are held from the forward to the backward); layer: each "
+        "layer of the model's layer class gathers its weights just before it runs and again in the backward, as "
+        "ZeRO-3 (about one layer's weights whole at a time; more gather traffic, slower); auto: xla where the "
+        "step fits the devices' memory, else layer",
         PARALLELISM,
-        choices=("layer", "xla"),
+        choices=("auto", "layer", "xla"),
     ),
     Setting(
         "model_parallel",
