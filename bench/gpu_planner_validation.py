@@ -68,6 +68,14 @@ CASES = {
         )
         for r in (2, 3, 4)
     },
+    # Fewer, larger micro-batches (8 rows each) with more repeats: as short a bubble, fewer ticks.
+    **{
+        f"gpt24l-2-circular{r}-m4-b32": (
+            2,
+            ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", "4", "--pipeline-repeats", str(r)],
+        )
+        for r in (2, 3, 4, 6)
+    },
 }
 
 
