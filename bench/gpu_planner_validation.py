@@ -74,7 +74,14 @@ CASES = {
             2,
             ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", "4", "--pipeline-repeats", str(r)],
         )
-        for r in (2, 3, 4, 6)
+        for r in (2, 3, 4, 6, 12)
+    },
+    **{
+        f"gpt24l-2-circular{r}-m2-b32": (
+            2,
+            ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", "2", "--pipeline-repeats", str(r)],
+        )
+        for r in (6, 12)
     },
 }
 

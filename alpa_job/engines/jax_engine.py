@@ -173,8 +173,9 @@ class JaxEngine(Engine):
 
     def _layer_gather_for(self, config, model, unboxed):
         """A maker of fsdp's per-layer gathers (engines/layer_gather.py) where the strategy gathers its
-        parameters and the model names its layer class, else None with a note saying why."""
-        if not self.strategy_record.gathers_layers or config.fsdp_gather == "xla":
+        parameters and the model names its layer class (under --fsdp-gather xla only for the memory advice),
+        else None, with a note saying why where the user asked for them."""
+        if not self.strategy_record.gathers_layers:
             return None
         missing = "no layer_class" if model.layer_class is None else "BatchNorm statistics" if model.has_batch_stats else None
         if missing:
