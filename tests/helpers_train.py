@@ -13,7 +13,8 @@ TINY = {
 
 
 def tiny_config(model: str = "mlp", **overrides) -> JobConfig:
-    """A tiny job of built-in `model`; its sizes (`num_layers=2`) may be overridden like any setting."""
+    """A tiny job of built-in `model` (or a builder's import path, its sizes given as model_args); its sizes
+    (`num_layers=2`) may be overridden like any setting."""
     base = dict(
         model=model,
         num_samples=64,
@@ -23,7 +24,7 @@ def tiny_config(model: str = "mlp", **overrides) -> JobConfig:
         devices=8,
         learning_rate=3e-3,
         out="/tmp/alpa-job-test",
-        **TINY[model],
+        **TINY.get(model, {}),
     )
     base.update(overrides)
     return job_config(**base)

@@ -15,7 +15,7 @@ import pytest
 
 from alpa_job.data import epoch_batches, synthetic
 from alpa_job.planner import gpu_target
-from helpers_train import job_config, tiny_config
+from helpers_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(REPO, "examples", "llama") not in sys.path:
@@ -107,17 +107,7 @@ def test_the_llama_example_gathers_per_layer_under_its_own_remat(remat):
     args = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, seq_len=16, vocab_size=64, remat=remat)
 
     def config(mode):
-        return job_config(
-            model="llama_example.model:build",
-            model_args=args,
-            num_samples=64,
-            batch_size=16,
-            epochs=1,
-            address="none",
-            devices=8,
-            out="/tmp/alpa-job-test",
-            fsdp_gather=mode,
-        )
+        return tiny_config("llama_example.model:build", model_args=args, fsdp_gather=mode)
 
     xla, _, _ = _losses(config("xla"), steps=5)
     layer, engine, _ = _losses(config("layer"), steps=5)
