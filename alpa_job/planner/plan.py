@@ -89,12 +89,13 @@ def make_plan(
         "candidates": [[s, list(m)] for s, m in kept],
         "cli_values": values,
         "target_gpu": gpu.name if kernels else None,
+        "usable_bytes": usable_bytes(gpu),  # what fits: train's --fsdp-gather auto decides by it
     }
     result = compile_in_worker(request, timeout_s)
     network_bytes_s = network_gbps * 1e9 / 8
     usable = usable_bytes(gpu)
     rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants, kernels) for r in result["candidates"]]
-    if config.fsdp_gather == "auto":  # train would then gather per layer: say how to plan that step
+    if config.fsdp_gather == "auto" and not kernels:  # compiled for CPU devices: said, not compiled again
         for row in rows:
             if row.fits is False and strategy_records.get(row.strategy).gathers_layers:
                 row.note += "; train's --fsdp-gather auto gathers per layer then (plan it: --fsdp-gather layer)"
@@ -313,6 +314,8 @@ def _candidate(
     out.fits = out.gpu_peak_bytes is not None and out.gpu_peak_bytes <= usable
     if not out.fits:
         out.note = f"needs {out.gpu_peak_bytes / 1e9:.1f} GB per GPU, {usable / 1e9:.1f} GB usable"
+    if row.get("weight_gather"):
+        out.note = "; ".join(filter(None, [row["weight_gather"], out.note]))
     if not row.get("groups_read", True):
         out.note = (out.note + "; " if out.note else "") + "some replica groups unreadable: assumed to span all devices"
     return out
