@@ -178,9 +178,10 @@ class JaxEngine(Engine):
         if not self.strategy_record.gathers_layers:
             return None
         missing = "no layer_class" if model.layer_class is None else "BatchNorm statistics" if model.has_batch_stats else None
-        if missing:
+        if missing or not hasattr(nn, "intercept_methods"):  # the Python 3.9 side's flax cannot intercept a layer's call
             if config.fsdp_gather == "layer":
-                self._gather_note = f"--fsdp-gather layer: --model {model.name} has {missing}, so XLA places the gathers"
+                why = f"--model {model.name} has {missing}" if missing else "this flax cannot intercept a layer's call"
+                self._gather_note = f"--fsdp-gather layer: {why}, so XLA places the gathers"
             return None
 
         def make():

@@ -143,8 +143,8 @@ class LayerGather:
 
 def _tied(share, zero):
     """`share` plus a zero computed from another value: the gather then waits for that value (XLA cannot fold
-    x * 0 away for floats), and the backward's gather, tied to the gradient, differs from the forward's, so
-    XLA does not merge the two into one copy held across the step."""
+    x * 0 away for floats), and differs from the backward's untied gather of the same share, so XLA does not
+    merge the two into one copy held across the step."""
     if not jnp.issubdtype(share.dtype, jnp.floating):
         return share
     return share + zero.astype(share.dtype)
