@@ -62,6 +62,13 @@ CASES = {
     "gpt24l-2-data-b32": (2, ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "data"]),
     "gpt24l-2-pipeline-b32": (2, ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", "8"]),
     **{
+        f"gpt24l-2-pipeline-m{m}-b32": (
+            2,
+            ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", str(m)],
+        )
+        for m in (2, 4)
+    },
+    **{
         f"gpt24l-2-circular{r}-b32": (
             2,
             ["--preset", "gpt-24l", "--batch-size", "32", "--strategy", "pipeline", "--micro-batches", "8", "--pipeline-repeats", str(r)],
