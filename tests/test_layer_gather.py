@@ -151,6 +151,25 @@ def test_auto_gathers_per_layer_once_xlas_placement_does_not_fit(monkeypatch, tm
     np.testing.assert_allclose(again, losses, rtol=1e-6)
 
 
+def test_auto_in_a_job_of_several_processes_does_not_switch_alone(monkeypatch):
+    """Every process must run one program: under several processes auto keeps XLA's placement, and a step that
+    does not fit is refused (with --fsdp-gather layer among the ways out) rather than switched by one process."""
+    import jax
+
+    from alpa_job.engines import memory_fit
+    from alpa_job.errors import KitError
+
+    def refuse(memory, *args, gather_layers=False, **kwargs):
+        raise KitError(f"does not fit; offered per-layer gathers: {gather_layers}")
+
+    engine, _ = _engine(tiny_config("gpt", compile_cache="none", **GPT))
+    monkeypatch.setattr(memory_fit, "check_step_fits", refuse)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(KitError, match="offered per-layer gathers: True"):
+        engine.compile()
+    assert engine.layer_gather is None
+
+
 def test_a_step_over_the_budget_names_per_layer_gathers_as_a_way_out(monkeypatch):
     from alpa_job.engines import memory_fit
     from alpa_job.errors import KitError

@@ -429,8 +429,12 @@ class JaxEngine(Engine):
     def _gather_layers_instead(self, stored_only: bool = False) -> bool:
         """--fsdp-gather auto, once XLA's placement of the gathers did not fit (or the step store holds this
         step with per-layer gathers, which an earlier identical run found it needs): per-layer gathers from
-        now on (fewer bytes held, more gathered), said in the progress output and the report's notes."""
+        now on (fewer bytes held, more gathered), said in the progress output and the report's notes. One
+        process only: a job of several keeps XLA's placement, and a step that does not fit is refused with
+        --fsdp-gather layer among the ways out, which every process then runs alike."""
         if self.config.fsdp_gather != "auto" or self.layer_gather is not None or self._layer_gather_maker is None:
+            return False
+        if jax.process_count() > 1:  # every process must run one program: no process may switch on its own
             return False
         if stored_only and not self._store_for(self.config.replace(fsdp_gather="layer")).present():
             return False
