@@ -183,3 +183,17 @@ def test_compare_of_runs_without_input_keeps_its_columns(tmp_path):
     data[1] = compare.row("b", record_with_input(processes=1))
     assert compare.columns(data)[-2:] == ["data wait ms / step", "eval loss"]
     assert compare.table_rows(data)[0][-2:] == ["-", "-"]
+
+
+def test_the_summary_says_where_fsdp_gathered_its_weights():
+    record = record_with_input(processes=1)
+    record.weight_gather = {"placement": "per layer", "layers": 24}
+    assert (
+        "weights gathered",
+        "per layer (24 layers: each gathers its own before it runs and again in the backward)",
+    ) in render.summary_pairs(record)
+    record.weight_gather = {"placement": "xla", "reason": "--fsdp-gather auto: the step fits with XLA's placement"}
+    assert ("weights gathered", "as XLA places them: --fsdp-gather auto: the step fits with XLA's placement") in render.summary_pairs(
+        record
+    )
+    assert "weights gathered" in render.to_markdown(record)

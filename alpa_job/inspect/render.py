@@ -118,6 +118,13 @@ def pipeline_text(pipeline: dict) -> str:
     )
 
 
+def weight_gather_text(placed: dict) -> str:
+    """`per layer (24 layers)` or `as XLA places them: <why>`."""
+    if placed.get("placement") == "per layer":
+        return f"per layer ({placed.get('layers', '?')} layers: each gathers its own before it runs and again in the backward)"
+    return f"as XLA places them: {placed.get('reason') or 'XLA decides'}"
+
+
 def summary_pairs(record: RunRecord) -> List[tuple]:
     s = record.summary
     pairs = [
@@ -142,6 +149,8 @@ def summary_pairs(record: RunRecord) -> List[tuple]:
                 ),
             )
         )
+    if record.weight_gather:  # fsdp / hsdp: where the step gathers the split weights (--fsdp-gather)
+        pairs.append(("weights gathered", weight_gather_text(record.weight_gather)))
     if record.network_traffic:
         pairs.append(("traffic per device per step", network_text(record.network_traffic)))
     if record.pipeline:
