@@ -108,6 +108,7 @@ CASES = [
     (["--model-parallel", "2"], r"--model-parallel does nothing here: .*--strategy tensor \(this run: jax/data\)", 2),
     (["--pipeline-stages", "2"], r"--pipeline-stages does nothing here: .*stage count and --strategy data has no", 2),
     (["--plan-cache", "empty"], r"--plan-cache does nothing here", 2),
+    (["--fsdp-gather", "layer"], r"--fsdp-gather does nothing here: .*--strategy fsdp/hsdp's split weights \(this run: jax/data\)", 2),
     (["--auto-trial-steps", "2"], r"--auto-trial-steps does nothing here: .*--strategy auto", 2),
     (["--strategy", "fsdp", "--memory-limit-gb", "1"], r"--memory-limit-gb does nothing here", 2),
     (["--num-heads", "8"], r"--num-heads does nothing here: it sizes --model gpt, and --model mlp reads --hidden-dim", 2),

@@ -58,6 +58,9 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
         return f"it is read by --strategy pipeshard-auto only (this run: {strategy}); drop it or switch strategy"
     if name == "model_parallel" and (engine != "jax" or not _has_model_axis(strategy)):
         return f"it sizes the model axis of --strategy tensor (this run: {engine}/{strategy}); drop it or use --strategy tensor"
+    if name == "fsdp_gather" and (engine != "jax" or not (strategy == "auto" or _gathers_layers(strategy))):
+        users = "/".join(s.name for s in strategies.STRATEGIES.values() if s.gathers_layers)
+        return f"it places the gathers of --strategy {users}'s split weights (this run: {engine}/{strategy}); drop it or use one of those"
     if name in JAX_AUTO_ONLY and (engine != "jax" or strategy != "auto"):
         return f"it tunes --strategy auto's search (this run: {engine}/{strategy}); drop it or use --strategy auto"
     if name == "data_dir" and config.dataset != "cifar10":
@@ -113,6 +116,10 @@ def planned_devices(config: JobConfig, engine: str, address: str) -> Optional[in
 
 def _is_pipelined(strategy: str) -> bool:
     return strategy in strategies.STRATEGIES and strategies.get(strategy).pipelined
+
+
+def _gathers_layers(strategy: str) -> bool:
+    return strategy in strategies.STRATEGIES and strategies.get(strategy).gathers_layers
 
 
 def _has_model_axis(strategy: str) -> bool:
