@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 
 from alpa_job.data import epoch_batches, synthetic
 from alpa_job.planner import gpu_target
+from alpa_job.record import hlo
 from helpers_train import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,11 +57,7 @@ def test_per_layer_gathers_give_the_losses_of_xlas_gathers():
 
 
 def _gathered_bytes(hlo_text: str) -> int:
-    total = 0
-    for shape in re.findall(r"= (\(?[^=]*?\)?) all-gather(?:-start)?\(", hlo_text):
-        for dtype, dims in re.findall(r"(bf16|f32|s32)\[([\d,]*)\]", shape):
-            total += int(np.prod([int(d) for d in dims.split(",") if d])) * (2 if dtype == "bf16" else 4)
-    return total
+    return sum(size for kind, _, size in hlo.collective_instances(hlo_text) if kind == "all-gather")
 
 
 def test_each_layer_is_gathered_again_in_the_backward():

@@ -22,7 +22,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_job import strategies
-from alpa_job.engines import compile_cache, flops, memory_fit, model_checks, weight_reads, xla_options
+from alpa_job.engines import compile_cache, flops, layer_gather, memory_fit, model_checks, weight_reads, xla_options
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
@@ -118,16 +118,17 @@ class JaxEngine(Engine):
         boxed = self._initializer.abstract_boxed()
         self.logical_specs = nn.get_partition_spec(boxed)
         unboxed = nn.meta.unbox(boxed)
-        self._gather_dtypes = None  # the split parameters' dtypes as gathered (_gathered), found on first use
         self.state_sharding = self._state_sharding(strategy, config, unboxed)
         if self.pipeline is not None:
             self.pipeline.place(jax.tree_util.tree_map(lambda s: s.spec, self.state_sharding.params))
-        self._gather_note = None
-        self._layer_gather_maker = self._layer_gather_for(config, model, unboxed)
-        self.layer_gather = self._layer_gather_maker() if self._layer_gather_maker and config.fsdp_gather == "layer" else None
         self._abstract_state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, self.state_sharding
         )
+        why_not = layer_gather.unsupported(self.strategy_record, model)
+        self._per_layer_possible = why_not is None  # fsdp's per-layer gathers (engines/layer_gather.py)
+        asked = config.fsdp_gather == "layer" and self.strategy_record.gathers_layers
+        self._gather_note = f"--fsdp-gather layer: {why_not}, so XLA places the gathers" if asked and why_not else None
+        self.layer_gather = self._new_layer_gather() if asked and not why_not else None
         if self.check_memory:
             memory_fit.check_state_fits(self._abstract_state, strategy, mesh_shape)  # before anything allocates
         if self.pipeline is None:
@@ -171,27 +172,16 @@ class JaxEngine(Engine):
             ]
         return []
 
-    def _layer_gather_for(self, config, model, unboxed):
-        """A maker of fsdp's per-layer gathers (engines/layer_gather.py) where the strategy gathers its
-        parameters and the model names its layer class (under --fsdp-gather xla only for the memory advice),
-        else None, with a note saying why where the user asked for them."""
-        if not self.strategy_record.gathers_layers:
-            return None
-        missing = "no layer_class" if model.layer_class is None else "BatchNorm statistics" if model.has_batch_stats else None
-        if missing or not hasattr(nn, "intercept_methods"):  # the Python 3.9 side's flax cannot intercept a layer's call
-            if config.fsdp_gather == "layer":
-                why = f"--model {model.name} has {missing}" if missing else "this flax cannot intercept a layer's call"
-                self._gather_note = f"--fsdp-gather layer: {why}, so XLA places the gathers"
-            return None
+    @functools.cached_property
+    def _read_dtypes(self):
+        """The dtype the model reads each parameter in (weight_reads.py), found once, on first use: data's
+        sharded update and fsdp's per-layer gathers gather each parameter in it."""
+        abstract = self.abstract_state
+        return weight_reads.gather_dtypes(self.model, abstract.params, abstract.batch_stats, self._example, self.config.dtype)
 
-        def make():
-            from alpa_job.engines import layer_gather
-
-            dtypes = weight_reads.gather_dtypes(model, unboxed.params, unboxed.batch_stats, self._example, config.dtype)
-            rows = PartitionSpec(self.batch_axis)
-            return layer_gather.LayerGather(model.layer_class, self.mesh, rows, dtypes, self.state_sharding.params)
-
-        return make
+    def _new_layer_gather(self):
+        rows = PartitionSpec(self.batch_axis)
+        return layer_gather.LayerGather(self.model.layer_class, self.mesh, rows, self._read_dtypes, self.state_sharding.params)
 
     def _weight_gather(self) -> Dict[str, Any]:
         """Where the step gathers fsdp's weights, for the report. A step loaded from the store was never traced
@@ -381,12 +371,7 @@ class JaxEngine(Engine):
         """The split parameters whole on every device, each in the dtype the model reads it in
         (weight_reads.py): the sharded update's one all-gather, at the step's start, where the forward's
         matmuls hide it."""
-        if self._gather_dtypes is None:
-            abstract = self.abstract_state
-            self._gather_dtypes = weight_reads.gather_dtypes(
-                self.model, abstract.params, abstract.batch_stats, self._example, self.config.dtype
-            )
-        cast = jax.tree_util.tree_map(lambda p, dtype: p.astype(dtype), params, self._gather_dtypes)
+        cast = jax.tree_util.tree_map(lambda p, dtype: p.astype(dtype), params, self._read_dtypes)
         # Cast each device's share before the gather: left to itself XLA gathers the fp32 weights and fuses
         # the cast into the matmuls that read them, twice the bytes. jax 0.4.13 has no public barrier.
         barrier = getattr(jax.lax, "optimization_barrier", None)
@@ -423,7 +408,7 @@ class JaxEngine(Engine):
             self.strategy,
             self.mesh.devices.shape,  # before the first step
             stronger_remat=models.stronger_remat(self.config),
-            gather_layers=self.layer_gather is None and self._layer_gather_maker is not None,
+            gather_layers=self.layer_gather is None and self._per_layer_possible,
         )
 
     def _gather_layers_instead(self, stored_only: bool = False) -> bool:
@@ -432,13 +417,13 @@ class JaxEngine(Engine):
         now on (fewer bytes held, more gathered), said in the progress output and the report's notes. One
         process only: a job of several keeps XLA's placement, and a step that does not fit is refused with
         --fsdp-gather layer among the ways out, which every process then runs alike."""
-        if self.config.fsdp_gather != "auto" or self.layer_gather is not None or self._layer_gather_maker is None:
+        if self.config.fsdp_gather != "auto" or self.layer_gather is not None or not self._per_layer_possible:
             return False
         if jax.process_count() > 1:  # every process must run one program: no process may switch on its own
             return False
-        if stored_only and not self._store_for(self.config.replace(fsdp_gather="layer")).present():
+        if stored_only and not self._store_for(per_layer=True).present():
             return False
-        self.layer_gather = self._layer_gather_maker()
+        self.layer_gather = self._new_layer_gather()
         self._gather_note = (
             "--fsdp-gather auto: the step did not fit with XLA's placement of the gathers, so each layer gathers "
             "its weights just before it runs and again in the backward (less memory, more gather traffic)"
@@ -563,10 +548,12 @@ class JaxEngine(Engine):
         """The step store for this engine's step key, built once (the key hashes the kit's source)."""
         if not self.stats.compile_cache_dir or not StepStore.supported():
             return None
-        # Under --fsdp-gather auto the key names the placement in use: per-layer once XLA's did not fit.
-        return self._store_for(self.config.replace(fsdp_gather="layer") if self.layer_gather is not None else self.config)
+        return self._store_for(per_layer=self.layer_gather is not None)
 
-    def _store_for(self, config) -> StepStore:
+    def _store_for(self, per_layer: bool) -> StepStore:
+        """The store of this step with or without per-layer gathers: under --fsdp-gather auto the key names the
+        placement in use (per layer once XLA's did not fit)."""
+        config = self.config.replace(fsdp_gather="layer") if per_layer else self.config
         key = step_key(config, self._horizon, self.strategy, self.mesh, self._example)
         return StepStore(self.stats.compile_cache_dir, key, process=jax.process_index() if jax.process_count() > 1 else None)
 

@@ -23,7 +23,7 @@ model's checkpoint already recomputes the weights' casts in the backward, so XLA
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -31,6 +31,19 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpa_job.jax_compat import shard_map
+
+
+def unsupported(record, model) -> Optional[str]:
+    """Why `--strategy record.name` with `model` cannot gather per layer, in words for a note; None: it can."""
+    if not record.gathers_layers:
+        return f"--strategy {record.name} gathers no split weights"
+    if model.layer_class is None:
+        return f"--model {model.name} has no layer_class"
+    if model.has_batch_stats:
+        return f"--model {model.name} has BatchNorm statistics"
+    if not hasattr(nn, "intercept_methods"):  # the Python 3.9 side's flax
+        return "this flax cannot intercept a layer's call"
+    return None
 
 
 class LayerGather:

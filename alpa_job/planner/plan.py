@@ -81,6 +81,7 @@ def make_plan(
         kept = [(s, m) for s, m in kept if not strategy_records.get(s).model_axis or m[1] == model_parallel]
     pipelined_across = nodes > 1 and any(strategy_records.get(s).pipelined for s, _ in kept)
     kernels = _kernel_model(cost_model, gpu, calibration, pipelined_across)
+    usable = usable_bytes(gpu)
     request = {
         "preset": preset,
         "config": config_path,
@@ -89,11 +90,10 @@ def make_plan(
         "candidates": [[s, list(m)] for s, m in kept],
         "cli_values": values,
         "target_gpu": gpu.name if kernels else None,
-        "usable_bytes": usable_bytes(gpu),  # what fits: train's --fsdp-gather auto decides by it
+        "usable_bytes": usable,  # what fits: train's --fsdp-gather auto decides by it
     }
     result = compile_in_worker(request, timeout_s)
     network_bytes_s = network_gbps * 1e9 / 8
-    usable = usable_bytes(gpu)
     rows = [_candidate(r, devices, gpus_per_node, gpu, network_bytes_s, usable, constants, kernels) for r in result["candidates"]]
     if config.fsdp_gather == "auto" and not kernels:  # compiled for CPU devices: said, not compiled again
         for row in rows:

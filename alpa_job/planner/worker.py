@@ -74,12 +74,13 @@ def _as_train_would(row, config, model, example, strategy, mesh_shape, request, 
     """Under --fsdp-gather auto, a step compiled for the GPU that does not fit with XLA's placement of fsdp's
     gathers is what train would not run: it would gather per layer, so the plan compiles that instead."""
     from alpa_job import strategies
+    from alpa_job.engines import layer_gather
     from alpa_job.planner.compile_plan import compile_candidate
 
     usable, peak = request.get("usable_bytes"), (row.get("memory") or {}).get("peak_estimate_bytes")
     if not (for_gpu and usable and peak and peak > usable and config.fsdp_gather == "auto"):
         return row
-    if not strategies.get(strategy).gathers_layers or model.layer_class is None or model.has_batch_stats:
+    if layer_gather.unsupported(strategies.get(strategy), model):  # as the engine decides it
         return row
     per_layer = compile_candidate(
         config.replace(fsdp_gather="layer"), model, example, strategy, tuple(mesh_shape), request["gpus_per_node"], for_gpu
