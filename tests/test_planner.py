@@ -283,7 +283,8 @@ def test_plan_2_nodes_x_4_end_to_end(tmp_path):
         (["--model-parallel", "3"], "--model-parallel 3 does not divide"),
         (["--nodes", "0"], "must be >= 1"),
         (["--network-gbps", "0"], "--network-gbps must be > 0"),
-        (["--strategy", "pipeline", "--nodes", "1"], "pipeline several nodes (a stage a node)"),
+        (["--strategy", "pipeline", "--nodes", "1", "--gpus-per-node", "1"], "pipeline several GPUs"),
+        (["--strategy", "data,nosuch"], "unknown strategy 'nosuch'; use all, or names separated by commas"),
         (["--network-from", "/nonexistent/doctor.json"], "cannot read it"),
         (["--network-from", "{tmp}/plain.json"], "holds no link measurements: run the doctor with --network"),
         (["--network-from", "{tmp}/plain.json", "--network-gbps", "10"], "both set the network figure; keep one"),
@@ -299,6 +300,17 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_a_pipeline_named_on_one_node_is_planned_with_two_stages_and_all_leaves_it_out():
+    from alpa_job.planner.candidates import plan_candidates
+
+    named, _ = plan_candidates(1, 2, 32, ("data", "pipeline"), micro_batches=4)
+    assert named == [("data", (2, 1)), ("pipeline", (2, 1))]
+    every, _ = plan_candidates(1, 2, 32, None)
+    assert every and not [s for s, _ in every if s.startswith("pipeline")]
+    across, _ = plan_candidates(2, 1, 32, ("pipeline",))
+    assert across == [("pipeline", (2, 1))]  # one stage a node, listed once
 
 
 def test_prefilter_drops_what_cannot_fit_or_is_slow():

@@ -4,7 +4,7 @@ global batch, or a pipeline's micro-batches (each kept as a row saying so)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from alpa_job import strategies as strategy_records
 from alpa_job.errors import KitError
@@ -16,18 +16,27 @@ def plan_candidates(
     nodes: int,
     gpus_per_node: int,
     batch_size: int,
-    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES),
+    strategies: Optional[Tuple[str, ...]] = None,
     micro_batches: int = 0,
 ) -> Tuple[List[Candidate], List[Dict]]:
-    """(candidates to compile, rows of those skipped with a note)."""
+    """(candidates to compile, rows of those skipped with a note). `strategies`: the names asked (None: every
+    strategy, as auto tries them). A pipeline asked by name on one node of several GPUs is planned with its
+    two stages there: auto leaves it out (on one host it only adds its bubble), but a user weighing it
+    against data asks what it would cost."""
     if nodes < 1 or gpus_per_node < 1:
         raise KitError(f"--nodes and --gpus-per-node must be >= 1, got {nodes} and {gpus_per_node}")
     devices = nodes * gpus_per_node
-    every = [(s, m) for s, m in strategy_records.auto_candidates(devices, gpus_per_node) if s in strategies]
+    every = [(s, m) for s, m in strategy_records.auto_candidates(devices, gpus_per_node) if strategies is None or s in strategies]
+    if nodes == 1 and devices > 1:
+        every += [
+            (name, strategy_records.get(name).mesh_shape(devices, 0, gpus_per_node))
+            for name in strategies or ()
+            if strategy_records.get(name).pipelined
+        ]
     if not every:
         raise KitError(
-            f"--strategy {', '.join(strategies)} has no candidate on {nodes} node(s) of {gpus_per_node} GPU(s): "
-            "hsdp needs several nodes of several GPUs, pipeline several nodes (a stage a node); "
+            f"--strategy {', '.join(strategies or ())} has no candidate on {nodes} node(s) of {gpus_per_node} GPU(s): "
+            "hsdp needs several nodes of several GPUs, pipeline several GPUs; "
             "plan more --nodes or another --strategy"
         )
     notes = {(s, m): _batch_note(s, m, batch_size, micro_batches) for s, m in every}

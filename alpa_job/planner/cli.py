@@ -84,7 +84,12 @@ def add_parser(sub, add_setting) -> None:
     )
     o = p.add_argument_group("plan")
     o.add_argument(
-        "--strategy", default="all", choices=("all", *strategy_records.STRATEGIES), help="which strategies to plan (default: all)"
+        "--strategy",
+        default="all",
+        type=_strategy_list,
+        metavar="all|NAME[,NAME...]",
+        help="which strategies to plan (default: all); a pipeline named here is planned on one node too "
+        f"(two stages), which `all` leaves out. Names: {', '.join(strategy_records.STRATEGIES)}",
     )
     o.add_argument("--model-parallel", type=int, default=0, metavar="M", help="tensor: only this model axis size")
     o.add_argument(
@@ -97,6 +102,20 @@ def add_parser(sub, add_setting) -> None:
     )
     o.add_argument("--out", metavar="DIR", default="plans/latest", help="where plan.json and plan.html go (default: plans/latest)")
     o.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds the compiling may take in all (default: 1800)")
+
+
+def _strategy_list(text: str):
+    """`all`, or strategy names separated by commas (argparse turns the error into one line, exit 2)."""
+    if text == "all":
+        return None  # every strategy auto would try
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in strategy_records.STRATEGIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown strategy {', '.join(map(repr, unknown)) or repr(text)}; use all, or names separated by commas "
+            f"from: {', '.join(strategy_records.STRATEGIES)}"
+        )
+    return names
 
 
 def _network(args):
@@ -128,7 +147,7 @@ def run(args) -> int:
         **model_values({k: v for k, v in vars(args).items() if k in config_lib.FIELD_NAMES}),
         **{k: v for k, v in sizes.items() if v is not None},
     }
-    strategies = tuple(strategy_records.STRATEGIES) if args.strategy == "all" else (args.strategy,)
+    strategies = args.strategy
     network_gbps, network_source = _network(args)
     record = make_plan(
         args.preset,

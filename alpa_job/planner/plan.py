@@ -55,7 +55,7 @@ def make_plan(
     gpus_per_node: int,
     gpu: gpus.Gpu,
     network_gbps: float = DEFAULT_NETWORK_GBPS,
-    strategies: Tuple[str, ...] = tuple(strategy_records.STRATEGIES),
+    strategies: Optional[Tuple[str, ...]] = None,
     model_parallel: int = 0,
     timeout_s: float = 1800.0,
     calibration: Optional[Dict[str, Any]] = None,
