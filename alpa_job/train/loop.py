@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from alpa_job import strategies, versions
 from alpa_job.progress.events import note, timed
-from alpa_job.train import hooks, own_network, timing
+from alpa_job.train import device_pool, hooks, own_network, timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine, check_supported
 from alpa_job.engines.flops import matmul_dtype
@@ -31,14 +31,22 @@ from alpa_job.train.rundir import checkpoint_dir
 from alpa_job.train.train_data import TrainData, input_record, prepare_data  # noqa: F401 - callers import them here
 
 
-def _open_devices_early() -> None:
+def _open_devices_early(config) -> None:
     """Start the JAX backend on a worker thread while this one imports flax and builds the model and
     the data: a GPU backend takes seconds to start. The thread then puts one small buffer on each local
     device: a device's allocator reserves its memory pool at its first allocation (most of a GPU, by
-    default), not when the backend starts, and that otherwise falls on the state's initialisation.
+    default), not when the backend starts, and that otherwise falls on the state's initialisation; where
+    an earlier identical run left its peak (train/device_pool.py), it reserves that instead.
     build_jax_engine's own jax.devices() waits for the backend; a backend that fails to start fails
     there, with its error."""
     import jax
+
+    reserved = device_pool.choose(config)  # before the backend starts: it reads the allocator's settings then
+    if reserved:
+        note(
+            f"[alpa_job] GPU memory: {reserved / 1e9:.1f} GB reserved a device (the last identical run's peak), "
+            f"growing on demand to the same limit ({device_pool.GROW}=false; set it yourself to choose)"
+        )
 
     def open_devices() -> None:
         try:
@@ -46,7 +54,10 @@ def _open_devices_early() -> None:
             from alpa_job.engines import memory_fit
 
             memory_fit.remember_limits(jax.local_devices())  # before the pools are reserved (it says why)
-            _first_buffers(jax.local_devices())
+            if reserved:
+                device_pool.reserve(jax.local_devices(), reserved)
+            else:
+                _first_buffers(jax.local_devices())
         except Exception:  # noqa: BLE001 - reported by the main thread's own call
             pass
 
@@ -127,7 +138,7 @@ def train_process(
     """
     started, before_train = time.perf_counter(), timing.process_age_s()  # Python, the CLI, checks, imports
     if build_engine is None:
-        _open_devices_early()
+        _open_devices_early(config)
     from alpa_job.models import get_model
 
     model = get_model(config)
@@ -210,6 +221,9 @@ def train_process(
     # The same from the process's start: Python, imports and (in a Ray actor) the worker's start too.
     phases["process_to_first_step"] = looped.process_age_at_first_step
     read = input_record(data, stream, read_before, start_step, total_steps, looped.loop_seconds)
+    peak_bytes = engine.peak_memory_bytes()
+    if build_engine is None:
+        device_pool.remember(config, peak_bytes, devices.get("platform", ""))
     run_timing = timing.summary(
         phases,
         looped.window_step_s,
@@ -217,7 +231,7 @@ def train_process(
         devices.get("kind"),
         matmul_dtype(config),
         devices.get("count") or 1,
-        engine.peak_memory_bytes(),
+        peak_bytes,
         (engine.stats.memory or {}).get("peak_estimate_bytes"),
         samples_per_step=looped.samples_seen / looped.steps if looped.steps else None,
         tokens_per_sample=seq_len,
