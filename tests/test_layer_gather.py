@@ -147,23 +147,71 @@ def test_auto_gathers_per_layer_once_xlas_placement_does_not_fit(monkeypatch, tm
     np.testing.assert_allclose(again, losses, rtol=1e-6)
 
 
-def test_auto_in_a_job_of_several_processes_does_not_switch_alone(monkeypatch):
-    """Every process must run one program: under several processes auto keeps XLA's placement, and a step that
-    does not fit is refused (with --fsdp-gather layer among the ways out) rather than switched by one process."""
-    import jax
+_TWO_PROCESSES = r"""
+import json, sys
+from alpa_job.cluster.jax_join import init_distributed
+init_distributed(sys.argv[1], 2, int(sys.argv[2]), timeout_s=60)
+import jax
+from alpa_job.data import epoch_batches, synthetic
+from alpa_job.engines import memory_fit
+from alpa_job.engines.jax_engine import JaxEngine
+from alpa_job.errors import KitError
+from alpa_job.models import get_model
+from helpers_train import tiny_config
 
-    from alpa_job.engines import memory_fit
-    from alpa_job.errors import KitError
+if jax.process_index() == 1:  # this process's devices are the smaller ones: XLA's placement does not fit here
+    fits, refused = memory_fit.check_step_fits, []
 
-    def refuse(memory, *args, gather_layers=False, **kwargs):
-        raise KitError(f"does not fit; offered per-layer gathers: {gather_layers}")
+    def refuse_the_first(memory, *args, **kwargs):
+        refused.append(1)
+        if len(refused) == 1:
+            raise KitError("XLA's estimate for the train step needs more than the devices have")
+        return fits(memory, *args, **kwargs)
 
-    engine, _ = _engine(tiny_config("gpt", compile_cache="none", **GPT))
-    monkeypatch.setattr(memory_fit, "check_step_fits", refuse)
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(KitError, match="offered per-layer gathers: True"):
-        engine.compile()
-    assert engine.layer_gather is None
+    memory_fit.check_step_fits = refuse_the_first
+config = tiny_config("gpt", compile_cache="none", devices=4, num_layers=4, batch_size=16, num_samples=64)
+batch, _ = next(epoch_batches(synthetic(config), config.batch_size, "drop", 0, 0))
+engine = JaxEngine(config, get_model(config), batch, "fsdp", (4, 1))
+engine.compile()
+engine.wait_for_every_process()
+state, losses = engine.init_state(0), []
+for _ in range(3):
+    state, loss = engine.step(state, engine.put_batch(batch))
+    losses.append(float(loss))
+print(json.dumps({"per_layer": engine.layer_gather is not None, "losses": losses, "notes": engine.notes()}))
+"""
+
+
+def test_auto_in_a_job_of_several_processes_switches_every_process_where_one_does_not_fit(tmp_path):
+    """Every process must run one program: two JAX processes (2 CPU devices each), the step fits on the first and
+    not on the second, and both compile per-layer gathers, say so, and train together."""
+    import socket
+
+    from alpa_job.cpu_devices import with_device_count
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]), XLA_FLAGS=with_device_count(2))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_PROCESSES, f"127.0.0.1:{port}", str(i)],
+            env=env,
+            cwd=str(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["per_layer"] for r in results] == [True, True]
+    assert all(any("did not fit with XLA's placement of the gathers on some process" in n for n in r["notes"]) for r in results)
+    assert results[0]["losses"] == results[1]["losses"] and results[0]["losses"][-1] < results[0]["losses"][0]
 
 
 def test_a_step_over_the_budget_names_per_layer_gathers_as_a_way_out(monkeypatch):

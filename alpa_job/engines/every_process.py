@@ -13,6 +13,7 @@ import jax
 
 # How long a process that has compiled waits for the slowest (a large model's compile takes minutes).
 TIMEOUT_S = 1800
+_asked: dict = {}  # any_process's calls a key, so that a barrier's name is used once a process
 
 
 def wait(key: str) -> None:
@@ -27,3 +28,17 @@ def wait(key: str) -> None:
     except (ImportError, AttributeError):  # an older orbax (the Python 3.9 stack) has no such barrier
         return
     barrier(key=key, timeout_ms=TIMEOUT_S * 1000)
+
+
+def any_process(flag: bool, key: str) -> bool:
+    """Whether `flag` holds on any process of the job: a decision every process must take alike (which program
+    to run), from facts each process finds on its own (its memory, its cache). Every process calls this with
+    the same `key`, as `wait`; one process: its own flag."""
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    _asked[key] = _asked.get(key, 0) + 1  # every process asks in the same order: the same barrier name
+    wait(f"{key}-{_asked[key]}")  # the first collective's rendezvous: every process at once
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))

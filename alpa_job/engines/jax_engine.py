@@ -385,8 +385,13 @@ class JaxEngine(Engine):
         # The store's key first: it reads every source file of the kit, and each read waits its turn for the
         # interpreter while the initialiser's thread traces (Python) beside it.
         store = self._step_store()
-        if store is not None and not store.present() and self._gather_layers_instead(stored_only=True):
-            store = self._step_store()  # an earlier identical run found the step fits only with per-layer gathers
+        if store is not None and self._may_gather_layers():
+            # An earlier identical run found the step fits only with per-layer gathers, on this process or another
+            # (each keeps its own entries, and every process must run one program).
+            stored = not store.present() and self._store_for(per_layer=True).present()
+            if every_process.any_process(stored, "fsdp-gather-stored"):
+                self._gather_layers_instead()
+                store = self._step_store()
         if store is None or not store.present():
             self._seed_ahead = None  # a step compiled beside it would autotune in less device memory
         if self._init_compiled is None:
@@ -394,11 +399,16 @@ class JaxEngine(Engine):
         stats = self._compile_step()
         try:
             self._check_step_fits(stats)
-        except KitError:
-            if not self._gather_layers_instead():
-                raise
+            refused = None
+        except KitError as error:
+            refused = error
+        # Where XLA's placement does not fit on one process, every process switches: one program for all.
+        if self._may_gather_layers() and every_process.any_process(refused is not None, "fsdp-gather-fits"):
+            self._gather_layers_instead()
             stats = self._compile_step()
             self._check_step_fits(stats)
+        elif refused is not None:
+            raise refused
         self._store_step()
         return stats
 
@@ -411,27 +421,25 @@ class JaxEngine(Engine):
             gather_layers=self.layer_gather is None and self._per_layer_possible,
         )
 
-    def _gather_layers_instead(self, stored_only: bool = False) -> bool:
-        """--fsdp-gather auto, once XLA's placement of the gathers did not fit (or the step store holds this
-        step with per-layer gathers, which an earlier identical run found it needs): per-layer gathers from
-        now on (fewer bytes held, more gathered), said in the progress output and the report's notes. One
-        process only: a job of several keeps XLA's placement, and a step that does not fit is refused with
-        --fsdp-gather layer among the ways out, which every process then runs alike."""
-        if self.config.fsdp_gather != "auto" or self.layer_gather is not None or not self._per_layer_possible:
-            return False
-        if jax.process_count() > 1:  # every process must run one program: no process may switch on its own
-            return False
-        if stored_only and not self._store_for(per_layer=True).present():
-            return False
+    def _may_gather_layers(self) -> bool:
+        """Whether --fsdp-gather auto may still switch this step to per-layer gathers (the same on every process:
+        it reads only the job's settings and the model)."""
+        return self.config.fsdp_gather == "auto" and self.layer_gather is None and self._per_layer_possible
+
+    def _gather_layers_instead(self) -> None:
+        """--fsdp-gather auto, once XLA's placement of the gathers did not fit on some process of the job (or the
+        step store holds this step with per-layer gathers, which an earlier identical run found it needs):
+        per-layer gathers from now on (fewer bytes held, more gathered), said in the progress output and the
+        report's notes."""
         self.layer_gather = self._new_layer_gather()
+        where = "" if jax.process_count() == 1 else " on some process of the job"
         self._gather_note = (
-            "--fsdp-gather auto: the step did not fit with XLA's placement of the gathers, so each layer gathers "
-            "its weights just before it runs and again in the backward (less memory, more gather traffic)"
+            f"--fsdp-gather auto: the step did not fit with XLA's placement of the gathers{where}, so each layer "
+            "gathers its weights just before it runs and again in the backward (less memory, more gather traffic)"
         )
         print(f"[train] {self._gather_note}", file=sys.stderr, flush=True)
         self.__dict__.pop("_keyed_store", None)  # the step's key names the placement
         self._compiled = self._jitted = None
-        return True
 
     def make_mesh(self, mesh_shape: Tuple[int, int], axis_names: Tuple[str, str]) -> Mesh:
         """The step's mesh: of this process's devices (a planner compiling for GPUs it does not have

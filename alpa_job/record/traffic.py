@@ -19,6 +19,7 @@ Traffic per device for a group of n devices, g of them per node on m = n / g nod
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -66,20 +67,13 @@ def replica_groups(attributes: str, num_devices: int) -> Optional[Groups]:
         axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         device_ids = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", mesh.group(2))
-        ids = _iota(_ints(device_ids.group(1)), _ints(device_ids.group(2) or "")) if device_ids else list(range(_product(sizes)))
+        ids = _iota(_ints(device_ids.group(1)), _ints(device_ids.group(2) or "")) if device_ids else list(range(math.prod(sizes)))
         over = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(3)) if a in names]
         return _groups_over(ids, sizes, over)
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
     if pairs:
         return [_ints(p) for p in re.findall(r"\{(\d+,\d+)\}", pairs.group(1))]
     return None
-
-
-def _product(sizes: Sequence[int]) -> int:
-    out = 1
-    for s in sizes:
-        out *= s
-    return out
 
 
 def _groups_over(ids: List[int], sizes: List[int], over: List[int]) -> Groups:
