@@ -15,3 +15,30 @@ def shard_map():
     from jax.experimental.shard_map import shard_map as experimental
 
     return functools.partial(experimental, check_rep=False)
+
+
+def load_executable_parts(payload: bytes):
+    """A serialised executable (jax.experimental.serialize_executable's bytes) deserialised and loaded onto the
+    devices, without the argument and result trees deserialize_and_load wraps it in: the slow part, which can
+    then run before the caller has built those trees. Relies on that module's private unpickler: a jax where it
+    differs raises here, and the caller loads the public way."""
+    import io
+
+    import jax
+    from jax.experimental import serialize_executable
+
+    backend = jax.devices()[0].client
+    unloaded, args_info_flat, no_kwargs = serialize_executable._JaxPjrtUnpickler(io.BytesIO(payload), backend).load()
+    return unloaded.load(), args_info_flat, no_kwargs
+
+
+def compiled_from_parts(parts, in_tree, out_tree):
+    """load_executable_parts' result as deserialize_and_load returns it (a jax.stages.Compiled)."""
+    import jax
+
+    loaded, args_info_flat, no_kwargs = parts
+    args_info = in_tree.unflatten(args_info_flat)
+    try:
+        return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
+    except TypeError:  # jax before executables kept their constants apart
+        return jax.stages.Compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)

@@ -128,6 +128,7 @@ def test_cli_second_identical_run_trains_the_same_from_the_stored_step(tmp_path)
     cold, warm = train(str(tmp_path / "cold")), train(str(tmp_path / "warm"))
     cold_cache, warm_cache = (r["timing"]["compile_cache"] for r in (cold, warm))
     assert cold_cache["step"] == "compiled" and warm_cache["step"] == "stored", (cold_cache, warm_cache)
+    assert warm_cache["loaded_ahead"] is True  # deserialised while the engine built the model's abstract state
     assert warm["losses"] == cold["losses"] and len(warm["losses"]) == 6  # every step, bit for bit
     assert cold["backend_compiles_during_loop"] == warm["backend_compiles_during_loop"] == 0
 

@@ -36,6 +36,7 @@ class CompileStats:
     # Of those, what causal attention's products make (MaxText's count, the MFU's, takes half of it); 0: none.
     causal_attention_flops_per_step: Optional[float] = None
     step_source: Optional[str] = None  # JAX: "compiled", or "stored" (engines/executable_store.py)
+    step_loaded_ahead: bool = False  # a stored step loaded while the engine was built (executable_store.load_ahead)
     # Seconds of the engine's setup phases, for the report's timing.phases_s (JAX: open_devices,
     # abstract_state); empty where the engine does not break its setup down.
     setup_phases: Dict[str, float] = dataclasses.field(default_factory=dict)
@@ -45,7 +46,8 @@ class CompileStats:
         the step itself was loaded; None when the cache is off."""
         if not self.compile_cache_dir:
             return None
-        return {"dir": self.compile_cache_dir, "hits": self.compile_cache_hits, "step": self.step_source}
+        report = {"dir": self.compile_cache_dir, "hits": self.compile_cache_hits, "step": self.step_source}
+        return {**report, "loaded_ahead": self.step_loaded_ahead} if self.step_source == "stored" else report
 
     @property
     def hlo_text(self) -> str:

@@ -25,6 +25,7 @@ Entries live in `<compile cache>/alpa_job-steps/<key>[.p<index>].{xla,json}`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -103,6 +104,35 @@ def key_digest(key: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:40]
 
 
+# Entries being loaded ahead (load_ahead), by path: what their StepStore.load then takes instead of loading.
+_AHEAD: Dict[str, "concurrent.futures.Future"] = {}
+
+
+def load_ahead(cache_dir: str, key: Dict[str, Any], process: Optional[int] = None) -> None:
+    """Start loading the entry for `key` on a worker thread, if there is one: a run that starts from the store
+    spends most of its start deserialising the step (XLA rebuilds the executable), which needs neither the
+    model nor its abstract state, so it can run while they are built. The engine's own `load` for the same key
+    takes the result, or loads as usual where this failed (a jax whose serialisation differs, say)."""
+    store = StepStore(cache_dir, key, process)
+    if not store.present() or store.path in _AHEAD:
+        return
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    _AHEAD[store.path] = future
+
+    def load() -> None:
+        from alpa_job import jax_compat
+
+        try:
+            with open(store.path + ".json") as f:
+                extra = json.load(f)
+            with open(store.path + ".xla", "rb") as f:
+                future.set_result((jax_compat.load_executable_parts(f.read()), extra))
+        except Exception:  # noqa: BLE001 - load() tries again the public way and says what is wrong
+            future.set_result(None)
+
+    threading.Thread(target=load, name="step-load-ahead", daemon=True).start()
+
+
 class StepStore:
     """The store under one compile-cache folder; `load` and `save` for one step key."""
 
@@ -113,6 +143,7 @@ class StepStore:
         self.digest = key_digest(key)  # the same on every process of a job
         self.path = os.path.join(self.folder, self.digest + ("" if process is None else f".p{process}"))
         self._saving: Optional[threading.Thread] = None
+        self.loaded_ahead = False  # whether load() took what load_ahead() loaded
 
     @property
     def step_name(self) -> str:
@@ -140,6 +171,18 @@ class StepStore:
         """(the loaded executable, what was saved beside it), or None when there is no usable entry."""
         if not self.present():
             return None
+        ahead = _AHEAD.pop(self.path, None)
+        loaded = ahead.result() if ahead is not None else None
+        if loaded is not None:
+            from alpa_job import jax_compat
+
+            parts, extra = loaded
+            try:
+                compiled = jax_compat.compiled_from_parts(parts, in_tree, out_tree)
+                self.loaded_ahead = True
+                return compiled, extra
+            except Exception:  # noqa: BLE001 - the public way below
+                pass
         from jax.experimental import serialize_executable
 
         try:

@@ -24,11 +24,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from alpa_job import strategies
 from alpa_job.engines import compile_cache, flops, layer_gather, memory_fit, model_checks, weight_reads, xla_options
 from alpa_job.engines.base import CompileStats, Engine
+from alpa_job.engines.device_mesh import make_mesh  # noqa: F401 - also the module's name for it (auto, benches)
 from alpa_job.engines.executable_store import StepStore, step_key
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
 from alpa_job.record import traffic
-from alpa_job.strategies import MESH_AXES, axes_of, batch_mesh_axis, check_batch_split
+from alpa_job.strategies import axes_of, batch_mesh_axis, check_batch_split
 from alpa_job.engines import every_process
 from alpa_job.engines.state_init import StateInitializer
 from alpa_job.errors import KitError
@@ -60,18 +61,6 @@ class StepStats(CompileStats):
 
     def hlo_later(self, source: Callable[[], List[str]]) -> None:
         self._hlo_texts, self._hlo_source = None, source
-
-
-def make_mesh(mesh_shape: Tuple[int, int], axis_names: Tuple[str, str] = MESH_AXES) -> Mesh:
-    """Devices in JAX's order, process-major: a row of a (hosts, devices per host) mesh is one host."""
-    devices = jax.devices()
-    need = mesh_shape[0] * mesh_shape[1]
-    if need != len(devices):
-        raise KitError(
-            f"mesh {mesh_shape} needs {need} devices but {len(devices)} are visible; "
-            f"use --devices {need} or a mesh that multiplies to {len(devices)}"
-        )
-    return Mesh(np.asarray(devices).reshape(mesh_shape), axis_names)
 
 
 class JaxEngine(Engine):
@@ -490,6 +479,7 @@ class JaxEngine(Engine):
             self.stats.flops_per_step = saved.get("flops_per_step")
             self.stats.causal_attention_flops_per_step = saved.get("causal_attention_flops_per_step")
             self.stats.step_source = "stored"
+            self.stats.step_loaded_ahead = store.loaded_ahead
         else:
             self._drop_state_ahead()  # a stored step that did not load: compile with the device's memory free
             if self._lowered_ahead is not None:

@@ -83,8 +83,6 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
     """The JAX engine on this process's devices: the auto search's winner, or the named strategy."""
     import jax
 
-    from alpa_job.engines import auto_search
-    from alpa_job.engines.jax_engine import JaxEngine
     from alpa_job.engines.optimizer import schedule_steps
 
     horizon = schedule_steps(config, data.epoch.steps)
@@ -92,6 +90,7 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
     devices = jax.devices()  # the first call starts the backend (a GPU: seconds)
     opened = time.perf_counter() - started
     if config.strategy == "auto":
+        from alpa_job.engines import auto_search
         from alpa_job.planner import prefilter  # only auto asks it (its imports are the planner's)
 
         engine, table = auto_search.search(
@@ -99,6 +98,9 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
         )
         engine.search_table = table
     else:
+        _load_step_ahead(config, model, horizon, data.example, len(devices))
+        from alpa_job.engines.jax_engine import JaxEngine
+
         engine = JaxEngine(
             config,
             model,
@@ -115,6 +117,27 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
             engine.compile()
     engine.stats.setup_phases["open_devices"] = opened
     return engine
+
+
+def _load_step_ahead(config, model, horizon, example, device_count: int) -> None:
+    """A named strategy's stored step starts loading on a worker thread now, while the engine's modules import
+    and it builds the model's abstract state (executable_store.load_ahead); its key is the one the engine
+    builds (`JaxEngine._store_for`), so the engine's load takes it."""
+    import jax
+
+    from alpa_job.engines import compile_cache, executable_store, layer_gather
+    from alpa_job.engines.device_mesh import make_mesh
+
+    cache_dir = compile_cache.enable(compile_cache.resolve(getattr(config, "compile_cache", None)))
+    if not cache_dir or not executable_store.StepStore.supported():
+        return
+    record = strategies.get(config.strategy)
+    shape = record.mesh_shape(device_count, config.model_parallel, jax.local_device_count(), config.pipeline_stages)
+    per_layer = config.fsdp_gather == "layer" and record.gathers_layers and layer_gather.unsupported(record, model) is None
+    key = executable_store.step_key(
+        config.replace(fsdp_gather="layer") if per_layer else config, horizon, config.strategy, make_mesh(shape, record.mesh_axes), example
+    )
+    executable_store.load_ahead(cache_dir, key, jax.process_index() if jax.process_count() > 1 else None)
 
 
 # ----------------------------------------------------------------------------- the process
