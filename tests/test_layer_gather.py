@@ -144,6 +144,7 @@ def test_auto_gathers_per_layer_once_xlas_placement_does_not_fit(monkeypatch, tm
 
     again, engine, stats = _losses(config, steps=3)
     assert offered == [True, False, False] and engine.layer_gather is not None
+    assert stats.step_source == "stored" and engine.layer_gather.gathered_layers == 4  # kept beside it: no trace
     np.testing.assert_allclose(again, losses, rtol=1e-6)
 
 

@@ -173,8 +173,8 @@ class JaxEngine(Engine):
         return layer_gather.LayerGather(self.model.layer_class, self.mesh, rows, self._read_dtypes, self.state_sharding.params)
 
     def _weight_gather(self) -> Dict[str, Any]:
-        """Where the step gathers fsdp's weights, for the report. A step loaded from the store was never traced
-        here: one abstract trace of the loss then counts the layers."""
+        """Where the step gathers fsdp's weights, for the report. A step loaded from a store entry that predates
+        the count was never traced here: one abstract trace of the loss then counts the layers."""
         gather = self.layer_gather
         if gather is None:
             chosen = self.config.fsdp_gather
@@ -479,6 +479,9 @@ class JaxEngine(Engine):
             self.stats.flops_per_step = saved.get("flops_per_step")
             self.stats.causal_attention_flops_per_step = saved.get("causal_attention_flops_per_step")
             self.stats.step_source = "stored"
+            if self.layer_gather is not None:  # what the trace that compiled it found: no trace here
+                self.layer_gather.gathered_layers = saved.get("gathered_layers", 0)
+                self.layer_gather.under_own_remat = saved.get("under_own_remat", False)
             self.stats.step_loaded_ahead = store.loaded_ahead
         else:
             self._drop_state_ahead()  # a stored step that did not load: compile with the device's memory free
@@ -570,8 +573,14 @@ class JaxEngine(Engine):
                 {
                     "flops_per_step": self.stats.flops_per_step,
                     "causal_attention_flops_per_step": self.stats.causal_attention_flops_per_step,
+                    **self._gathers_traced(),
                 },
             )
+
+    def _gathers_traced(self) -> Dict[str, Any]:
+        """What the step's trace found of its per-layer gathers, kept beside a stored step for the report."""
+        gather = self.layer_gather
+        return {} if gather is None else {"gathered_layers": gather.gathered_layers, "under_own_remat": gather.under_own_remat}
 
     def finish(self, out_dir: str) -> None:
         if self._store is not None:
