@@ -42,3 +42,32 @@ def compiled_from_parts(parts, in_tree, out_tree):
         return jax.stages.Compiled(loaded, [], args_info, out_tree, no_kwargs=no_kwargs)
     except TypeError:  # jax before executables kept their constants apart
         return jax.stages.Compiled(loaded, args_info, out_tree, no_kwargs=no_kwargs)
+
+
+def serialize_compiled(compiled) -> bytes:
+    """jax.experimental.serialize_executable.serialize's bytes, for a step that lowered a custom-partitioned op on
+    several devices too (cuDNN's attention does): JAX keeps that op's partitioning callbacks alive with the
+    executable for XLA's partitioner, which runs while compiling, and they cannot be pickled. The copy that is
+    serialised leaves them out; the executable itself is not touched."""
+    import dataclasses
+
+    from jax.experimental import serialize_executable
+
+    executable = compiled._executable
+    unloaded = getattr(executable, "_unloaded_executable", None)
+    keepalive = getattr(unloaded, "keepalive", None) or ()
+    kept = [k for k in keepalive if type(k).__name__ != "_ShardingCallbackInfo"]
+    if len(kept) == len(keepalive):
+        return serialize_executable.serialize(compiled)[0]
+    copy = _shallow_copy(executable)
+    copy._unloaded_executable = dataclasses.replace(unloaded, keepalive=kept)
+    return serialize_executable.serialize(_shallow_copy(compiled, _executable=copy))[0]
+
+
+def _shallow_copy(obj, **changes):
+    import copy
+
+    twin = copy.copy(obj)
+    for name, value in changes.items():
+        setattr(twin, name, value)
+    return twin

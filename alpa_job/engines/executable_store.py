@@ -210,10 +210,10 @@ class StepStore:
             self._saving.join()
 
     def _save(self, compiled, extra: Dict[str, Any]) -> None:
-        from jax.experimental import serialize_executable
+        from alpa_job import jax_compat
 
         try:
-            payload, _, _ = serialize_executable.serialize(compiled)
+            payload = jax_compat.serialize_compiled(compiled)
             os.makedirs(self.folder, exist_ok=True)
             for suffix, data, mode in ((".xla", payload, "wb"), (".json", strict_json.dumps({**extra, "key": self.key}, default=str), "w")):
                 tmp = f"{self.path}{suffix}.{os.getpid()}.tmp"
