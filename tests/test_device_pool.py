@@ -26,6 +26,13 @@ def test_a_gpu_runs_peak_is_reserved_by_the_next_identical_run_with_the_allocato
     device_pool.remember(config, 3_000_000_000, "gpu")
     assert device_pool.choose(config) == int(3_000_000_000 * device_pool.MARGIN)
     assert os.environ[device_pool.GROW] == "false"  # the allocator grows from the reserved region
+    # The next run's allocator peak counts its own reservation: the hint stands unless the run went past it.
+    device_pool.remember(config, int(3_000_000_000 * device_pool.MARGIN), "gpu")
+    os.environ.pop(device_pool.GROW)  # a new process (the fixture restores what was there before)
+    assert device_pool.choose(config) == int(3_000_000_000 * device_pool.MARGIN)
+    device_pool.remember(config, 4_000_000_000, "gpu")
+    os.environ.pop(device_pool.GROW)
+    assert device_pool.choose(config) == int(4_000_000_000 * device_pool.MARGIN)
 
 
 def test_another_setting_or_the_users_own_allocator_choice_keeps_jaxs_default(config, monkeypatch):

@@ -21,7 +21,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from alpa_job.engines import compile_cache
 from alpa_job.settings import catalog
@@ -30,6 +30,7 @@ GROW = "XLA_PYTHON_CLIENT_PREALLOCATE"  # the one variable this module sets (the
 USER_CHOICES = (GROW, "XLA_PYTHON_CLIENT_ALLOCATOR", "TF_GPU_ALLOCATOR")
 FOLDER = "alpa_job-steps"  # beside the stored steps: the same cache, the same lifetime
 MARGIN = 1.05  # the peak's share the reservation adds for the allocator's rounding and the input's buffers
+_reserved: Dict[str, Tuple[int, int]] = {}  # hint file -> (the peak it held, the bytes reserved from it)
 
 
 def _key(config) -> str:
@@ -60,7 +61,8 @@ def choose(config) -> Optional[int]:
     if peak <= 0:
         return None
     os.environ[GROW] = "false"
-    return int(peak * MARGIN)
+    _reserved[path] = (peak, int(peak * MARGIN))
+    return _reserved[path][1]
 
 
 def reserve(devices: List[Any], nbytes: int) -> None:
@@ -82,10 +84,15 @@ def reserve(devices: List[Any], nbytes: int) -> None:
 
 
 def remember(config, peak_bytes: Optional[int], platform: str) -> None:
-    """After a GPU run: its measured peak, for the next identical run's reservation."""
+    """After a GPU run: its measured peak, for the next identical run's reservation. The allocator's peak counts
+    this run's own reservation: where nothing went past it, the hint it came from stands (else each run would
+    add the margin again)."""
     path = hint_path(config)
     if not path or not peak_bytes or platform != "gpu":
         return
+    hinted, reserved = _reserved.get(path, (0, 0))
+    if peak_bytes <= reserved:
+        peak_bytes = hinted
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
