@@ -1,4 +1,4 @@
-"""The GPU pool sized by the last identical run (train/device_pool.py): what is remembered, when it is used, and
+"""The GPU pool sized by the last identical run (engines/device_pool.py): what is remembered, when it is used, and
 that the kit's own allocator setting never changes the stored step's key. The reservation itself needs a GPU
 (bench/gpu_warm_start.py measures it); here the devices are CPUs, which keep no pool."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from alpa_job.engines import executable_store
 from alpa_job.settings.config import JobConfig
-from alpa_job.train import device_pool
+from alpa_job.engines import device_pool
 
 
 @pytest.fixture

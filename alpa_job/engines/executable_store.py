@@ -38,7 +38,7 @@ from alpa_job.progress.events import note
 from alpa_job.models import source_digest
 from alpa_job.settings import catalog
 from alpa_job import strict_json
-from alpa_job.train import device_pool
+from alpa_job.engines import device_pool
 
 FOLDER = "alpa_job-steps"
 # The settings that never reach the compiled step are marked so in the catalogue (decides_step=False);
@@ -93,7 +93,7 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
             **({"processes": jax.process_count()} if jax.process_count() > 1 else {}),
         },
         "versions": versions.collect(),  # python, jax, jaxlib, flax, optax, numpy, CUDA, NCCL, ...
-        # The allocator's growth, which the kit itself may set (train/device_pool.py), never reaches the program.
+        # The allocator's growth, which the kit itself may set (engines/device_pool.py), never reaches the program.
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_")) and k != device_pool.GROW},
         "jax_options": {name: str(getattr(jax.config, name, None)) for name in JAX_OPTIONS},
     }

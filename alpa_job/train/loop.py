@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from alpa_job import strategies, versions
 from alpa_job.progress.events import note, timed
-from alpa_job.train import device_pool, hooks, own_network, timing
+from alpa_job.engines import device_pool
+from alpa_job.train import hooks, own_network, timing
 from alpa_job.data.pipeline import InputStream, Shard
 from alpa_job.engines.base import Engine, check_supported
 from alpa_job.engines.flops import matmul_dtype
@@ -36,7 +37,7 @@ def _open_devices_early(config) -> None:
     the data: a GPU backend takes seconds to start. The thread then puts one small buffer on each local
     device: a device's allocator reserves its memory pool at its first allocation (most of a GPU, by
     default), not when the backend starts, and that otherwise falls on the state's initialisation; where
-    an earlier identical run left its peak (train/device_pool.py), it reserves that instead.
+    an earlier identical run left its peak (engines/device_pool.py), it reserves that instead.
     build_jax_engine's own jax.devices() waits for the backend; a backend that fails to start fails
     there, with its error."""
     import jax
