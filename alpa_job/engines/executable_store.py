@@ -133,6 +133,12 @@ def load_ahead(cache_dir: str, key: Dict[str, Any], process: Optional[int] = Non
     threading.Thread(target=load, name="step-load-ahead", daemon=True).start()
 
 
+def drop_ahead() -> None:
+    """Forget what load_ahead loaded and no store took (a key that differed): it holds an executable on the
+    devices."""
+    _AHEAD.clear()
+
+
 class StepStore:
     """The store under one compile-cache folder; `load` and `save` for one step key."""
 

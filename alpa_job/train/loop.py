@@ -116,6 +116,9 @@ def build_jax_engine(config, model, data: TrainData) -> Engine:
             engine.init_state_ahead(config.seed)  # made beside the step's load (_first_state takes it)
         with timed(f"compiling train step ({config.model}, {config.strategy}, mesh {engine.mesh.devices.shape})"):
             engine.compile()
+        from alpa_job.engines import executable_store
+
+        executable_store.drop_ahead()  # the engine took its step, or the key differed
     engine.stats.setup_phases["open_devices"] = opened
     return engine
 
