@@ -65,22 +65,24 @@ def choose(config) -> Optional[int]:
     return _reserved[path][1]
 
 
-def reserve(devices: List[Any], nbytes: int) -> None:
-    """One buffer of `nbytes` (at most the allocator's limit, less a little) on each GPU at once, freed at once:
-    the allocator keeps the region it grew for it."""
+def first_buffers(devices: List[Any], nbytes: Optional[int] = None) -> None:
+    """The first buffer on each device, all devices at once (each allocation is its own call into the driver),
+    freed at once: a scalar, where the allocator then reserves JAX's default pool, or `nbytes` (at most the
+    allocator's limit, less a little) on each GPU, where `choose` told it to grow: it keeps the region."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     def one(device) -> None:
+        if not nbytes or device.platform != "gpu":
+            jax.device_put(np.zeros((), np.int32), device).block_until_ready()
+            return
         limit = (device.memory_stats() or {}).get("bytes_limit") or nbytes
-        size = max(1, min(nbytes, int(limit) - 2**26))
         with jax.default_device(device):
-            jnp.empty((size,), jnp.uint8).block_until_ready()
+            jnp.empty((max(1, min(nbytes, int(limit) - 2**26)),), jnp.uint8).block_until_ready()
 
-    gpus = [d for d in devices if d.platform == "gpu"]
-    if gpus:
-        with concurrent.futures.ThreadPoolExecutor(len(gpus), thread_name_prefix="pool") as pool:
-            list(pool.map(one, gpus))
+    with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="first-buffer") as pool:
+        list(pool.map(one, devices))
 
 
 def remember(config, peak_bytes: Optional[int], platform: str) -> None:

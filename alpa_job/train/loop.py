@@ -9,7 +9,6 @@ data; it never formats a report.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import socket
 import threading
@@ -55,24 +54,11 @@ def _open_devices_early(config) -> None:
             from alpa_job.engines import memory_fit
 
             memory_fit.remember_limits(jax.local_devices())  # before the pools are reserved (it says why)
-            if reserved:
-                device_pool.reserve(jax.local_devices(), reserved)
-            else:
-                _first_buffers(jax.local_devices())
+            device_pool.first_buffers(jax.local_devices(), reserved)
         except Exception:  # noqa: BLE001 - reported by the main thread's own call
             pass
 
     threading.Thread(target=open_devices, name="open-devices", daemon=True).start()
-
-
-def _first_buffers(devices) -> None:
-    """One scalar on each device, all devices at once (each reservation is its own call into the driver)."""
-    import jax
-    import numpy as np
-
-    one = np.zeros((), np.int32)
-    with concurrent.futures.ThreadPoolExecutor(len(devices), thread_name_prefix="first-buffer") as pool:
-        list(pool.map(lambda device: jax.device_put(one, device).block_until_ready(), devices))
 
 
 # ----------------------------------------------------------------------------- engines
