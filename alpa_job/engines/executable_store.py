@@ -99,6 +99,15 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
     }
 
 
+def store_for(cache_dir: str, config, horizon: Optional[int], strategy: str, mesh, example, per_layer: bool) -> "StepStore":
+    """The store of one step, with or without fsdp's per-layer gathers (the key names the placement: under
+    --fsdp-gather auto it is per layer once XLA's did not fit); each process of a job keeps its own entry."""
+    import jax
+
+    key = step_key(config.replace(fsdp_gather="layer") if per_layer else config, horizon, strategy, mesh, example)
+    return StepStore(cache_dir, key, process=jax.process_index() if jax.process_count() > 1 else None)
+
+
 def key_digest(key: Dict[str, Any]) -> str:
     """The name of the entry a key (step_key, or a search's key built on it) gets."""
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:40]
@@ -108,12 +117,11 @@ def key_digest(key: Dict[str, Any]) -> str:
 _AHEAD: Dict[str, "concurrent.futures.Future"] = {}
 
 
-def load_ahead(cache_dir: str, key: Dict[str, Any], process: Optional[int] = None) -> None:
-    """Start loading the entry for `key` on a worker thread, if there is one: a run that starts from the store
+def load_ahead(store: "StepStore") -> None:
+    """Start loading `store`'s entry on a worker thread, if there is one: a run that starts from the store
     spends most of its start deserialising the step (XLA rebuilds the executable), which needs neither the
     model nor its abstract state, so it can run while they are built. The engine's own `load` for the same key
     takes the result, or loads as usual where this failed (a jax whose serialisation differs, say)."""
-    store = StepStore(cache_dir, key, process)
     if not store.present() or store.path in _AHEAD:
         return
     future: concurrent.futures.Future = concurrent.futures.Future()

@@ -25,7 +25,7 @@ from alpa_job import strategies
 from alpa_job.engines import compile_cache, flops, layer_gather, memory_fit, model_checks, weight_reads, xla_options
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.device_mesh import make_mesh  # noqa: F401 - also the module's name for it (auto, benches)
-from alpa_job.engines.executable_store import StepStore, step_key
+from alpa_job.engines.executable_store import StepStore, store_for
 from alpa_job.engines.optimizer import default_optimizer
 from alpa_job import api, models
 from alpa_job.record import traffic
@@ -117,7 +117,7 @@ class JaxEngine(Engine):
         self._per_layer_possible = why_not is None  # fsdp's per-layer gathers (engines/layer_gather.py)
         asked = config.fsdp_gather == "layer" and self.strategy_record.gathers_layers
         self._gather_note = f"--fsdp-gather layer: {why_not}, so XLA places the gathers" if asked and why_not else None
-        self.layer_gather = self._new_layer_gather() if asked and not why_not else None
+        self.layer_gather = self._new_layer_gather() if layer_gather.starts_per_layer(config, self.strategy_record, model) else None
         if self.check_memory:
             memory_fit.check_state_fits(self._abstract_state, strategy, mesh_shape)  # before anything allocates
         if self.pipeline is None:
@@ -552,11 +552,7 @@ class JaxEngine(Engine):
         return self._store_for(per_layer=self.layer_gather is not None)
 
     def _store_for(self, per_layer: bool) -> StepStore:
-        """The store of this step with or without per-layer gathers: under --fsdp-gather auto the key names the
-        placement in use (per layer once XLA's did not fit)."""
-        config = self.config.replace(fsdp_gather="layer") if per_layer else self.config
-        key = step_key(config, self._horizon, self.strategy, self.mesh, self._example)
-        return StepStore(self.stats.compile_cache_dir, key, process=jax.process_index() if jax.process_count() > 1 else None)
+        return store_for(self.stats.compile_cache_dir, self.config, self._horizon, self.strategy, self.mesh, self._example, per_layer)
 
     def keep_step(self) -> None:
         """Put the step compiled by compile_step() in the step store (auto search's winner), so an

@@ -46,6 +46,11 @@ def unsupported(record, model) -> Optional[str]:
     return None
 
 
+def starts_per_layer(config, record, model) -> bool:
+    """Whether the step is first compiled with per-layer gathers: asked for, and possible."""
+    return config.fsdp_gather == "layer" and unsupported(record, model) is None
+
+
 class LayerGather:
     """Runs a model's loss with each call of `layer_class` gathering its own parameters."""
 

@@ -122,12 +122,11 @@ def _load_step_ahead(config, model, horizon, example, device_count: int) -> None
     if not cache_dir or not executable_store.StepStore.supported():
         return
     record = strategies.get(config.strategy)
-    shape = record.mesh_shape(device_count, config.model_parallel, jax.local_device_count(), config.pipeline_stages)
-    per_layer = config.fsdp_gather == "layer" and record.gathers_layers and layer_gather.unsupported(record, model) is None
-    key = executable_store.step_key(
-        config.replace(fsdp_gather="layer") if per_layer else config, horizon, config.strategy, make_mesh(shape, record.mesh_axes), example
+    mesh = make_mesh(
+        record.mesh_shape(device_count, config.model_parallel, jax.local_device_count(), config.pipeline_stages), record.mesh_axes
     )
-    executable_store.load_ahead(cache_dir, key, jax.process_index() if jax.process_count() > 1 else None)
+    per_layer = layer_gather.starts_per_layer(config, record, model)
+    executable_store.load_ahead(executable_store.store_for(cache_dir, config, horizon, config.strategy, mesh, example, per_layer))
 
 
 # ----------------------------------------------------------------------------- the process
