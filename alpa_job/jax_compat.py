@@ -49,6 +49,7 @@ def serialize_compiled(compiled) -> bytes:
     several devices too (cuDNN's attention does): JAX keeps that op's partitioning callbacks alive with the
     executable for XLA's partitioner, which runs while compiling, and they cannot be pickled. The copy that is
     serialised leaves them out; the executable itself is not touched."""
+    import copy
     import dataclasses
 
     from jax.experimental import serialize_executable
@@ -59,15 +60,7 @@ def serialize_compiled(compiled) -> bytes:
     kept = [k for k in keepalive if type(k).__name__ != "_ShardingCallbackInfo"]
     if len(kept) == len(keepalive):
         return serialize_executable.serialize(compiled)[0]
-    copy = _shallow_copy(executable)
-    copy._unloaded_executable = dataclasses.replace(unloaded, keepalive=kept)
-    return serialize_executable.serialize(_shallow_copy(compiled, _executable=copy))[0]
-
-
-def _shallow_copy(obj, **changes):
-    import copy
-
-    twin = copy.copy(obj)
-    for name, value in changes.items():
-        setattr(twin, name, value)
-    return twin
+    executable_copy, compiled_copy = copy.copy(executable), copy.copy(compiled)
+    executable_copy._unloaded_executable = dataclasses.replace(unloaded, keepalive=kept)
+    compiled_copy._executable = executable_copy
+    return serialize_executable.serialize(compiled_copy)[0]

@@ -23,28 +23,25 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from alpa_job.engines import compile_cache
-from alpa_job.settings import catalog
+from alpa_job.engines import compile_cache, executable_store
 
-GROW = "XLA_PYTHON_CLIENT_PREALLOCATE"  # the one variable this module sets (the step store's key leaves it out)
+GROW = executable_store.ALLOCATOR_GROWTH  # the one variable this module sets (the step store's key leaves it out)
 USER_CHOICES = (GROW, "XLA_PYTHON_CLIENT_ALLOCATOR", "TF_GPU_ALLOCATOR")
-FOLDER = "alpa_job-steps"  # beside the stored steps: the same cache, the same lifetime
 MARGIN = 1.05  # the peak's share the reservation adds for the allocator's rounding and the input's buffers
 _reserved: Dict[str, Tuple[int, int]] = {}  # hint file -> (the peak it held, the bytes reserved from it)
 
 
 def _key(config) -> str:
     """What decides a run's device memory, as far as the process knows before its devices open."""
-    settings = {k: v for k, v in config.as_dict().items() if k not in catalog.NOT_IN_STEP}
-    environment = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_")) and k != GROW}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    text = json.dumps([settings, environment, visible], sort_keys=True, default=str)
+    text = json.dumps([executable_store.step_settings(config), executable_store.step_environment(), visible], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def hint_path(config) -> Optional[str]:
     folder = compile_cache.resolve(getattr(config, "compile_cache", None))
-    return os.path.join(folder, FOLDER, f"pool-{_key(config)}.json") if folder else None
+    # Beside the stored steps: the same cache, the same lifetime.
+    return os.path.join(folder, executable_store.FOLDER, f"pool-{_key(config)}.json") if folder else None
 
 
 def choose(config) -> Optional[int]:
@@ -73,11 +70,13 @@ def first_buffers(devices: List[Any], nbytes: Optional[int] = None) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from alpa_job.engines import memory_fit
+
     def one(device) -> None:
         if not nbytes or device.platform != "gpu":
             jax.device_put(np.zeros((), np.int32), device).block_until_ready()
             return
-        limit = (device.memory_stats() or {}).get("bytes_limit") or nbytes
+        limit = memory_fit.limit_of(device) or nbytes
         with jax.default_device(device):
             jnp.empty((max(1, min(nbytes, int(limit) - 2**26)),), jnp.uint8).block_until_ready()
 

@@ -38,7 +38,6 @@ from alpa_job.progress.events import note
 from alpa_job.models import source_digest
 from alpa_job.settings import catalog
 from alpa_job import strict_json
-from alpa_job.engines import device_pool
 
 FOLDER = "alpa_job-steps"
 # The settings that never reach the compiled step are marked so in the catalogue (decides_step=False);
@@ -70,17 +69,30 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+# The allocator's growth, which the kit itself may set (engines/device_pool.py), never reaches the program.
+ALLOCATOR_GROWTH = "XLA_PYTHON_CLIENT_PREALLOCATE"
+
+
+def step_settings(config) -> Dict[str, Any]:
+    """The job's settings that reach the compiled step."""
+    return {k: v for k, v in config.as_dict().items() if k not in NOT_IN_STEP}
+
+
+def step_environment() -> Dict[str, str]:
+    """XLA's and JAX's environment variables that reach the compiled step."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_")) and k != ALLOCATOR_GROWTH}
+
+
 def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[str, Any]) -> Dict[str, Any]:
     """Everything the compiled step depends on, as plain data (its hash names the entry)."""
     import jax
 
     devices = mesh.devices.ravel().tolist()
     backend = devices[0].client
-    settings = {k: v for k, v in config.as_dict().items() if k not in NOT_IN_STEP}
     return {
         "kit_source": _source_digest(),
         "model_source": source_digest(config),  # a model the user brings: its package's source
-        "settings": settings,
+        "settings": step_settings(config),
         "schedule_steps": horizon,
         "strategy": strategy,
         "mesh": {"shape": list(mesh.devices.shape), "axes": list(mesh.axis_names), "ids": [d.id for d in devices]},
@@ -93,8 +105,7 @@ def step_key(config, horizon: Optional[int], strategy: str, mesh, example: Dict[
             **({"processes": jax.process_count()} if jax.process_count() > 1 else {}),
         },
         "versions": versions.collect(),  # python, jax, jaxlib, flax, optax, numpy, CUDA, NCCL, ...
-        # The allocator's growth, which the kit itself may set (engines/device_pool.py), never reaches the program.
-        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_")) and k != device_pool.GROW},
+        "environment": step_environment(),
         "jax_options": {name: str(getattr(jax.config, name, None)) for name in JAX_OPTIONS},
     }
 

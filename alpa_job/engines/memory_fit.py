@@ -75,13 +75,18 @@ def _stats(device) -> dict:
         return {}
 
 
+def limit_of(device) -> Optional[int]:
+    """The device's allocator limit: as remembered before its first buffer, else as its statistics say now."""
+    limit = _LIMITS.get(_key(device)) or _stats(device).get("bytes_limit")
+    return int(limit) if limit else None
+
+
 def budget(devices: List[Any]) -> Optional[Tuple[int, int, str]]:
     """(bytes available, devices sharing them, what they are in words) for this process's devices;
     None when nothing says (the check is then skipped, never guessed)."""
-    limit = _LIMITS.get(_key(devices[0]))
-    stats = {"bytes_limit": limit} if limit else _stats(devices[0])
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), 1, f"JAX may take {_gb(int(stats['bytes_limit']))} of one {devices[0].device_kind}"
+    limit = limit_of(devices[0])
+    if limit:
+        return limit, 1, f"JAX may take {_gb(limit)} of one {devices[0].device_kind}"
     if devices[0].platform != "cpu":
         return None
     available = host_available_bytes()
