@@ -11,7 +11,7 @@ from alpa_job.cluster.spec import load_spec
 from alpa_job.errors import EXIT_USER_ERROR, KitError
 
 # NCCL's socket transport settings, rendered on every fabric (NCCL's documented recommendation for 100G).
-SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
+SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4", "NCCL_P2P_NET_CHUNKSIZE": "524288"}
 
 
 def spec_with(tmp_path, text):
@@ -77,8 +77,8 @@ def test_socket_defaults_fill_in_what_the_environment_lacks():
 
 def test_socket_defaults_leave_a_users_own_value_alone():
     environ = {"NCCL_SOCKET_NTHREADS": "8"}
-    assert apply_socket_defaults(environ) == {"NCCL_NSOCKS_PERTHREAD": "4"}
-    assert environ == {"NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "4"}
+    assert apply_socket_defaults(environ) == {"NCCL_NSOCKS_PERTHREAD": "4", "NCCL_P2P_NET_CHUNKSIZE": "524288"}
+    assert environ == {"NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "4", "NCCL_P2P_NET_CHUNKSIZE": "524288"}
 
 
 def test_a_user_file_changes_only_the_network_keys_it_sets(tmp_path):

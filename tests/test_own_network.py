@@ -68,11 +68,12 @@ def test_a_run_measures_its_links_when_it_has_any():
 def test_a_process_takes_the_socket_settings_its_node_lacks_and_keeps_its_own(monkeypatch):
     """What a training process and the doctor's probes do before NCCL starts: the cluster's NCCL socket
     settings fill what the node's environment lacks (a `ray start` by hand), never replacing the node's own."""
-    keys = ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
+    keys = ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD", "NCCL_P2P_NET_CHUNKSIZE", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
     for key in keys:  # recorded by monkeypatch, so whatever prepare_nccl sets is undone after the test
         monkeypatch.setenv(key, "x")
         monkeypatch.delenv(key)
     monkeypatch.setenv("NCCL_NSOCKS_PERTHREAD", "2")
     log = network_probe.prepare_nccl()
     assert os.environ["NCCL_SOCKET_NTHREADS"] == "4" and os.environ["NCCL_NSOCKS_PERTHREAD"] == "2"
+    assert os.environ["NCCL_P2P_NET_CHUNKSIZE"] == "524288"
     assert log == network_probe.own_nccl_log() and os.environ["NCCL_DEBUG"] == "INFO"
