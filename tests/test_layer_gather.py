@@ -158,6 +158,7 @@ from alpa_job.engines import memory_fit
 from alpa_job.engines.jax_engine import JaxEngine
 from alpa_job.errors import KitError
 from alpa_job.models import get_model
+from alpa_job.train.profile import StepProfile
 from helpers_train import tiny_config
 
 if jax.process_index() == 1:  # this process's devices are the smaller ones: XLA's placement does not fit here
@@ -176,16 +177,21 @@ engine = JaxEngine(config, get_model(config), batch, "fsdp", (4, 1))
 engine.compile()
 engine.wait_for_every_process()
 state, losses = engine.init_state(0), []
-for _ in range(3):
+profile = StepProfile(2, 1, sys.argv[3])  # both processes' run folder is one, as on shared storage
+for step in range(1, 4):
+    profile.before_step(step)
     state, loss = engine.step(state, engine.put_batch(batch))
+    profile.after_step(step, engine, state)
     losses.append(float(loss))
-print(json.dumps({"per_layer": engine.layer_gather is not None, "losses": losses, "notes": engine.notes()}))
+out = {"per_layer": engine.layer_gather is not None, "losses": losses, "notes": engine.notes(), "profile": profile.summary()}
+print(json.dumps(out))
 """
 
 
 def test_auto_in_a_job_of_several_processes_switches_every_process_where_one_does_not_fit(tmp_path):
     """Every process must run one program: two JAX processes (2 CPU devices each), the step fits on the first and
-    not on the second, and both compile per-layer gathers, say so, and train together."""
+    not on the second, and both compile per-layer gathers, say so, and train together. Their `--profile` traces,
+    in one run folder on one host, stay apart: each process reads its own."""
     import socket
 
     from alpa_job.cpu_devices import with_device_count
@@ -196,7 +202,7 @@ def test_auto_in_a_job_of_several_processes_switches_every_process_where_one_doe
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]), XLA_FLAGS=with_device_count(2))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _TWO_PROCESSES, f"127.0.0.1:{port}", str(i)],
+            [sys.executable, "-c", _TWO_PROCESSES, f"127.0.0.1:{port}", str(i), str(tmp_path / "run")],
             env=env,
             cwd=str(tmp_path),
             stdout=subprocess.PIPE,
@@ -213,6 +219,10 @@ def test_auto_in_a_job_of_several_processes_switches_every_process_where_one_doe
     assert [r["per_layer"] for r in results] == [True, True]
     assert all(any("did not fit with XLA's placement of the gathers on some process" in n for n in r["notes"]) for r in results)
     assert results[0]["losses"] == results[1]["losses"] and results[0]["losses"][-1] < results[0]["losses"][0]
+    profiles = [r["profile"] for r in results]
+    assert [os.path.basename(p["dir"]) for p in profiles] == ["process-0", "process-1"]
+    assert all(p["trace"].startswith(p["dir"] + os.sep) and os.path.isfile(p["trace"]) for p in profiles), profiles
+    assert all("summary_error" not in p and p["comm_share"] > 0 for p in profiles), profiles
 
 
 def test_a_step_over_the_budget_names_per_layer_gathers_as_a_way_out(monkeypatch):

@@ -3,6 +3,7 @@ outer-dimension split - on emulated CPU devices, through the real engine and CLI
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -305,3 +306,18 @@ def test_a_checkpoint_with_whole_parameters_resumes_into_datas_split_layout_with
             reports[name] = json.load(f)
     assert reports["broken"]["steps"] == 4  # resumed at step 6
     assert first_six + reports["broken"]["losses"] == reports["unbroken"]["losses"]
+
+
+def test_a_trace_that_cannot_be_read_is_named_in_the_report_and_the_run_stands(tmp_path):
+    """A trace cut short (a full disk, another process writing the same file) leaves its summary out with the
+    reason; the report of a run that trained is still written."""
+    from alpa_job.train.profile import StepProfile
+
+    profile = StepProfile(3, 2, str(tmp_path))
+    folder = tmp_path / "profile" / "plugins" / "profile" / "2026_11_30_12_00_00"
+    folder.mkdir(parents=True)
+    (folder / "host.trace.json.gz").write_bytes(gzip.compress(b'{"traceEvents": ['))
+    profile.done = True
+    summary = profile.summary()
+    assert summary["trace"] == str(folder / "host.trace.json.gz") and "comm_share" not in summary
+    assert summary["summary_error"].startswith(("JSONDecodeError", "ValueError")), summary

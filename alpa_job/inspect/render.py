@@ -203,6 +203,8 @@ def _profile_pairs(record: RunRecord) -> List[tuple]:
                 f"overlapped with compute ({profile.get('platform')}; per step: {kinds})",
             )
         )
+    if profile.get("summary_error"):
+        pairs.append(("communication share (profiled)", f"not read from the trace: {profile['summary_error']}"))
     return pairs
 
 

@@ -1,7 +1,9 @@
 """`--profile START:COUNT`: a JAX profiler trace of steps START..START+COUNT-1 in the run directory.
 
 The trace goes to OUT/profile (TensorBoard's profile plugin / XProf read the `.xplane.pb`, Perfetto
-reads the `.trace.json.gz`), and its communication share goes into the report's timing. Only the
+reads the `.trace.json.gz`), and its communication share goes into the report's timing. In a job of several
+processes each traces into OUT/profile/process-I: JAX names a trace after its host and the second it ends,
+so processes sharing a host, or a run folder on shared storage, would otherwise write over each other's. Only the
 named steps are traced: a trace of a whole run is gigabytes, and the first steps are compile and
 warm-up, not the steady state anyone profiles for.
 """
@@ -38,6 +40,8 @@ class StepProfile:
         if not self.tracing and not self.done and step == self.start:
             import jax
 
+            if jax.process_count() > 1:
+                self.directory = os.path.join(self.directory, f"process-{jax.process_index()}")
             os.makedirs(self.directory, exist_ok=True)
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.tracing = True
@@ -69,5 +73,8 @@ class StepProfile:
             "trace": traces[-1] if traces else None,
         }
         if traces:
-            out.update(summarise_trace(traces[-1], self.count))
+            try:
+                out.update(summarise_trace(traces[-1], self.count))
+            except (OSError, EOFError, ValueError, KeyError) as exc:  # the trace stays for a viewer; the run's result stands
+                out["summary_error"] = f"{type(exc).__name__}: {exc}"
         return out
