@@ -122,6 +122,8 @@ CASES = [
         2,
     ),
     (["--restart-wait", "30"], r"--restart-wait does nothing here: .* --max-restarts is 0", 2),
+    (["--address", "none", "--network-gbps", "25"], r"--network-gbps does nothing here: .*one host\); drop it", 2),
+    (["--network-gbps", "0"], r"--network-gbps must be > 0, got 0.0", 2),
     # sizes and divisibility against the devices the run will have
     (["--processes", "2"], r"--processes 2 but a local Ray has one node", 2),
     (

@@ -22,7 +22,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpa_job import strategies
-from alpa_job.engines import compile_cache, flops, layer_gather, memory_fit, model_checks, weight_reads, xla_options
+from alpa_job.engines import compile_cache, flops, layer_gather, memory_fit, model_checks, network_schedule, weight_reads, xla_options
 from alpa_job.engines.base import CompileStats, Engine
 from alpa_job.engines.device_mesh import make_mesh  # noqa: F401 - also the module's name for it (auto, benches)
 from alpa_job.engines.executable_store import StepStore, store_for
@@ -117,6 +117,7 @@ class JaxEngine(Engine):
         self._per_layer_possible = why_not is None  # fsdp's per-layer gathers (engines/layer_gather.py)
         asked = config.fsdp_gather == "layer" and self.strategy_record.gathers_layers
         self._gather_note = f"--fsdp-gather layer: {why_not}, so XLA places the gathers" if asked and why_not else None
+        self._network_note: Optional[str] = None  # --network-gbps: what XLA was told, once the step compiled
         self.layer_gather = self._new_layer_gather() if layer_gather.starts_per_layer(config, self.strategy_record, model) else None
         if self.check_memory:
             memory_fit.check_state_fits(self._abstract_state, strategy, mesh_shape)  # before anything allocates
@@ -398,8 +399,35 @@ class JaxEngine(Engine):
             self._check_step_fits(stats)
         elif refused is not None:
             raise refused
+        self._schedule_for_network()
         self._store_step()
         return stats
+
+    def _schedule_for_network(self) -> None:
+        """--network-gbps on GPUs of several hosts: the step compiled again with XLA told what each of its
+        collectives across hosts costs (network_schedule). A stored step was compiled so already (the setting is
+        in its key): its costs are read from it for the report, and nothing compiles."""
+        gbps = getattr(self.config, "network_gbps", None)
+        node_of = self._device_hosts()
+        option = network_schedule.PROFILE_OPTION
+        if not gbps or self.mesh.devices.flat[0].platform != "gpu" or len(set(node_of)) < 2 or option in self.compiler_options:
+            return
+        if option in xla_options.user_set_flags():
+            self._network_note = f"--network-gbps {gbps:g}: not applied, XLA_FLAGS sets {option} (yours wins)"
+            return
+        costs = network_schedule.collective_costs(self.stats.hlo_texts[0], node_of, gbps)
+        if not costs:
+            return
+        self.compiler_options = {**self.compiler_options, option: network_schedule.written_profile(costs)}
+        if self.stats.step_source == "compiled":
+            self._compiled = self._jitted = None
+            with network_schedule.profile_warnings_dropped():
+                self._compile_step()
+            self._check_step_fits(self.stats)
+        self._network_note = (
+            f"--network-gbps {gbps:g}: XLA scheduled the step knowing its {len(costs)} collective(s) across hosts "
+            f"take {sum(costs.values()) / 1e3:.1f} ms at that rate"
+        )
 
     def _check_step_fits(self, stats: CompileStats) -> None:
         memory_fit.check_step_fits(
@@ -701,7 +729,8 @@ class JaxEngine(Engine):
         }
 
     def notes(self) -> List[str]:
-        return list(self._notes) + self._precision_notes + ([self._gather_note] if self._gather_note else [])
+        said = [note for note in (self._gather_note, self._network_note) if note]
+        return list(self._notes) + self._precision_notes + said
 
     def extra_report(self) -> Dict[str, Any]:
         out = {"search": self.search_table, "compiler_options": self.compiler_options or None, "network_traffic": self.network_traffic()}
@@ -718,10 +747,13 @@ class JaxEngine(Engine):
         node). None before the step is compiled."""
         if not self.stats.hlo_texts:
             return None
-        devices = list(self.mesh.devices.flat)
-        node_of = [d.process_index for d in devices]
-        rows = traffic.step_traffic(self.stats.hlo_texts[0], len(devices), jax.local_device_count(), node_of)
+        node_of = self._device_hosts()
+        rows = traffic.step_traffic(self.stats.hlo_texts[0], len(node_of), jax.local_device_count(), node_of)
         return {"hosts": len(set(node_of)), **traffic.summary(rows)}
+
+    def _device_hosts(self) -> List[int]:
+        """Each mesh device's host, in the mesh's order: its JAX process (one a node)."""
+        return [d.process_index for d in self.mesh.devices.flat]
 
     # ----- checks that turn XLA errors into one-line fixes ---------------------------------------
     def _check_batch_rows_per_process(self) -> None:

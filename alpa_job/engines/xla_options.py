@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Set
 
 from alpa_job import strategies
 
@@ -20,10 +20,15 @@ def compiler_options(strategy: str, xla_flags: Optional[str] = None) -> Dict[str
     and none where this jax cannot pass options to jit."""
     if not jit_takes_options():
         return {}
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    user_set = {token.lstrip("-").split("=", 1)[0] for token in flags.split()}
+    user_set = user_set_flags(xla_flags)
     own = strategies.get(strategy).compiler_options
     return {name: value for name, value in own.items() if name not in user_set}
+
+
+def user_set_flags(xla_flags: Optional[str] = None) -> Set[str]:
+    """The names of the flags in `xla_flags` (default: $XLA_FLAGS)."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    return {token.lstrip("-").split("=", 1)[0] for token in flags.split()}
 
 
 @functools.lru_cache(maxsize=None)  # asked for every engine: each auto candidate and copy builds one

@@ -145,6 +145,13 @@ def step_traffic(
 ) -> List[Traffic]:
     """Every collective of a compiled step (hlo.collective_instances' bytes) with its traffic; `as_on_gpu`: a
     step compiled for CPU devices counted as XLA:GPU would run it (record/gpu_view.py)."""
+    return [row for _, row in named_step_traffic(hlo_text, num_devices, gpus_per_node, node_of, as_on_gpu)]
+
+
+def named_step_traffic(
+    hlo_text: str, num_devices: int, gpus_per_node: int, node_of: Optional[Sequence[int]] = None, as_on_gpu: bool = False
+) -> List[Tuple[str, Traffic]]:
+    """step_traffic's rows, each with its instruction's name in the HLO (an asynchronous collective's start)."""
     attributes: Dict[str, str] = {}
     for line in hlo_text.splitlines():
         inst = hlo.parse_instruction(line)
@@ -166,7 +173,7 @@ def step_traffic(
     out = []
     for kind, name, nbytes in instances:
         groups = groups_of.get(name)  # None: unreadable, counted as spanning every device
-        out.append(traffic(kind, nbytes, groups, num_devices, gpus_per_node, node_of))
+        out.append((name, traffic(kind, nbytes, groups, num_devices, gpus_per_node, node_of)))
     return out
 
 

@@ -135,6 +135,18 @@ HOW_TO_RUN = (
         choices=("auto", "layer", "xla"),
     ),
     Setting(
+        "network_gbps",
+        Optional[float],
+        None,
+        "jax, GPUs on several hosts: the network between hosts in Gbit/s (doctor --network measures it). XLA's "
+        "scheduler is then told what each collective crossing it costs (its bytes at that rate), and starts "
+        "them earlier, beside more compute; the step compiles twice the first time",
+        PARALLELISM,
+        check=ABOVE_ZERO,
+        metavar="GBPS",
+        default_help="not told: XLA assumes fast links",
+    ),
+    Setting(
         "model_parallel",
         int,
         0,

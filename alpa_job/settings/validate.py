@@ -61,6 +61,11 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
     if name == "fsdp_gather" and (engine != "jax" or not (strategy == "auto" or _gathers_layers(strategy))):
         users = "/".join(s.name for s in strategies.STRATEGIES.values() if s.gathers_layers)
         return f"it places the gathers of --strategy {users}'s split weights (this run: {engine}/{strategy}); drop it or use one of those"
+    if name == "network_gbps" and (engine != "jax" or address == "none"):
+        return (
+            f"it tells the JAX engine's step what the network between hosts costs (this run: {engine}, --address "
+            f"{address}: one host); drop it or run the JAX engine on a Ray cluster"
+        )
     if name in JAX_AUTO_ONLY and (engine != "jax" or strategy != "auto"):
         return f"it tunes --strategy auto's search (this run: {engine}/{strategy}); drop it or use --strategy auto"
     if name == "data_dir" and config.dataset != "cifar10":
