@@ -76,16 +76,16 @@ print(json.dumps({"first": first[0], "final": stats.hlo_texts[0], "options": eng
 
 def _matmuls_beside_largest_all_reduce(text: str) -> int:
     """Matmuls scheduled between the start and the done of the step's largest all-reduce (the shell's sum)."""
-    entry = [hlo.parse_instruction(line) for line in text.split("\nENTRY", 1)[1].splitlines()]
-    ops = [op for op in entry if op is not None]
+    from gpu_schedule import entry_schedule, is_matmul  # the bench's reading of a GPU schedule
+
+    ops = entry_schedule(text)
     starts, largest = {}, (0, 0)
     for i, (name, shape, opcode, rest) in enumerate(ops):
         if opcode == "all-reduce-start":
             starts[name] = i
         elif opcode == "all-reduce-done":
             begun = starts[hlo.start_operand(rest, starts)]
-            matmuls = sum(1 for _, _, op, r in ops[begun:i] if op == "custom-call" and "__cublas" in r or "gemm" in r and op == "fusion")
-            largest = max(largest, (hlo.shape_bytes(shape), matmuls))
+            largest = max(largest, (hlo.shape_bytes(shape), sum(1 for _, _, op, r in ops[begun:i] if is_matmul(op, r))))
     return largest[1]
 
 

@@ -406,11 +406,11 @@ class JaxEngine(Engine):
     def _schedule_for_network(self) -> None:
         """--network-gbps on GPUs of several hosts: the step compiled again with XLA told what each of its
         collectives across hosts costs (network_schedule). A stored step was compiled so already (the setting is
-        in its key): its costs are read from it for the report, and nothing compiles."""
+        in its key), and what XLA was told came back with it."""
         gbps = getattr(self.config, "network_gbps", None)
         node_of = self._device_hosts()
         option = network_schedule.PROFILE_OPTION
-        if not gbps or self.mesh.devices.flat[0].platform != "gpu" or len(set(node_of)) < 2 or option in self.compiler_options:
+        if not gbps or self.stats.step_source != "compiled" or self.mesh.devices.flat[0].platform != "gpu" or len(set(node_of)) < 2:
             return
         if option in xla_options.user_set_flags():
             self._network_note = f"--network-gbps {gbps:g}: not applied, XLA_FLAGS sets {option} (yours wins)"
@@ -419,11 +419,10 @@ class JaxEngine(Engine):
         if not costs:
             return
         self.compiler_options = {**self.compiler_options, option: network_schedule.written_profile(costs)}
-        if self.stats.step_source == "compiled":
-            self._compiled = self._jitted = None
-            with network_schedule.profile_warnings_dropped():
-                self._compile_step()
-            self._check_step_fits(self.stats)
+        self._compiled = self._jitted = None
+        with network_schedule.profile_warnings_dropped():
+            self._compile_step()
+        self._check_step_fits(self.stats)
         self._network_note = (
             f"--network-gbps {gbps:g}: XLA scheduled the step knowing its {len(costs)} collective(s) across hosts "
             f"take {sum(costs.values()) / 1e3:.1f} ms at that rate"
@@ -511,6 +510,9 @@ class JaxEngine(Engine):
                 self.layer_gather.gathered_layers = saved.get("gathered_layers", 0)
                 self.layer_gather.under_own_remat = saved.get("under_own_remat", False)
             self.stats.step_loaded_ahead = store.loaded_ahead
+            told = saved.get("network_schedule")  # what XLA was told of the network, and the report says
+            if told:
+                self.compiler_options, self._network_note = told["options"], told["note"]
         else:
             self._drop_state_ahead()  # a stored step that did not load: compile with the device's memory free
             if self._lowered_ahead is not None:
@@ -598,6 +600,7 @@ class JaxEngine(Engine):
                     "flops_per_step": self.stats.flops_per_step,
                     "causal_attention_flops_per_step": self.stats.causal_attention_flops_per_step,
                     **self._gathers_traced(),
+                    "network_schedule": {"options": self.compiler_options, "note": self._network_note} if self._network_note else None,
                 },
             )
 
