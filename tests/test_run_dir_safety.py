@@ -20,7 +20,7 @@ import time
 import pytest
 
 from alpa_job.train import disk_full, rundir, run_lock
-from alpa_job.train.checkpoint_files import FILES, latest_complete_step, scan, verify_step
+from alpa_job.train.checkpoint_files import FILES, disk_bytes, latest_complete_step, scan, verify_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -274,6 +274,17 @@ def test_a_save_that_would_not_fit_stops_the_run_before_it_starts(small_disk):
     assert "the save was not started" in error
     latest = latest_complete_step(str(out / "checkpoints"))
     assert latest is not None and f"step {latest} stays the latest complete checkpoint" in error
+
+
+def test_a_saves_need_counts_the_blocks_its_small_files_take(small_disk):
+    """The free-space check counts what a save takes on the disk: 40 files of 10 bytes take 40 blocks of a
+    tmpfs, not 400 bytes (counting lengths let a save start that then ran out of space)."""
+    folder = small_disk("blocks", "1m") / "checkpoints" / "1"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"f{i}").write_bytes(b"x" * 10)
+    block = os.statvfs(folder).f_frsize
+    assert disk_bytes(str(folder)) >= 40 * block > 400
 
 
 def test_a_save_that_fills_the_disk_is_one_line_and_its_partial_folder_goes(small_disk):

@@ -43,10 +43,9 @@ from alpa_job import shutdown
 from alpa_job.progress.events import note
 from alpa_job.errors import EXIT_PROCESS_LOST, KitError
 from alpa_job.train.checkpoint_files import (
-    FILES,
     TMP_MARK,
     Skipped,
-    folder_bytes,
+    disk_bytes,
     latest_complete_step,
     scan,
     seal,
@@ -198,7 +197,7 @@ class Checkpointer:
         if last is None:  # none saved yet in this run: a resumed run knows its checkpoint's size
             previous = step_folders(self.directory)
             if previous and _process_index() == 0:
-                last = sum(v for k, v in folder_bytes(os.path.join(self.directory, str(previous[0]))).items() if k != FILES)
+                last = disk_bytes(os.path.join(self.directory, str(previous[0])))
                 self.last_save_bytes = last
         need = int(last * (1 + SPACE_MARGIN)) + SPACE_SLACK_BYTES if last else 0
         free = shutil.disk_usage(self.directory).free if need else 0

@@ -143,11 +143,27 @@ def folder_bytes(path: str) -> Dict[str, int]:
     return sizes
 
 
+def disk_bytes(path: str) -> int:
+    """What the folder takes on its disk: every file's and folder's allocated blocks, or its length where the
+    file system reports fewer. A save of many small files takes far more than their lengths (each rounds up to
+    a block), and the free-space check must count what a save will take, not what its files hold."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+            try:
+                st = os.lstat(name)
+            except OSError:
+                continue
+            total += max(st.st_blocks * 512, st.st_size if not os.path.isdir(name) else 0)
+    return total
+
+
 def seal(step_dir: str) -> int:
-    """Write FILES (every file of a finished save and its size) into the step folder; returns the save's bytes."""
+    """Write FILES (every file of a finished save and its size) into the step folder; returns what the save
+    takes on its disk (`disk_bytes`)."""
     sizes = {k: v for k, v in folder_bytes(step_dir).items() if k != FILES}
     tmp = os.path.join(step_dir, FILES + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"files": sizes}, f)
     os.replace(tmp, os.path.join(step_dir, FILES))
-    return sum(sizes.values())
+    return disk_bytes(step_dir)
