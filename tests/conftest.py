@@ -69,6 +69,11 @@ BED_LANE_ORDER = (
 # cache's lock) run while the lane trains on node loss's bed.
 FIRST_BESIDE_THE_LANE = ("test_image_build",)
 SLOW_TEST_WEIGHT = 60  # a slow test costs about a minute, a plain one about a second (what orders groups)
+# The bed lane sets the suite's wall time, and on two cores the two workers' processes compete for the CPU.
+# The other worker's tests (and every process they start) run at this lower priority, so the lane's
+# processes get the cores when both want them and the rest of the suite uses what the lane leaves idle
+# (its waits on rendezvous, probes and restarts). The image builds the lane waits for keep full priority.
+BESIDE_THE_LANE_NICE = 5
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,3 +119,17 @@ def pytest_collection_modifyitems(config, items):
         return BED_LANE_ORDER.index(stem) if stem in BED_LANE_ORDER else len(BED_LANE_ORDER)
 
     items.sort(key=lambda item: (rank[group_of(item.nodeid)], place_in_group(item)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures start processes, which inherit the priority
+def pytest_runtest_setup(item):
+    """Under xdist: a test-bed lane test (or one the lane waits for) at normal priority, any other lower."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    group = group_of(item.nodeid)
+    nice = 0 if group == BED_LANE or group in FIRST_BESIDE_THE_LANE else BESIDE_THE_LANE_NICE
+    if os.getpriority(os.PRIO_PROCESS, 0) != nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except PermissionError:  # not root: the priority can only be lowered, never raised back
+            pass

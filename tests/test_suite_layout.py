@@ -42,3 +42,14 @@ def test_a_bed_goes_down_once_none_of_the_modules_that_asked_for_it_is_left():
     assert node_loss.downs == 1 and ("nodeloss",) not in beds.asked_by
     beds.release_unless(lambda module: False)  # released once; a held bed is never released here
     assert node_loss.downs == 1 and site.downs == 0
+
+
+def test_beside_the_lane_a_test_runs_at_the_lower_priority_and_the_processes_it_starts_too():
+    """This module is not a bed module: under xdist it runs niced, and a child process inherits that."""
+    import subprocess
+    import sys
+
+    expected = conftest.BESIDE_THE_LANE_NICE if os.environ.get("PYTEST_XDIST_WORKER") else 0
+    assert os.getpriority(os.PRIO_PROCESS, 0) == expected
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"], capture_output=True, text=True)
+    assert int(child.stdout) == expected
