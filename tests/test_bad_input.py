@@ -124,6 +124,8 @@ CASES = [
     (["--restart-wait", "30"], r"--restart-wait does nothing here: .* --max-restarts is 0", 2),
     (["--address", "none", "--network-gbps", "25"], r"--network-gbps does nothing here: .*one host\); drop it", 2),
     (["--network-gbps", "0"], r"--network-gbps must be > 0, got 0.0", 2),
+    (["--straggler-window", "3"], r"--straggler-window 3 is shorter than --straggler-every 5: .*at least that many steps", 2),
+    (["--address", "none", "--straggler-window", "20"], r"--straggler-window does nothing here: .*--address none.*drop it", 2),
     # sizes and divisibility against the devices the run will have
     (["--processes", "2"], r"--processes 2 but a local Ray has one node", 2),
     (

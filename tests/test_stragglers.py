@@ -44,6 +44,13 @@ def test_a_device_slower_in_every_round_is_named_when_the_window_fills_and_clear
     assert [(e["event"], e["process"]) for e in events] == [("recovered", 1)] and j.named_now() == []
 
 
+def test_a_shorter_window_names_a_slow_device_once_its_fewer_steps_are_full():
+    j = StragglerJudge([(p, "") for p in range(3)], HOSTS, 5, window=20)
+    assert j.rounds == 4
+    events = feed(j, 4, lambda r: [0.010, 0.010 if r == 0 else 0.013, 0.010])  # 3 of the 4 rounds slow
+    assert [(e["process"], e["step"], e["steps"]) for e in events] == [(1, 20, [1, 20])]
+
+
 def test_noise_names_nobody_one_wild_round_in_a_window_or_a_slowness_that_comes_and_goes():
     j = judge()
     assert feed(j, 10, lambda r: [0.010, 0.030 if r == 4 else 0.010, 0.010]) == []  # total x1.2, one round

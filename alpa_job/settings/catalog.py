@@ -177,11 +177,22 @@ HOW_TO_RUN = (
         int,
         5,
         "several JAX processes: every N steps each times its own devices (a fixed "
-        "probe) and input; a device or input 10 percent slower than the others' median over 50 steps is named "
-        "in the log, the progress line, the report and TensorBoard (0: off)",
+        "probe) and input; a device or input 10 percent slower than the others' median over the last "
+        "--straggler-window steps is named in the log, the progress line, the report and TensorBoard (0: off)",
         CLUSTER,
         check=NON_NEGATIVE,
         metavar="N",
+        decides_step=False,
+    ),
+    Setting(
+        "straggler_window",
+        int,
+        50,
+        "several JAX processes: the steps a straggler is judged over (at least --straggler-every): nobody is "
+        "named before a window is full, so slow steps want a shorter one",
+        CLUSTER,
+        check=POSITIVE,
+        metavar="STEPS",
         decides_step=False,
     ),
     Setting("auto_trial_steps", int, 3, "auto: timed steps per candidate", PARALLELISM, check=POSITIVE, decides_step=False),

@@ -68,6 +68,11 @@ class JobConfig:
             raise KitError("--resume needs --checkpoint-every N so the resumed run keeps saving")
         if self.resume and self.overwrite:
             raise KitError("--resume continues the run in --out and --overwrite replaces it; pass one of them")
+        if self.straggler_every and self.straggler_window < self.straggler_every:
+            raise KitError(
+                f"--straggler-window {self.straggler_window} is shorter than --straggler-every {self.straggler_every}: "
+                "a window holds at least one round; pass a window of at least that many steps"
+            )
         return self
 
 

@@ -88,6 +88,11 @@ def _inert_reason(config: JobConfig, engine: str, name: str, address: str) -> Op
             "the watchdog is the Ray driver's, watching each JAX process's step (this run: "
             f"{engine}, --address {address}); drop it or run the JAX engine on Ray"
         )
+    if name == "straggler_window" and (engine != "jax" or address == "none" or not config.straggler_every):
+        return (
+            "it is the straggler watch's window, which runs with several JAX processes on Ray and --straggler-every "
+            f"above 0 (this run: {engine}, --address {address}, --straggler-every {config.straggler_every}); drop it"
+        )
     if name == "restart_wait" and not getattr(config, "max_restarts", 0):
         return "it is how long a restart waits, and --max-restarts is 0; drop it or add --max-restarts N"
     if name == "precision" and engine != "jax":

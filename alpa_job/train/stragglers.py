@@ -10,7 +10,7 @@ measures its own share, the work that nothing waits on:
   time blocked waiting for the other processes counts in neither.
 - its input: the time its host spent producing and placing its batches.
 The processes exchange these numbers in one small all-gather, and every process judges them alike. Over the
-last WINDOW_STEPS steps, a device is named when its total is SLOWER x the median of the other devices' and
+last `--straggler-window` steps (WINDOW_STEPS by default), a device is named when its total is SLOWER x the median of the other devices' and
 it was that much slower in most of the window's rounds (one noisy round does not name anyone); it is cleared
 when it falls under RECOVERED x. A process whose input adds SLOWER - 1 of the step time over the others' is
 named the same way.
@@ -29,7 +29,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 from alpa_job.progress.events import metrics, note
 from alpa_job.engines import every_process
 
-WINDOW_STEPS = 50
+WINDOW_STEPS = 50  # --straggler-window's default
 SLOWER = 1.10
 RECOVERED = 1.05
 MOST_ROUNDS = 0.75  # the share of a window's rounds that must be slow too
@@ -44,9 +44,9 @@ class StragglerJudge:
     A round gives, per unit (a process's device), its seconds of own work, and per process its input seconds
     per step. `units[i]` = (process, device label)."""
 
-    def __init__(self, units: Sequence[Tuple[int, str]], hosts: Sequence[str], every: int):
-        self.units, self.hosts, self.every = list(units), list(hosts), every
-        self.rounds = max(1, math.ceil(WINDOW_STEPS / every))
+    def __init__(self, units: Sequence[Tuple[int, str]], hosts: Sequence[str], every: int, window: int = WINDOW_STEPS):
+        self.units, self.hosts, self.every, self.window = list(units), list(hosts), every, window
+        self.rounds = max(1, math.ceil(window / every))
         self.work: Deque[List[float]] = deque(maxlen=self.rounds)
         self.inputs: Deque[List[float]] = deque(maxlen=self.rounds)
         self.step_s: Deque[float] = deque(maxlen=self.rounds)
@@ -152,7 +152,7 @@ class StragglerWatch:
     (the devices idle: the loop has waited for its queued steps), which measures, exchanges, judges and
     reports; it returns the seconds it took, which are not a step's."""
 
-    def __init__(self, every: int, dtype: str):
+    def __init__(self, every: int, dtype: str, window: int = WINDOW_STEPS):
         import jax
 
         self.every = every
@@ -164,7 +164,7 @@ class StragglerWatch:
         every_process.wait("alpa_job_stragglers")
         hosts = _gather_hostnames()
         labels = self._own.labels
-        self.judge = StragglerJudge([(p, label) for p in range(len(hosts)) for label in labels], hosts, every)
+        self.judge = StragglerJudge([(p, label) for p in range(len(hosts)) for label in labels], hosts, every, window)
 
     @classmethod
     def for_run(cls, config, engine, process_count: int) -> Optional["StragglerWatch"]:
@@ -176,7 +176,7 @@ class StragglerWatch:
         if not hasattr(multihost_utils, "process_allgather"):  # an older jax: the run goes on without the watch
             note("[alpa_job] stragglers: this jax has no process_allgather; the watch is off")
             return None
-        return cls(every, config.dtype)
+        return cls(every, config.dtype, getattr(config, "straggler_window", WINDOW_STEPS))
 
     def input_time(self, seconds: float, steps: int) -> None:
         """This process's input time over the `steps` since the last round."""
@@ -218,7 +218,7 @@ class StragglerWatch:
         j = self.judge
         return {
             "every": self.every,
-            "window_steps": WINDOW_STEPS,
+            "window_steps": j.window,
             "slower": SLOWER,
             "recovered": RECOVERED,
             "measure": self._own.describe(),
