@@ -16,6 +16,10 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 )
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray starts its workers at nice 15; in this suite they are the training itself (the test bed's JAX processes,
+# a local Ray's actors), and at 15 the rest of a busy machine starves them. At 0 they keep the priority of the
+# worker that started their Ray (see BESIDE_THE_LANE_NICE).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 # `import alpa_job`, the fixture modules and the test bed's package by name: pyproject.toml's `pythonpath`.
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -211,6 +211,11 @@ def python_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     # with several nodes on one machine's cores that polling is a noticeable share of the CPU. At 0 it lists
     # every 0.5 s (LOG_NAME_UPDATE_INTERVAL_S): a new worker's output reaches its driver at most that late.
     env.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+    # Ray starts its workers (the JAX processes) at nice 15, below everything else on a host. A real host has
+    # nothing else that wants its cores; these hosts share one machine's with the rest of the test suite, so
+    # at 15 the bed's training ran at a small fraction of a core whenever anything else was busy. At 0 they
+    # compete as a dedicated host's would.
+    env.setdefault("RAY_worker_niceness", "0")
     # Ray >= 2.59: `ray start --head` turns token auth on when ~/.ray/auth_token exists (any local
     # ray.init() on this machine writes one), but joining workers do not: they are then refused
     # ("InvalidAuthToken"). Every host shares /root, so pin the mode for the whole bed.
