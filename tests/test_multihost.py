@@ -339,7 +339,12 @@ def test_a_slowed_host_is_named_within_a_window_and_a_clean_run_names_none(ray_c
     print("slowed run: w1's quota", quota.throttled, "- the last window:", report["stragglers"]["latest"])
     assert quota.throttled["throttled"] > 0, quota.throttled  # the quota really held w1 back
     slow = [e for e in report["stragglers"]["events"] if e["event"] == "slow"]
-    assert [(e["host"], e["what"]) for e in slow] == [("w1", "devices")], report["stragglers"]["latest"]
+    # The quota holds the whole host back: its devices are named, its input (the batches it makes) may be too
+    # over a short window, and nobody else is.
+    assert {e["host"] for e in slow} == {"w1"}, report["stragglers"]["events"]
+    devices = [e for e in slow if e["what"] == "devices"]
+    assert len(devices) == 1, report["stragglers"]["latest"]
+    slow = devices + [e for e in slow if e["what"] != "devices"]
     # Never before a window is full; once the quota holds (from the first step line on), within its rounds.
     assert WINDOW <= slow[0]["step"] <= WINDOW + 15 and slow[0]["slower_by"] >= 0.3, slow
     assert report["stragglers"]["window_steps"] == WINDOW
