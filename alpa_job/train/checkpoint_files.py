@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import json
 import os
+import stat
 from typing import Dict, List, Optional, Tuple
 
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, just before the rename to <step>
@@ -143,10 +144,12 @@ def folder_bytes(path: str) -> Dict[str, int]:
     return sizes
 
 
-def disk_bytes(path: str) -> int:
-    """What the folder takes on its disk: every file's and folder's allocated blocks, or its length where the
-    file system reports fewer. A save of many small files takes far more than their lengths (each rounds up to
-    a block), and the free-space check must count what a save will take, not what its files hold."""
+def _files_and_disk_bytes(path: str) -> Tuple[Dict[str, int], int]:
+    """One walk of `path`: every file (relative) and its length, and what the folder takes on its disk: every
+    file's and folder's allocated blocks, or a file's length where the file system reports fewer. A save of many
+    small files takes far more than their lengths (each rounds up to a block), and the free-space check must
+    count what a save will take, not what its files hold."""
+    sizes: Dict[str, int] = {}
     total = 0
     for root, dirs, files in os.walk(path):
         for name in [root] + [os.path.join(root, n) for n in dirs + files]:
@@ -154,16 +157,27 @@ def disk_bytes(path: str) -> int:
                 st = os.lstat(name)
             except OSError:
                 continue
-            total += max(st.st_blocks * 512, st.st_size if not os.path.isdir(name) else 0)
-    return total
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if not is_dir:
+                sizes[os.path.relpath(name, path)] = st.st_size
+            total += max(st.st_blocks * 512, 0 if is_dir else st.st_size)
+    return sizes, total
+
+
+def disk_bytes(path: str) -> int:
+    """What the folder takes on its disk (`_files_and_disk_bytes`)."""
+    return _files_and_disk_bytes(path)[1]
 
 
 def seal(step_dir: str) -> int:
     """Write FILES (every file of a finished save and its size) into the step folder; returns what the save
-    takes on its disk (`disk_bytes`)."""
-    sizes = {k: v for k, v in folder_bytes(step_dir).items() if k != FILES}
+    takes on its disk (`disk_bytes`, FILES included), from the walk that listed the files."""
+    found, total = _files_and_disk_bytes(step_dir)
+    sizes = {k: v for k, v in found.items() if k != FILES}
     tmp = os.path.join(step_dir, FILES + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"files": sizes}, f)
-    os.replace(tmp, os.path.join(step_dir, FILES))
-    return disk_bytes(step_dir)
+    written = os.path.join(step_dir, FILES)
+    os.replace(tmp, written)
+    st = os.lstat(written)
+    return total + max(st.st_blocks * 512, st.st_size)
