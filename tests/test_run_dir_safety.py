@@ -263,9 +263,12 @@ def _stopped_cleanly(proc, out):
 
 
 def test_a_save_that_would_not_fit_stops_the_run_before_it_starts(small_disk):
-    out = small_disk("precheck", "700k")  # two checkpoints of the tiny MLP fit, a third does not
+    # The tiny MLP's save takes 270 to 410 KiB (its 28 small arrays land in 7 to 30 data files, by timing), so one
+    # fits on 700 KiB; the next needs its size, a margin and two blocks per chunk (over 560 KiB), and is refused.
+    out = small_disk("precheck", "700k")
     proc = cli("--steps", "12", "--checkpoint-every", "1", "--out", str(out))
     error = _stopped_cleanly(proc, out)
+    assert error.startswith("error: checkpoint at step 2: "), error
     # The free bytes the kit decided on, as it says them: afterwards orbax's thread may still remove an older
     # checkpoint (a busy machine saw the disk freer after the exit than at the decision).
     m = re.search(r", (\d+) bytes free; a save needs about (\d+) bytes .*the last save's size", error)

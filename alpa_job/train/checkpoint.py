@@ -18,7 +18,8 @@ newest one that restores is used, each skipped one named (step, file, reason) an
 `OUT/checkpoints-skipped/` once an older one has restored (which proves the damage was the
 checkpoint's, not a model mismatch), so the run's own later saves never collide with it.
 
-A full disk: free space is checked before each save against the last save's size (plus a margin), and
+A full disk: free space is checked before each save against the last save's size (plus a margin for the
+files its arrays may land in), and
 a save that fails for lack of space (orbax reports it from a background thread, steps later) stops the
 run in one line naming the folder and the bytes needed, with the partial `*.orbax-checkpoint-tmp*`
 removed, so the previous checkpoint stays the latest complete one.
@@ -60,6 +61,10 @@ ABANDON_TIMEOUT_S = 20.0  # a failed run waits this long for a save in flight (a
 
 SPACE_MARGIN = 1 / 20  # a save may grow a little (metadata, a larger step number)
 SPACE_SLACK_BYTES = 64 * 1024
+# How the same state lands on disk varies from save to save: tensorstore groups the arrays' writes into data
+# files by timing, so a busy machine writes more, smaller files. Each array in a file of its own costs a file
+# header and a partly filled block; this many blocks per array covers it.
+BLOCKS_PER_ARRAY = 2
 PARTIAL_SETTLE_S = 10.0  # how long a failed save's partial folders are removed again while its threads end
 EXIT_SAVE_FAILED = 1  # the run stopped part-way: the report says how far it got
 
@@ -121,6 +126,7 @@ class Checkpointer:
         self._pending: Optional[int] = None  # the step whose save may still be running
         self.last_save_bytes: Optional[int] = None
         self._estimate: Optional[int] = None  # the state's bytes: what a first save needs at least
+        self._arrays = 0  # the arrays a save writes (each may become a data file of its own)
         self.skipped: List[Skipped] = []  # what restore() passed over, newest first
         self.saving: Optional[int] = None  # the step of the newest save started (it may still be writing)
 
@@ -151,6 +157,7 @@ class Checkpointer:
         self._settle(wait=True)  # orbax waits for the previous save anyway; its size decides the check below
         if self.last_save_bytes is None and self._estimate is None:
             self._estimate = sum(int(getattr(x, "nbytes", 0)) for x in _leaves(state))
+            self._arrays = len(_leaves(state))
         self._check_space(step)
         args = self._ocp.args
         try:
@@ -199,14 +206,19 @@ class Checkpointer:
             if previous and _process_index() == 0:
                 last = disk_bytes(os.path.join(self.directory, str(previous[0])))
                 self.last_save_bytes = last
-        need = int(last * (1 + SPACE_MARGIN)) + SPACE_SLACK_BYTES if last else 0
+        need = self._need(last) if last else 0
         free = shutil.disk_usage(self.directory).free if need else 0
         fits = _agree(not need or free >= need)
         if not fits:
             raise DiskFullError(self._full_message(step, need, free, started=False))
 
+    def _need(self, last: int) -> int:
+        """What the next save may take: the last one's size, a margin, and the worst file layout of its arrays."""
+        block = os.statvfs(self.directory).f_frsize
+        return int(last * (1 + SPACE_MARGIN)) + SPACE_SLACK_BYTES + self._arrays * BLOCKS_PER_ARRAY * block
+
     def _full_message(self, step: int, need: Optional[int], free: Optional[int], started: bool = True) -> str:
-        what = "the last save's size" if self.last_save_bytes else "the train state's size"
+        what = "the last save's size and a margin" if self.last_save_bytes else "the train state's size"
         latest = latest_complete_step(self.directory)
         kept = f"step {latest} stays the latest complete checkpoint" if latest is not None else "no checkpoint is kept"
         needs = f"a save needs about {need} bytes ({human_bytes(need)}, {what})" if need else "a save did not fit"
@@ -226,7 +238,7 @@ class Checkpointer:
         if _process_index() == 0:
             self.remove_partial()
         free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else None
-        need = self.last_save_bytes or self._estimate
+        need = self._need(self.last_save_bytes) if self.last_save_bytes else self._estimate
         raise DiskFullError(self._full_message(step, need, free)) from None
 
     def _quiesce(self) -> None:
