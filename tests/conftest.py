@@ -137,3 +137,26 @@ def pytest_runtest_setup(item):
             os.setpriority(os.PRIO_PROCESS, 0, nice)
         except PermissionError:  # not root: the priority can only be lowered, never raised back
             pass
+
+
+# What each xdist worker spent, printed at the end (CI's log included): the suite's wall time is set by the
+# busier worker, and a fresh machine's (downloads, image builds, venvs) differs from a warm one's.
+_WORKER_SECONDS: dict = {}
+_LANE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    if worker is None:  # not the xdist controller
+        return
+    _WORKER_SECONDS[worker.id] = _WORKER_SECONDS.get(worker.id, 0.0) + report.duration
+    lane = "test-bed lane" if group_of(report.nodeid) == BED_LANE else "beside the lane"
+    _LANE_SECONDS[lane] = _LANE_SECONDS.get(lane, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _WORKER_SECONDS:
+        return
+    workers = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in sorted(_WORKER_SECONDS.items()))
+    lanes = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in sorted(_LANE_SECONDS.items()))
+    terminalreporter.write_line(f"test time by worker: {workers}; by lane: {lanes}")
