@@ -1,6 +1,7 @@
 """The package's non-engine code on the Alpa image's Python stack: Python 3.9 with Ray 2.1.0.
 
-A venv `.venv39-ray21` (repo root; reused when its stamp matches) gets the Alpa image's own hashed lock
+A venv (in the suite's cache, `$ALPA_KIT_IMAGE_CACHE/venvs/`, one per content of its pins: a machine that kept
+the cache makes it once) gets the Alpa image's own hashed lock
 (requirements/image-alpa.txt: ray[default]==2.1.0, alpa==0.2.3, jax==0.3.22 source, flax 0.6.2, ...)
 installed exactly as docker/alpa/Dockerfile does (`--require-hashes --no-deps`), a metadata-only stand-in
 for Alpa's jaxlib 0.3.22+cuda113 (not downloadable here) so `pip check` proves the image's closure
@@ -9,7 +10,7 @@ consistent, and pytest. Then, in a subprocess under that venv:
 - a real local Ray 2.1.0 cluster: ray.init(), a task pinned to the node, the doctor's pure checks.
 
 jax 0.3.22 cannot be imported here (jaxlib 0.3.22 is not on PyPI; its oldest is 0.4.13), so the models
-run in a second venv, `.venv39-models`, on the closest installable stack
+run in a second venv (cached the same way), on the closest installable stack
 (docker/alpa/requirements-py39-models.txt: jax/jaxlib 0.4.13, flax 0.7.2, optax 0.2.1, Python 3.9):
 flax 0.6.2 itself (Alpa's pin) fails on `nn.initializers.zeros_init`, which it does not have.
 Skips when no Python 3.9 is found (pyenv's 3.9.18 on the CI machines).
@@ -17,6 +18,7 @@ Skips when no Python 3.9 is found (pyenv's 3.9.18 on the CI machines).
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import os
@@ -25,11 +27,11 @@ import subprocess
 import textwrap
 
 import pytest
+from kit_testbed.site_layer import IMAGE_CACHE
 
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VENV = os.path.join(REPO, ".venv39-ray21")
 LOCK = os.path.join(REPO, "requirements", "image-alpa.txt")
 PIP_LOCK = os.path.join(REPO, "requirements", "image-alpa-pip.txt")
 # Test tools for Python 3.9 (requirements/dev.txt's pytest needs >= 3.10).
@@ -51,7 +53,6 @@ NO_JAX_TESTS = [
     "tests/test_ray_api.py",
 ]
 JAXLIB_STANDIN = "0.3.22+cuda113.cudnn820"
-MODELS_VENV = os.path.join(REPO, ".venv39-models")
 MODELS_PINS = os.path.join(REPO, "docker", "alpa", "requirements-py39-models.txt")
 
 
@@ -61,6 +62,25 @@ def find_python39():
         if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 9)"], capture_output=True).returncode == 0:
             return cand
     return None
+
+
+def _cached_venv(base: str, name: str, pins: str, fill) -> str:
+    """The python of a venv made by `fill` from `pins`, kept in the suite's cache under a name that holds the
+    pins' hash (an older one of the same name is removed when the pins change). A file lock makes one maker at
+    a time, across suites that share the cache."""
+    root = IMAGE_CACHE / "venvs"
+    root.mkdir(parents=True, exist_ok=True)
+    venv = root / f"{name}-{hashlib.sha256(pins.encode()).hexdigest()[:16]}"
+    py = str(venv / "bin" / "python")
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (venv / ".complete").exists():
+            for old in root.glob(f"{name}-*"):
+                shutil.rmtree(old, ignore_errors=True)
+            subprocess.run([base, "-m", "venv", str(venv)], check=True)
+            fill(py)
+            (venv / ".complete").touch()
+    return py
 
 
 def _pip(py, *args, timeout=1200):
@@ -95,18 +115,15 @@ def py39():
     if base is None:
         pytest.skip("no Python 3.9 interpreter (python3.9 on PATH or pyenv's versions/3.9*): the Alpa image's Python")
     stamp_text = open(LOCK).read() + open(PIP_LOCK).read() + repr(PYTEST_PINS) + JAXLIB_STANDIN
-    stamp = os.path.join(VENV, ".stamp-" + hashlib.sha256(stamp_text.encode()).hexdigest()[:16])
-    py = os.path.join(VENV, "bin", "python")
-    if not os.path.exists(stamp):
-        shutil.rmtree(VENV, ignore_errors=True)
-        subprocess.run([base, "-m", "venv", VENV], check=True)
+
+    def fill(py):
         # As docker/alpa/Dockerfile does: pip + build backend first, then the lock (sdists built in place).
         _pip(py, "--isolated", "--require-hashes", "--no-deps", "-r", PIP_LOCK)
         _pip(py, "--isolated", "--require-hashes", "--no-deps", "--prefer-binary", "--no-build-isolation", "-r", LOCK)
         _pip(py, "--isolated", "--no-deps", *PYTEST_PINS)
         _standin_jaxlib(py)
-        open(stamp, "w").close()
-    return py
+
+    return _cached_venv(base, "py39-ray21", stamp_text, fill)
 
 
 def test_alpa_image_lock_is_consistent(py39):
@@ -205,14 +222,11 @@ def py39_models():
     base = find_python39()
     if base is None:
         pytest.skip("no Python 3.9 interpreter (python3.9 on PATH or pyenv's versions/3.9*)")
-    stamp = os.path.join(MODELS_VENV, ".stamp-" + hashlib.sha256(open(MODELS_PINS, "rb").read()).hexdigest()[:16])
-    py = os.path.join(MODELS_VENV, "bin", "python")
-    if not os.path.exists(stamp):
-        shutil.rmtree(MODELS_VENV, ignore_errors=True)
-        subprocess.run([base, "-m", "venv", MODELS_VENV], check=True)
+
+    def fill(py):
         _pip(py, "--isolated", "--no-deps", "--prefer-binary", "-r", MODELS_PINS)  # jax 0.4.13: sdist only
-        open(stamp, "w").close()
-    return py
+
+    return _cached_venv(base, "py39-models", open(MODELS_PINS).read(), fill)
 
 
 @pytest.mark.parametrize("model", ["mlp", "wide_resnet", "gpt"])
