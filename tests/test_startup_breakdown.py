@@ -3,6 +3,10 @@ add up to the time from the process's start to its first step; the work beside t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from alpa_job.record.startup import STARTUP_SEQUENCE, startup_breakdown, startup_text
@@ -45,3 +49,17 @@ def test_the_line_names_each_phase_that_took_time_and_the_work_beside():
     assert "step compile or load 1.50" in text and "first step 0.50" in text
     assert "state init or restore" not in text  # under 0.05 s: left out
     assert text.endswith("(beside: initialiser compile 0.50, state made 0.30)")
+
+
+def test_a_runs_start_imports_neither_the_planner_nor_the_report_writer():
+    """What `train` imports before its first step (the CLI's parser, every command's flags in it, and the
+    runner) leaves out the planner and the report's HTML writer: each costs a warm start a tenth of a second."""
+    code = (
+        "import sys; from alpa_job import cli; cli.build_parser(); import alpa_job.launch.runner; "
+        "print(sorted(m for m in sys.modules if m in ('alpa_job.planner.plan', 'alpa_job.inspect.write', 'alpa_job.inspect.render')))"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo)
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

@@ -28,8 +28,6 @@ from alpa_job.settings.config import check_engine_strategy
 from alpa_job.engines import resolve_engine
 from alpa_job.errors import Diverged, KitError, LostProcessError
 from alpa_job.record.run_record import ProcessResult
-from alpa_job.inspect.write import write_report
-from alpa_job.record.report_file import build_report, failed_report, report_json
 
 JOIN_TIMEOUT_S = 15.0  # a wrong --address fails within this plus the TCP check's share (under 20 s in all)
 
@@ -83,6 +81,11 @@ def run_job(config, explicit: Iterable[str] = (), capture_native: bool = False) 
         _write_failed(config, engine, address, err, shown, metrics)
         rundir.release(config.out)
         raise
+    # The report's writers are imported when a run ends, not before its first step (the HTML renderer is slow
+    # to import and a run only needs it once).
+    from alpa_job.inspect.write import write_report
+    from alpa_job.record.report_file import build_report
+
     report = None
     try:
         report = build_report(config, results, address=address)
@@ -193,6 +196,9 @@ def _write_failed(config, engine: str, address: str, err: BaseException, shown, 
     message = str(err) if isinstance(err, KitError) else (traceback.format_exception_only(type(err), err)[-1].strip() or type(err).__name__)
     record = None
     try:
+        from alpa_job.inspect.write import write_report
+        from alpa_job.record.report_file import failed_report, report_json
+
         record = failed_report(
             config,
             engine,

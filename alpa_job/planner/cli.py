@@ -8,7 +8,7 @@ import os
 
 from alpa_job import strategies as strategy_records
 from alpa_job.errors import EXIT_OK, KitError
-from alpa_job.planner.plan import COST_MODELS, MODEL_SETTINGS  # the job settings a plan reads
+from alpa_job.planner.settings_read import COST_MODELS, MODEL_SETTINGS
 
 EPILOG = """examples:
   python -m alpa_job plan --preset gpt-24l --nodes 4 --gpus-per-node 8 --gpu h100

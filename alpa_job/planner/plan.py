@@ -10,6 +10,7 @@ from alpa_job import strategies as strategy_records
 from alpa_job.errors import KitError
 from alpa_job.planner import candidates as candidates_lib, estimate, gpu_target, gpus, kernel_estimate, placement
 from alpa_job.planner.calibrate import plan_values
+from alpa_job.planner.settings_read import COST_MODELS, MODEL_SETTINGS
 from alpa_job.planner.run_worker import compile_in_worker
 from alpa_job.record.plan_record import PlanCandidate, PlanCluster, PlanCollective, PlanGpu, PlanRecord
 from alpa_job.record.run_record import Leaf
@@ -140,9 +141,6 @@ def make_plan(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         versions={"jax (compiling)": result.get("jax")},
     )
-
-
-COST_MODELS = ("auto", "kernels", "flops")
 
 
 def _kernel_model(cost_model: str, gpu: gpus.Gpu, calibration: Dict[str, Any], pipelined_across: bool = False):
@@ -333,9 +331,6 @@ def _leaves(compiled: List[Dict[str, Any]], row: PlanCandidate) -> List[Leaf]:
         if r["strategy"] == row.strategy and list(r["mesh_shape"]) == row.mesh_shape:
             return [Leaf(**leaf) for leaf in r.get("params") or []]
     return []
-
-
-MODEL_SETTINGS = ("model", "model_args", "batch_size", "dtype", "micro_batches", "pipeline_repeats", "fsdp_gather")
 
 
 def load_layers(preset: Optional[str], config_path: Optional[str]):
