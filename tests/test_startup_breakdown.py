@@ -63,3 +63,20 @@ def test_a_runs_start_imports_neither_the_planner_nor_the_report_writer():
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_run_without_ray_never_imports_it(tmp_path):
+    """`--address none` trains without Ray, start to end (its report's node address included): importing Ray
+    costs a local run half a second for nothing."""
+    out = tmp_path / "run"
+    code = (
+        "import sys; from alpa_job import cli; "
+        "code = cli.main(['train', '--address', 'none', '--hidden-dim', '16', '--num-samples', '32', '--batch-size', '16', "
+        f"'--steps', '1', '--compile-cache', 'none', '--no-tensorboard', '-q', '--out', {str(out)!r}]); "
+        "print(code, 'ray' in sys.modules)"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo)
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "0 False", done.stdout

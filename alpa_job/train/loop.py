@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -525,12 +526,9 @@ def _result(
 
 
 def _node_ip() -> Optional[str]:
-    try:
-        import ray
-
-        # getattr: a stray ./ray folder (e.g. Ray's session dir under /tmp) imports as an empty package.
-        if getattr(ray, "is_initialized", lambda: False)():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
+    # A process that never imported Ray is not in a Ray cluster; importing it only to ask takes half a second.
+    ray = sys.modules.get("ray")
+    # getattr: a stray ./ray folder (e.g. Ray's session dir under /tmp) imports as an empty package.
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return ray.util.get_node_ip_address()
     return None
