@@ -1,5 +1,6 @@
 """Shared pytest configuration. Fixtures live in tests/fixtures_*.py; list yours below."""
 
+import collections
 import functools
 import os
 import re
@@ -141,17 +142,16 @@ def pytest_runtest_setup(item):
 
 # What each xdist worker spent, printed at the end (CI's log included): the suite's wall time is set by the
 # busier worker, and a fresh machine's (downloads, image builds, venvs) differs from a warm one's.
-_WORKER_SECONDS: dict = {}
-_LANE_SECONDS: dict = {}
+_WORKER_SECONDS: collections.Counter = collections.Counter()
+_LANE_SECONDS: collections.Counter = collections.Counter()
 
 
 def pytest_runtest_logreport(report):
     worker = getattr(getattr(report, "node", None), "gateway", None)
     if worker is None:  # not the xdist controller
         return
-    _WORKER_SECONDS[worker.id] = _WORKER_SECONDS.get(worker.id, 0.0) + report.duration
-    lane = "test-bed lane" if group_of(report.nodeid) == BED_LANE else "beside the lane"
-    _LANE_SECONDS[lane] = _LANE_SECONDS.get(lane, 0.0) + report.duration
+    _WORKER_SECONDS[worker.id] += report.duration
+    _LANE_SECONDS["test-bed lane" if group_of(report.nodeid) == BED_LANE else "beside the lane"] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -18,7 +18,6 @@ Skips when no Python 3.9 is found (pyenv's 3.9.18 on the CI machines).
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import os
@@ -27,7 +26,7 @@ import subprocess
 import textwrap
 
 import pytest
-from kit_testbed.site_layer import IMAGE_CACHE
+from kit_testbed.site_layer import IMAGE_CACHE, image_cache_lock
 
 pytestmark = pytest.mark.slow
 
@@ -66,14 +65,13 @@ def find_python39():
 
 def _cached_venv(base: str, name: str, pins: str, fill) -> str:
     """The python of a venv made by `fill` from `pins`, kept in the suite's cache under a name that holds the
-    pins' hash (an older one of the same name is removed when the pins change). A file lock makes one maker at
-    a time, across suites that share the cache."""
+    pins' hash (an older one of the same name is removed when the pins change); one maker at a time, across
+    suites that share the cache."""
     root = IMAGE_CACHE / "venvs"
     root.mkdir(parents=True, exist_ok=True)
     venv = root / f"{name}-{hashlib.sha256(pins.encode()).hexdigest()[:16]}"
     py = str(venv / "bin" / "python")
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with image_cache_lock(f"venv-{name}"):
         if not (venv / ".complete").exists():
             for old in root.glob(f"{name}-*"):
                 shutil.rmtree(old, ignore_errors=True)

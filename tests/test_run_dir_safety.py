@@ -264,7 +264,7 @@ def _stopped_cleanly(proc, out):
 
 def test_a_save_that_would_not_fit_stops_the_run_before_it_starts(small_disk):
     # The tiny MLP's save takes 270 to 410 KiB (its 27 small arrays land in 7 to 30 data files, by timing), so one
-    # fits on 700 KiB; the next needs its size, a margin and two blocks per chunk (over 560 KiB), and is refused.
+    # fits on 700 KiB; the next needs its size, a margin and two blocks per array (over 560 KiB), and is refused.
     out = small_disk("precheck", "700k")
     proc = cli("--steps", "12", "--checkpoint-every", "1", "--out", str(out))
     error = _stopped_cleanly(proc, out)

@@ -51,6 +51,15 @@ def test_the_line_names_each_phase_that_took_time_and_the_work_beside():
     assert text.endswith("(beside: initialiser compile 0.50, state made 0.30)")
 
 
+def _python(code: str, timeout: int) -> str:
+    """What a fresh Python process running `code` against this checkout prints (it must exit 0)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo)
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 def test_a_runs_start_imports_neither_the_planner_nor_the_report_writer():
     """What `train` imports before its first step (the CLI's parser, every command's flags in it, and the
     runner) leaves out the planner and the report's HTML writer: each costs a warm start a tenth of a second."""
@@ -58,11 +67,8 @@ def test_a_runs_start_imports_neither_the_planner_nor_the_report_writer():
         "import sys; from alpa_job import cli; cli.build_parser(); import alpa_job.launch.runner; "
         "print(sorted(m for m in sys.modules if m in ('alpa_job.planner.plan', 'alpa_job.inspect.write', 'alpa_job.inspect.render')))"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo)
-    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]", done.stdout
+    out = _python(code, timeout=120)
+    assert out.strip() == "[]", out
 
 
 def test_a_run_without_ray_never_imports_it(tmp_path):
@@ -75,8 +81,5 @@ def test_a_run_without_ray_never_imports_it(tmp_path):
         f"'--steps', '1', '--compile-cache', 'none', '--no-tensorboard', '-q', '--out', {str(out)!r}]); "
         "print(code, 'ray' in sys.modules)"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo)
-    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "0 False", done.stdout
+    printed = _python(code, timeout=300)
+    assert printed.strip().splitlines()[-1] == "0 False", printed

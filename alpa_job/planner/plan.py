@@ -10,8 +10,8 @@ from alpa_job import strategies as strategy_records
 from alpa_job.errors import KitError
 from alpa_job.planner import candidates as candidates_lib, estimate, gpu_target, gpus, kernel_estimate, placement
 from alpa_job.planner.calibrate import plan_values
-from alpa_job.planner.settings_read import COST_MODELS, MODEL_SETTINGS
 from alpa_job.planner.run_worker import compile_in_worker
+from alpa_job.planner.settings_read import COST_MODELS, MODEL_SETTINGS
 from alpa_job.record.plan_record import PlanCandidate, PlanCluster, PlanCollective, PlanGpu, PlanRecord
 from alpa_job.record.run_record import Leaf
 

@@ -19,10 +19,9 @@ newest one that restores is used, each skipped one named (step, file, reason) an
 checkpoint's, not a model mismatch), so the run's own later saves never collide with it.
 
 A full disk: free space is checked before each save against the last save's size (plus a margin for the
-files its arrays may land in), and
-a save that fails for lack of space (orbax reports it from a background thread, steps later) stops the
-run in one line naming the folder and the bytes needed, with the partial `*.orbax-checkpoint-tmp*`
-removed, so the previous checkpoint stays the latest complete one.
+files its arrays may land in), and a save that fails for lack of space (orbax reports it from a background
+thread, steps later) stops the run in one line naming the folder and the bytes needed, with the partial
+`*.orbax-checkpoint-tmp*` removed, so the previous checkpoint stays the latest complete one.
 
 Ending is bounded: `close` waits for the last save at most FINISH_TIMEOUT_S, `abandon` (a run that
 failed) at most ABANDON_TIMEOUT_S and never raises. A save that failed or never finished leaves
@@ -156,8 +155,9 @@ class Checkpointer:
     def _save(self, step: int, state: Any, data_state: Optional[Dict[str, Any]], force: bool = False) -> bool:
         self._settle(wait=True)  # orbax waits for the previous save anyway; its size decides the check below
         if self.last_save_bytes is None and self._estimate is None:
-            self._estimate = sum(int(getattr(x, "nbytes", 0)) for x in _leaves(state))
-            self._arrays = len(_leaves(state))
+            leaves = _leaves(state)
+            self._estimate = sum(int(getattr(x, "nbytes", 0)) for x in leaves)
+            self._arrays = len(leaves)
         self._check_space(step)
         args = self._ocp.args
         try:

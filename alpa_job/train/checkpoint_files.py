@@ -131,19 +131,6 @@ def set_aside(directory: str, step: int) -> str:
     return target
 
 
-def folder_bytes(path: str) -> Dict[str, int]:
-    """Every file under `path` (relative) and its size."""
-    sizes: Dict[str, int] = {}
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            full = os.path.join(root, name)
-            try:
-                sizes[os.path.relpath(full, path)] = os.path.getsize(full)
-            except OSError:
-                pass
-    return sizes
-
-
 def _files_and_disk_bytes(path: str) -> Tuple[Dict[str, int], int]:
     """One walk of `path`: every file (relative) and its length, and what the folder takes on its disk: every
     file's and folder's allocated blocks, or a file's length where the file system reports fewer. A save of many
@@ -157,11 +144,15 @@ def _files_and_disk_bytes(path: str) -> Tuple[Dict[str, int], int]:
                 st = os.lstat(name)
             except OSError:
                 continue
-            is_dir = stat.S_ISDIR(st.st_mode)
-            if not is_dir:
+            if not stat.S_ISDIR(st.st_mode):
                 sizes[os.path.relpath(name, path)] = st.st_size
-            total += max(st.st_blocks * 512, 0 if is_dir else st.st_size)
+            total += _on_disk(st)
     return sizes, total
+
+
+def _on_disk(st: os.stat_result) -> int:
+    """A file's or folder's allocated blocks, or a file's length where the file system reports fewer."""
+    return max(st.st_blocks * 512, 0 if stat.S_ISDIR(st.st_mode) else st.st_size)
 
 
 def disk_bytes(path: str) -> int:
@@ -179,5 +170,4 @@ def seal(step_dir: str) -> int:
         json.dump({"files": sizes}, f)
     written = os.path.join(step_dir, FILES)
     os.replace(tmp, written)
-    st = os.lstat(written)
-    return total + max(st.st_blocks * 512, st.st_size)
+    return total + _on_disk(os.lstat(written))

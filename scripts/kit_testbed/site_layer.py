@@ -93,12 +93,12 @@ def image_env() -> Dict[str, str]:
 
 
 @contextlib.contextmanager
-def image_cache_lock():
-    """One builder of the image cache's shared images at a time, across processes: the site bed's CPU
-    image (ensure_cpu_image) and tests/test_image_build.py, which runs beside the test beds in the suite,
-    build the same base and the same tag into this storage."""
+def image_cache_lock(what: str = "build"):
+    """One maker of `what` in the image cache at a time, across processes. The default, its shared images: the
+    site bed's CPU image (ensure_cpu_image) and tests/test_image_build.py, which runs beside the test beds in
+    the suite, build the same base and the same tag into this storage."""
     IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
-    with open(IMAGE_CACHE / "build.lock", "w") as lock:
+    with open(IMAGE_CACHE / f"{what}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
 
